@@ -1,0 +1,30 @@
+"""Command-line entry point: ``dflash-audit data | compare | train | eval``.
+
+Each command lives in the module that does its job; this file only wires them to typer.
+Exit codes: 0 success / audit pass, 1 conformance failure, 2 usage or setup error.
+"""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="dflash-audit",
+    help="Audit a DFlash drafter against vllm-project/speculators, then train it.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+# --- data (dflash_audit/data) ---------------------------------------------------------
+
+# --- compare (dflash_audit/audit) -----------------------------------------------------
+
+# --- train / eval (dflash_audit/train) -----------------------------------------------
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

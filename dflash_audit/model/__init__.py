@@ -1,0 +1,1 @@
+"""The DFlash drafter: config, anchors, mask, model, loss, metrics, checkpoint."""

@@ -1,0 +1,261 @@
+"""Configuration of a DFlash drafter, built from a verifier config.
+
+One frozen dataclass holds every field that defines the drafter's architecture and its
+training-relevant semantics (target layers, block size, mask token, attention layout).
+Field names follow the reference (vllm-project/speculators,
+``src/speculators/models/dflash/config.py`` and the transformer_layer_config it carries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+# Verifier families whose final RMSNorm multiplies by (1 + w) instead of w
+# (Gemma convention; transformers' Qwen3.5 norm too). Source: DESIGN.md section 3.
+ONE_PLUS_WEIGHT_NORM_MODEL_TYPES = frozenset(
+    {"gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_5", "qwen3_5_text", "recurrent_gemma"}
+)
+
+
+class ConfigError(ValueError):
+    """A drafter configuration field has an invalid value; the message names the field."""
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """Architecture and semantics of one DFlash drafter.
+
+    Sizes are counts (not bytes). ``target_layer_ids`` use the speculators/vLLM convention:
+    id ``L < num_verifier_layers`` is the residual stream after L decoder layers (HF
+    ``output_hidden_states[L]``), id ``num_verifier_layers`` the last layer's output before
+    the final norm.
+    """
+
+    hidden_size: int  # H
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_hidden_layers: int  # number of draft decoder layers
+    vocab_size: int  # V, the verifier's vocabulary
+    num_verifier_layers: int  # N
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int = 8  # B
+    draft_vocab_size: int | None = None  # V_d; None means V (no draft vocabulary)
+    layer_types: tuple[str, ...] | None = None  # None means every layer full attention
+    sliding_window: int | None = None  # W, tokens
+    sliding_window_non_causal: bool = False
+    sample_from_anchor: bool = False
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_parameters: dict[str, Any] | None = None  # extra rope settings (rope_type, factor...)
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    pad_token_id: int | None = None
+    verifier_model_type: str = "llama"
+    verifier_norm_one_plus_weight: bool = False  # x*(1+w) final norm (Gemma style)
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        self.validate()
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def num_target_layers(self) -> int:
+        """n, the number of captured verifier layers that ``fc`` reads."""
+        return len(self.target_layer_ids)
+
+    @property
+    def effective_draft_vocab_size(self) -> int:
+        """V_d: the draft vocabulary size (V when no draft vocabulary is used)."""
+        return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
+
+    @property
+    def uses_draft_vocab(self) -> bool:
+        """Whether the drafter predicts over a reduced vocabulary (t2d / d2t present)."""
+        return self.effective_draft_vocab_size != self.vocab_size
+
+    @property
+    def effective_layer_types(self) -> tuple[str, ...]:
+        """Attention type of every draft layer ("full_attention" / "sliding_attention")."""
+        return self.layer_types or (FULL_ATTENTION,) * self.num_hidden_layers
+
+    def is_sliding(self, layer_idx: int) -> bool:
+        """Whether draft layer ``layer_idx`` uses sliding-window attention."""
+        return self.effective_layer_types[layer_idx] == SLIDING_ATTENTION
+
+    # --------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Check every field.
+
+        Raises:
+            ConfigError: naming the field, its value, and the allowed range.
+        """
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "num_hidden_layers", "vocab_size",
+                     "num_verifier_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        ids = self.target_layer_ids
+        if not ids:
+            raise ConfigError("target_layer_ids is empty: give at least one verifier layer id")
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"target_layer_ids has duplicates: {list(ids)}")
+        bad = [i for i in ids if i < 0 or i > self.num_verifier_layers]
+        if bad:
+            raise ConfigError(
+                f"target_layer_ids {bad} out of range [0, {self.num_verifier_layers}] for a "
+                f"verifier with {self.num_verifier_layers} layers (negative ids are not "
+                "wrapped; z-lab ids are offset by one, convert them first)")
+        if list(ids) != sorted(ids):
+            raise ConfigError(f"target_layer_ids must be ascending, got {list(ids)}")
+        if not isinstance(self.block_size, int) or self.block_size < 2:
+            raise ConfigError(f"block_size must be an integer >= 2, got {self.block_size!r}")
+        if self.mask_token_id is None:
+            raise ConfigError("mask_token_id is missing: set it explicitly (never pad/eos)")
+        if not 0 <= int(self.mask_token_id) < self.vocab_size:
+            raise ConfigError(
+                f"mask_token_id {self.mask_token_id} out of range [0, {self.vocab_size})")
+        vd = self.effective_draft_vocab_size
+        if not 1 <= vd <= self.vocab_size:
+            raise ConfigError(f"draft_vocab_size {vd} must be in [1, vocab_size={self.vocab_size}]")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ConfigError(
+                    f"layer_types has {len(self.layer_types)} entries for "
+                    f"num_hidden_layers={self.num_hidden_layers}")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ConfigError(f"layer_types has unknown entries {unknown}; use {LAYER_TYPES}")
+        if SLIDING_ATTENTION in self.effective_layer_types and (
+                not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ConfigError(
+                f"sliding_window must be a positive integer when a layer is sliding, "
+                f"got {self.sliding_window!r}")
+
+    # ------------------------------------------------------------ serialization
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict of all fields (tuples become lists)."""
+        d = dataclasses.asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        d["layer_types"] = list(self.layer_types) if self.layer_types is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
+        """Inverse of :meth:`to_dict`; unknown keys raise ConfigError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"unknown drafter config fields {unknown}")
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def replace(self, **changes: Any) -> DFlashConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_verifier_config(
+        cls,
+        verifier_config: Any,
+        *,
+        target_layer_ids: list[int] | tuple[int, ...],
+        mask_token_id: int,
+        num_hidden_layers: int = 1,
+        block_size: int = 8,
+        draft_vocab_size: int | None = None,
+        layer_types: list[str] | tuple[str, ...] | None = None,
+        sliding_window: int | None = None,
+        sliding_window_non_causal: bool = False,
+        sample_from_anchor: bool = False,
+    ) -> DFlashConfig:
+        """Drafter config whose dimensions mirror a Hugging Face verifier config.
+
+        ``verifier_config``: a ``transformers.PretrainedConfig`` (multimodal configs use
+        their ``text_config``). Hidden size, heads, head_dim, rope, eps, vocab and the final
+        norm convention are taken from it; the drafter-only fields are arguments.
+
+        Raises:
+            ConfigError: for any invalid resulting field.
+        """
+        vc = getattr(verifier_config, "text_config", None) or verifier_config
+        heads = int(vc.num_attention_heads)
+        head_dim = getattr(vc, "head_dim", None) or vc.hidden_size // heads
+        rope = dict(getattr(vc, "rope_parameters", None) or {})
+        rope_theta = float(rope.pop("rope_theta", getattr(vc, "rope_theta", 1_000_000.0) or 1e6))
+        if rope.get("rope_type", "default") == "default":
+            rope.pop("rope_type", None)
+        model_type = str(getattr(vc, "model_type", "") or "").lower()
+        intermediate = getattr(vc, "intermediate_size", None) or 3 * int(vc.hidden_size)
+        return cls(
+            hidden_size=int(vc.hidden_size),
+            intermediate_size=int(intermediate),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(vc, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            num_hidden_layers=int(num_hidden_layers),
+            vocab_size=int(vc.vocab_size),
+            num_verifier_layers=int(vc.num_hidden_layers),
+            target_layer_ids=tuple(target_layer_ids),
+            mask_token_id=int(mask_token_id),
+            block_size=int(block_size),
+            draft_vocab_size=draft_vocab_size,
+            layer_types=tuple(layer_types) if layer_types is not None else None,
+            sliding_window=sliding_window,
+            sliding_window_non_causal=sliding_window_non_causal,
+            sample_from_anchor=sample_from_anchor,
+            rms_norm_eps=float(getattr(vc, "rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_parameters=rope or None,
+            max_position_embeddings=int(getattr(vc, "max_position_embeddings", 32768)),
+            attention_bias=bool(getattr(vc, "attention_bias", False)),
+            hidden_act=str(getattr(vc, "hidden_act", "silu")),
+            pad_token_id=getattr(vc, "pad_token_id", None),
+            verifier_model_type=model_type,
+            verifier_norm_one_plus_weight=model_type in ONE_PLUS_WEIGHT_NORM_MODEL_TYPES,
+        )
+
+
+def default_target_layer_ids(num_verifier_layers: int, style: str = "zlab") -> list[int]:
+    """Default ``target_layer_ids`` for an N-layer verifier, speculators convention.
+
+    ``style="zlab"``: 5 evenly spaced layers as in z-lab/dflash (their ids
+    ``round(1 + i*(N-3)/4)`` for i=0..4 are offset by one, so ours are those + 1).
+    ``style="speculators"``: the reference's own default ``[2, N//2, N-3]``
+    (``speculators/models/utils.py: resolve_target_layer_ids``).
+
+    Raises:
+        ConfigError: unknown style, or a verifier too shallow for the ids.
+    """
+    n = num_verifier_layers
+    if style == "speculators":
+        ids = [2, n // 2, n - 3]
+    elif style == "zlab":
+        count = 5
+        zlab = [int(round(1 + i * (n - 3) / (count - 1))) for i in range(count)]
+        ids = [i + 1 for i in zlab]
+    else:
+        raise ConfigError(f"unknown target layer style {style!r}; use 'zlab' or 'speculators'")
+    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= n:
+        raise ConfigError(f"default {style} target layers {ids} invalid for {n} verifier layers")
+    return ids
