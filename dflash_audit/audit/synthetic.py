@@ -1,0 +1,87 @@
+"""Synthetic audit cases: random packed rows, anchors and weights for a drafter config.
+
+Real batches come from the data pipeline; these complement them with layouts real data
+rarely hits (many short documents, padding, anchors near document starts, windows
+smaller than a document, draft vocabularies). Everything is drawn from one seeded
+``torch.Generator``, so a case is reproducible from (config, seed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_audit.audit.case import Case
+from dflash_audit.model.anchors import select_anchors
+from dflash_audit.model.config import DFlashConfig
+from dflash_audit.model.drafter import DFlashDrafter
+from dflash_audit.model.loss import LossSpec
+
+
+def synthetic_batch(config: DFlashConfig, seq_len: int, num_documents: int, pad: int,
+                    generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """One packed row [1, seq_len] with ``num_documents`` documents then ``pad`` padding.
+
+    Returns the batch tensors with the reference's names; ``hidden_states`` and
+    ``verifier_last_hidden_states`` are standard normal fp32.
+    """
+    T, H, g = seq_len, config.hidden_size, generator
+    used = T - pad
+    if num_documents < 1 or used < num_documents:
+        raise ValueError(f"cannot pack {num_documents} documents into {used} tokens")
+    cuts = torch.randperm(used - 1, generator=g)[: num_documents - 1].sort().values + 1
+    bounds = [0, *cuts.tolist(), used]
+    document_ids = torch.full((1, T), -1, dtype=torch.long)
+    position_ids = torch.zeros((1, T), dtype=torch.long)
+    loss_mask = torch.zeros((1, T), dtype=torch.long)
+    for d, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        document_ids[0, s:e] = d
+        position_ids[0, s:e] = torch.arange(e - s)
+        # an assistant span: the second half of each document, roughly
+        start = s + int(torch.randint(0, max(1, (e - s) // 2 + 1), (1,), generator=g))
+        loss_mask[0, start:e] = 1
+    return {
+        "hidden_states": torch.randn(1, T, config.num_target_layers * H, generator=g),
+        "verifier_last_hidden_states": torch.randn(1, T, H, generator=g),
+        "input_ids": torch.randint(0, config.vocab_size, (1, T), generator=g)
+        * (document_ids >= 0),
+        "loss_mask": loss_mask,
+        "position_ids": position_ids,
+        "document_ids": document_ids,
+    }
+
+
+def synthetic_weights(config: DFlashConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """A full state dict (reference key names) with random trainable and verifier weights.
+
+    Norm gains are drawn around their identity so a norm applied twice or not at all
+    changes the numbers; ``t2d`` / ``d2t`` describe a random draft vocabulary.
+    """
+    with torch.random.fork_rng():
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
+        model = DFlashDrafter(config)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                with torch.no_grad():
+                    p.copy_(torch.rand_like(p) * 0.5 + (0.0 if getattr(
+                        model.get_submodule(name.rsplit(".", 1)[0]), "one_plus_weight", False)
+                        else 0.75))
+        if config.uses_draft_vocab:
+            V, Vd = config.vocab_size, config.effective_draft_vocab_size
+            ids = torch.randperm(V)[:Vd].sort().values
+            model.t2d.zero_()
+            model.t2d[ids] = True
+            model.d2t.copy_(ids - torch.arange(Vd))
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def synthetic_case(name: str, config: DFlashConfig, loss: LossSpec, seed: int, seq_len: int = 64,
+                   num_documents: int = 2, pad: int = 4, max_anchors: int = 6) -> Case:
+    """A complete case: batch, anchors drawn as in training, weights."""
+    g = torch.Generator().manual_seed(seed)
+    batch = synthetic_batch(config, seq_len, num_documents, pad, g)
+    anchors, valid = select_anchors(batch["loss_mask"], max_anchors, config.block_size, g)
+    return Case(name=name, config=config, loss=loss,
+                inputs={**batch, "anchor_positions": anchors, "anchor_valid": valid},
+                weights=synthetic_weights(config, g),
+                description=f"synthetic seed={seed} T={seq_len} docs={num_documents} pad={pad} "
+                            f"A={max_anchors}")

@@ -1,0 +1,143 @@
+"""The candidate protocol, our drafter as the default candidate, and loading a user's one.
+
+A candidate is any object with
+
+    run_case(config: DFlashConfig, loss: LossSpec, weights: dict[str, Tensor],
+             inputs: dict[str, Tensor]) -> SideOutputs
+
+that builds its model from ``config`` (the profile's drafter fields), loads ``weights``
+(reference state-dict keys: ``fc.weight``, ``layers.{i}.self_attn.q_proj.weight``, ...),
+runs one training step's forward and backward on ``inputs`` (batch tensors with the
+reference's names plus the injected ``anchor_positions`` / ``anchor_valid``) and returns
+the output tensors listed in :mod:`dflash_audit.audit.case` with its metrics and a
+structure summary. ``--candidate module:attr`` or ``--candidate path/file.py:attr`` names
+such an object (or a zero-argument factory returning one).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from dflash_audit.audit.case import SideOutputs
+from dflash_audit.model.config import DFlashConfig
+from dflash_audit.model.drafter import DFlashDrafter, DraftOutputs
+from dflash_audit.model.loss import LossSpec, dflash_loss
+from dflash_audit.model.metrics import dflash_metrics
+
+
+class CandidateError(Exception):
+    """A candidate could not be loaded or does not follow the protocol."""
+
+
+class Candidate(Protocol):
+    def run_case(self, config: DFlashConfig, loss: LossSpec, weights: dict[str, torch.Tensor],
+                 inputs: dict[str, torch.Tensor]) -> SideOutputs: ...
+
+
+def structure_summary(model: nn.Module, config: DFlashConfig) -> dict[str, Any]:
+    """Structural facts of a drafter module, in the same form the reference adapter reports."""
+    params = dict(model.named_parameters())
+    return {
+        "fc_in_features": model.fc.in_features,
+        "fc_out_features": model.fc.out_features,
+        "target_layer_ids": list(config.target_layer_ids),
+        "block_size": config.block_size,
+        "mask_token_id": config.mask_token_id,
+        "layer_types": list(config.effective_layer_types),
+        "sliding_window": config.sliding_window if "sliding_attention" in
+        config.effective_layer_types else None,
+        "sliding_window_non_causal": config.sliding_window_non_causal,
+        "sample_from_anchor": config.sample_from_anchor,
+        "state_dict": {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""),
+                           "trainable": bool(params[k].requires_grad) if k in params else False}
+                       for k, v in model.state_dict().items()},
+    }
+
+
+def side_outputs(model: nn.Module, config: DFlashConfig, out: DraftOutputs, loss_spec: LossSpec
+                 ) -> SideOutputs:
+    """Loss, backward and packaging of one forward's outputs (shared by drafter candidates)."""
+    result = dflash_loss(out.logits, out.targets, out.aligned_loss_mask, config.block_size,
+                         loss_spec, config.sample_from_anchor)
+    result.loss.backward()
+    tensors = {"context": out.context.detach(), "targets": out.targets.detach().float(),
+               "logits": out.logits.detach().float(),
+               "aligned_loss_mask": out.aligned_loss_mask.detach().float(),
+               "loss": result.loss.detach().reshape(())}
+    tensors.update({f"mask.{k}": m for k, m in out.masks.items()})
+    tensors.update({f"loss_weights.{k}": w.detach().float() for k, w in result.weights.items()})
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    tensors.update({f"grad.{n}": p.grad.detach().clone() for n, p in model.named_parameters()
+                    if p.requires_grad and p.grad is not None})
+    metrics = dflash_metrics(out.logits, out.targets, out.aligned_loss_mask, config.block_size,
+                             config.sample_from_anchor)
+    metrics["loss_sum"], metrics["loss_total"] = float(result.loss.detach()), 1.0
+    if len(result.terms) > 1:
+        for name, value in result.terms.items():
+            metrics[f"{name}_loss_sum"], metrics[f"{name}_loss_total"] = float(value), 1.0
+    return SideOutputs(tensors=tensors, metrics=metrics,
+                       structure=structure_summary(model, config), trainable=trainable)
+
+
+class DrafterCandidate:
+    """Our own drafter (:class:`DFlashDrafter`); subclasses override :meth:`build` to
+    reproduce bugs (see examples/candidates)."""
+
+    name = "dflash-audit drafter"
+
+    def build(self, config: DFlashConfig) -> nn.Module:
+        return DFlashDrafter(config)
+
+    def run_case(self, config, loss, weights, inputs) -> SideOutputs:
+        model = self.build(config).float()
+        model.load_state_dict(weights, strict=True)
+        model.train()
+        out = model(**{k: inputs[k] for k in (
+            "hidden_states", "input_ids", "loss_mask", "verifier_last_hidden_states",
+            "document_ids", "position_ids", "anchor_positions", "anchor_valid")})
+        return side_outputs(model, config, out, loss)
+
+
+def load_candidate(spec: str | None) -> Candidate:
+    """Resolve ``None`` (our drafter), ``module:attr`` or ``path/to/file.py:attr``.
+
+    Raises:
+        CandidateError: the module/file/attribute is missing or the object has no run_case.
+    """
+    if spec is None or spec in ("", "default", "dflash-audit"):
+        return DrafterCandidate()
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise CandidateError(f"candidate {spec!r} must look like module:attr or file.py:attr")
+    try:
+        if target.endswith(".py"):
+            path = Path(target).resolve()
+            if not path.is_file():
+                raise CandidateError(f"candidate file {path} does not exist")
+            mod_name = f"dflash_audit_candidate_{path.stem}"
+            module_spec = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[mod_name] = module
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except CandidateError:
+        raise
+    except Exception as err:  # noqa: BLE001 - user code; report what failed
+        raise CandidateError(f"could not import candidate {target!r}: {type(err).__name__}: {err}"
+                             ) from err
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise CandidateError(f"{target!r} has no attribute {attr!r}")
+    if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "run_case")):
+        obj = obj()
+    if not hasattr(obj, "run_case"):
+        raise CandidateError(f"candidate {spec!r} has no run_case(config, loss, weights, inputs)")
+    return obj

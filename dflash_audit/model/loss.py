@@ -1,0 +1,193 @@
+"""DFlash training loss: per-position divergences, per-slot weights, masked reduction.
+
+``L = sum_k c_k * sum_q l_k(q) * m(q) * w(q) / (sum_q m(q) + 1e-5)`` over loss terms k
+with mix coefficients c_k, aligned mask m and per-slot weights w. The denominator counts
+supervised tokens, not weights (speculators ``losses/utils.py: loss_function``).
+
+Per-slot weights:
+* ``fixed-exp-decay`` (DFlash paper, arXiv 2602.06036 sec. 3.3): ``w_0 = 0``,
+  ``w_s = exp(-(s-1)/gamma)`` for s >= 1; with ``sample_from_anchor`` ``w_s = exp(-s/gamma)``.
+* ``dpace``: confidence-weighted suffix sums inside each block (D-PACE):
+  ``c_s = (1-alpha) exp(-l_s) + alpha`` on supervised slots (1 elsewhere),
+  ``P_s = prod_{t<=s} c_t``, ``w_s = m_s * sum_{t>=s} P_t m_t`` (no gradient through w).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+LOSS_REDUCTION_EPS = 1e-5
+NLA_EPS = 1e-5
+LK_HYBRID_ETA = 3.0
+WEIGHTINGS = ("fixed-exp-decay", "dpace")
+
+
+def _log_probs(logits: torch.Tensor, targets: torch.Tensor):
+    return (F.log_softmax(logits, dim=-1, dtype=torch.float32),
+            F.log_softmax(targets, dim=-1, dtype=torch.float32))
+
+
+def kl_div(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Forward KL(p || q), p = softmax(targets), q = softmax(logits). [1,Q,V] x2 -> [1,Q] fp32."""
+    log_q, log_p = _log_probs(logits, targets)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def reverse_kl(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Reverse KL(q || p). [1,Q,V] x2 -> [1,Q] fp32."""
+    log_q, log_p = _log_probs(logits, targets)
+    return (log_q.exp() * (log_q - log_p)).sum(-1)
+
+
+def js_div(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Jensen-Shannon divergence 0.5 KL(p||m) + 0.5 KL(q||m), m = (p+q)/2 (Lin 1991)."""
+    log_q, log_p = _log_probs(logits, targets)
+    log_m = torch.logaddexp(log_q, log_p) - math.log(2.0)
+    return 0.5 * ((log_p.exp() * (log_p - log_m)).sum(-1) + (log_q.exp() * (log_q - log_m)).sum(-1))
+
+
+def hard_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against the hard label argmax(targets). [1,Q,V] x2 -> [1,Q] fp32."""
+    labels = targets.argmax(-1)
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none"
+                           ).view(labels.shape)
+
+
+def _overlap(logits, targets):
+    log_q, log_p = _log_probs(logits, targets)
+    return torch.minimum(log_q.exp(), log_p.exp()).sum(-1)
+
+
+def total_variation(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """TV distance 1 - sum_v min(p_v, q_v) (= 1 - acceptance rate). -> [1,Q] fp32."""
+    return 1.0 - _overlap(logits, targets)
+
+
+def neg_log_acceptance(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log(max(sum_v min(p_v, q_v), 1e-5)) (LK loss, Samarin et al., arXiv 2602.23881)."""
+    return -torch.log(_overlap(logits, targets).clamp_min(NLA_EPS))
+
+
+def lk_hybrid(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """lambda KL + (1 - lambda) TV with lambda = exp(-3 * stopgrad(overlap)) (arXiv 2602.23881)."""
+    overlap = _overlap(logits, targets)
+    lam = torch.exp(-LK_HYBRID_ETA * overlap.detach())
+    return lam * kl_div(logits, targets) + (1.0 - lam) * (1.0 - overlap)
+
+
+LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "kl_div": kl_div, "rkl": reverse_kl, "jsd": js_div, "ce": hard_ce,
+    "tv": total_variation, "nla": neg_log_acceptance, "lk_hybrid": lk_hybrid,
+}
+
+
+def parse_loss(spec: str) -> dict[str, float]:
+    """``"kl_div"`` or a JSON mix ``'{"ce": 0.1, "tv": 0.9}'`` -> {name: coefficient}.
+
+    Raises:
+        ValueError: unknown name, empty or malformed mix, non-numeric coefficient.
+    """
+    if spec in LOSSES:
+        return {spec: 1.0}
+    try:
+        mix = json.loads(spec)
+    except json.JSONDecodeError:
+        raise ValueError(f"unknown loss {spec!r}: use one of {sorted(LOSSES)} or a JSON mix "
+                         "such as '{\"ce\": 0.1, \"tv\": 0.9}'") from None
+    if not isinstance(mix, dict) or not mix:
+        raise ValueError(f"a loss mix must be a non-empty JSON object, got {spec!r}")
+    for name, coef in mix.items():
+        if name not in LOSSES:
+            raise ValueError(f"unknown loss {name!r} in mix; use {sorted(LOSSES)}")
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)):
+            raise ValueError(f"coefficient of {name!r} must be a number, got {coef!r}")
+    return {name: float(coef) for name, coef in mix.items()}
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What the loss is: divergence(s), per-slot weighting, gamma, D-PACE alpha."""
+
+    loss: str = "kl_div"
+    weighting: str = "fixed-exp-decay"
+    gamma: float = 4.0
+    dpace_alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        parse_loss(self.loss)
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        if not self.gamma > 0:
+            raise ValueError(f"gamma must be > 0, got {self.gamma}")
+        if not 0 < self.dpace_alpha <= 1:
+            raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
+
+
+def exp_decay_weights(block_size: int, gamma: float, sample_from_anchor: bool = False
+                      ) -> torch.Tensor:
+    """Fixed exponential decay per slot, [B] fp32 (see module docstring)."""
+    s = torch.arange(block_size, dtype=torch.float32)
+    if sample_from_anchor:
+        return torch.exp(-s / gamma)
+    w = torch.exp(-(s - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+@torch.no_grad()
+def dpace_weights(elementwise_loss: torch.Tensor, mask: torch.Tensor, block_size: int,
+                  alpha: float) -> torch.Tensor:
+    """D-PACE weights [1,Q] from a masked per-position loss [1,Q] and the mask [1,Q]."""
+    m = mask.float().reshape(-1, block_size)
+    conf = (1.0 - alpha) * torch.exp(-elementwise_loss.float().reshape(-1, block_size)) + alpha
+    conf = torch.where(m > 0, conf, torch.ones_like(conf))
+    prefix = conf.cumprod(-1) * m
+    suffix = prefix.flip(-1).cumsum(-1).flip(-1)
+    return (suffix * m).reshape(1, -1)
+
+
+def slot_weights(spec: LossSpec, elementwise_loss: torch.Tensor, mask: torch.Tensor,
+                 block_size: int, sample_from_anchor: bool = False) -> torch.Tensor:
+    """Per-position weight w [1,Q] for one loss term."""
+    if spec.weighting == "dpace":
+        return dpace_weights(elementwise_loss, mask, block_size, spec.dpace_alpha)
+    w = exp_decay_weights(block_size, spec.gamma, sample_from_anchor).to(mask.device)
+    return w.repeat(mask.shape[1] // block_size)[None]
+
+
+@dataclass
+class LossResult:
+    loss: torch.Tensor  # [] fp32
+    terms: dict[str, torch.Tensor]  # name -> unweighted term value [] (detached)
+    weights: dict[str, torch.Tensor]  # name -> per-position weights [1,Q]
+
+
+def dflash_loss(logits: torch.Tensor, targets: torch.Tensor, aligned_loss_mask: torch.Tensor,
+                block_size: int, spec: LossSpec = LossSpec(),
+                sample_from_anchor: bool = False) -> LossResult:
+    """Total DFlash loss.
+
+    Args:
+        logits, targets: [1,Q,V_d]; aligned_loss_mask: [1,Q] 0/1; Q a multiple of block_size.
+
+    Returns:
+        LossResult with the scalar loss (fp32, differentiable), each term's value and the
+        per-position weights used.
+    """
+    m = aligned_loss_mask.float()
+    denom = m.sum() + LOSS_REDUCTION_EPS
+    total = torch.zeros((), dtype=torch.float32, device=logits.device)
+    terms, weights = {}, {}
+    for name, coef in parse_loss(spec.loss).items():
+        elementwise = LOSSES[name](logits, targets) * m  # [1,Q]
+        w = slot_weights(spec, elementwise, m, block_size, sample_from_anchor)
+        term = (elementwise * w).sum() / denom
+        terms[name], weights[name] = term.detach(), w
+        total = total + coef * term
+    return LossResult(total, terms, weights)

@@ -1,0 +1,291 @@
+"""Runs INSIDE the reference's process: the real speculators DFlash code on prepared cases.
+
+Imports only the resolved speculators source (on PYTHONPATH), torch, transformers and
+safetensors. Never imports dflash_audit: what it reports is the reference's own behaviour.
+
+Usage: ``python reference/adapter.py CASES_DIR``. Each sub-folder of CASES_DIR that holds
+``inputs.safetensors``, ``weights.safetensors`` and ``profile.json`` is one case; the
+adapter writes ``outputs.safetensors`` and ``outputs.json`` beside them.
+
+inputs.safetensors: hidden_states [1,T,n*H], verifier_last_hidden_states [1,T,H],
+    input_ids, loss_mask, position_ids, document_ids [1,T], anchor_positions [A] int64,
+    anchor_valid [A] bool.
+weights.safetensors: one state dict with the reference's key names.
+profile.json: {"drafter": {...drafter config fields...}, "loss": {"loss", "weighting",
+    "gamma", "dpace_alpha"}}.
+outputs.safetensors: context [1,T,H]; mask.full_attention / mask.sliding_attention
+    [Q,T+Q] bool; targets, logits [1,Q,V_d]; aligned_loss_mask [1,Q]; loss [];
+    loss_weights.<term> [1,Q]; grad.<param> for every trainable parameter.
+outputs.json: metrics (floats), structure (config, fc shape, state-dict keys/shapes/frozen),
+    defaults of the reference's API, identity (version, module file).
+
+On failure writes CASES_DIR/error.json {"kind", "message", "missing"} and exits 3.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+SOURCE = os.environ.get("DFLASH_AUDIT_REFERENCE_SOURCE")
+
+
+def fail(cases_dir: Path, kind: str, message: str, missing: list[str] | None = None) -> None:
+    (cases_dir / "error.json").write_text(json.dumps(
+        {"kind": kind, "message": message, "missing": missing or []}))
+    print(f"reference adapter: {kind}: {message}", file=sys.stderr)
+    sys.exit(3)
+
+
+def ensure_distribution_metadata(source: Path) -> None:
+    """speculators reads ``importlib.metadata.version("speculators")`` at import time; a git
+    checkout has no installed metadata, so provide a minimal one (version from
+    ``version.py`` when present)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("speculators")
+        return
+    except PackageNotFoundError:
+        pass
+    ver = "0.0.0+git"
+    vfile = source / "speculators" / "version.py"
+    if vfile.exists():
+        scope: dict = {}
+        exec(compile(vfile.read_text(), str(vfile), "exec"), scope)  # noqa: S102
+        ver = str(scope.get("version", ver))
+    site = Path(tempfile.mkdtemp(prefix="speculators-meta-"))
+    dist = site / f"speculators-{ver}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: speculators\nVersion: {ver}\n")
+    sys.path.append(str(site))
+
+
+def import_reference(cases_dir: Path):
+    """Import the reference's DFlash modules, checking they come from SOURCE."""
+    if SOURCE:
+        ensure_distribution_metadata(Path(SOURCE))
+    try:
+        import speculators
+        from speculators.losses import resolve_loss_config
+        from speculators.models.dflash import core
+    except ModuleNotFoundError as err:
+        fail(cases_dir, "missing_dependency", f"importing the reference needs {err.name!r}",
+             [err.name or str(err)])
+    except ImportError as err:
+        fail(cases_dir, "api_mismatch", f"the reference does not provide what the adapter "
+             f"imports: {err}")
+    if SOURCE and not Path(speculators.__file__).resolve().is_relative_to(Path(SOURCE).resolve()):
+        fail(cases_dir, "wrong_source", f"speculators was imported from {speculators.__file__}, "
+             f"not from the resolved source {SOURCE}; uninstall the other copy")
+    for name in ("DFlashDraftModel", "select_anchors"):
+        if not hasattr(core, name):
+            fail(cases_dir, "api_mismatch", f"speculators.models.dflash.core has no {name!r}")
+    if not hasattr(core.DFlashDraftModel, "_backbone_forward"):
+        fail(cases_dir, "api_mismatch",
+             "DFlashDraftModel has no '_backbone_forward' (this ref's API is not supported)")
+    return speculators, core, resolve_loss_config
+
+
+def build_config(drafter: dict, work: Path):
+    """A DFlashSpeculatorConfig for the profile's drafter fields (eager attention)."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash.config import DFlashSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import Qwen3Config
+
+    rope = {"rope_type": "default", **(drafter.get("rope_parameters") or {}),
+            "rope_theta": drafter["rope_theta"]}
+    tl = Qwen3Config(
+        hidden_size=drafter["hidden_size"], intermediate_size=drafter["intermediate_size"],
+        num_hidden_layers=drafter["num_hidden_layers"],
+        num_attention_heads=drafter["num_attention_heads"],
+        num_key_value_heads=drafter["num_key_value_heads"], head_dim=drafter["head_dim"],
+        vocab_size=drafter["vocab_size"], rms_norm_eps=drafter["rms_norm_eps"],
+        max_position_embeddings=drafter["max_position_embeddings"],
+        attention_bias=drafter["attention_bias"], hidden_act=drafter["hidden_act"],
+        rope_parameters=rope, pad_token_id=drafter.get("pad_token_id"),
+    )
+    layer_types = drafter.get("layer_types") or ["full_attention"] * drafter["num_hidden_layers"]
+    tl.layer_types = list(layer_types)
+    tl.sliding_window = drafter.get("sliding_window")
+    tl._attn_implementation = "eager"  # noqa: SLF001
+    # The verifier's final-norm convention is resolved from its config's model_type.
+    verifier_dir = work / "verifier_config"
+    verifier_dir.mkdir(exist_ok=True)
+    (verifier_dir / "config.json").write_text(json.dumps(
+        {"model_type": drafter.get("verifier_model_type") or "llama",
+         "architectures": ["VerifierForCausalLM"]}))
+    block_size = drafter["block_size"]
+    tokens = block_size if drafter["sample_from_anchor"] else block_size - 1
+    return DFlashSpeculatorConfig(
+        transformer_layer_config=tl,
+        draft_vocab_size=drafter.get("draft_vocab_size") or drafter["vocab_size"],
+        block_size=block_size,
+        aux_hidden_state_layer_ids=list(drafter["target_layer_ids"]),
+        mask_token_id=drafter["mask_token_id"],
+        sliding_window_non_causal=drafter["sliding_window_non_causal"],
+        sample_from_anchor=drafter["sample_from_anchor"],
+        speculators_config=SpeculatorsConfig(
+            algorithm="dflash",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=tokens)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=str(verifier_dir),
+                                    architectures=["VerifierForCausalLM"]),
+        ),
+    )
+
+
+def api_defaults(core) -> dict:
+    """Default values of the reference's model API (forward and trainer kwargs)."""
+    sig = inspect.signature(core.DFlashDraftModel.forward)
+    defaults = {k: p.default for k, p in sig.parameters.items()
+                if p.default is not inspect.Parameter.empty and k != "loss_config"
+                and isinstance(p.default, (int, float, str, bool))}
+    block = core.DFlashSpeculatorConfig.model_fields["block_size"].default
+    defaults["block_size"] = block
+    defaults["loss_when_unset"] = "kl_div (fused)"
+    return defaults
+
+
+def run_case(case: Path, core, resolve_loss_config) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    profile = json.loads((case / "profile.json").read_text())
+    inputs = load_file(case / "inputs.safetensors")
+    weights = load_file(case / "weights.safetensors")
+    drafter, loss_spec = profile["drafter"], profile["loss"]
+    torch.manual_seed(0)
+    model = core.DFlashDraftModel(build_config(drafter, case)).float()
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    model.train()
+
+    anchors, valid = inputs["anchor_positions"], inputs["anchor_valid"].bool()
+    core.select_anchors = lambda loss_mask, n, block_size: (anchors.clone(), valid.clone())
+
+    captured: dict = {"masks": {}, "decay": []}
+    model.hidden_norm.register_forward_hook(lambda m, i, o: captured.__setitem__("context", o))
+    create = model._create_attention_mask  # noqa: SLF001
+
+    def record_mask(*args, **kwargs):
+        mask = create(*args, **kwargs)
+        kind = "full_attention" if kwargs.get("sliding_window") is None else "sliding_attention"
+        captured["masks"][kind] = (mask == 0).reshape(mask.shape[-2], mask.shape[-1])
+        return mask
+
+    model._create_attention_mask = record_mask  # noqa: SLF001
+    backbone = model._backbone_forward  # noqa: SLF001
+
+    def record_backbone(*args, **kwargs):
+        out = backbone(*args, **kwargs)
+        captured["backbone"] = out
+        return out
+
+    model._backbone_forward = record_backbone  # noqa: SLF001
+    import speculators.models.dflash.metrics as ref_metrics
+
+    compound = ref_metrics.compound_loss
+
+    def record_compound(*args, decay_fn=None, **kwargs):
+        def decay(*a, **k):
+            w = decay_fn(*a, **k)
+            captured["decay"].append(w.detach().reshape(1, -1).float())
+            return w
+        return compound(*args, decay_fn=decay if decay_fn else None, **kwargs)
+
+    ref_metrics.compound_loss = record_compound
+    loss_config = resolve_loss_config(loss_spec["loss"], "eager")
+    try:
+        _, loss, metrics = model(
+            hidden_states=inputs["hidden_states"], input_ids=inputs["input_ids"],
+            loss_mask=inputs["loss_mask"],
+            verifier_last_hidden_states=inputs["verifier_last_hidden_states"],
+            document_ids=inputs["document_ids"], position_ids=inputs["position_ids"],
+            loss_config=loss_config, gamma=loss_spec["gamma"], max_anchors=anchors.numel(),
+            per_position_loss_weight=loss_spec["weighting"],
+            dpace_alpha=loss_spec["dpace_alpha"],
+        )
+        loss.backward()
+    finally:
+        ref_metrics.compound_loss = compound
+    _, logits, targets, aligned, _ = captured["backbone"]
+
+    tensors = {
+        "context": captured["context"].detach(),
+        "targets": targets.detach().float(),
+        "logits": logits.detach().float(),
+        "aligned_loss_mask": aligned.detach().float(),
+        "loss": loss.detach().float().reshape(()),
+    }
+    for kind, mask in captured["masks"].items():
+        tensors[f"mask.{kind}"] = mask.contiguous()
+    for name, w in zip(loss_config, captured["decay"]):
+        tensors[f"loss_weights.{name}"] = w
+    trainable = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            trainable.append(name)
+            if p.grad is not None:
+                tensors[f"grad.{name}"] = p.grad.detach().clone()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, case / "outputs.safetensors")
+
+    state = model.state_dict()
+    params = dict(model.named_parameters())
+    structure = {
+        "fc_in_features": model.fc.in_features,
+        "fc_out_features": model.fc.out_features,
+        "target_layer_ids": list(model.target_layer_ids),
+        "block_size": model.block_size,
+        "mask_token_id": model.mask_token_id,
+        "layer_types": [("sliding_attention" if i in model.sliding_window_indices
+                         else "full_attention") for i in range(len(model.layers))],
+        "sliding_window": model.sliding_window if model.sliding_window_indices else None,
+        "sliding_window_non_causal": bool(model.sliding_window_non_causal),
+        "sample_from_anchor": bool(model.config.sample_from_anchor),
+        "verifier_norm": type(model.verifier_norm).__name__,
+        "state_dict": {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""),
+                           "trainable": bool(params[k].requires_grad) if k in params else False}
+                       for k, v in state.items()},
+        "load_missing_keys": list(missing),
+        "load_unexpected_keys": list(unexpected),
+    }
+    (case / "outputs.json").write_text(json.dumps({
+        "metrics": {k: float(v) for k, v in metrics.items()},
+        "trainable": trainable,
+        "structure": structure,
+        "defaults": api_defaults(core),
+    }, indent=1, sort_keys=True))
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: adapter.py CASES_DIR", file=sys.stderr)
+        return 2
+    cases_dir = Path(argv[0])
+    speculators, core, resolve_loss_config = import_reference(cases_dir)
+    cases = sorted(p for p in cases_dir.iterdir() if (p / "profile.json").exists())
+    try:
+        for case in cases:
+            run_case(case, core, resolve_loss_config)
+    except AttributeError as err:
+        fail(cases_dir, "api_mismatch", f"the reference lacks an attribute the adapter uses: {err}")
+    except Exception as err:  # noqa: BLE001 - reported to the harness, with traceback
+        fail(cases_dir, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+    version = getattr(speculators, "__version__", None)
+    try:
+        from speculators.version import version as version  # noqa: PLC0415
+    except ImportError:
+        pass
+    (cases_dir / "reference.json").write_text(json.dumps({
+        "module_file": speculators.__file__, "version": version, "cases": len(cases)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
