@@ -1,0 +1,36 @@
+"""Result of one named check on one case: what the report shows and the gate reads."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+PASS, FAIL, WARN = "pass", "fail", "warn"
+
+
+@dataclass
+class CheckResult:
+    """One check (``structure``, ``defaults``, ``mask``, ``context``, ``targets``, ``logits``,
+    ``loss``, ``gradients``, ``metrics``) on one case.
+
+    ``first_diff`` gives the first differing coordinates in the reference's terms, e.g.
+    ``{"anchor": 3, "slot": 2, "kv_position": 17, "document": 1, "layer_type": ...}``.
+    ``diagnosis`` names the likely cause(s) of a failure, most likely first.
+    """
+
+    name: str
+    case: str
+    status: str  # PASS | FAIL | WARN
+    summary: str
+    candidate: Any = None  # candidate's value (scalar / small summary)
+    reference: Any = None  # reference's value
+    tolerance: dict[str, float] | None = None  # {"atol": ..., "rtol": ...}
+    max_abs_diff: float | None = None
+    max_rel_diff: float | None = None
+    first_diff: dict[str, Any] | None = None
+    diagnosis: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
