@@ -93,6 +93,13 @@ PIP_NAMES: dict[str, str] = {
     "rich": "rich",
 }
 
+#: Modules speculators 0.9.0 imports at import time (beyond the standard library); when one
+#: import fails, all of these that are absent are reported together.
+REFERENCE_IMPORT_DEPS: tuple[str, ...] = (
+    "torch", "transformers", "safetensors", "pydantic", "pydantic_settings", "loguru",
+    "openai", "datasets", "hs_connectors", "huggingface_hub",
+)
+
 _GIT_ENV = {"GIT_TERMINAL_PROMPT": "0", "GCM_INTERACTIVE": "never", "GIT_ASKPASS": "true"}
 _HEX_RE = re.compile(r"^[0-9a-fA-F]{4,40}$")
 _VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+!_-]*$")
@@ -696,7 +703,9 @@ def _resolve_sdist(
     index = root / "sdist" / "index" / f"{version}.json"
     known = json.loads(index.read_text())["sha256"] if index.is_file() else None
     sha = expected or known
-    tree = _cached_sdist(root, sha) if sha and (expected is None or known in (None, expected)) else None
+    # a cached entry counts only if it agrees with the lock; otherwise download and compare
+    trusted = expected is None or known in (None, expected)
+    tree = _cached_sdist(root, sha) if sha and trusted else None
     if tree is None:
         if offline:
             raise ReferenceResolutionError(
@@ -793,7 +802,9 @@ def _resolve_path(spec: str, directory: Path) -> ReferenceIdentity:
 # --- running the reference --------------------------------------------------------------------
 
 
-def reference_env(identity: ReferenceIdentity, base: dict[str, str] | None = None) -> dict[str, str]:
+def reference_env(
+    identity: ReferenceIdentity, base: dict[str, str] | None = None
+) -> dict[str, str]:
     """Environment for a reference subprocess: ``<source>/src`` prepended to PYTHONPATH and
     ``$DFLASH_AUDIT_REFERENCE_SOURCE`` set to it."""
     env = dict(os.environ if base is None else base)
@@ -869,7 +880,8 @@ def _error_from_json(
             returncode=returncode, stderr_tail=tail,
         )
     return ReferenceRunError(
-        f"the reference process failed (exit {returncode}): {message}\n--- stderr (tail) ---\n{tail}",
+        f"the reference process failed (exit {returncode}): {message}"
+        f"\n--- stderr (tail) ---\n{tail}",
         returncode=returncode, stderr_tail=tail,
     )
 
@@ -914,7 +926,9 @@ def run_reference(
             timeout=timeout_s,
         )
     except subprocess.TimeoutExpired as exc:
-        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        stderr = exc.stderr or ""
+        if isinstance(stderr, bytes):
+            stderr = stderr.decode(errors="replace")
         raise ReferenceTimeoutError(
             f"the reference process ({identity.spec}) did not finish within {timeout_s:g} s and "
             f"was killed. Raise the timeout or use a smaller batch.\n{_tail(stderr)}",
@@ -964,14 +978,15 @@ def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 1
     resolved source; cheap compared with a full reference run.
 
     Raises:
-        ReferenceMissingDependencyError: import-time dependencies are missing (all of the known
-            ones that are absent are listed, with the install command).
+        ReferenceMissingDependencyError: import-time dependencies are missing (the one that
+            failed plus every absent one of :data:`REFERENCE_IMPORT_DEPS`, with the install
+            command).
         ReferenceApiMismatchError: the source has no ``speculators.models.dflash.core``.
         ReferenceWrongSourceError: speculators was imported from outside the resolved source.
         ReferenceTimeoutError: the import took longer than ``timeout_s``.
         ReferenceRunError: any other import failure (with the tail of stderr).
     """
-    code = _IMPORT_PROBE % (sorted(PIP_NAMES),)
+    code = _IMPORT_PROBE % (list(REFERENCE_IMPORT_DEPS),)
     try:
         proc = subprocess.run(
             [sys.executable, "-c", code], env=reference_env(identity), capture_output=True,
