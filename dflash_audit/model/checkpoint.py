@@ -1,0 +1,215 @@
+"""Drafter checkpoints in the reference's format: ``config.json`` + ``model.safetensors``.
+
+The format is what speculators' ``DFlashDraftModel.save_pretrained`` writes (0.9.0):
+``config.json`` carries ``speculators_model_type: "dflash"``, the draft decoder as a
+``transformer_layer_config`` (model_type qwen3), ``aux_hidden_state_layer_ids``,
+``block_size``, ``mask_token_id``, ``draft_vocab_size``, ``sliding_window_non_causal``,
+``sample_from_anchor`` and a ``speculators_config`` naming the verifier;
+``model.safetensors`` holds the trained weights, and ``lm_head.weight`` / ``t2d`` / ``d2t``
+only for a draft vocabulary. Verifier-owned weights (embeddings, full-vocab lm_head,
+verifier_lm_head, verifier_norm) are not stored: loaders take them from the verifier named
+in the config. So our checkpoints load in speculators (and vLLM), and theirs in ours.
+
+Writes are atomic: a temporary folder renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_audit.model.config import DFlashConfig
+from dflash_audit.model.drafter import DFlashDrafter
+
+NOT_SAVED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+
+
+class CheckpointError(Exception):
+    """A checkpoint folder is missing, incomplete, or not a DFlash checkpoint."""
+
+
+def reference_config(config: DFlashConfig, verifier_name_or_path: str | None,
+                     verifier_architectures: list[str] | None = None) -> dict[str, Any]:
+    """The reference's config.json content for a drafter config."""
+    rope = {"rope_type": "default", **(config.rope_parameters or {}),
+            "rope_theta": config.rope_theta}
+    layer_types = list(config.effective_layer_types)
+    tokens = config.block_size if config.sample_from_anchor else config.block_size - 1
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": "dflash",
+        "aux_hidden_state_layer_ids": list(config.target_layer_ids),
+        "block_size": config.block_size,
+        "draft_vocab_size": config.effective_draft_vocab_size,
+        "mask_token_id": config.mask_token_id,
+        "sample_from_anchor": config.sample_from_anchor,
+        "sliding_window_non_causal": config.sliding_window_non_causal,
+        "target_hidden_size": None,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+        "speculators_config": {
+            "algorithm": "dflash",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens,
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "verifier": {"name_or_path": verifier_name_or_path,
+                         "architectures": list(verifier_architectures or [])},
+        },
+        "transformer_layer_config": {
+            "model_type": "qwen3",
+            "attention_bias": config.attention_bias,
+            "head_dim": config.head_dim,
+            "hidden_act": config.hidden_act,
+            "hidden_size": config.hidden_size,
+            "intermediate_size": config.intermediate_size,
+            "layer_types": layer_types,
+            "max_position_embeddings": config.max_position_embeddings,
+            "num_attention_heads": config.num_attention_heads,
+            "num_hidden_layers": config.num_hidden_layers,
+            "num_key_value_heads": config.num_key_value_heads,
+            "pad_token_id": config.pad_token_id,
+            "rms_norm_eps": config.rms_norm_eps,
+            "rope_parameters": rope,
+            "sliding_window": config.sliding_window,
+            "vocab_size": config.vocab_size,
+            "tie_word_embeddings": False,
+        },
+    }
+
+
+def config_from_reference(d: dict[str, Any], num_verifier_layers: int,
+                          verifier_model_type: str = "llama") -> DFlashConfig:
+    """Inverse of :func:`reference_config`. ``num_verifier_layers`` (N) is not stored by the
+    reference; take it from the verifier's config.
+
+    Raises:
+        CheckpointError: not a DFlash config.
+    """
+    if d.get("speculators_model_type") != "dflash":
+        raise CheckpointError(f"not a DFlash checkpoint config "
+                              f"(speculators_model_type={d.get('speculators_model_type')!r})")
+    tl = d["transformer_layer_config"]
+    rope = dict(tl.get("rope_parameters") or {})
+    rope_theta = float(rope.pop("rope_theta", tl.get("rope_theta", 1e6)))
+    if rope.get("rope_type", "default") == "default":
+        rope.pop("rope_type", None)
+    layer_types = tl.get("layer_types")
+    vocab = int(tl["vocab_size"])
+    from dflash_audit.model.config import ONE_PLUS_WEIGHT_NORM_MODEL_TYPES
+
+    return DFlashConfig(
+        hidden_size=tl["hidden_size"], intermediate_size=tl["intermediate_size"],
+        num_attention_heads=tl["num_attention_heads"],
+        num_key_value_heads=tl.get("num_key_value_heads") or tl["num_attention_heads"],
+        head_dim=tl.get("head_dim") or tl["hidden_size"] // tl["num_attention_heads"],
+        num_hidden_layers=tl["num_hidden_layers"], vocab_size=vocab,
+        num_verifier_layers=num_verifier_layers,
+        target_layer_ids=tuple(d["aux_hidden_state_layer_ids"]),
+        mask_token_id=d["mask_token_id"], block_size=d.get("block_size", 8),
+        draft_vocab_size=None if d.get("draft_vocab_size") in (None, vocab)
+        else d["draft_vocab_size"],
+        layer_types=tuple(layer_types) if layer_types else None,
+        sliding_window=tl.get("sliding_window") if layer_types and
+        "sliding_attention" in layer_types else None,
+        sliding_window_non_causal=d.get("sliding_window_non_causal", False),
+        sample_from_anchor=d.get("sample_from_anchor", False),
+        rms_norm_eps=tl.get("rms_norm_eps", 1e-6), rope_theta=rope_theta,
+        rope_parameters=rope or None,
+        max_position_embeddings=tl.get("max_position_embeddings", 32768),
+        attention_bias=tl.get("attention_bias", False), hidden_act=tl.get("hidden_act", "silu"),
+        pad_token_id=tl.get("pad_token_id"), verifier_model_type=verifier_model_type,
+        verifier_norm_one_plus_weight=verifier_model_type in ONE_PLUS_WEIGHT_NORM_MODEL_TYPES,
+    )
+
+
+def atomic_folder(target: Path):
+    """A temporary sibling folder; call ``commit(tmp)`` to move it into ``target``."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+
+    def commit() -> Path:
+        if target.exists():
+            old = target.with_name(f".{target.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+        return target
+
+    return tmp, commit
+
+
+def save_pretrained(model: DFlashDrafter, out_dir: str | Path,
+                    verifier_name_or_path: str | None = None,
+                    verifier_architectures: list[str] | None = None,
+                    metadata: dict[str, str] | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` atomically into ``out_dir``.
+
+    ``metadata`` (str -> str) goes into the safetensors header (e.g. the audit report
+    fingerprint). Returns the folder.
+    """
+    config = model.config
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+             if k not in NOT_SAVED and not (k == "lm_head.weight" and not config.uses_draft_vocab)}
+    tmp, commit = atomic_folder(Path(out_dir))
+    try:
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt", **(metadata or {})})
+        (tmp / "config.json").write_text(json.dumps(
+            reference_config(config, verifier_name_or_path, verifier_architectures), indent=2))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit()
+
+
+def load_pretrained(path: str | Path, verifier=None, num_verifier_layers: int | None = None
+                    ) -> DFlashDrafter:
+    """Load a reference-format checkpoint (ours or speculators') into a :class:`DFlashDrafter`.
+
+    Args:
+        path: checkpoint folder.
+        verifier: a transformers causal LM to take the verifier-owned weights from; None
+            loads it from the checkpoint's ``speculators_config.verifier.name_or_path``.
+        num_verifier_layers: N when the verifier is not available to read it from.
+
+    Raises:
+        CheckpointError: missing files, not a DFlash checkpoint, missing trained weights.
+    """
+    path = Path(path)
+    for name in ("config.json", "model.safetensors"):
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path} has no {name}: not a finished checkpoint")
+    d = json.loads((path / "config.json").read_text())
+    if verifier is None:
+        name = (d.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
+        if not name:
+            raise CheckpointError(f"{path}/config.json names no verifier; pass verifier=")
+        from transformers import AutoModelForCausalLM
+
+        verifier = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+    vc = getattr(verifier.config, "text_config", None) or verifier.config
+    config = config_from_reference(d, num_verifier_layers or vc.num_hidden_layers,
+                                   str(getattr(vc, "model_type", "llama")))
+    model = DFlashDrafter(config)
+    state = load_file(path / "model.safetensors")
+    from dflash_audit.model.verifier_weights import load_verifier_weights
+
+    if config.uses_draft_vocab:  # t2d selects the verifier's head rows
+        model.load_state_dict({k: state[k] for k in ("t2d", "d2t") if k in state}, strict=False)
+    load_verifier_weights(model, verifier)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    expected_missing = set(NOT_SAVED) | ({"lm_head.weight"} if not config.uses_draft_vocab else set())
+    really_missing = sorted(set(missing) - expected_missing)
+    if really_missing or unexpected:
+        raise CheckpointError(f"{path}/model.safetensors: missing {really_missing}, "
+                              f"unexpected {sorted(unexpected)}")
+    return model
