@@ -575,7 +575,7 @@ def _resolve_git(
         commit=sha,
         commit_date=commit.committed_datetime.astimezone(timezone.utc).isoformat(),
         describe=_describe(mirror, sha),
-        version=read_version(checkout),
+        version=read_version(checkout) or _version_from_tag(mirror, sha),
         mirror_fetched_at=_fetched_at(mirror),
     )
 
@@ -595,6 +595,17 @@ def _describe(mirror: git.Repo, sha: str) -> str | None:
         return mirror.git.describe("--tags", "--always", sha)
     except git.GitCommandError:
         return None
+
+
+def _version_from_tag(mirror: git.Repo, sha: str) -> str | None:
+    """``X.Y.Z`` when a tag ``vX.Y.Z`` / ``X.Y.Z`` points at ``sha`` (git checkouts carry no
+    version.py: speculators generates it at build time)."""
+    try:
+        tag = mirror.git.describe("--tags", "--exact-match", sha)
+    except git.GitCommandError:
+        return None
+    m = re.fullmatch(r"v?(\d+(?:\.\d+)*\S*)", tag)
+    return m.group(1) if m else None
 
 
 def _ensure_checkout(root: Path, mirror: git.Repo, sha: str) -> Path:
@@ -886,6 +897,12 @@ def _error_from_json(
     )
 
 
+def _error_files(workdir: Path, adapter_args: list[str]) -> list[Path]:
+    """Where the adapter may write error.json: the workdir, then argument directories."""
+    dirs = [workdir] + [Path(a) for a in map(str, adapter_args) if Path(a).is_dir()]
+    return list(dict.fromkeys(d.resolve() / "error.json" for d in dirs))
+
+
 def run_reference(
     identity: ReferenceIdentity,
     adapter_args: list[str],
@@ -897,8 +914,9 @@ def run_reference(
     """Run ``python reference/adapter.py <adapter_args>`` against the resolved source.
 
     The process gets ``PYTHONPATH=<source>/src:...``, ``$DFLASH_AUDIT_REFERENCE_SOURCE`` and
-    ``cwd=workdir``. Exit code 0 is success; on failure the adapter writes
-    ``<workdir>/error.json`` = {"kind", "message", "missing"}.
+    ``cwd=workdir``. Exit code 0 is success; on failure the adapter writes ``error.json`` =
+    {"kind", "message", "missing"} into ``workdir`` or into a directory named by an adapter
+    argument (e.g. its CASES_DIR); stale ones are removed before the run.
 
     Args:
         adapter: the script to run (default :func:`adapter_path`); injectable for tests.
@@ -916,8 +934,9 @@ def run_reference(
         raise ReferenceSourceError(f"the reference adapter {script} does not exist.")
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    error_file = workdir / "error.json"
-    error_file.unlink(missing_ok=True)
+    error_files = _error_files(workdir, adapter_args)
+    for path in error_files:
+        path.unlink(missing_ok=True)
     cmd = [sys.executable, str(script), *map(str, adapter_args)]
     start = time.monotonic()
     try:
@@ -937,7 +956,8 @@ def run_reference(
     wall = time.monotonic() - start
     if proc.returncode == 0:
         return ReferenceRun(cmd, workdir, 0, proc.stdout, proc.stderr, wall)
-    if error_file.is_file():
+    error_file = next((p for p in error_files if p.is_file()), None)
+    if error_file is not None:
         try:
             err = json.loads(error_file.read_text())
             if not isinstance(err, dict):
@@ -953,22 +973,33 @@ def run_reference(
     if missing:
         raise _missing_dependency_error(identity, missing, proc.returncode, proc.stderr)
     raise ReferenceRunError(
-        f"the reference process failed (exit {proc.returncode}) without writing {error_file}."
+        f"the reference process failed (exit {proc.returncode}) without writing error.json."
         f"\n--- stderr (tail) ---\n{_tail(proc.stderr)}",
         returncode=proc.returncode, stderr_tail=_tail(proc.stderr),
     )
 
 
 _IMPORT_PROBE = """
-import importlib.util, json, sys
+import importlib.metadata, importlib.util, json, sys
+version, known = sys.argv[1], json.loads(sys.argv[2])
+try:  # a git checkout has no installed metadata, but speculators reads its version at import
+    importlib.metadata.version("speculators")
+except importlib.metadata.PackageNotFoundError:  # (reference/adapter.py does the same)
+    import os
+    dist = os.path.abspath(f"speculators-{version}.dist-info")
+    os.makedirs(dist)
+    with open(os.path.join(dist, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\\nName: speculators\\nVersion: {version}\\n")
+    sys.path.append(os.getcwd())
 try:
     import speculators.models.dflash.core
     import speculators
     out = {"ok": True, "file": speculators.__file__}
 except ModuleNotFoundError as e:
-    known = %r
     extra = [m for m in known if importlib.util.find_spec(m) is None]
     out = {"ok": False, "missing": [e.name] + [m for m in extra if m != e.name], "error": repr(e)}
+except ImportError as e:  # a name the module does not define
+    out = {"ok": False, "import_error": str(e), "name": e.name}
 print("DFLASH_AUDIT_PROBE " + json.dumps(out))
 """
 
@@ -981,17 +1012,20 @@ def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 1
         ReferenceMissingDependencyError: import-time dependencies are missing (the one that
             failed plus every absent one of :data:`REFERENCE_IMPORT_DEPS`, with the install
             command).
-        ReferenceApiMismatchError: the source has no ``speculators.models.dflash.core``.
+        ReferenceApiMismatchError: the source has no ``speculators.models.dflash.core`` or a
+            name it imports from speculators is missing.
         ReferenceWrongSourceError: speculators was imported from outside the resolved source.
         ReferenceTimeoutError: the import took longer than ``timeout_s``.
         ReferenceRunError: any other import failure (with the tail of stderr).
     """
-    code = _IMPORT_PROBE % (list(REFERENCE_IMPORT_DEPS),)
+    cmd = [sys.executable, "-c", _IMPORT_PROBE, identity.version or "0.0.0+git",
+           json.dumps(list(REFERENCE_IMPORT_DEPS))]
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", code], env=reference_env(identity), capture_output=True,
-            text=True, timeout=timeout_s, cwd=identity.source_dir,
-        )
+        with tempfile.TemporaryDirectory(prefix="dflash-audit-probe-") as cwd:
+            proc = subprocess.run(
+                cmd, env=reference_env(identity), capture_output=True, text=True,
+                timeout=timeout_s, cwd=cwd,
+            )
     except subprocess.TimeoutExpired as exc:
         raise ReferenceTimeoutError(
             f"importing the reference ({identity.spec}) took longer than {timeout_s:g} s."
@@ -1008,6 +1042,13 @@ def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 1
         raise ReferenceRunError(
             f"importing the reference ({identity.spec}) failed (exit {proc.returncode}):\n"
             f"{_tail(proc.stderr)}",
+            returncode=proc.returncode, stderr_tail=_tail(proc.stderr),
+        )
+    if not probe["ok"] and "import_error" in probe:
+        own = (probe.get("name") or "").startswith(PACKAGE)
+        raise (ReferenceApiMismatchError if own else ReferenceRunError)(
+            f"importing the reference ({identity.spec}) failed: {probe['import_error']}"
+            + (". This ref's API is not supported by the adapter." if own else ""),
             returncode=proc.returncode, stderr_tail=_tail(proc.stderr),
         )
     if not probe["ok"]:

@@ -39,6 +39,10 @@ from dflash_audit.reference_source import (
 
 LOCKED_SHA256 = "ad5e21eedc89f95096d92ceeccb794df88e24394615f5e8f02957485aea3d8cf"
 AFTER_RELEASE_FILE = "AFTER_0.9.0.txt"
+GENERATED_BY_BUILD = (
+    "PKG-INFO", "setup.cfg", "src/speculators.egg-info", "src/speculators/version.py",
+    "src/speculators/version.txt",
+)
 
 
 # --- fixtures ---------------------------------------------------------------------------------
@@ -69,6 +73,9 @@ def origin(release, tmp_path_factory) -> dict:
     """A git repo of the 0.9.0 source: tag v0.9.0 on commit 1, main one commit ahead."""
     path = tmp_path_factory.mktemp("origin") / "speculators"
     shutil.copytree(release.source_dir, path)
+    for generated in GENERATED_BY_BUILD:  # not in the real repository: made by setup.py
+        target = path / generated
+        shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
     repo = _make_repo(path)
     v090 = _commit_all(repo, "speculators 0.9.0 release source")
     repo.create_tag("v0.9.0", message="release 0.9.0")
@@ -184,7 +191,8 @@ def test_resolve_branch_by_file_url(cache, origin):
     assert ident.url == origin["url"]
     assert ident.short_id == origin["main"][:12]
     assert ident.describe == f"v0.9.0-1-g{origin['main'][:7]}"
-    assert ident.version == "0.9.0"
+    assert ident.version is None  # no version.py in git and not at a release tag
+    assert not (ident.source_dir / "src/speculators/version.py").exists()
     assert ident.source_dir == cache / "reference" / "git" / "checkouts" / origin["main"]
     assert (ident.source_dir / AFTER_RELEASE_FILE).is_file()
     assert git.Repo(ident.source_dir).head.commit.hexsha == origin["main"]
@@ -197,6 +205,7 @@ def test_resolve_tag(cache, origin):
     assert ident.commit == origin["v090"]
     assert ident.ref_kind == "tag"
     assert ident.describe == "v0.9.0"
+    assert ident.version == "0.9.0"  # from the tag
     assert not (ident.source_dir / AFTER_RELEASE_FILE).exists()
 
 
@@ -353,8 +362,22 @@ def _fake_source(root: Path, init: str) -> ReferenceIdentity:
 
 
 @pytest.mark.reference
-def test_real_source_is_importable(release):
+def test_real_release_is_importable(release):
     check_reference_importable(release)
+
+
+@pytest.mark.reference
+def test_real_git_checkout_is_importable(cache, origin):
+    """A clone has no installed metadata, which speculators reads at import time."""
+    ident = resolve_reference("speculators@main", url=origin["url"])
+    assert not list((ident.source_dir / "src").glob("*.egg-info"))
+    check_reference_importable(ident)
+
+
+def test_import_error_of_a_speculators_name_is_api_mismatch(tmp_path):
+    ident = _fake_source(tmp_path, "from speculators.models import no_such_name\n")
+    with pytest.raises(ReferenceApiMismatchError, match="no_such_name"):
+        check_reference_importable(ident)
 
 
 def test_missing_module_is_listed_with_install_command(tmp_path):
@@ -464,6 +487,22 @@ def test_run_reference_other_errors_carry_stderr(ident, fake_adapter, tmp_path):
     with pytest.raises(ReferenceMissingDependencyError) as exc:
         _run(ident, fake_adapter, ["uncaught-import"], tmp_path)
     assert exc.value.missing == ["dflash_audit_absent_module"]
+
+
+def test_error_json_in_an_argument_directory(ident, fake_adapter, tmp_path):
+    """reference/adapter.py writes error.json into its CASES_DIR argument."""
+    cases = tmp_path / "cases"
+    cases.mkdir()
+    adapter = tmp_path / "cases_adapter.py"
+    adapter.write_text(
+        "import json, sys, pathlib\n"
+        "pathlib.Path(sys.argv[1], 'error.json').write_text(json.dumps("
+        "{'kind': 'api_mismatch', 'message': \"core has no 'select_anchors'\", 'missing': []}))\n"
+        "sys.exit(3)\n"
+    )
+    with pytest.raises(ReferenceApiMismatchError, match="core has no 'select_anchors'") as exc:
+        run_reference(ident, [str(cases)], tmp_path / "work", 30.0, adapter=adapter)
+    assert exc.value.returncode == 3
 
 
 def test_stale_error_json_is_removed(ident, fake_adapter, tmp_path):
