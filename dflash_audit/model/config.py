@@ -239,8 +239,9 @@ class DFlashConfig:
 def default_target_layer_ids(num_verifier_layers: int, style: str = "zlab") -> list[int]:
     """Default ``target_layer_ids`` for an N-layer verifier, speculators convention.
 
-    ``style="zlab"``: 5 evenly spaced layers as in z-lab/dflash (their ids
-    ``round(1 + i*(N-3)/4)`` for i=0..4 are offset by one, so ours are those + 1).
+    ``style="zlab"``: 5 evenly spaced layers as in z-lab/dflash ``build_target_layer_ids``
+    (their ids ``round(1 + i*(N-4)/4)`` for i=0..4, from 1 to N-3, read
+    ``output_hidden_states[id + 1]``, so ours are those + 1: 2 .. N-2).
     ``style="speculators"``: the reference's own default ``[2, N//2, N-3]``
     (``speculators/models/utils.py: resolve_target_layer_ids``).
 
@@ -252,7 +253,7 @@ def default_target_layer_ids(num_verifier_layers: int, style: str = "zlab") -> l
         ids = [2, n // 2, n - 3]
     elif style == "zlab":
         count = 5
-        zlab = [int(round(1 + i * (n - 3) / (count - 1))) for i in range(count)]
+        zlab = [int(round(1 + i * (n - 4) / (count - 1))) for i in range(count)]
         ids = [i + 1 for i in zlab]
     else:
         raise ConfigError(f"unknown target layer style {style!r}; use 'zlab' or 'speculators'")
