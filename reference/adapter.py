@@ -101,6 +101,7 @@ def build_config(drafter: dict, work: Path):
 
     rope = {"rope_type": "default", **(drafter.get("rope_parameters") or {}),
             "rope_theta": drafter["rope_theta"]}
+    layer_types = drafter.get("layer_types") or ["full_attention"] * drafter["num_hidden_layers"]
     tl = Qwen3Config(
         hidden_size=drafter["hidden_size"], intermediate_size=drafter["intermediate_size"],
         num_hidden_layers=drafter["num_hidden_layers"],
@@ -110,10 +111,10 @@ def build_config(drafter: dict, work: Path):
         max_position_embeddings=drafter["max_position_embeddings"],
         attention_bias=drafter["attention_bias"], hidden_act=drafter["hidden_act"],
         rope_parameters=rope, pad_token_id=drafter.get("pad_token_id"),
+        layer_types=list(layer_types), sliding_window=drafter.get("sliding_window"),
+        # as the reference's training CLI does; without it Qwen3Config drops sliding_window
+        use_sliding_window="sliding_attention" in layer_types,
     )
-    layer_types = drafter.get("layer_types") or ["full_attention"] * drafter["num_hidden_layers"]
-    tl.layer_types = list(layer_types)
-    tl.sliding_window = drafter.get("sliding_window")
     tl._attn_implementation = "eager"  # noqa: SLF001
     # The verifier's final-norm convention is resolved from its config's model_type.
     verifier_dir = work / "verifier_config"

@@ -78,6 +78,9 @@ def reference_config(config: DFlashConfig, verifier_name_or_path: str | None,
             "rms_norm_eps": config.rms_norm_eps,
             "rope_parameters": rope,
             "sliding_window": config.sliding_window,
+            # Qwen3Config drops sliding_window on load unless use_sliding_window is set
+            # (the reference's training CLI sets it the same way)
+            "use_sliding_window": "sliding_attention" in layer_types,
             "vocab_size": config.vocab_size,
             "tie_word_embeddings": False,
         },
@@ -101,6 +104,10 @@ def config_from_reference(d: dict[str, Any], num_verifier_layers: int,
     if rope.get("rope_type", "default") == "default":
         rope.pop("rope_type", None)
     layer_types = tl.get("layer_types")
+    if layer_types and not tl.get("use_sliding_window", False):
+        # Qwen3Config sets sliding_window=None when use_sliding_window is false, and the
+        # reference then runs "sliding" layers as full bidirectional attention: load them so.
+        layer_types = ["full_attention"] * len(layer_types)
     vocab = int(tl["vocab_size"])
     from dflash_audit.model.config import ONE_PLUS_WEIGHT_NORM_MODEL_TYPES
 
