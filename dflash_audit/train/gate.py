@@ -1,0 +1,235 @@
+"""The training gate: ``dflash-audit train`` starts only after a passing audit of the same
+candidate, profile and reference.
+
+A report (``reports/<time>-<ref>/report.json``, written by ``dflash-audit compare``) admits a
+training run when all of these hold:
+
+* ``verdict == "pass"``;
+* ``candidate.fingerprint`` equals the fingerprint of the candidate about to be trained
+  (its source files and the profile: :func:`dflash_audit.report.fingerprint.candidate_fingerprint`);
+* ``profile.fingerprint`` equals :meth:`dflash_audit.profile.Profile.fingerprint` of the
+  training profile;
+* ``reference_key(reference)`` equals the key of the reference that ``--ref`` resolves to now
+  (the lock's reference by default);
+* ``fingerprint`` equals :func:`dflash_audit.report.fingerprint.report_fingerprint` of the
+  above (a hand-edited verdict or fingerprint is refused).
+
+Exit codes of a refusal (:class:`GateError.exit_code`): **2** when no report matches (none
+found, or the newest differs in candidate / profile / reference, or it is unreadable or
+tampered with) - run the printed ``dflash-audit compare`` command; **1** when the matching
+report's verdict is ``fail`` (a conformance failure: fix the candidate first).
+
+The accepted report's ``fingerprint`` is written into every checkpoint (safetensors metadata
+``dflash_audit_report_fingerprint`` and the training state).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPORT_FILE = "report.json"
+DEFAULT_REPORTS_DIR = Path("reports")
+EXIT_NO_MATCHING_REPORT = 2
+EXIT_AUDIT_FAILED = 1
+
+
+class GateError(Exception):
+    """Training may not start. ``exit_code``: 2 no matching report, 1 the audit failed."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_NO_MATCHING_REPORT):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the run about to start is: fingerprints and the reference key it needs."""
+
+    candidate_fingerprint: str
+    profile_fingerprint: str
+    reference_key: dict[str, Any]
+    compare_command: str
+
+
+@dataclass(frozen=True)
+class ReportFields:
+    """The fields of ``report.json`` the gate reads (one place to align with the report)."""
+
+    path: Path
+    verdict: str
+    fingerprint: str
+    candidate_fingerprint: str
+    profile_fingerprint: str
+    reference: dict[str, Any]
+    candidate_name: str = ""
+    profile_name: str = ""
+    created_at: str = ""
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """An accepted report."""
+
+    report_path: Path
+    report_fingerprint: str
+    candidate_fingerprint: str
+    profile_fingerprint: str
+    reference: dict[str, Any] = field(default_factory=dict)
+
+    def checkpoint_metadata(self) -> dict[str, str]:
+        """safetensors metadata (str -> str) recorded in every checkpoint."""
+        return {"dflash_audit_report_fingerprint": self.report_fingerprint,
+                "dflash_audit_report": str(self.report_path),
+                "dflash_audit_candidate_fingerprint": self.candidate_fingerprint,
+                "dflash_audit_profile_fingerprint": self.profile_fingerprint}
+
+
+def read_report(path: Path) -> ReportFields:
+    """Read the gate's fields from a ``report.json`` (schema_version 1,
+    :mod:`dflash_audit.report.schema`).
+
+    Raises:
+        GateError: unreadable, not JSON, or a required field missing (exit code 2).
+    """
+    try:
+        d = json.loads(Path(path).read_text())
+        return ReportFields(
+            path=Path(path), verdict=str(d["verdict"]), fingerprint=str(d["fingerprint"]),
+            candidate_fingerprint=str(d["candidate"]["fingerprint"]),
+            profile_fingerprint=str(d["profile"]["fingerprint"]),
+            reference=dict(d["reference"]),
+            candidate_name=str(d["candidate"].get("name") or d["candidate"].get("spec") or ""),
+            profile_name=str(d["profile"].get("name") or ""),
+            created_at=str(d.get("created_at") or ""))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise GateError(f"cannot read audit report {path}: {type(exc).__name__}: {exc}") from None
+
+
+def compare_command(ref: str | None, profile: str, candidate: str | None) -> str:
+    """The ``dflash-audit compare`` command that audits this candidate/profile/reference."""
+    parts = ["dflash-audit", "compare"]
+    if ref:
+        parts += ["--ref", ref]
+    parts += ["--profile", profile]
+    if candidate:
+        parts += ["--candidate", candidate]
+    return shlex.join(parts)
+
+
+def expected_for(candidate: Any, candidate_spec: str | None, profile: Any, ref: str | None,
+                 reference_identity: dict[str, Any] | None = None) -> Expected:
+    """Fingerprints of the run about to start.
+
+    Args:
+        candidate: the loaded candidate object (``load_candidate(candidate_spec)``).
+        candidate_spec: ``--candidate`` as given (None = our drafter).
+        profile: a :class:`dflash_audit.profile.Profile`.
+        ref: ``--ref`` as given (None = the lock's reference).
+        reference_identity: an already resolved identity dict; else ``ref`` is resolved
+            offline from the cache (a reference never resolved means no audit ran on it).
+
+    Raises:
+        GateError: the reference cannot be resolved offline (exit code 2).
+    """
+    from dflash_audit.report.fingerprint import candidate_fingerprint, reference_key
+
+    command = compare_command(ref, profile.source or profile.name, candidate_spec)
+    if reference_identity is None:
+        from dflash_audit.reference_source import ReferenceSourceError, resolve_reference
+
+        try:
+            reference_identity = resolve_reference(ref, offline=True).to_dict()
+        except ReferenceSourceError as exc:
+            raise GateError(
+                f"the reference {ref or '(lock default)'} is not available locally, so it was "
+                f"never audited here ({exc}).\nRun the audit first:\n  {command}") from None
+    profile_fp = profile.fingerprint()
+    return Expected(candidate_fingerprint=candidate_fingerprint(candidate, profile_fp)[
+        "fingerprint"], profile_fingerprint=profile_fp,
+        reference_key=reference_key(reference_identity), compare_command=command)
+
+
+def differences(report: ReportFields, expected: Expected) -> list[str]:
+    """Which of candidate / profile / reference differ, each as one explanatory line."""
+    from dflash_audit.report.fingerprint import reference_key
+
+    out = []
+    if report.candidate_fingerprint != expected.candidate_fingerprint:
+        out.append(f"candidate differs: the report audited {report.candidate_name or 'a candidate'}"
+                   f" with fingerprint {report.candidate_fingerprint[:12]}, this run trains "
+                   f"{expected.candidate_fingerprint[:12]} (its code or the profile changed "
+                   "since the audit)")
+    if report.profile_fingerprint != expected.profile_fingerprint:
+        out.append(f"profile differs: the report used profile {report.profile_name or '?'} "
+                   f"({report.profile_fingerprint[:12]}), this run uses "
+                   f"{expected.profile_fingerprint[:12]}")
+    got = reference_key(report.reference)
+    if got != expected.reference_key:
+        changed = {k: (got.get(k), v) for k, v in expected.reference_key.items()
+                   if got.get(k) != v}
+        detail = ", ".join(f"{k}: report {a!r} vs now {b!r}" for k, (a, b) in changed.items())
+        out.append(f"reference differs: {detail}")
+    return out
+
+
+def _integrity_ok(report: ReportFields) -> bool:
+    from dflash_audit.report.fingerprint import report_fingerprint
+
+    return report.fingerprint == report_fingerprint(
+        report.verdict, report.reference, report.candidate_fingerprint,
+        report.profile_fingerprint)
+
+
+def find_reports(reports_dir: Path) -> list[Path]:
+    """``reports_dir/*/report.json``, newest first (by modification time)."""
+    if not reports_dir.is_dir():
+        return []
+    found = [p for p in reports_dir.glob(f"*/{REPORT_FILE}") if p.is_file()]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def check_gate(expected: Expected, report: Path | None = None,
+               reports_dir: Path = DEFAULT_REPORTS_DIR) -> GateResult:
+    """Find a passing report for ``expected`` (``report`` if given, else the newest
+    matching one in ``reports_dir``).
+
+    Raises:
+        GateError: see the module docstring for the message and exit code.
+    """
+    how = f"Produce the report with:\n  {expected.compare_command}"
+    paths = [Path(report)] if report is not None else find_reports(Path(reports_dir))
+    if report is not None and Path(report).is_dir():
+        paths = [Path(report) / REPORT_FILE]
+    if not paths:
+        raise GateError(f"no audit report found in {reports_dir}/: training starts only after "
+                        f"the candidate passed the audit.\n{how}")
+    first_mismatch: tuple[ReportFields, list[str]] | None = None
+    for path in paths:
+        if not path.is_file():
+            raise GateError(f"audit report {path} does not exist.\n{how}")
+        fields = read_report(path)
+        diffs = differences(fields, expected)
+        if diffs:
+            first_mismatch = first_mismatch or (fields, diffs)
+            continue
+        if not _integrity_ok(fields):
+            raise GateError(f"audit report {path} does not carry a valid fingerprint (edited by "
+                            f"hand or written by another tool); refusing it.\n{how}")
+        if fields.verdict != "pass":
+            raise GateError(
+                f"the audit of this candidate, profile and reference FAILED ({path}, verdict "
+                f"{fields.verdict!r}); fix the candidate (see {path.with_name('report.md')}) "
+                f"and rerun:\n  {expected.compare_command}", exit_code=EXIT_AUDIT_FAILED)
+        return GateResult(report_path=path, report_fingerprint=fields.fingerprint,
+                          candidate_fingerprint=fields.candidate_fingerprint,
+                          profile_fingerprint=fields.profile_fingerprint,
+                          reference=fields.reference)
+    fields, diffs = first_mismatch  # type: ignore[misc]
+    which = "the given report" if report is not None else f"the newest report ({fields.path})"
+    listing = "\n".join(f"  - {d}" for d in diffs)
+    raise GateError(f"no audit report matches this training run; {which} differs:\n{listing}\n"
+                    f"{how}")

@@ -1,0 +1,141 @@
+"""The training gate: a passing report for the same candidate, profile and reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import train_tiny as tt
+
+from dflash_audit.candidate import load_candidate
+from dflash_audit.profile import Profile
+from dflash_audit.train.gate import (
+    EXIT_AUDIT_FAILED,
+    EXIT_NO_MATCHING_REPORT,
+    GateError,
+    check_gate,
+    compare_command,
+    expected_for,
+)
+
+
+@pytest.fixture
+def setup(tmp_path):
+    profile_path = tt.write_profile(tmp_path / "tiny.toml")
+    profile = Profile.load(str(profile_path))
+    expected = expected_for(load_candidate(None), None, profile, "speculators==0.9.0",
+                            reference_identity=tt.REFERENCE)
+    return tmp_path, profile_path, expected
+
+
+def test_passing_report_admits_and_names_its_fingerprint(setup):
+    tmp, profile_path, expected = setup
+    report = tt.write_report(tmp / "reports", profile_path)
+    result = check_gate(expected, reports_dir=tmp / "reports")
+    assert result.report_path == report
+    assert result.report_fingerprint == json.loads(report.read_text())["fingerprint"]
+    assert len(result.report_fingerprint) == 64
+    meta = result.checkpoint_metadata()
+    assert meta["dflash_audit_report_fingerprint"] == result.report_fingerprint
+    # an explicit --report path (file or folder) works too
+    assert check_gate(expected, report=report).report_path == report
+    assert check_gate(expected, report=report.parent).report_path == report
+
+
+def test_no_report_exit_2_with_compare_command(setup):
+    tmp, profile_path, expected = setup
+    with pytest.raises(GateError) as err:
+        check_gate(expected, reports_dir=tmp / "reports")
+    assert err.value.exit_code == EXIT_NO_MATCHING_REPORT == 2
+    command = f"dflash-audit compare --ref speculators==0.9.0 --profile {profile_path}"
+    assert command in str(err.value)
+    assert expected.compare_command == command
+
+
+def test_profile_difference_is_named(setup):
+    tmp, profile_path, expected = setup
+    other = tt.write_profile(tmp / "other.toml", gamma=7.0)
+    tt.write_report(tmp / "reports", other)
+    with pytest.raises(GateError) as err:
+        check_gate(expected, reports_dir=tmp / "reports")
+    msg = str(err.value)
+    assert err.value.exit_code == 2
+    assert "profile differs" in msg
+    assert "candidate differs" in msg  # the candidate fingerprint includes the profile's
+    assert "reference differs" not in msg
+    assert expected.compare_command in msg
+
+
+def test_candidate_difference_is_named(setup):
+    tmp, profile_path, expected = setup
+    path = tt.write_report(tmp / "reports", profile_path)
+    report = json.loads(path.read_text())
+    report["candidate"]["fingerprint"] = "0" * 64
+    path.write_text(json.dumps(report))
+    with pytest.raises(GateError) as err:
+        check_gate(expected, reports_dir=tmp / "reports")
+    msg = str(err.value)
+    assert "candidate differs" in msg and "000000000000" in msg
+    assert "profile differs" not in msg and "reference differs" not in msg
+
+
+def test_reference_difference_is_named(setup):
+    tmp, profile_path, expected = setup
+    other = {**tt.REFERENCE, "kind": "git", "ref": "main", "commit": "c05b95b" + "0" * 33,
+             "sdist_sha256": None, "version": None}
+    tt.write_report(tmp / "reports", profile_path, reference=other)
+    with pytest.raises(GateError) as err:
+        check_gate(expected, reports_dir=tmp / "reports")
+    msg = str(err.value)
+    assert "reference differs" in msg
+    assert "kind: report 'git' vs now 'sdist'" in msg
+    assert "candidate differs" not in msg and "profile differs" not in msg
+
+
+def test_failed_audit_exit_1(setup):
+    tmp, profile_path, expected = setup
+    tt.write_report(tmp / "reports", profile_path, verdict="fail")
+    with pytest.raises(GateError) as err:
+        check_gate(expected, reports_dir=tmp / "reports")
+    assert err.value.exit_code == EXIT_AUDIT_FAILED == 1
+    assert "FAILED" in str(err.value) and expected.compare_command in str(err.value)
+
+
+def test_hand_edited_verdict_is_refused(setup):
+    tmp, profile_path, expected = setup
+    path = tt.write_report(tmp / "reports", profile_path, verdict="fail")
+    report = json.loads(path.read_text())
+    report["verdict"] = "pass"  # fingerprint still says "fail"
+    path.write_text(json.dumps(report))
+    with pytest.raises(GateError) as err:
+        check_gate(expected, reports_dir=tmp / "reports")
+    assert err.value.exit_code == 2 and "valid fingerprint" in str(err.value)
+
+
+def test_newest_matching_report_wins_over_newer_mismatch(setup):
+    tmp, profile_path, expected = setup
+    good = tt.write_report(tmp / "reports", profile_path, name="a-good")
+    old = time.time() - 100
+    os.utime(good, (old, old))
+    tt.write_report(tmp / "reports", tt.write_profile(tmp / "b.toml", gamma=2.0), name="b-new")
+    assert check_gate(expected, reports_dir=tmp / "reports").report_path == good
+
+
+def test_unreadable_report(setup):
+    tmp, _, expected = setup
+    bad = tmp / "reports" / "x" / "report.json"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("{not json")
+    with pytest.raises(GateError) as err:
+        check_gate(expected, reports_dir=tmp / "reports")
+    assert "cannot read audit report" in str(err.value) and err.value.exit_code == 2
+
+
+def test_compare_command_quotes_and_defaults():
+    assert compare_command(None, "reference-model", None) == \
+        "dflash-audit compare --profile reference-model"
+    assert compare_command("speculators@main", "my profile.toml", "pkg.mod:Cand") == \
+        "dflash-audit compare --ref speculators@main --profile 'my profile.toml' " \
+        "--candidate pkg.mod:Cand"
