@@ -90,7 +90,7 @@ def train_step(
             with autocast_context(device):
                 loss, m = forward(inputs)
             if not torch.isfinite(loss.detach()):
-                raise ValueError(f"non-finite loss {float(loss)} on micro-batch {i}; "
+                raise ValueError(f"non-finite loss {float(loss.detach())} on micro-batch {i}; "
                                  "the step was not applied")
             (loss / n).backward()
         total_loss += float(loss.detach()) / n
