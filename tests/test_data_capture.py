@@ -27,13 +27,17 @@ def smol():
 def _hf_states(model, ids: torch.Tensor, tie_last: bool = True) -> tuple[torch.Tensor, ...]:
     """HF hidden states of one un-packed sequence; with ``tie_last=False`` the last entry is
     the last layer's output before the final norm (HF's own switch, independent of our hooks)."""
-    old = getattr(model.config, "tie_last_hidden_states", None)
+    had, old = hasattr(model.config, "tie_last_hidden_states"), getattr(
+        model.config, "tie_last_hidden_states", None)
     model.config.tie_last_hidden_states = tie_last
     try:
         with torch.no_grad():
             return model(ids, output_hidden_states=True).hidden_states
-    finally:
-        model.config.tie_last_hidden_states = old
+    finally:  # leave the (shared) config exactly as it was
+        if had:
+            model.config.tie_last_hidden_states = old
+        else:
+            delattr(model.config, "tie_last_hidden_states")
 
 
 def _check_against_hf(verifier, ids: torch.Tensor, layer_ids: list[int]) -> None:

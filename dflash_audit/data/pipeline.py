@@ -1,0 +1,294 @@
+"""Orchestrate the data pipeline: verifier + conversations -> packed batches with captured
+hidden states; batch directories; the ``dflash-audit data`` command.
+
+``build_batches`` is deterministic for a seed: conversations are shuffled with
+``random.Random(seed)``, tokenized lazily and packed next-fit until ``rows`` rows are full,
+then each row is captured (one verifier forward per document).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from dflash_audit.data.batch import Batch
+from dflash_audit.data.capture import CONVENTION, capture_row, resolve_target_layer_ids
+from dflash_audit.data.conversations import Conversation, ConversationSet, load_conversations
+from dflash_audit.data.errors import BatchFileError, DataError
+from dflash_audit.data.pack import PackedRow, pack_stream
+from dflash_audit.data.tokenize import (
+    MaskTokenChoice,
+    TokenizedConversation,
+    choose_mask_token_id,
+    end_of_turn_ids,
+    tokenize_conversation,
+)
+from dflash_audit.data.verifier import Verifier, load_verifier
+
+BATCH_GLOB = "batch_*.safetensors"
+MANIFEST = "manifest.json"
+REFERENCE_SUBDIR = "reference"
+REGEN_CHUNK = 16  # conversations regenerated together (one generate batch per turn index)
+
+
+@dataclass
+class _Stats:
+    available: int = 0
+    skipped_no_assistant: int = 0
+    dropped_no_supervised: int = 0
+    truncated: int = 0
+    used: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {"conversations_available": self.available,
+                "skipped_no_assistant_turn": self.skipped_no_assistant,
+                "dropped_no_supervised_token": self.dropped_no_supervised,
+                "truncated_documents": self.truncated, "documents_packed": self.used}
+
+
+def _progress(enabled: bool) -> Any:
+    """A rich progress bar on stderr (or a no-op stand-in)."""
+    if not enabled:
+        return nullcontext(None)
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn)
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=Console(stderr=True))
+
+
+def _documents(verifier: Verifier, conversations: Sequence[Conversation], seq_len: int,
+               stats: _Stats, regenerate: bool, max_new_tokens: int, progress: Any
+               ) -> Iterator[TokenizedConversation]:
+    """Tokenized documents in the given order, regenerating chunk by chunk if asked."""
+    eot = end_of_turn_ids(verifier.tokenizer, getattr(verifier.model, "generation_config", None))
+    regen_task = progress.add_task("regenerating replies", total=None) if (
+        progress is not None and regenerate) else None
+    step = REGEN_CHUNK if regenerate else max(len(conversations), 1)
+    for begin in range(0, len(conversations), step):
+        chunk = conversations[begin:begin + step]
+        if regenerate:
+            from dflash_audit.data.regenerate import regenerate_conversations
+            chunk = regenerate_conversations(
+                verifier, chunk, max_new_tokens=max_new_tokens, max_context=seq_len,
+                progress=(lambda n: progress.advance(regen_task, n)) if regen_task is not None
+                else None)
+        for conv in chunk:
+            doc = tokenize_conversation(verifier.tokenizer, conv.messages, seq_len,
+                                        source=conv.source, eot_ids=eot)
+            if doc is None:
+                stats.dropped_no_supervised += 1
+                continue
+            stats.used += 1
+            stats.truncated += doc.truncated
+            yield doc
+
+
+def _check_args(seq_len: int, rows: int) -> None:
+    if not isinstance(seq_len, int) or seq_len < 16:
+        raise DataError(f"--seq-len must be an integer >= 16, got {seq_len!r}")
+    if not isinstance(rows, int) or rows < 1:
+        raise DataError(f"--rows must be a positive integer, got {rows!r}")
+
+
+def _metadata(verifier: Verifier, row: PackedRow, layer_ids: list[int], mask: MaskTokenChoice,
+              data: str, seed: int, regen: dict[str, Any] | None) -> dict[str, Any]:
+    tok = verifier.tokenizer
+    return {
+        "verifier": verifier.identity.to_dict(),
+        "target_layer_ids": layer_ids,
+        "layer_id_convention": CONVENTION,
+        "tokenizer": {"name": verifier.identity.name, "class": type(tok).__name__,
+                      "len": len(tok)},
+        "seq_len": row.seq_len,
+        "hidden_size": verifier.hidden_size,
+        "num_verifier_layers": verifier.num_layers,
+        "mask_token_id": mask.id,
+        "mask_token_reason": mask.reason,
+        "num_documents": len(row.documents),
+        "documents": [{"source": d.source, "length": len(d), "truncated": d.truncated}
+                      for d in row.documents],
+        "data": data,
+        "seed": seed,
+        "regenerate": regen,
+    }
+
+
+def build_batches(verifier: str | Verifier, data: str, seq_len: int, rows: int,
+                  target_layer_ids: None | str | Sequence[int] = None, zlab_ids: bool = False,
+                  mask_token_id: int | None = None, seed: int = 0, progress: bool = True,
+                  regenerate: bool = False, max_new_tokens: int = 64,
+                  conversations: ConversationSet | None = None) -> list[Batch]:
+    """Build ``rows`` packed batches from real conversations, deterministic for ``seed``.
+
+    Args:
+        verifier: a spec (local HF folder or ``smollm2-135m``) or a loaded :class:`Verifier`.
+        data: ``chitchat`` or a ``.jsonl`` / ``.json`` file (ignored if ``conversations``).
+        seq_len: T, tokens per packed row; longer conversations are truncated.
+        rows: number of packed rows (batches) wanted; fewer if the data runs out.
+        target_layer_ids: ``None``/``"zlab"`` (5 evenly spaced), ``"speculators"``
+            (``[2, N//2, N-3]``), ``"1,5,9"`` or a list of ints (our convention).
+        zlab_ids: read explicit ids as z-lab ids (ours = z-lab + 1).
+        mask_token_id: explicit mask token (see :func:`choose_mask_token_id`).
+        seed: shuffles the conversation order.
+        progress: show a rich progress bar on stderr.
+        regenerate: replace assistant turns by the verifier's greedy replies (cached).
+        max_new_tokens: generation bound per reply when regenerating.
+        conversations: already loaded conversations (tests, callers with their own data).
+
+    Returns:
+        One :class:`Batch` per packed row; each Batch's metadata includes ``data_stats``
+        (conversations skipped for no assistant turn, dropped without supervised token...).
+
+    Raises:
+        DataError (or a subclass): bad arguments, data, verifier, layer ids or mask token;
+            or no conversation left with a supervised token.
+    """
+    _check_args(seq_len, rows)
+    convs = conversations if conversations is not None else load_conversations(data)
+    if isinstance(verifier, str):
+        verifier = load_verifier(verifier)
+    layer_ids = resolve_target_layer_ids(verifier.num_layers, target_layer_ids, zlab_ids)
+    mask = choose_mask_token_id(verifier.tokenizer, verifier.embedding_rows, mask_token_id)
+    stats = _Stats(available=len(convs), skipped_no_assistant=convs.skipped_no_assistant)
+    order = list(range(len(convs.conversations)))
+    random.Random(seed).shuffle(order)
+    ordered = [convs.conversations[i] for i in order]
+    regen = {"max_new_tokens": max_new_tokens, "decoding": "greedy"} if regenerate else None
+
+    packed: list[PackedRow] = []
+    with _progress(progress) as bar:
+        pack_task = bar.add_task("tokenizing + packing rows", total=rows) if bar else None
+        docs = _documents(verifier, ordered, seq_len, stats, regenerate, max_new_tokens, bar)
+        for row in pack_stream(docs, seq_len):
+            packed.append(row)
+            if bar:
+                bar.advance(pack_task)
+            if len(packed) == rows:
+                break
+        if not packed:
+            raise DataError(f"no conversation in {convs.source!r} has a supervised assistant "
+                            f"token within seq_len {seq_len} ({stats.to_dict()})")
+        stats.used = sum(len(r.documents) for r in packed)
+        capture_task = bar.add_task("capturing hidden states", total=len(packed)) if bar else None
+        batches = []
+        for row in packed:
+            hidden, last = capture_row(verifier.model, row.input_ids, row.document_ids,
+                                       layer_ids)
+            meta = _metadata(verifier, row, layer_ids, mask, convs.source, seed, regen)
+            batches.append(Batch(hidden_states=hidden, verifier_last_hidden_states=last,
+                                 input_ids=row.input_ids, loss_mask=row.loss_mask,
+                                 position_ids=row.position_ids, document_ids=row.document_ids,
+                                 metadata=meta))
+            if bar:
+                bar.advance(capture_task)
+    for b in batches:
+        b.metadata["data_stats"] = stats.to_dict()
+    return batches
+
+
+def write_batches(batches: Sequence[Batch], out_dir: str | Path,
+                  reference_format: bool = False) -> list[Path]:
+    """Write ``batch_00000.safetensors``... and ``manifest.json`` into ``out_dir``.
+
+    Older ``batch_*.safetensors`` files in ``out_dir`` are removed first, so a directory
+    never mixes two builds. With ``reference_format`` the documents are also written in the
+    reference's offline format under ``out_dir/reference``.
+
+    Returns:
+        The batch file paths, in order.
+
+    Raises:
+        BatchFileError: a batch is invalid.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob(BATCH_GLOB):
+        old.unlink()
+    paths = [b.save(out / f"batch_{i:05d}.safetensors") for i, b in enumerate(batches)]
+    first = batches[0].metadata if batches else {}
+    manifest = {"files": [p.name for p in paths],
+                **{k: first.get(k) for k in ("verifier", "target_layer_ids",
+                                             "layer_id_convention", "seq_len", "mask_token_id",
+                                             "mask_token_reason", "data", "seed", "regenerate",
+                                             "data_stats")}}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    if reference_format:
+        from dflash_audit.data.reference_format import write_reference_offline
+        write_reference_offline(batches, out / REFERENCE_SUBDIR)
+    return paths
+
+
+def load_batches(directory: str | Path) -> list[Batch]:
+    """Load and validate every ``batch_*.safetensors`` of a directory, in name order.
+
+    Raises:
+        BatchFileError: the directory is missing or has no batch file, or a file is bad.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise BatchFileError(f"{d}: batch directory not found")
+    files = sorted(d.glob(BATCH_GLOB))
+    if not files:
+        raise BatchFileError(f"{d}: no {BATCH_GLOB} files (run `dflash-audit data --out {d}`)")
+    return [Batch.load(f) for f in files]
+
+
+# ------------------------------------------------------------------------------- CLI
+def data_command(
+    verifier: Annotated[str, typer.Option(
+        help="Local HF causal-LM folder, or the built-in 'smollm2-135m'.")] = "smollm2-135m",
+    data: Annotated[str, typer.Option(
+        help="'chitchat', or a .jsonl file ({\"messages\": [...]} or ShareGPT per line).")
+    ] = "chitchat",
+    seq_len: Annotated[int, typer.Option(help="T, tokens per packed row.")] = 1024,
+    rows: Annotated[int, typer.Option(help="Number of packed rows (batch files).")] = 16,
+    out: Annotated[Path, typer.Option(help="Output directory.")] = Path("data/batches"),
+    target_layers: Annotated[str, typer.Option(
+        help="'zlab' (5 evenly spaced), 'speculators' ([2, N//2, N-3]) or ids like 1,5,9.")
+    ] = "zlab",
+    zlab_ids: Annotated[bool, typer.Option(
+        help="Read explicit --target-layers as z-lab ids (ours = z-lab + 1).")] = False,
+    mask_token_id: Annotated[Optional[int], typer.Option(  # noqa: UP007 (typer)
+        help="Mask token id (default: tokenizer mask token, spare row, reserved token).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Shuffles the conversation order.")] = 0,
+    regenerate: Annotated[bool, typer.Option(
+        help="Replace assistant turns by the verifier's own greedy replies (cached; slow "
+             "on CPU).")] = False,
+    max_new_tokens: Annotated[int, typer.Option(
+        help="Generation bound per reply with --regenerate.")] = 64,
+    reference_format: Annotated[bool, typer.Option(
+        help="Also write speculators' offline format (hs_{i}.safetensors) to OUT/reference.")
+    ] = False,
+) -> None:
+    """Build packed batches with captured verifier hidden states and write them to --out."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    try:
+        batches = build_batches(verifier, data, seq_len, rows, target_layer_ids=target_layers,
+                                zlab_ids=zlab_ids, mask_token_id=mask_token_id, seed=seed,
+                                progress=True, regenerate=regenerate,
+                                max_new_tokens=max_new_tokens)
+        paths = write_batches(batches, out, reference_format=reference_format)
+    except DataError as exc:
+        console.print(f"error: {exc}", style="bold red", highlight=False, markup=False)
+        raise typer.Exit(2) from None
+    meta = batches[0].metadata
+    tokens = sum(int(b.loss_mask.sum()) for b in batches)
+    console.print(
+        f"wrote {len(paths)} batches to {out} (T={meta['seq_len']}, "
+        f"target_layer_ids={meta['target_layer_ids']}, mask_token_id={meta['mask_token_id']} "
+        f"({meta['mask_token_reason']}), {tokens} supervised tokens, {meta['data_stats']})",
+        highlight=False, markup=False)
+    if len(batches) < rows:
+        console.print(f"warning: the data filled only {len(batches)} of {rows} rows",
+                      markup=False)
