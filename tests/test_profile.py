@@ -1,0 +1,156 @@
+"""Profiles: the built-ins carry the reference's documented defaults, build drafter configs
+and loss specs, fingerprint their semantics, and bad files fail naming the field."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig
+
+from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, default_target_layer_ids
+from dflash_audit.model.loss import LossSpec
+from dflash_audit.profile import Profile, ProfileError, builtin_profiles
+
+VALID = """
+name = "mine"
+block_size = 8
+gamma = 4.0
+loss = "kl_div"
+weighting = "fixed-exp-decay"
+dpace_alpha = 0.5
+max_anchors = 64
+target_layers = [1, 3]
+num_draft_layers = 2
+layer_layout = ["sliding", "full"]
+sliding_window = 16
+sliding_window_non_causal = false
+sample_from_anchor = false
+"""
+
+
+def verifier(layers: int = 30) -> LlamaConfig:
+    return LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, num_hidden_layers=layers, vocab_size=300)
+
+
+def write(tmp_path, text: str, name: str = "p.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_builtins_are_packaged():
+    assert builtin_profiles() == ["reference-model", "reference-train-cli", "zlab"]
+
+
+def test_reference_model_defaults():
+    p = Profile.load("reference-model")
+    assert (p.block_size, p.gamma, p.loss, p.weighting, p.dpace_alpha, p.max_anchors) == (
+        8, 4.0, "kl_div", "fixed-exp-decay", 0.5, 512)
+    assert (p.target_layers, p.num_draft_layers, p.layer_types) == (
+        "speculators", 1, (FULL_ATTENTION,))
+    assert (p.sliding_window, p.sliding_window_non_causal, p.sample_from_anchor,
+            p.draft_vocab_size) == (None, False, False, None)
+    cfg = p.to_drafter_config(verifier(30), mask_token_id=299)
+    assert cfg.target_layer_ids == (2, 15, 27)  # [2, N//2, N-3]
+    assert cfg.layer_types is None and cfg.effective_layer_types == (FULL_ATTENTION,)
+    assert (cfg.block_size, cfg.num_hidden_layers, cfg.mask_token_id, cfg.hidden_size) == (
+        8, 1, 299, 64)
+    assert p.loss_spec() == LossSpec("kl_div", "fixed-exp-decay", 4.0, 0.5)
+
+
+def test_reference_train_cli_defaults():
+    p = Profile.load("reference-train-cli")
+    assert (p.block_size, p.loss, p.weighting, p.num_draft_layers, p.optimizer) == (
+        16, "ce", "dpace", 5, "muon")
+    cfg = p.to_drafter_config(verifier(30), mask_token_id=5)
+    assert cfg.layer_types == (SLIDING_ATTENTION,) * 5
+    assert (cfg.sliding_window, cfg.sliding_window_non_causal) == (2048, False)
+    assert cfg.target_layer_ids == (2, 15, 27)
+    assert p.loss_spec() == LossSpec("ce", "dpace", 4.0, 0.5)
+
+
+def test_zlab_profile():
+    p = Profile.load("zlab")
+    cfg = p.to_drafter_config(verifier(30), mask_token_id=5)
+    assert list(cfg.target_layer_ids) == default_target_layer_ids(30, "zlab")
+    assert len(cfg.target_layer_ids) == 5 and cfg.num_hidden_layers == 5
+    assert cfg.effective_layer_types == (FULL_ATTENTION,) * 5 and cfg.block_size == 16
+    assert p.loss_spec() == LossSpec("ce", "fixed-exp-decay", 7.0, 0.5)
+
+
+def test_file_profile_and_explicit_layout(tmp_path):
+    p = Profile.load(write(tmp_path, VALID))
+    assert p.name == "mine" and p.source.endswith("p.toml")
+    cfg = p.to_drafter_config(verifier(6), mask_token_id=7)
+    assert cfg.target_layer_ids == (1, 3)
+    assert cfg.layer_types == (SLIDING_ATTENTION, FULL_ATTENTION) and cfg.sliding_window == 16
+    override = p.to_drafter_config(verifier(6), mask_token_id=7, target_layer_ids=[2, 4])
+    assert override.target_layer_ids == (2, 4)
+
+
+def test_fingerprint_is_semantic():
+    p = Profile.load("reference-train-cli")
+    assert p.fingerprint() == Profile.load("reference-train-cli").fingerprint()
+    assert len(p.fingerprint()) == 64
+    renamed = p.replace(name="other", description="same semantics")
+    assert renamed.fingerprint() == p.fingerprint()
+    spelled_out = p.replace(layer_layout=["sliding"] * 5)
+    assert spelled_out.fingerprint() == p.fingerprint()
+    assert p.replace(gamma=7.0).fingerprint() != p.fingerprint()
+    assert p.replace(sliding_window=1024).fingerprint() != p.fingerprint()
+
+
+@pytest.mark.parametrize("edit, field", [
+    ("block_size = 1", "block_size"),
+    ("gamma = 0", "gamma"),
+    ('loss = "kl"', "loss"),
+    ('weighting = "linear"', "weighting"),
+    ("dpace_alpha = 1.5", "dpace_alpha"),
+    ("max_anchors = 0", "max_anchors"),
+    ('target_layers = "middle"', "target_layers"),
+    ("target_layers = [3, 1]", "target_layers"),
+    ("num_draft_layers = 3", "layer_layout"),  # 2 layout entries for 3 layers
+    ('layer_layout = ["sliding", "local"]', "layer_layout"),
+    ("sliding_window = -4", "sliding_window"),
+    ("sample_from_anchor = 1", "sample_from_anchor"),
+    ("draft_vocab_size = 0", "draft_vocab_size"),
+])
+def test_bad_field_is_named(tmp_path, edit, field):
+    key = edit.split("=")[0].strip()
+    lines = [ln for ln in VALID.splitlines() if not ln.startswith(key + " ")]
+    path = write(tmp_path, "\n".join(lines + [edit]) + "\n")
+    with pytest.raises(ProfileError, match=f"field '{field}'") as err:
+        Profile.load(path)
+    assert str(path) in str(err.value)
+
+
+def test_sliding_layout_needs_a_window(tmp_path):
+    text = VALID.replace("sliding_window = 16\n", "")
+    with pytest.raises(ProfileError, match="'sliding_window'.*required"):
+        Profile.load(write(tmp_path, text))
+
+
+def test_unknown_and_missing_fields(tmp_path):
+    with pytest.raises(ProfileError, match=r"unknown field\(s\) 'gama' \(did you mean 'gamma'\?\)"):
+        Profile.load(write(tmp_path, VALID + "gama = 3.0\n"))
+    with pytest.raises(ProfileError, match=r"missing field\(s\) gamma"):
+        Profile.load(write(tmp_path, VALID.replace("gamma = 4.0\n", "")))
+
+
+def test_unreadable_profiles(tmp_path):
+    with pytest.raises(ProfileError, match="not valid TOML"):
+        Profile.load(write(tmp_path, "block_size = = 8\n"))
+    with pytest.raises(ProfileError, match="does not exist"):
+        Profile.load(tmp_path / "absent.toml")
+    with pytest.raises(ProfileError, match=r"unknown profile 'zlb' \(did you mean 'zlab'\?\).*"
+                                           "reference-model, reference-train-cli, zlab"):
+        Profile.load("zlb")
+
+
+def test_profile_that_does_not_fit_the_verifier(tmp_path):
+    p = Profile.load(write(tmp_path, VALID.replace("[1, 3]", "[1, 40]")))
+    with pytest.raises(ProfileError, match=r"'target_layers'.*\[40\] do not exist.*6 layers"):
+        p.to_drafter_config(verifier(6), mask_token_id=7)
+    big = p.replace(target_layers=[1, 3], draft_vocab_size=10_000)
+    with pytest.raises(ProfileError, match="draft_vocab_size"):
+        big.to_drafter_config(verifier(6), mask_token_id=7)
