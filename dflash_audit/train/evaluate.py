@@ -1,0 +1,289 @@
+"""Real speculative decoding with a DFlash drafter: mean acceptance length on held-out prompts.
+
+One verify step (greedy, lossless):
+
+1. The verified prefix x_0..x_{p-1} has the verifier's target-layer states captured; the
+   drafter's context is ``drafter.context`` of them, ``[1, p, H]``. The last token x_p (the
+   verifier's own choice from the previous step) is known but not yet run through the
+   verifier.
+2. :func:`propose`: the block ``[x_p, mask, ..., mask]`` at positions p..p+B-1 attends to
+   the whole context (every kv < p, same document) exactly as an anchor at p does in
+   training; the greedy argmax of the draft logits of slots 1..B-1 (0..B-1 with
+   ``sample_from_anchor``) are the K drafts for positions p+1..p+K. Draft-vocabulary ids map
+   to verifier ids as ``i + d2t[i]``.
+3. The verifier runs once over ``[x_p, d_1..d_K]`` (KV cache of the prefix) and predicts
+   position p+k+1 at block index k. The longest prefix of drafts equal to those argmaxes
+   is accepted, then one bonus token (the verifier's prediction after the last accepted
+   one). The step emits ``accepted + 1`` tokens: its *acceptance length*. Captured states
+   of x_p and the accepted drafts extend the context; the rest is cropped from the cache.
+
+The mean acceptance length is pooled over all verify steps of all prompts (the prefill's
+first token is not a verify step). Output is identical to the verifier's greedy decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash_audit.model.drafter import DFlashDrafter
+
+
+@dataclass
+class EvalResult:
+    """Acceptance of one drafter on a prompt set.
+
+    ``acceptance_length``: mean tokens emitted per verify step (accepted drafts + 1);
+    ``histogram[k]``: verify steps that accepted exactly k drafts (k = 0..K);
+    ``per_prompt``: mean acceptance length of each prompt; ``wall_s``: seconds.
+    """
+
+    acceptance_length: float
+    verify_steps: int
+    generated_tokens: int
+    prompts: int
+    drafts_per_step: int
+    max_new_tokens: int
+    histogram: list[int] = field(default_factory=list)
+    per_prompt: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Generation:
+    """Tokens generated for one prompt and the acceptance length of each verify step."""
+
+    tokens: list[int]
+    acceptance: list[int]
+
+
+def num_drafts(drafter: DFlashDrafter) -> int:
+    """K, drafts per verify step: B-1 (B with ``sample_from_anchor``)."""
+    c = drafter.config
+    return c.block_size if c.sample_from_anchor else c.block_size - 1
+
+
+@torch.no_grad()
+def propose_logits(drafter: DFlashDrafter, context: torch.Tensor, last_token: int
+                   ) -> torch.Tensor:
+    """Draft logits of the block anchored right after the context.
+
+    Args:
+        drafter: the drafter (eval mode).
+        context: ``[1, p, H]`` = ``drafter.context(hidden_states[:, :p])``, positions 0..p-1
+            of one document (p >= 1).
+        last_token: x_p, verifier-vocab id at position p (the block's slot 0).
+
+    Returns:
+        ``[B, V_d]`` draft logits of slots 0..B-1 (positions p..p+B-1).
+    """
+    c = drafter.config
+    B, p, device = c.block_size, context.shape[1], context.device
+    # A packed row of p+1 positions: the context, then the anchor p itself, whose state is
+    # unknown and never attended (the mask admits kv < anchor only).
+    row = torch.cat([context, context.new_zeros(1, 1, context.shape[-1])], dim=1)
+    anchor = torch.tensor([p], device=device)
+    document_ids = torch.zeros(1, p + 1, dtype=torch.long, device=device)
+    noise_ids = torch.full((1, B), c.mask_token_id, dtype=torch.long, device=device)
+    noise_ids[0, 0] = int(last_token)
+    x = drafter.embed_tokens(noise_ids)  # [1,B,H]
+    positions = torch.cat([torch.arange(p + 1, device=device),
+                           torch.arange(p, p + B, device=device)])[None]  # [1,p+1+B]
+    cos, sin = drafter.rotary_emb(positions, x.dtype)
+    masks = drafter.attention_masks(document_ids, anchor)
+    for i, layer in enumerate(drafter.layers):
+        x = layer(x, row, cos, sin, masks[SLIDING_ATTENTION if c.is_sliding(i) else FULL_ATTENTION])
+    return drafter.lm_head(drafter.norm(x))[0]
+
+
+@torch.no_grad()
+def propose(drafter: DFlashDrafter, context: torch.Tensor, last_token: int) -> list[int]:
+    """K greedy drafts (verifier-vocab ids) for positions p+1..p+K; see :func:`propose_logits`."""
+    logits = propose_logits(drafter, context, last_token)
+    start = 0 if drafter.config.sample_from_anchor else 1
+    ids = logits[start:].argmax(-1)
+    if drafter.config.uses_draft_vocab:
+        ids = ids + drafter.d2t[ids]
+    return [int(i) for i in ids]
+
+
+def _features(captured: dict, layer_ids: Sequence[int]) -> torch.Tensor:
+    """Captured target layers -> ``[1, t, n*H]`` fp32 (ascending id, as in training)."""
+    return torch.cat([captured[i] for i in layer_ids], dim=-1).float()
+
+
+@torch.no_grad()
+def speculative_generate(drafter: DFlashDrafter, verifier_model: Any, prompt: Sequence[int],
+                         max_new_tokens: int, eos_ids: Iterable[int] = ()) -> Generation:
+    """Greedy speculative decoding of one prompt (see the module docstring).
+
+    Args:
+        drafter: eval-mode drafter whose ``target_layer_ids`` the verifier is captured at.
+        verifier_model: HF causal LM (eval).
+        prompt: token ids (>= 1).
+        max_new_tokens: stop after this many generated tokens (the last step is cut).
+        eos_ids: stop after emitting one of these.
+
+    Returns:
+        :class:`Generation` (tokens after the prompt; acceptance length per verify step).
+
+    Raises:
+        ValueError: empty prompt; RuntimeError: the KV cache could not be cropped.
+    """
+    from transformers import DynamicCache
+
+    from dflash_audit.data.capture import LayerCapture
+
+    if not prompt:
+        raise ValueError("speculative_generate needs a non-empty prompt")
+    eos = set(int(e) for e in eos_ids)
+    layer_ids = list(drafter.config.target_layer_ids)
+    device = next(drafter.parameters()).device
+    cache = DynamicCache()
+    tokens: list[int] = []
+    acceptance: list[int] = []
+    with LayerCapture(verifier_model, layer_ids) as cap:
+        ids = torch.tensor([list(prompt)], device=device)
+        out = verifier_model(input_ids=ids, past_key_values=cache, use_cache=True,
+                             logits_to_keep=1)
+        context = drafter.context(_features(cap.captured, layer_ids))  # [1,p,H]
+        last = int(out.logits[0, -1].argmax())
+        tokens.append(last)
+        while len(tokens) < max_new_tokens and last not in eos:
+            drafts = propose(drafter, context, last)
+            block = torch.tensor([[last, *drafts]], device=device)
+            out = verifier_model(input_ids=block, past_key_values=cache, use_cache=True)
+            pred = out.logits[0].argmax(-1).tolist()  # pred[k]: token after block[k]
+            n = 0
+            while n < len(drafts) and drafts[n] == pred[n]:
+                n += 1
+            emitted = drafts[:n] + [pred[n]]
+            for j, t in enumerate(emitted):  # stop at eos / the token budget
+                if t in eos or len(tokens) + j + 1 >= max_new_tokens:
+                    emitted = emitted[: j + 1]
+                    break
+            acceptance.append(len(emitted))
+            tokens.extend(emitted)
+            last = emitted[-1]
+            if last in eos or len(tokens) >= max_new_tokens:
+                break
+            # states of x_p and the n accepted drafts join the context; drop the rest
+            context = torch.cat([context, drafter.context(
+                _features(cap.captured, layer_ids)[:, : n + 1])], dim=1)
+            expected = cache.get_seq_length() - (len(drafts) - n)
+            if len(drafts) > n:
+                cache.crop(-(len(drafts) - n))
+            if cache.get_seq_length() != expected:
+                raise RuntimeError(f"KV cache crop failed: length {cache.get_seq_length()}, "
+                                   f"expected {expected}")
+    return Generation(tokens=tokens, acceptance=acceptance)
+
+
+@torch.no_grad()
+def greedy_generate(verifier_model: Any, prompt: Sequence[int], max_new_tokens: int,
+                    eos_ids: Iterable[int] = ()) -> list[int]:
+    """Plain greedy decoding, one token per verifier forward (KV cache); the reference
+    output speculative decoding must reproduce."""
+    from transformers import DynamicCache
+
+    eos = set(int(e) for e in eos_ids)
+    device = next(verifier_model.parameters()).device
+    cache = DynamicCache()
+    ids = torch.tensor([list(prompt)], device=device)
+    tokens: list[int] = []
+    while len(tokens) < max_new_tokens:
+        out = verifier_model(input_ids=ids, past_key_values=cache, use_cache=True,
+                             logits_to_keep=1)
+        t = int(out.logits[0, -1].argmax())
+        tokens.append(t)
+        if t in eos:
+            break
+        ids = torch.tensor([[t]], device=device)
+    return tokens
+
+
+def evaluate_acceptance(drafter: DFlashDrafter, verifier_model: Any,
+                        prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
+                        eos_ids: Iterable[int] = (), progress: Any = None) -> EvalResult:
+    """Speculative decoding over ``prompts``; pooled mean acceptance length.
+
+    Args:
+        progress: optional callable ``progress(done, total)`` called after each prompt.
+
+    Raises:
+        ValueError: no prompt.
+    """
+    if not prompts:
+        raise ValueError("evaluate_acceptance needs at least one prompt")
+    was_training = drafter.training
+    drafter.eval()
+    start = time.perf_counter()
+    k = num_drafts(drafter)
+    histogram = [0] * (k + 1)
+    per_prompt, steps, total, generated = [], 0, 0, 0
+    eos = list(eos_ids)
+    try:
+        for i, prompt in enumerate(prompts):
+            gen = speculative_generate(drafter, verifier_model, prompt, max_new_tokens, eos)
+            generated += len(gen.tokens)
+            for a in gen.acceptance:
+                histogram[min(a - 1, k)] += 1
+            steps += len(gen.acceptance)
+            total += sum(gen.acceptance)
+            if gen.acceptance:
+                per_prompt.append(sum(gen.acceptance) / len(gen.acceptance))
+            if progress is not None:
+                progress(i + 1, len(prompts))
+    finally:
+        drafter.train(was_training)
+    return EvalResult(acceptance_length=total / steps if steps else float("nan"),
+                      verify_steps=steps, generated_tokens=generated, prompts=len(prompts),
+                      drafts_per_step=k, max_new_tokens=max_new_tokens, histogram=histogram,
+                      per_prompt=[round(x, 4) for x in per_prompt],
+                      wall_s=time.perf_counter() - start)
+
+
+# ----------------------------------------------------------------------- held-out prompts
+def held_out_prompts(tokenizer: Any, conversations: Sequence[Any], max_prompts: int,
+                     exclude_sources: Iterable[str] = (), turns_per_conversation: int = 2,
+                     max_prompt_tokens: int = 384) -> tuple[list[list[int]], list[str]]:
+    """Prompts from conversations that training never saw.
+
+    Conversations are taken from the END of ``conversations`` (file order) backwards,
+    skipping any whose ``source`` (with or without a ``+regen`` suffix) is in
+    ``exclude_sources``. For each, the context before each of its first
+    ``turns_per_conversation`` assistant turns (the turn index > 0), rendered with the chat
+    template and the generation prompt, is one prompt; prompts longer than
+    ``max_prompt_tokens`` are skipped.
+
+    Returns:
+        (prompts as token-id lists, sources of the conversations used).
+    """
+    from dflash_audit.data.tokenize import render_ids
+
+    excluded = {s.removesuffix("+regen") for s in exclude_sources}
+    prompts: list[list[int]] = []
+    used: list[str] = []
+    for conv in reversed(list(conversations)):
+        if len(prompts) >= max_prompts:
+            break
+        if conv.source.removesuffix("+regen") in excluded:
+            continue
+        turns = [j for j, m in enumerate(conv.messages) if m["role"] == "assistant" and j > 0]
+        took = False
+        for j in turns[:turns_per_conversation]:
+            ids = render_ids(tokenizer, conv.messages[:j], add_generation_prompt=True)
+            if len(ids) <= max_prompt_tokens and len(prompts) < max_prompts:
+                prompts.append(ids)
+                took = True
+        if took:
+            used.append(conv.source)
+    return prompts, used
