@@ -1,1 +1,55 @@
+"""Conformance report writers: ``report.json``, ``report.md``, ``report.html``, ``junit.xml``.
 
+``write_report(report, out_dir)`` makes ``<out_dir>/<UTC time>-<reference short id>/`` and
+writes all four files there. The report object and the fields of ``report.json`` are in
+:mod:`dflash_audit.report.schema`; the fingerprints the training gate reads in
+:mod:`dflash_audit.report.fingerprint`.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+
+from dflash_audit.report.schema import CaseRecord, MaskPicture, Report
+
+REPORT_FILES = ("report.json", "report.md", "report.html", "junit.xml")
+
+__all__ = ["REPORT_FILES", "CaseRecord", "MaskPicture", "Report", "report_folder",
+           "write_report"]
+
+
+def report_folder(report: Report, out_dir: Path | str) -> Path:
+    """A new folder ``<out_dir>/<YYYYmmddTHHMMSSZ>-<ref short id>`` (``-2``, ``-3``... when
+    that name exists)."""
+    try:
+        created = datetime.fromisoformat(report.created_at).astimezone(timezone.utc)
+    except ValueError:
+        created = datetime.now(timezone.utc)
+    ref_id = str(report.reference.get("short_id") or "unknown")
+    name = f"{created:%Y%m%dT%H%M%SZ}-{re.sub(r'[^A-Za-z0-9._-]', '_', ref_id)}"
+    out_dir = Path(out_dir)
+    folder, n = out_dir / name, 1
+    while folder.exists():
+        n += 1
+        folder = out_dir / f"{name}-{n}"
+    folder.mkdir(parents=True)
+    return folder
+
+
+def write_report(report: Report, out_dir: Path | str) -> Path:
+    """Write the four report files into a new :func:`report_folder`; returns the folder.
+
+    Raises:
+        OSError: the folder cannot be created or written.
+    """
+    from dflash_audit.report.html import write_html
+    from dflash_audit.report.json import write_json
+    from dflash_audit.report.junit import write_junit
+    from dflash_audit.report.markdown import write_markdown
+
+    folder = report_folder(report, out_dir)
+    for write in (write_json, write_markdown, write_html, write_junit):
+        write(report, folder)
+    return folder

@@ -1,0 +1,97 @@
+"""Fingerprints the training gate compares: candidate, reference identity, report.
+
+All are sha256 hex digests of canonical JSON (sorted keys, no whitespace), so they are stable
+across machines and runs:
+
+* candidate fingerprint = sha256({"files": {name: sha256(bytes)}, "profile": profile fp}),
+  over the source files that define the candidate (see :func:`candidate_source_files`);
+* reference key = the machine-independent part of a reference identity (kind, url, ref, commit,
+  sdist sha256, version: no paths, no times);
+* report fingerprint = sha256({"verdict", "reference": reference key, "candidate": candidate
+  fp, "profile": profile fp}).
+
+A gate that wants to train candidate C under profile P against reference R recomputes
+C's fingerprint for P and accepts a ``report.json`` whose verdict is ``pass``, whose
+``candidate.fingerprint`` and ``profile.fingerprint`` match, and whose ``fingerprint``
+equals :func:`report_fingerprint` of those values (a hand-edited verdict then fails).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import dflash_audit
+
+PACKAGE_ROOT = Path(dflash_audit.__file__).resolve().parent
+#: Files of dflash_audit that define our drafter's behaviour; included whenever a candidate
+#: builds on it (the default candidate, or a subclass of DrafterCandidate).
+DRAFTER_SOURCES = ("candidate.py", "model/*.py")
+REFERENCE_KEY_FIELDS = ("kind", "url", "ref", "commit", "sdist_sha256", "version")
+
+
+def canonical_sha256(value: Any) -> str:
+    """sha256 hex of ``json.dumps(value, sort_keys=True, separators=(",", ":"))``."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 hex of a file's bytes."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _display_name(path: Path) -> str:
+    """``dflash_audit/<rel>`` for our own files, else the file name (machine independent)."""
+    try:
+        return "dflash_audit/" + path.relative_to(PACKAGE_ROOT).as_posix()
+    except ValueError:
+        return path.name
+
+
+def candidate_source_files(candidate: Any) -> list[Path]:
+    """The source files that define ``candidate``'s behaviour.
+
+    The files of every class in ``type(candidate).__mro__`` (and of the module that holds a
+    factory function, when the candidate came from one), plus, when any of them is part of
+    dflash_audit, the drafter's own sources (:data:`DRAFTER_SOURCES`). Built-in classes and
+    classes without a source file are skipped.
+    """
+    files: set[Path] = set()
+    for cls in type(candidate).__mro__:
+        if cls is object or cls.__module__ in ("builtins", "typing"):
+            continue
+        module = sys.modules.get(cls.__module__)
+        try:
+            src = inspect.getsourcefile(cls) or (module and inspect.getsourcefile(module))
+        except (TypeError, OSError):
+            src = None
+        if src:
+            files.add(Path(src).resolve())
+    if any(f.is_relative_to(PACKAGE_ROOT) for f in files):
+        for pattern in DRAFTER_SOURCES:
+            files.update(p.resolve() for p in PACKAGE_ROOT.glob(pattern))
+    return sorted(f for f in files if f.is_file())
+
+
+def candidate_fingerprint(candidate: Any, profile_fingerprint: str) -> dict[str, Any]:
+    """``{"fingerprint": sha256, "files": {name: sha256}}`` for a candidate under a profile."""
+    files = {_display_name(p): file_sha256(p) for p in candidate_source_files(candidate)}
+    return {"fingerprint": canonical_sha256({"files": files, "profile": profile_fingerprint}),
+            "files": files}
+
+
+def reference_key(identity: dict[str, Any]) -> dict[str, Any]:
+    """The machine-independent fields of a reference identity dict (see module docstring)."""
+    return {k: identity.get(k) for k in REFERENCE_KEY_FIELDS}
+
+
+def report_fingerprint(verdict: str, reference_identity: dict[str, Any],
+                       candidate_fp: str, profile_fp: str) -> str:
+    """sha256 of verdict + reference key + candidate fingerprint + profile fingerprint."""
+    return canonical_sha256({"verdict": verdict, "reference": reference_key(reference_identity),
+                             "candidate": candidate_fp, "profile": profile_fp})

@@ -1,0 +1,136 @@
+"""``report.md``: a summary that fits a pull-request comment or a job summary.
+
+Verdict line first (``## dflash-audit compare: PASS|FAIL``), then what was compared, a
+table of checks aggregated over cases with the worst differences, the diagnoses, the
+failing cases (capped), the reference identity and timings. Long text is truncated so the
+whole file stays well under GitHub's 65,536-character comment limit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dflash_audit.report.schema import Report
+
+MAX_FAILING_ROWS = 25
+MAX_DIAGNOSES = 15
+MAX_CELL = 160
+ICON = {"pass": "✅", "fail": "❌", "warn": "⚠️"}
+
+
+def _cell(text: Any, limit: int = MAX_CELL) -> str:
+    s = " ".join(str(text).split()).replace("|", "\\|")
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def fmt_num(x: Any) -> str:
+    """A diff value for a table: ``—`` for none, 3 significant digits otherwise."""
+    if x is None:
+        return "—"
+    if isinstance(x, (int, float)):
+        return f"{x:.3g}"
+    return _cell(x, 24)
+
+
+def verdict_line(report: Report) -> str:
+    """``## dflash-audit compare: ✅ PASS`` (or ``❌ FAIL``)."""
+    v = report.verdict
+    return f"## dflash-audit compare: {ICON[v]} {v.upper()}"
+
+
+def reference_rows(ref: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field, value) rows that identify the reference: spec, url/ref/commit or sdist sha256,
+    version, dates."""
+    rows = [("spec", f"`{ref.get('spec')}`"), ("kind", str(ref.get("kind")))]
+    for key, label in (("url", "url"), ("ref", "ref"), ("ref_kind", "ref kind"),
+                       ("commit", "commit"), ("commit_date", "commit date"),
+                       ("describe", "describe"), ("sdist_filename", "sdist"),
+                       ("sdist_sha256", "sdist sha256"), ("version", "version"),
+                       ("dirty", "uncommitted changes"), ("resolved_at", "resolved at"),
+                       ("module_file", "imported from")):
+        value = ref.get(key)
+        if value not in (None, ""):
+            rows.append((label, f"`{value}`" if key in ("commit", "sdist_sha256", "url")
+                         else _cell(value, 200)))
+    return rows
+
+
+def _what(report: Report) -> list[str]:
+    ref, cand, prof, inp = report.reference, report.candidate, report.profile, report.inputs
+    real = sum(c.kind == "real" for c in report.cases)
+    synth = len(report.cases) - real
+    ref_id = ref.get("commit") or ref.get("sdist_sha256") or ref.get("short_id") or ""
+    lines = [
+        f"**Candidate** {_cell(cand.get('name'))} (`{cand.get('spec') or 'default'}`, "
+        f"fingerprint `{str(cand.get('fingerprint', ''))[:12]}`) vs **reference** "
+        f"`{ref.get('spec')}` (`{str(ref_id)[:12]}`, version {ref.get('version')}) under "
+        f"profile **{prof.get('name')}** (fingerprint `{str(prof.get('fingerprint', ''))[:12]}`).",
+        "",
+        f"{len(report.cases)} cases: {real} real "
+        f"({_cell((inp.get('verifier') or {}).get('name'), 60)} × "
+        f"{_cell((inp.get('data') or {}).get('source'), 60)}, T={inp.get('seq_len')}, "
+        f"rows={inp.get('rows')}) and "
+        f"{synth} synthetic; layer layouts audited: "
+        f"{', '.join(sorted({c.layout.get('layout', '?') for c in report.cases}))}.",
+    ]
+    return lines
+
+
+def checks_table(report: Report) -> list[str]:
+    """The table of checks aggregated over cases."""
+    lines = ["| check | status | cases ✓ / ✗ / ⚠ | worst max abs diff | worst max rel diff "
+             "| first failure |", "|---|---|---|---|---|---|"]
+    for c in report.checks():
+        ff = c["first_failure"]
+        first = f"`{ff['case']}`: {_cell(ff['summary'], 120)}" if ff else ""
+        lines.append(
+            f"| {c['name']} | {ICON.get(c['status'], '')} {c['status']} | {c['passed']} / "
+            f"{c['failed']} / {c['warned']} | {fmt_num(c['worst_max_abs_diff'])} | "
+            f"{fmt_num(c['worst_max_rel_diff'])} | {first} |")
+    return lines
+
+
+def render_markdown(report: Report) -> str:
+    """The text of ``report.md``."""
+    out = [verdict_line(report), "", *_what(report), "", "### Checks", "",
+           *checks_table(report), ""]
+    diagnoses = report.diagnoses()
+    if diagnoses:
+        out += ["### Diagnoses", ""]
+        for d in diagnoses[:MAX_DIAGNOSES]:
+            cases = ", ".join(f"`{c}`" for c in d["cases"][:4])
+            more = f" (+{len(d['cases']) - 4} more)" if len(d["cases"]) > 4 else ""
+            out.append(f"- {ICON.get(d['status'], '')} {_cell(d['cause'], 300)} — checks: "
+                       f"{', '.join(d['checks'])}; cases: {cases}{more}")
+        if len(diagnoses) > MAX_DIAGNOSES:
+            out.append(f"- … {len(diagnoses) - MAX_DIAGNOSES} more in report.json")
+        out.append("")
+    failing = [(c, r) for c in report.cases for r in c.results if r.status != "pass"]
+    if failing:
+        out += [f"<details><summary>Failing / warning results ({len(failing)})</summary>", "",
+                "| case | check | status | summary | first diff |", "|---|---|---|---|---|"]
+        for case, r in failing[:MAX_FAILING_ROWS]:
+            out.append(f"| `{case.name}` | {r.name} | {r.status} | {_cell(r.summary)} | "
+                       f"{_cell(r.first_diff or '', 100)} |")
+        if len(failing) > MAX_FAILING_ROWS:
+            out.append(f"| … | | | {len(failing) - MAX_FAILING_ROWS} more in report.json | |")
+        out += ["", "</details>", ""]
+    out += ["### Reference", "", "| field | value |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in reference_rows(report.reference)]
+    timing = report.timing
+    if timing:
+        parts = ", ".join(f"{k} {v:.1f} s" for k, v in timing.items() if k != "total")
+        out += ["", f"Timing: total {timing.get('total', sum(timing.values())):.1f} s ({parts})."]
+    for note in report.notes:
+        out.append(f"\n> {_cell(note, 400)}")
+    out += ["", (f"<sub>report fingerprint `{report.fingerprint}` · {report.created_at} · "
+                 "dflash-audit</sub>"), ""]
+    return "\n".join(out)
+
+
+def write_markdown(report: Report, folder: Path) -> Path:
+    """Write ``folder/report.md``; returns its path."""
+    path = Path(folder) / "report.md"
+    path.write_text(render_markdown(report))
+    return path
