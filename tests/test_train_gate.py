@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import train_tiny as tt
@@ -139,3 +140,5 @@ def test_compare_command_quotes_and_defaults():
     assert compare_command("speculators@main", "my profile.toml", "pkg.mod:Cand") == \
         "dflash-audit compare --ref speculators@main --profile 'my profile.toml' " \
         "--candidate pkg.mod:Cand"
+    assert compare_command(None, "p.toml", None, Path("other")) == \
+        "dflash-audit compare --profile p.toml --out other"

@@ -109,19 +109,24 @@ def read_report(path: Path) -> ReportFields:
         raise GateError(f"cannot read audit report {path}: {type(exc).__name__}: {exc}") from None
 
 
-def compare_command(ref: str | None, profile: str, candidate: str | None) -> str:
-    """The ``dflash-audit compare`` command that audits this candidate/profile/reference."""
+def compare_command(ref: str | None, profile: str, candidate: str | None,
+                    reports_dir: Path | None = None) -> str:
+    """The ``dflash-audit compare`` command that audits this candidate/profile/reference
+    (``--out`` only when the reports folder is not the default ``reports``)."""
     parts = ["dflash-audit", "compare"]
     if ref:
         parts += ["--ref", ref]
     parts += ["--profile", profile]
     if candidate:
         parts += ["--candidate", candidate]
+    if reports_dir is not None and Path(reports_dir) != DEFAULT_REPORTS_DIR:
+        parts += ["--out", str(reports_dir)]
     return shlex.join(parts)
 
 
 def expected_for(candidate: Any, candidate_spec: str | None, profile: Any, ref: str | None,
-                 reference_identity: dict[str, Any] | None = None) -> Expected:
+                 reference_identity: dict[str, Any] | None = None,
+                 reports_dir: Path | None = None) -> Expected:
     """Fingerprints of the run about to start.
 
     Args:
@@ -131,13 +136,14 @@ def expected_for(candidate: Any, candidate_spec: str | None, profile: Any, ref: 
         ref: ``--ref`` as given (None = the lock's reference).
         reference_identity: an already resolved identity dict; else ``ref`` is resolved
             offline from the cache (a reference never resolved means no audit ran on it).
+        reports_dir: where reports are looked up (named in the compare command).
 
     Raises:
         GateError: the reference cannot be resolved offline (exit code 2).
     """
     from dflash_audit.report.fingerprint import candidate_fingerprint, reference_key
 
-    command = compare_command(ref, profile.source or profile.name, candidate_spec)
+    command = compare_command(ref, profile.source or profile.name, candidate_spec, reports_dir)
     if reference_identity is None:
         from dflash_audit.reference_source import ReferenceSourceError, resolve_reference
 

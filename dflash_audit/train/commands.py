@@ -1,0 +1,235 @@
+"""The ``dflash-audit train`` and ``dflash-audit eval`` commands (typer), wired in ``cli.py``.
+
+Exit codes of ``train``: 0 finished (or stopped at ``--stop-at``); 1 the audit of this
+candidate/profile/reference failed; 2 no matching passing audit report, or a usage / setup
+error (bad option, data, profile, checkpoint); 130 / 143 stopped by SIGINT / SIGTERM after
+writing a checkpoint (resume with ``--resume``).
+
+Exit codes of ``eval``: 0 done, 2 usage / setup error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+Opt = typer.Option
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _setup_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input (exit code 2, one-line message, no traceback)."""
+    from dflash_audit.candidate import CandidateError
+    from dflash_audit.data.errors import DataError
+    from dflash_audit.model.checkpoint import CheckpointError
+    from dflash_audit.model.config import ConfigError
+    from dflash_audit.profile import ProfileError
+    from dflash_audit.reference_source import ReferenceSourceError
+    from dflash_audit.train.loop import TrainError
+    from dflash_audit.train.optim import OptimConfigError
+    from dflash_audit.train.state import ResumeError
+
+    return (CandidateError, DataError, CheckpointError, ConfigError, ProfileError,
+            ReferenceSourceError, TrainError, OptimConfigError, ResumeError)
+
+
+def _fail(message: str, code: int) -> None:
+    _console().print(f"error: {message}", style="bold red", markup=False, highlight=False)
+    raise typer.Exit(code)
+
+
+def train_command(
+    out: Annotated[Path, Opt(help="Run folder: checkpoints/, metrics.jsonl, tensorboard/, "
+                                  "summary.json.")] = Path("runs/train"),
+    verifier: Annotated[str, Opt(help="Local HF causal-LM folder or 'smollm2-135m'.")
+                        ] = "smollm2-135m",
+    batches: Annotated[Optional[Path], Opt(  # noqa: UP007 (typer)
+        help="Offline: directory of batch files from `dflash-audit data`.")] = None,
+    data: Annotated[Optional[str], Opt(  # noqa: UP007
+        help="Online: 'chitchat' or a .jsonl file; the verifier captures hidden states in "
+             "the loop.")] = None,
+    profile: Annotated[str, Opt(help="Profile name or TOML file (the audited one).")
+                       ] = "reference-model",
+    candidate: Annotated[Optional[str], Opt(  # noqa: UP007
+        help="module:attr or file.py:attr of a DrafterCandidate subclass (default: ours).")
+    ] = None,
+    ref: Annotated[Optional[str], Opt(  # noqa: UP007
+        help="Reference the audit ran against (default: reference/speculators.lock).")] = None,
+    report: Annotated[Optional[Path], Opt(  # noqa: UP007
+        help="An explicit report.json (default: newest matching one in --reports-dir).")
+    ] = None,
+    reports_dir: Annotated[Path, Opt(help="Where `dflash-audit compare` writes reports.")
+                           ] = Path("reports"),
+    steps: Annotated[int, Opt(help="Optimizer steps in total.")] = 300,
+    rows_per_step: Annotated[int, Opt(help="Packed rows per step (gradient accumulation).")
+                             ] = 1,
+    seq_len: Annotated[int, Opt(help="Online: tokens per packed row.")] = 1024,
+    regenerate: Annotated[bool, Opt(help="Online: train on the verifier's own greedy replies "
+                                         "(cached).")] = False,
+    max_new_tokens: Annotated[int, Opt(help="Online --regenerate: tokens per reply.")] = 64,
+    online_chunk: Annotated[int, Opt(help="Online: conversations captured together.")] = 32,
+    seed: Annotated[int, Opt(help="Seeds the initial weights, data order and anchors.")] = 0,
+    optimizer: Annotated[Optional[str], Opt(  # noqa: UP007
+        help="adamw | muon (default: the profile's optimizer, else adamw).")] = None,
+    lr: Annotated[float, Opt(help="AdamW learning rate (and Muon's unless --muon-lr).")
+                  ] = 6e-4,
+    muon_lr: Annotated[Optional[float], Opt(help="Muon group learning rate.")] = None,  # noqa: UP007
+    weight_decay: Annotated[float, Opt(help="AdamW weight decay.")] = 0.01,
+    schedule: Annotated[str, Opt(help="Decay after warmup: cosine | linear | constant.")
+                        ] = "cosine",
+    warmup_steps: Annotated[int, Opt(help="Linear warmup steps.")] = 20,
+    min_lr_ratio: Annotated[float, Opt(help="Final LR as a fraction of the base LR.")] = 0.1,
+    grad_clip: Annotated[float, Opt(help="Max gradient L2 norm.")] = 1.0,
+    save_every: Annotated[int, Opt(help="Checkpoint every K steps (and at the end).")] = 100,
+    keep_checkpoints: Annotated[int, Opt(help="Checkpoints kept (0 = all).")] = 2,
+    eval_data: Annotated[Optional[str], Opt(  # noqa: UP007
+        help="Conversations for the held-out evaluation (default: the training data's).")
+    ] = None,
+    eval_conversations: Annotated[int, Opt(help="Online: conversations held out of training.")
+                                  ] = 40,
+    eval_prompts: Annotated[int, Opt(help="Held-out prompts evaluated.")] = 32,
+    eval_max_new_tokens: Annotated[int, Opt(help="Tokens generated per prompt.")] = 64,
+    evaluate: Annotated[bool, Opt("--eval/--no-eval",
+                                  help="Measure acceptance length at the end.")] = True,
+    eval_untrained: Annotated[bool, Opt(help="Also measure the untrained drafter first.")
+                              ] = False,
+    tensorboard: Annotated[bool, Opt(help="Write TensorBoard scalars.")] = True,
+    progress: Annotated[bool, Opt(help="Show a progress bar.")] = True,
+    device: Annotated[str, Opt(help="auto | cpu | cuda.")] = "auto",
+    stop_at: Annotated[Optional[int], Opt(  # noqa: UP007
+        help="Stop after this global step (with a checkpoint); resume later.")] = None,
+    resume: Annotated[bool, Opt(help="Continue from OUT/checkpoints/latest.")] = False,
+    resume_from: Annotated[Optional[Path], Opt(help="Continue from this checkpoint folder.")  # noqa: UP007
+                           ] = None,
+) -> None:
+    """Train a drafter - only after `dflash-audit compare` passed for the same candidate,
+    profile and reference. Exit codes: 0 done, 1 audit failed, 2 no matching report or bad
+    input, 130/143 interrupted (checkpoint written)."""
+    from dflash_audit.train.gate import GateError
+    from dflash_audit.train.loop import TrainConfig, train
+
+    cfg = TrainConfig(
+        out=str(out), verifier=verifier, batches=str(batches) if batches else None, data=data,
+        profile=profile, candidate=candidate, ref=ref, report=str(report) if report else None,
+        reports_dir=str(reports_dir), steps=steps, rows_per_step=rows_per_step, seq_len=seq_len,
+        regenerate=regenerate, max_new_tokens=max_new_tokens, online_chunk=online_chunk,
+        seed=seed, optimizer=optimizer, lr=lr, muon_lr=muon_lr, weight_decay=weight_decay,
+        schedule=schedule, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
+        grad_clip=grad_clip, save_every=save_every, keep_checkpoints=keep_checkpoints,
+        eval_data=eval_data, eval_conversations=eval_conversations, eval_prompts=eval_prompts,
+        eval_max_new_tokens=eval_max_new_tokens, eval_at_end=evaluate,
+        eval_untrained=eval_untrained, tensorboard=tensorboard, progress=progress,
+        device=device, stop_at=stop_at,
+        resume=str(resume_from) if resume_from else ("latest" if resume else None))
+    try:
+        summary = train(cfg)
+    except GateError as exc:
+        _fail(f"training refused: {exc}", exc.exit_code)
+    except _setup_errors() as exc:
+        _fail(str(exc), 2)
+    console = _console()
+    ev = summary.eval
+    if "untrained" in ev or "trained" in ev:
+        parts = [f"{k} {v['acceptance_length']:.3f}" for k, v in ev.items()]
+        console.print(f"acceptance length (held-out, speculative decoding): {', '.join(parts)}",
+                      markup=False, highlight=False)
+    how = f" ({summary.stopped_by}; resume with --resume)" if summary.stopped_by else ""
+    console.print(f"step {summary.step}/{steps}{how}: loss {summary.first_loss} -> "
+                  f"{summary.last_loss}; checkpoint {summary.checkpoint}; "
+                  f"{summary.wall_s:.0f} s", markup=False, highlight=False)
+    if summary.exit_code:
+        raise typer.Exit(summary.exit_code)
+
+
+def eval_command(
+    checkpoint: Annotated[Optional[Path], Opt(  # noqa: UP007
+        help="Drafter checkpoint folder (config.json + model.safetensors).")] = None,
+    untrained: Annotated[bool, Opt(help="Evaluate a freshly initialized drafter of --profile "
+                                        "instead (the baseline).")] = False,
+    profile: Annotated[str, Opt(help="Profile for --untrained.")] = "reference-model",
+    seed: Annotated[int, Opt(help="Initialization seed for --untrained.")] = 0,
+    verifier: Annotated[Optional[str], Opt(  # noqa: UP007
+        help="Verifier (default: the one named in the checkpoint, else smollm2-135m).")] = None,
+    data: Annotated[str, Opt(help="Conversations to take held-out prompts from.")
+                    ] = "chitchat",
+    exclude_batches: Annotated[Optional[Path], Opt(  # noqa: UP007
+        help="Batch directory whose conversations are excluded (the training data).")] = None,
+    prompts: Annotated[int, Opt(help="Number of prompts.")] = 32,
+    max_new_tokens: Annotated[int, Opt(help="Tokens generated per prompt.")] = 64,
+    out: Annotated[Optional[Path], Opt(help="Write the result as JSON here.")] = None,  # noqa: UP007
+) -> None:
+    """Measure a drafter's mean acceptance length with real speculative decoding (greedy;
+    accepted drafts + 1 per verify step) on held-out conversations."""
+    try:
+        result = run_eval(checkpoint, untrained, profile, seed, verifier, data,
+                          exclude_batches, prompts, max_new_tokens)
+    except _setup_errors() as exc:
+        _fail(str(exc), 2)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+    hist = " ".join(f"{k + 1}:{n}" for k, n in enumerate(result["histogram"]))
+    _console().print(
+        f"acceptance length {result['acceptance_length']:.3f} over {result['verify_steps']} "
+        f"verify steps, {result['prompts']} prompts, {result['generated_tokens']} tokens "
+        f"({result['wall_s']:.0f} s); tokens per step histogram {hist}",
+        markup=False, highlight=False)
+
+
+def run_eval(checkpoint: Path | None, untrained: bool, profile: str, seed: int,
+             verifier: str | None, data: str, exclude_batches: Path | None, prompts: int,
+             max_new_tokens: int) -> dict[str, Any]:
+    """What ``eval`` does, as a function: load (or initialize) the drafter, pick held-out
+    prompts, run speculative decoding. Returns the :class:`EvalResult` dict plus
+    ``drafter`` and ``prompt_sources``.
+
+    Raises:
+        TrainError: neither or both of ``checkpoint`` / ``untrained``.
+    """
+    from dflash_audit.candidate import load_candidate
+    from dflash_audit.data.conversations import load_conversations
+    from dflash_audit.data.tokenize import choose_mask_token_id, end_of_turn_ids
+    from dflash_audit.data.verifier import load_verifier
+    from dflash_audit.model.checkpoint import load_pretrained
+    from dflash_audit.profile import Profile
+    from dflash_audit.train.evaluate import evaluate_acceptance, held_out_prompts
+    from dflash_audit.train.loop import TrainError, build_drafter
+    from dflash_audit.train.sources import OfflineSource
+
+    if (checkpoint is None) == (not untrained):
+        raise TrainError("give exactly one of --checkpoint DIR or --untrained")
+    source = OfflineSource(exclude_batches) if exclude_batches else None
+    if verifier is None and checkpoint is not None:
+        cfg = json.loads((Path(checkpoint) / "config.json").read_text()) \
+            if (Path(checkpoint) / "config.json").is_file() else {}
+        verifier = (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
+    v = load_verifier(verifier or "smollm2-135m")
+    if checkpoint is not None:
+        drafter = load_pretrained(checkpoint, verifier=v.model)
+        what = str(checkpoint)
+    else:
+        prof = Profile.load(profile)
+        mask = source.mask_token_id if source else choose_mask_token_id(
+            v.tokenizer, v.embedding_rows).id
+        config = prof.to_drafter_config(v.model.config, mask,
+                                        source.target_layer_ids if source else None)
+        drafter = build_drafter(load_candidate(None), config, v.model, seed,
+                                source.vocab_rows() if source else None)
+        what = f"untrained ({prof.name}, seed {seed})"
+    convs = load_conversations(data).conversations
+    prompt_ids, used = held_out_prompts(v.tokenizer, convs, prompts,
+                                        exclude_sources=source.sources if source else ())
+    if not prompt_ids:
+        raise TrainError(f"no held-out prompt found in {data!r}")
+    eos = sorted(end_of_turn_ids(v.tokenizer, getattr(v.model, "generation_config", None)))
+    result = evaluate_acceptance(drafter, v.model, prompt_ids, max_new_tokens, eos).to_dict()
+    result.update(drafter=what, prompt_sources=used)
+    return result

@@ -1,0 +1,168 @@
+"""Training checkpoints: the drafter in the reference's format plus everything a resume needs.
+
+Layout of ``<out>/checkpoints/step-<NNNNNNNN>/`` (written into a temporary sibling folder and
+renamed into place, so a crash never leaves a half checkpoint):
+
+* ``config.json`` + ``model.safetensors``: :func:`dflash_audit.model.checkpoint.save_pretrained`
+  (loads in speculators' ``DFlashDraftModel.from_pretrained``); the safetensors metadata holds
+  the audit report fingerprint (``dflash_audit_report_fingerprint``) and the step.
+* ``training_state.pt`` (``torch.save``, loadable with ``weights_only=True``):
+  ``{"format", "version", "step", "world_size", "run": run-identity dict, "report_fingerprint",
+  "optimizers": [state_dict...], "schedulers": [state_dict...], "ranks": [{"torch_rng",
+  "anchor_generator", "data"}, ...] (one entry per rank)}``.
+
+``<out>/checkpoints/latest`` (a one-line text file, replaced atomically) names the newest one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from dflash_audit.model.checkpoint import atomic_folder, save_pretrained
+
+STATE_FILE = "training_state.pt"
+STATE_FORMAT = "dflash-audit-train-state"
+STATE_VERSION = 1
+LATEST = "latest"
+CHECKPOINTS = "checkpoints"
+
+
+class ResumeError(Exception):
+    """A checkpoint cannot be resumed (missing, incomplete, or from a different run)."""
+
+
+@dataclass
+class RankState:
+    """Per-rank randomness and data position."""
+
+    torch_rng: torch.Tensor
+    anchor_generator: torch.Tensor
+    data: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"torch_rng": self.torch_rng, "anchor_generator": self.anchor_generator,
+                "data": self.data}
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def save_checkpoint(out: Path, step: int, model: torch.nn.Module,
+                    optimizers: list[torch.optim.Optimizer], schedulers: list[Any],
+                    ranks: list[RankState], run: dict[str, Any], report_fingerprint: str,
+                    metadata: dict[str, str], verifier_path: str | None,
+                    verifier_architectures: list[str] | None, keep: int = 2,
+                    extra: dict[str, Any] | None = None) -> Path:
+    """Write ``<out>/checkpoints/step-<step>`` atomically, point ``latest`` at it, and delete
+    older step folders beyond the newest ``keep`` (``keep <= 0`` keeps all). ``extra``
+    entries are added to the training state.
+
+    Returns:
+        The checkpoint folder.
+    """
+    root = Path(out) / CHECKPOINTS
+    target = root / checkpoint_name(step)
+    tmp, commit = atomic_folder(target)
+    try:
+        save_pretrained(model, tmp, verifier_name_or_path=verifier_path,
+                        verifier_architectures=verifier_architectures,
+                        metadata={**metadata, "dflash_audit_step": str(step)})
+        torch.save({"format": STATE_FORMAT, "version": STATE_VERSION, "step": step,
+                    "world_size": len(ranks), "run": run,
+                    "report_fingerprint": report_fingerprint,
+                    "optimizers": [o.state_dict() for o in optimizers],
+                    "schedulers": [s.state_dict() for s in schedulers],
+                    "ranks": [r.to_dict() for r in ranks], **(extra or {})}, tmp / STATE_FILE)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit()
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(target.name + "\n")
+    os.replace(pointer, root / LATEST)
+    if keep > 0:
+        older = sorted(p for p in root.glob("step-*") if p.is_dir() and p != target)
+        for old in older[: max(0, len(older) - (keep - 1))]:
+            shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def resolve_checkpoint(out: Path, resume: str) -> Path:
+    """``resume`` = ``"latest"`` (``<out>/checkpoints/latest``) or a checkpoint folder.
+
+    Raises:
+        ResumeError: nothing to resume from.
+    """
+    if resume == LATEST:
+        pointer = Path(out) / CHECKPOINTS / LATEST
+        if not pointer.is_file():
+            raise ResumeError(f"--resume: no checkpoint in {Path(out) / CHECKPOINTS} "
+                              "(nothing to resume; drop --resume to start fresh)")
+        path = pointer.parent / pointer.read_text().strip()
+    else:
+        path = Path(resume)
+    for name in ("model.safetensors", "config.json", STATE_FILE):
+        if not (path / name).is_file():
+            raise ResumeError(f"--resume: {path} has no {name}; not a complete training "
+                              "checkpoint")
+    return path
+
+
+def load_training_state(path: Path) -> dict[str, Any]:
+    """Read ``training_state.pt``.
+
+    Raises:
+        ResumeError: unreadable or not a training state of this version.
+    """
+    try:
+        state = torch.load(Path(path) / STATE_FILE, weights_only=True, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - torch raises many types on a damaged file
+        raise ResumeError(f"cannot read {Path(path) / STATE_FILE}: {exc}") from exc
+    if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
+        raise ResumeError(f"{path}/{STATE_FILE} is not a {STATE_FORMAT} v{STATE_VERSION} file")
+    return state
+
+
+def load_model_weights(path: Path, model: torch.nn.Module) -> None:
+    """Load the checkpoint's saved tensors (trained weights, draft-vocab buffers) into
+    ``model`` in place; verifier-owned weights stay as they are.
+
+    Raises:
+        ResumeError: a trainable parameter is missing or a tensor does not fit.
+    """
+    saved = load_file(Path(path) / "model.safetensors")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(trainable - set(saved))
+    if missing:
+        raise ResumeError(f"{path}/model.safetensors lacks trained weights {missing}")
+    try:
+        model.load_state_dict(saved, strict=False)
+    except RuntimeError as exc:
+        raise ResumeError(f"{path}/model.safetensors does not fit this drafter: {exc}") from exc
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 of the bytes of every trainable parameter, in name order (ranks compare it)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        if p.requires_grad:
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Fields of the run identity that differ between a checkpoint and this run."""
+    keys = sorted(set(saved) | set(current))
+    return [f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in keys
+            if saved.get(k) != current.get(k)]
