@@ -243,6 +243,23 @@ def step_inputs(batch: Any, anchors: tuple[torch.Tensor, torch.Tensor], device: 
     return {k: tensors[k] for k in MODEL_INPUTS}
 
 
+def next_micro_batches(source: Any, anchor_gen: torch.Generator, max_anchors: int,
+                       block_size: int, device: torch.device | str = "cpu"
+                       ) -> list[dict[str, torch.Tensor]]:
+    """The next step's micro-batches: the source's rows for this rank, each with up to
+    ``max_anchors`` anchors drawn by ``select_anchors`` from ``anchor_gen``."""
+    micro = []
+    for batch in source.next_rows():
+        anchors = select_anchors(batch.loss_mask, max_anchors, block_size, anchor_gen)
+        micro.append(step_inputs(batch, anchors, torch.device(device)))
+    return micro
+
+
+def anchor_generator(seed: int, rank: int = 0) -> torch.Generator:
+    """The seeded CPU generator that draws a rank's anchors."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + 7919 * rank)
+
+
 def build_drafter(candidate: Any, config: Any, verifier_model: Any, seed: int,
                   vocab_rows: Any = None) -> DFlashDrafter:
     """The candidate's drafter for ``config``: seeded initialization, draft vocabulary from
@@ -271,8 +288,14 @@ def build_drafter(candidate: Any, config: Any, verifier_model: Any, seed: int,
     return model
 
 
-def _make_source(cfg: TrainConfig, verifier: Any, profile: Any, env: DistEnv):
-    """(source, conversations held out for evaluation or None)."""
+def make_source(cfg: TrainConfig, verifier: Any, profile: Any, env: DistEnv):
+    """The run's data source and the conversations held out for evaluation (online; None
+    offline, where evaluation excludes every conversation packed into a batch).
+
+    Raises:
+        TrainError: not exactly one of ``batches`` / ``data``, or batches that do not fit
+            the verifier or the profile's target layers.
+    """
     from dflash_audit.train.sources import OfflineSource, OnlineSource
 
     if (cfg.batches is None) == (cfg.data is None):
@@ -376,7 +399,7 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
 
         verifier = load_verifier(cfg.verifier, progress=None if not env.is_main else
                                  (lambda m: print(m, flush=True)))
-        source, held = _make_source(cfg, verifier, profile, env)
+        source, held = make_source(cfg, verifier, profile, env)
         config = profile.to_drafter_config(verifier.model.config, source.mask_token_id,
                                            source.target_layer_ids)
         model = build_drafter(candidate, config, verifier.model, cfg.seed,
@@ -385,7 +408,7 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
         run.update(world_size=env.world_size, profile_fingerprint=profile.fingerprint(),
                    optimizer=optim_spec.optimizer)
 
-        anchor_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7919 * env.rank)
+        anchor_gen = anchor_generator(cfg.seed, env.rank)
         start_step = 0
         resumed = None
         if cfg.resume:
@@ -462,11 +485,8 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
             step = start_step
             while step < cfg.steps:
                 t0 = time.perf_counter()
-                micro = []
-                for batch in source.next_rows():
-                    anchors = select_anchors(batch.loss_mask, profile.max_anchors,
-                                             config.block_size, anchor_gen)
-                    micro.append(step_inputs(batch, anchors, device))
+                micro = next_micro_batches(source, anchor_gen, profile.max_anchors,
+                                           config.block_size, device)
                 result = train_step(forward, micro, params, optimizers, schedulers,
                                     optim_spec.grad_clip, ddp.no_sync if ddp else None, device)
                 step += 1
