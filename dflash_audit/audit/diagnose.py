@@ -16,6 +16,7 @@ context / masks.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -425,12 +426,15 @@ def diagnose_mask(ev: Evidence, result: CheckResult) -> list[str]:
 # ------------------------------------------------------------------------------- replay
 def replay(case: Case, *, config=None, inputs: dict | None = None,
            context: torch.Tensor | None = None, masks: dict | None = None,
-           positions: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+           positions: Callable[[torch.Tensor], torch.Tensor] | None = None,
+           inv_freq: torch.Tensor | None = None) -> torch.Tensor:
     """Our drafter's logits [1,Q,V_d] on the case, with parts replaced by a hypothesis: another
-    config, edited inputs, a given context [1,T,H], given masks {layer type: [Q,T+Q]}, or a
-    transform of the [1, T+Q] position ids fed to RoPE."""
+    config, edited inputs, a given context [1,T,H], given masks {layer type: [Q,T+Q]}, a
+    transform of the [1, T+Q] position ids fed to RoPE, or RoPE inverse frequencies."""
     model = DFlashDrafter(config or case.config).float()
     model.load_state_dict(case.weights, strict=True)
+    if inv_freq is not None:
+        model.rotary_emb.inv_freq = inv_freq
     if context is not None:
         model.context = lambda hidden_states: context
     if masks is not None:
@@ -489,19 +493,56 @@ def logit_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
         if isinstance(tok, int) and tok != c.mask_token_id and 0 <= tok < c.vocab_size:
             yield (f"mask_token_id falls back to {label} ({tok}); the profile's is "
                    f"{c.mask_token_id}"), {"config": c.replace(mask_token_id=tok)}
-    rope = dict(c.rope_parameters or {})
-    if "partial_rotary_factor" in rope:
-        rope.pop("partial_rotary_factor")
-        yield ("RoPE partial_rotary_factor ignored: every head dimension rotated",
-               {"config": c.replace(rope_parameters=rope or None)})
+    yield from rope_hypotheses(ev)
     if not any(k.startswith("mask.") for k in ev.cand.tensors):
-        for layer_type in dict.fromkeys(c.effective_layer_types):
-            expected = expected_mask_hypothesis(ev.case, layer_type)
-            for h in mask_hypotheses(ev.case, layer_type):
-                if h != expected:
-                    label = "; ".join(describe_mask_hypothesis(ev.case, layer_type, h))
-                    yield (f"{layer_type} mask: {label}",
-                           {"masks": {layer_type: build_mask(ev.case, h)}})
+        yield from mask_replay_hypotheses(ev)
+
+
+def rotary_inv_freq(config, rotary_dim: int) -> torch.Tensor:
+    """Default RoPE inverse frequencies over the first ``rotary_dim`` head dimensions."""
+    return 1.0 / (config.rope_theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+
+
+def rope_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
+    """The profile's ``partial_rotary_factor`` honoured where our drafter (like the reference's
+    Qwen3 draft layers) does not, or ignored where it is honoured."""
+    c = ev.config
+    factor = (c.rope_parameters or {}).get("partial_rotary_factor")
+    if factor is None or (c.rope_parameters or {}).get("rope_type", "default") != "default":
+        return
+    ours = DFlashDrafter(c).rotary_emb.inv_freq.numel() * 2
+    partial = int(c.head_dim * factor) // 2 * 2
+    if ours == c.head_dim and partial < c.head_dim:
+        yield (f"RoPE partial_rotary_factor {factor} applied: {partial} of {c.head_dim} head "
+               "dimensions rotated, where the reference's draft layers ignore the factor and "
+               "rotate all of them"), {"inv_freq": rotary_inv_freq(c, partial)}
+    elif ours < c.head_dim:
+        yield (f"RoPE partial_rotary_factor {factor} ignored: all {c.head_dim} head dimensions "
+               f"rotated, the reference rotates {ours}"),\
+            {"inv_freq": rotary_inv_freq(c, c.head_dim)}
+
+
+def mask_replay_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
+    """Single deviations from each layer type's expected mask (context offset, documents
+    ignored, block rule flipped, window none / W-1 / W+1), applied to every layer type at once
+    and, with several layer types, to each alone."""
+    types = list(dict.fromkeys(ev.config.effective_layer_types))
+    W = ev.config.sliding_window
+    deviations = [{"offset": 1}, {"offset": -1}, {"documents": False}, {"causal_block": None},
+                  {"window": None}] + ([{"window": W - 1}, {"window": W + 1}] if W else [])
+    scopes = [types] + ([[t] for t in types] if len(types) > 1 else [])
+    for change, scope in itertools.product(deviations, scopes):
+        masks, labels = {}, []
+        for layer_type in scope:
+            exp = expected_mask_hypothesis(ev.case, layer_type)
+            kw = {"causal_block": not exp.causal_block} if "causal_block" in change else change
+            h = dataclasses.replace(exp, **kw)
+            if h == exp:
+                continue
+            masks[layer_type] = build_mask(ev.case, h)
+            labels += describe_mask_hypothesis(ev.case, layer_type, h)
+        if masks:
+            yield f"{_and(list(masks))} mask: {'; '.join(dict.fromkeys(labels))}", {"masks": masks}
 
 
 def diagnose_logits(ev: Evidence, result: CheckResult) -> list[str]:

@@ -1,0 +1,415 @@
+"""The checks: unit tests on hand-perturbed outputs (no reference), and our drafter against
+the real reference (speculators 0.9.0) on >= 200 hypothesis-generated cases in one process."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dflash_audit.audit import checks
+from dflash_audit.audit.case import SideOutputs
+from dflash_audit.audit.checks import (
+    TOLERANCES,
+    check_context,
+    check_defaults,
+    check_gradients,
+    check_logits,
+    check_loss,
+    check_masks,
+    check_metrics,
+    check_structure,
+    check_targets,
+    closeness,
+    fit_decay,
+    run_checks,
+)
+from dflash_audit.audit.synthetic import synthetic_case
+from dflash_audit.candidate import DrafterCandidate
+from dflash_audit.model.config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, DFlashConfig
+from dflash_audit.model.loss import LOSSES, WEIGHTINGS, LossSpec, exp_decay_weights
+from dflash_audit.model.metrics import dflash_metrics
+
+CONFIG = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, num_hidden_layers=2, vocab_size=96,
+                      num_verifier_layers=6, target_layer_ids=(1, 3, 5), mask_token_id=95,
+                      block_size=4, layer_types=(FULL_ATTENTION, SLIDING_ATTENTION),
+                      sliding_window=6)
+
+
+def _case():
+    """3 documents, padding, and one padding anchor (anchor_valid False) appended."""
+    case = synthetic_case("unit", CONFIG, LossSpec(), seed=11, seq_len=48, num_documents=3, pad=4,
+                          max_anchors=5)
+    case.inputs["anchor_positions"] = torch.cat([case.inputs["anchor_positions"],
+                                                 torch.zeros(1, dtype=torch.long)])
+    case.inputs["anchor_valid"] = torch.cat([case.inputs["anchor_valid"],
+                                             torch.zeros(1, dtype=torch.bool)])
+    return case
+
+
+CASE = _case()
+B = CONFIG.block_size
+
+
+@pytest.fixture(scope="module")
+def ours():
+    """Our drafter's outputs: the "reference" of the unit tests (conformant, see below)."""
+    out = DrafterCandidate().run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    out.structure.update(verifier_norm="Qwen3RMSNorm", load_missing_keys=[],
+                         load_unexpected_keys=[])
+    return out
+
+
+def edited(side: SideOutputs, drop=(), **tensors) -> SideOutputs:
+    """A deep copy of ``side`` with some tensors replaced (keys with dots: pass a dict)."""
+    out = SideOutputs(tensors={k: v.clone() for k, v in side.tensors.items() if k not in drop},
+                      metrics=dict(side.metrics), structure=copy.deepcopy(side.structure),
+                      defaults=dict(side.defaults), trainable=list(side.trainable))
+    out.tensors.update(tensors)
+    return out
+
+
+def supervised(side):
+    return side.tensors["aligned_loss_mask"][0].bool()
+
+
+# --------------------------------------------------------------------------- helpers
+def test_tolerance_table_is_keyed_by_dtype():
+    assert TOLERANCES[torch.float32] == {"atol": 1e-5, "rtol": 1e-5}
+    assert TOLERANCES[torch.bfloat16]["rtol"] > TOLERANCES[torch.float16]["rtol"] > \
+        TOLERANCES[torch.float32]["rtol"]
+    assert checks.tolerance(CASE) == {"atol": 1e-5, "rtol": 1e-5}
+
+
+def test_closeness_reports_max_diffs_and_first_index():
+    ref = torch.tensor([[1.0, 2.0, 4.0]])
+    res = closeness(ref + torch.tensor([[0.0, 1e-6, 0.5]]), ref, atol=1e-5, rtol=1e-5)
+    assert not res.ok and res.num_bad == 1 and res.first_bad == (0, 2)
+    assert res.max_abs == pytest.approx(0.5) and res.max_rel == pytest.approx(0.125)
+    nan = closeness(torch.tensor([float("nan")]), torch.tensor([1.0]), atol=1, rtol=1)
+    assert not nan.ok and nan.max_abs == math.inf
+
+
+@pytest.mark.parametrize("gamma", [2.5, 4.0, 7.0])
+def test_fit_decay_recovers_gamma_and_formula(gamma):
+    sup = torch.ones(3 * 6, dtype=torch.bool)
+    fit = fit_decay(exp_decay_weights(6, gamma).repeat(3), sup, 6)
+    assert fit["gamma"] == pytest.approx(gamma, rel=1e-5)
+    assert fit["offset"] == pytest.approx(1.0, abs=1e-5) and fit["w0"] == 0.0
+    assert fit["constant_per_slot"]
+    shifted = fit_decay(exp_decay_weights(6, gamma, sample_from_anchor=True).repeat(3), sup, 6)
+    assert shifted["offset"] == pytest.approx(0.0, abs=1e-5)  # exp(-s/g)
+
+
+# --------------------------------------------------------------------------- identical
+def test_identical_outputs_pass_every_check(ours):
+    results = run_checks(CASE, ours, ours)
+    assert [r.name for r in results] == ["structure", "defaults", "mask", "mask", "context",
+                                         "targets", "logits", "loss", "gradients", "metrics"]
+    assert {r.status for r in results} == {"pass"}, [(r.name, r.summary) for r in results]
+    assert [r.details["layer_type"] for r in results if r.name == "mask"] == [
+        FULL_ATTENTION, SLIDING_ATTENTION]
+
+
+# ------------------------------------------------------------------------------ mask
+def test_mask_difference_on_a_trained_row_fails_with_coordinates(ours):
+    m = ours.tensors["mask.full_attention"].clone()
+    q = int(supervised(ours).nonzero()[0])  # a supervised slot
+    j, s = divmod(q, B)
+    kv = int(CASE.inputs["anchor_positions"][j])  # its anchor position: `<=` rule
+    m[q, kv] = True
+    full, sliding = check_masks(CASE, edited(ours, **{"mask.full_attention": m}), ours)
+    assert full.status == "fail" and sliding.status == "pass"
+    doc = int(CASE.inputs["document_ids"][0, kv])
+    assert full.first_diff == {"anchor": j, "anchor_position": kv, "slot": s, "position": kv + s,
+                               "document": doc, "kv_position": kv, "kv_document": doc,
+                               "layer_type": FULL_ATTENTION}
+    assert full.details["extra_attention"] == 1 and full.details["missing_attention"] == 0
+    assert (full.candidate, full.reference) == (True, False)
+
+
+def test_mask_difference_on_an_untrained_block_passes(ours):
+    m = ours.tensors["mask.sliding_attention"].clone()
+    pad_block = CASE.inputs["anchor_valid"].numel() - 1  # the padding anchor's block
+    m[pad_block * B:, :] = ~m[pad_block * B:, :]
+    _, sliding = check_masks(CASE, edited(ours, **{"mask.sliding_attention": m}), ours)
+    assert sliding.status == "pass" and "cannot change training" in sliding.summary
+    assert sliding.details["differing"] > 0 and sliding.details["differing_on_supervised_rows"] == 0
+
+
+def test_missing_or_float_masks(ours):
+    missing = check_masks(CASE, edited(ours, drop=("mask.full_attention",)), ours)
+    assert [r.status for r in missing] == ["warn", "pass"]
+    assert missing[0].summary.startswith("not provided")
+    additive = torch.zeros_like(ours.tensors["mask.full_attention"], dtype=torch.float32)
+    additive[~ours.tensors["mask.full_attention"]] = float("-inf")
+    float_mask = check_masks(CASE, edited(ours, **{"mask.full_attention": additive[None, None]}),
+                             ours)
+    assert [r.status for r in float_mask] == ["pass", "pass"]
+
+
+# --------------------------------------------------------------------- float tensors
+def test_logits_compared_only_on_supervised_slots(ours):
+    sup = supervised(ours)
+    logits = ours.tensors["logits"].clone()
+    logits[0, ~sup] += 5.0
+    assert check_logits(CASE, edited(ours, logits=logits), ours).status == "pass"
+    q = int(sup.nonzero()[2])
+    logits[0, q, 7] += 1e-3
+    res = check_logits(CASE, edited(ours, logits=logits), ours)
+    assert res.status == "fail" and res.max_abs_diff == pytest.approx(1e-3, rel=1e-3)
+    j, s = divmod(q, B)
+    assert res.first_diff["anchor"] == j and res.first_diff["slot"] == s
+    assert res.first_diff["vocab"] == 7 and res.details["num_bad"] == 1
+    assert res.tolerance == {"atol": 1e-5, "rtol": 1e-5}
+
+
+def test_tiny_noise_within_tolerance_passes(ours):
+    noise = 1 + 1e-7 * torch.randn(ours.tensors["targets"].shape,
+                                   generator=torch.Generator().manual_seed(0))
+    res = check_targets(CASE, edited(ours, targets=ours.tensors["targets"] * noise), ours)
+    assert res.status == "pass" and 0 < res.max_abs_diff < 1e-5
+
+
+def test_shape_mismatch_and_missing_tensors(ours):
+    short = ours.tensors["targets"][..., :50]
+    res = check_targets(CASE, edited(ours, targets=short), ours)
+    assert res.status == "fail" and res.candidate == [1, 24, 50] and res.reference == [1, 24, 96]
+    res = check_logits(CASE, edited(ours, drop=("logits",)), ours)
+    assert res.status == "warn" and res.summary.startswith("not provided")
+
+
+def test_context_compared_on_attended_positions_only(ours):
+    ctx = ours.tensors["context"].clone()
+    pad = (CASE.inputs["document_ids"][0] == -1).nonzero().squeeze(-1)
+    ctx[0, pad] = float("nan")  # padding is never attended
+    assert check_context(CASE, edited(ours, context=ctx), ours).status == "pass"
+    doc = CASE.inputs["document_ids"][0]
+    seen = checks.attended_positions(CASE, ours)
+    p = int(seen.nonzero()[0])
+    ctx[0, p, 3] += 0.1
+    res = check_context(CASE, edited(ours, context=ctx), ours)
+    assert res.status == "fail"
+    assert res.first_diff == {"position": p, "document": int(doc[p]), "feature": 3}
+
+
+# --------------------------------------------------------------------------------- loss
+def test_loss_weights_report_implied_gamma(ours):
+    w7 = exp_decay_weights(B, 7.0).repeat(ours.tensors["loss_weights.kl_div"].numel() // B)[None]
+    res = check_loss(CASE, edited(ours, **{"loss_weights.kl_div": w7}), ours)
+    assert res.status == "fail"
+    assert res.details["implied_gamma"]["kl_div"]["candidate"] == pytest.approx(7.0, rel=1e-5)
+    assert res.details["implied_gamma"]["kl_div"]["reference"] == pytest.approx(4.0, rel=1e-5)
+    assert "implied gamma: candidate 7, reference 4" in res.summary
+
+
+def test_loss_total_and_aligned_mask(ours):
+    res = check_loss(CASE, edited(ours, loss=ours.tensors["loss"] * 1.01), ours)
+    assert res.status == "fail" and res.max_rel_diff == pytest.approx(0.01, rel=1e-3)
+    m = ours.tensors["aligned_loss_mask"].clone()
+    m[0, 0] = 1.0  # slot 0 of anchor 0 trained
+    res = check_loss(CASE, edited(ours, aligned_loss_mask=m), ours)
+    assert res.status == "fail" and res.first_diff["slot"] == 0 and res.first_diff["anchor"] == 0
+    res = check_loss(CASE, edited(ours, drop=("loss_weights.kl_div",)), ours)
+    assert res.status == "warn"
+
+
+# ---------------------------------------------------------------------------- gradients
+def test_gradients_relative_tolerance_and_named_parameter(ours):
+    g = ours.tensors["grad.layers.1.mlp.up_proj.weight"]
+    scale = float(g.abs().max())
+    tiny = edited(ours, **{"grad.layers.1.mlp.up_proj.weight": g + 1e-6 * scale})
+    assert check_gradients(CASE, tiny, ours).status == "pass"
+    big = g.clone()
+    big[2, 3] += 0.5 * scale
+    res = check_gradients(CASE, edited(ours, **{"grad.layers.1.mlp.up_proj.weight": big}), ours)
+    assert res.status == "fail"
+    assert res.first_diff["parameter"] == "layers.1.mlp.up_proj.weight"
+    assert res.first_diff["index"] == [2, 3]
+    assert res.details["failing"] == ["layers.1.mlp.up_proj.weight"]
+
+
+def test_missing_and_frozen_gradients(ours):
+    res = check_gradients(CASE, edited(ours, drop=("grad.fc.weight",)), ours)
+    assert res.status == "fail" and "fc.weight: no gradient on the candidate side" in res.summary
+    frozen = edited(ours, **{"grad.embed_tokens.weight": torch.ones(96, 32)})
+    res = check_gradients(CASE, frozen, ours)
+    assert res.status == "fail" and res.details["failing"] == ["embed_tokens.weight"]
+    none = edited(ours, drop=[k for k in ours.tensors if k.startswith("grad.")])
+    none.trainable = []
+    assert check_gradients(CASE, none, ours).status == "warn"
+
+
+# ---------------------------------------------------------------------------- structure
+def test_structure_one_sided_fields_ignored_and_profile_checked(ours):
+    cand = edited(ours)
+    for key in ("verifier_norm", "load_missing_keys", "load_unexpected_keys"):
+        cand.structure.pop(key)
+    assert check_structure(CASE, cand, ours).status == "pass"
+    cand.structure["fc_in_features"] = 64
+    cand.structure["state_dict"]["fc.weight"]["shape"] = [32, 64]
+    res = check_structure(CASE, cand, ours)
+    assert res.status == "fail"
+    fields = {f["field"] for f in res.details["findings"]}
+    assert {"fc_in_features", "state_dict.fc.weight.shape"} <= fields
+    profile = [f for f in res.details["findings"] if "profile" in f]
+    assert profile[0]["profile"] == 96 and profile[0]["candidate"] == 64
+
+
+def test_structure_warnings_and_failures(ours):
+    cand = edited(ours)
+    cand.structure["state_dict"]["norm.weight"]["dtype"] = "bfloat16"
+    assert check_structure(CASE, cand, ours).status == "warn"
+    cand = edited(ours)
+    cand.structure["state_dict"]["embed_tokens.weight"]["trainable"] = True
+    res = check_structure(CASE, cand, ours)
+    assert res.status == "fail" and "trained on the candidate side" in res.summary
+    ref = edited(ours)
+    ref.structure["load_missing_keys"] = ["hidden_norm.weight"]
+    res = check_structure(CASE, edited(ours), ref)
+    assert res.status == "fail" and "did not fill reference parameter" in res.summary
+    empty = edited(ours)
+    empty.structure = {}
+    assert check_structure(CASE, empty, ours).status == "warn"
+
+
+def test_structure_window_ignored_without_sliding_layers(ours):
+    full = dataclasses.replace(CASE, config=CONFIG.replace(layer_types=None, sliding_window=None))
+    cand, ref = edited(ours), edited(ours)
+    for side, w in ((cand, 5), (ref, None)):
+        side.structure.update(layer_types=[FULL_ATTENTION] * 2, sliding_window=w,
+                              sliding_window_non_causal=w is not None)
+    assert check_structure(full, cand, ref).status == "pass"
+
+
+# ----------------------------------------------------------------------- defaults, metrics
+def test_defaults_report_each_side_and_never_fail(ours):
+    ref = edited(ours)
+    ref.defaults = {"gamma": 4.0, "block_size": 8, "max_anchors": 512,
+                    "per_position_loss_weight": "fixed-exp-decay",
+                    "loss_when_unset": "kl_div (fused)"}
+    res = check_defaults(CASE, ours, ref)
+    assert res.status == "pass"
+    assert res.details["fields"]["block_size"] == {"profile": 4, "candidate_default": None,
+                                                   "reference_default": 8}
+    cand = edited(ours)
+    cand.defaults = {"gamma": 7.0, "loss": "kl_div"}
+    res = check_defaults(CASE, cand, ref)
+    assert res.status == "warn" and "gamma: candidate 7.0, reference 4.0" in res.summary
+
+
+def test_metrics_eal_definition_difference_warns_naming_both(ours):
+    cand = edited(ours)
+    cand.metrics.update(eal_sum=ours.metrics["eal_product"], eal_total=1.0)
+    res = check_metrics(CASE, cand, ours)
+    assert res.status == "warn"
+    assert res.details["eal"]["reference_definition"] == ["leading-run"]
+    assert res.details["eal"]["candidate_definition"] == ["product-of-marginals"]
+    assert "'product-of-marginals'" in res.summary and "'leading-run'" in res.summary
+    res = check_metrics(CASE, ours, ours)
+    assert res.status == "pass" and "leading-run" in res.summary
+
+
+def test_metric_value_difference_warns_and_missing_metrics(ours):
+    cand = edited(ours)
+    cand.metrics["position_2_acc_sum"] += 1
+    res = check_metrics(CASE, cand, ours)
+    assert res.status == "warn" and res.first_diff["metric"] == "position_2_acc_sum"
+    none = edited(ours)
+    none.metrics = {}
+    assert check_metrics(CASE, none, ours).summary.startswith("not provided")
+
+
+def test_a_crashing_check_becomes_a_failure(ours, monkeypatch):
+    def boom(case, cand, ref):
+        raise RuntimeError("bad output")
+
+    monkeypatch.setattr(checks, "CHECKS", (("logits", boom),) + checks.CHECKS[-1:])
+    res = run_checks(CASE, ours, ours)
+    assert (res[0].name, res[0].status) == ("logits", "fail")
+    assert "RuntimeError: bad output" in res[0].summary and res[1].status == "pass"
+
+
+# ------------------------------------------------ our drafter vs the real reference, >= 200 cases
+MIXES = [*LOSSES, '{"ce": 0.3, "kl_div": 0.7}']
+
+
+@st.composite
+def generated_case_params(draw):
+    """A tiny config, batch layout and loss: H <= 32, T <= 64."""
+    heads, kv = draw(st.sampled_from([(2, 1), (2, 2), (4, 2), (4, 1)]))
+    layers = draw(st.integers(1, 2))
+    N = draw(st.integers(3, 8))
+    n = draw(st.integers(1, 4))
+    layout = draw(st.lists(st.sampled_from(LAYER_TYPES), min_size=layers, max_size=layers))
+    vocab = draw(st.sampled_from([32, 64]))
+    T = draw(st.integers(16, 64))
+    return dict(
+        hidden_size=draw(st.sampled_from([16, 32])), heads=heads, kv=kv, layers=layers, N=N,
+        ids=sorted(draw(st.sets(st.integers(0, N), min_size=n, max_size=n))),
+        block_size=draw(st.integers(2, 6)), layout=layout,
+        window=draw(st.integers(1, 24)) if SLIDING_ATTENTION in layout else None,
+        non_causal=draw(st.booleans()), vocab=vocab,
+        draft_vocab=draw(st.one_of(st.none(), st.integers(4, vocab - 1))),
+        sample_from_anchor=draw(st.booleans()), T=T, docs=draw(st.integers(1, 4)),
+        pad=draw(st.integers(0, 6)), anchors=draw(st.integers(1, 8)),
+        loss=draw(st.sampled_from(MIXES)), weighting=draw(st.sampled_from(WEIGHTINGS)),
+        gamma=draw(st.sampled_from([1.5, 4.0, 7.0])), seed=draw(st.integers(0, 2**20)))
+
+
+def generated_case(i: int, p: dict):
+    config = DFlashConfig(
+        hidden_size=p["hidden_size"], intermediate_size=2 * p["hidden_size"],
+        num_attention_heads=p["heads"], num_key_value_heads=p["kv"], head_dim=8,
+        num_hidden_layers=p["layers"], vocab_size=p["vocab"], num_verifier_layers=p["N"],
+        target_layer_ids=p["ids"], mask_token_id=p["vocab"] - 1, block_size=p["block_size"],
+        draft_vocab_size=p["draft_vocab"], layer_types=p["layout"], sliding_window=p["window"],
+        sliding_window_non_causal=p["non_causal"], sample_from_anchor=p["sample_from_anchor"])
+    spec = LossSpec(loss=p["loss"], weighting=p["weighting"], gamma=p["gamma"])
+    return synthetic_case(f"gen{i:03d}", config, spec, seed=p["seed"], seq_len=p["T"],
+                          num_documents=p["docs"], pad=p["pad"], max_anchors=p["anchors"])
+
+
+@pytest.mark.reference
+def test_our_drafter_passes_200_generated_cases_against_the_reference(run_reference_cases):
+    params: list[dict] = []
+
+    @settings(max_examples=220, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(generated_case_params())
+    def collect(p):
+        if p not in params:
+            params.append(p)
+
+    collect()
+    cases = [generated_case(i, p) for i, p in enumerate(params)]
+    assert len(cases) >= 200
+    refs = run_reference_cases(cases)
+    failures, with_supervision = [], 0
+    for case, p in zip(cases, params, strict=True):
+        ours = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
+        results = run_checks(case, ours, refs[case.name])
+        with_supervision += bool(refs[case.name].tensors["aligned_loss_mask"].any())
+        bad = [(r.name, r.status, r.summary) for r in results if r.status != "pass"]
+        if bad:
+            failures.append((case.name, p, bad))
+    assert not failures, failures[:3]
+    assert with_supervision >= 150  # most cases train on something
+    layouts = {tuple(sorted(set(p["layout"]))) for p in params}
+    assert len(layouts) == 3 and any(p["draft_vocab"] for p in params)
+    assert any(p["sample_from_anchor"] for p in params) and any(
+        p["anchors"] * p["block_size"] >= p["T"] for p in params)
+
+
+def test_metric_helper_matches_dflash_metrics(ours):
+    """eal_definitions recomputes with dflash_metrics: the leading-run value is ours."""
+    t = ours.tensors
+    m = dflash_metrics(t["logits"], t["targets"], t["aligned_loss_mask"], B)
+    assert checks.eal_value(ours.metrics) == pytest.approx(m["eal_sum"] / m["eal_total"])
+    assert "leading-run" in checks.eal_definitions(ours, CASE)

@@ -1,0 +1,406 @@
+"""The diagnosis engine names the cause of each failing check (DESIGN.md sec. 5 bug classes).
+
+Bug candidates below are small subclasses of our drafter, each with one known bug; they run
+against the real reference (speculators 0.9.0, one adapter process for the module). Bugs that
+only show in a structure summary, a vocabulary layout or a metric are hand-perturbed copies of
+our drafter's outputs (our drafter is conformant: tests/test_checks.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import dflash_audit.model.loss as loss_module
+from dflash_audit.audit.case import SideOutputs
+from dflash_audit.audit.checks import run_checks
+from dflash_audit.audit.diagnose import diagnose, predict_targets, recompute_loss
+from dflash_audit.audit.synthetic import synthetic_case
+from dflash_audit.candidate import DrafterCandidate
+from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
+from dflash_audit.model.drafter import DFlashDrafter
+from dflash_audit.model.loss import LossSpec
+from dflash_audit.model.mask import dense_mask
+
+H, W, BLOCK = 32, 6, 4
+CONFIG = DFlashConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, num_hidden_layers=2, vocab_size=96,
+                      num_verifier_layers=6, target_layer_ids=(1, 3, 4), mask_token_id=95,
+                      block_size=BLOCK, layer_types=(FULL_ATTENTION, SLIDING_ATTENTION),
+                      sliding_window=W, pad_token_id=0)
+
+
+def _case():
+    """3 documents + padding; a padding anchor at 0 whose block has supervised positions."""
+    case = synthetic_case("diag", CONFIG, LossSpec(), seed=21, seq_len=48, num_documents=3,
+                          pad=4, max_anchors=5)
+    inputs = case.inputs
+    inputs["loss_mask"][0, :BLOCK] = 1  # still valid for the drawn anchors
+    inputs["anchor_positions"] = torch.cat([inputs["anchor_positions"], torch.zeros(1).long()])
+    inputs["anchor_valid"] = torch.cat([inputs["anchor_valid"], torch.zeros(1).bool()])
+    return case
+
+
+CASE = _case()
+
+
+# ----------------------------------------------------------------------- bug candidates
+def candidate(model_cls=None, *, loss=None, patch=None, drop_masks=False, config=None):
+    """A DrafterCandidate whose model is ``model_cls`` (default ours), run with a replaced
+    loss spec / config, inside a patch context, or without returning its masks."""
+
+    class Bug(DrafterCandidate):
+        def build(self, cfg):
+            return (model_cls or DFlashDrafter)(config(cfg) if config else cfg)
+
+        def run_case(self, cfg, spec, weights, inputs):
+            spec = dataclasses.replace(spec, **loss) if loss else spec
+            undo = patch() if patch else None
+            try:
+                out = super().run_case(cfg, spec, weights, inputs)
+            finally:
+                if undo:
+                    undo()
+            if drop_masks:
+                out.tensors = {k: v for k, v in out.tensors.items() if not k.startswith("mask.")}
+            return out
+
+    return Bug()
+
+
+class TargetsShift(DFlashDrafter):
+    shift = 0  # added to a+s before the reference's -1
+
+    @torch.no_grad()
+    def targets(self, states, indices):
+        return super().targets(states, indices + self.shift)
+
+
+class TargetsNotShifted(TargetsShift):
+    shift = 1
+
+
+class TargetsShiftedTwice(TargetsShift):
+    shift = -1
+
+
+class TargetsNoNorm(DFlashDrafter):
+    @torch.no_grad()
+    def targets(self, states, indices):
+        return self.verifier_lm_head(states[:, (indices - 1) % states.shape[1]])
+
+
+def masks_with(**kw):
+    """A drafter whose masks are dense_mask with changed arguments per layer type."""
+
+    class Masks(DFlashDrafter):
+        def attention_masks(self, document_ids, anchor_positions):
+            masks = super().attention_masks(document_ids, anchor_positions)
+            for layer_type, (docs, window, non_causal) in kw.items():
+                d = docs(document_ids) if docs else document_ids
+                masks[layer_type] = dense_mask(d, anchor_positions, BLOCK, window, non_causal)
+            return masks
+
+    return Masks
+
+
+def one_doc(document_ids):
+    return torch.where(document_ids != -1, 0, -1)
+
+
+class SlotZeroTrained(DFlashDrafter):
+    def aligned_loss_mask(self, loss_mask, indices, anchor_valid):
+        return loss_mask[:, indices].float() * anchor_valid.float().repeat_interleave(BLOCK)[None]
+
+
+class PaddingAnchorsTrained(DFlashDrafter):
+    def aligned_loss_mask(self, loss_mask, indices, anchor_valid):
+        return super().aligned_loss_mask(loss_mask, indices, torch.ones_like(anchor_valid))
+
+
+class AbsoluteNoisePositions(DFlashDrafter):
+    """Noise slots at packed position a+s while the context restarts per document."""
+
+    def forward(self, *args, **kw):
+        T = kw["position_ids"].shape[-1]
+        absolute = (kw["anchor_positions"][:, None] + torch.arange(BLOCK)).reshape(1, -1)
+        rope = self.rotary_emb.forward
+        self.rotary_emb.forward = lambda pos, dtype: rope(
+            torch.cat([pos[:, :T], absolute], 1), dtype)
+        return super().forward(*args, **kw)
+
+
+class NoRestart(DFlashDrafter):
+    """Positions 0..T-1 for context and noise alike: relative distances unchanged."""
+
+    def forward(self, *args, **kw):
+        kw["position_ids"] = torch.arange(kw["position_ids"].shape[-1])[None]
+        return super().forward(*args, **kw)
+
+
+class EmbeddingsTrained(DFlashDrafter):
+    def reset_parameters(self, std=0.02):
+        super().reset_parameters(std)
+        self.embed_tokens.weight.requires_grad_(True)
+
+
+class DetachedContext(DFlashDrafter):
+    def context(self, hidden_states):
+        return super().context(hidden_states).detach()
+
+
+class NoHiddenNorm(DFlashDrafter):
+    def context(self, hidden_states):
+        return self.fc(hidden_states)
+
+
+class DescendingLayers(DFlashDrafter):
+    def context(self, hidden_states):
+        slices = hidden_states.split(H, -1)[::-1]
+        return super().context(torch.cat(slices, -1))
+
+
+def decay_from_s():
+    """exp(-s/gamma) instead of exp(-(s-1)/gamma) (slot 0 still zero)."""
+    original = loss_module.exp_decay_weights
+
+    def buggy(block_size, gamma, sample_from_anchor=False):
+        w = torch.exp(-torch.arange(block_size, dtype=torch.float32) / gamma)
+        w[0] = 0.0
+        return w
+
+    loss_module.exp_decay_weights = buggy
+    return lambda: setattr(loss_module, "exp_decay_weights", original)
+
+
+class ContextRuleLe(DFlashDrafter):
+    def attention_masks(self, document_ids, anchor_positions):
+        masks = super().attention_masks(document_ids, anchor_positions)
+        qa = anchor_positions.repeat_interleave(BLOCK)
+        for m in masks.values():
+            m[torch.arange(qa.numel()), qa] |= document_ids[0, qa] != -1
+        return masks
+
+
+# (id, candidate, {check[.layer type]: expected start of the first diagnosis}, checks that pass)
+UPSTREAM_OK = ("structure", "context", "mask", "logits")
+BUGS = [
+    ("targets-not-shifted", candidate(TargetsNotShifted),
+     {"targets": "targets not shifted: slot s is taught by the verifier's prediction at a+s "
+                 "instead of a+s-1"}, UPSTREAM_OK),
+    ("targets-shifted-twice", candidate(TargetsShiftedTwice),
+     {"targets": "targets shifted twice"}, UPSTREAM_OK),
+    ("targets-no-norm", candidate(TargetsNoNorm),
+     {"targets": "targets without the verifier's final norm"}, UPSTREAM_OK),
+    ("window-plus-one", candidate(masks_with(sliding_attention=(None, W + 1, False))),
+     {"mask.sliding_attention": "window bound off by +1: kv >= anchor - 7 (reference W=6)",
+      "logits": "follows from the mask difference"}, ("structure", "context", "targets")),
+    ("window-missing", candidate(masks_with(sliding_attention=(None, 10**9, False))),
+     {"mask.sliding_attention": "sliding window missing (reference: kv >= anchor - 6)"},
+     ("context", "targets")),
+    ("bidirectional-sliding", candidate(masks_with(sliding_attention=(None, W, True))),
+     {"mask.sliding_attention": "bidirectional attention inside the block in a sliding layer"},
+     ("context", "targets")),
+    ("cross-document", candidate(masks_with(full_attention=(one_doc, None, False),
+                                            sliding_attention=(one_doc, W, False))),
+     {"mask.full_attention": "cross-document leakage"}, ("context", "targets")),
+    ("slot0-trained", candidate(SlotZeroTrained),
+     {"loss": "slot 0 (the anchor itself) not masked out of the loss"},
+     UPSTREAM_OK + ("targets",)),
+    ("padding-anchors-trained", candidate(PaddingAnchorsTrained),
+     {"loss": "padding anchors (anchor_valid False) not masked out of the loss"},
+     UPSTREAM_OK + ("targets",)),
+    ("decay-exp-s", candidate(patch=decay_from_s),
+     {"loss": "decay formula exp(-s/gamma) instead of exp(-(s-1)/gamma)",
+      "gradients": "follows from the loss difference"}, UPSTREAM_OK + ("targets",)),
+    ("hard-ce", candidate(loss={"loss": "ce"}),
+     {"loss": "loss computed as 'ce' where the profile says 'kl_div' (hard-label CE instead of "
+              "soft divergence)"}, UPSTREAM_OK + ("targets",)),
+    ("noise-positions-absolute", candidate(AbsoluteNoisePositions),
+     {"logits": "position ids: context restart per document, noise block a+s (packed "
+                "position, not restarting per document)"}, ("context", "mask", "targets")),
+    ("mask-token-pad", candidate(config=lambda c: c.replace(mask_token_id=0)),
+     {"logits": "mask_token_id falls back to pad_token_id (0)"}, ("context", "mask", "targets")),
+    ("embeddings-trained", candidate(EmbeddingsTrained),
+     {"structure": "frozen weights being trained: embed_tokens.weight",
+      "gradients": "frozen weights being trained: embed_tokens.weight"},
+     ("context", "mask", "targets", "logits", "loss")),
+    ("context-detached", candidate(DetachedContext),
+     {"gradients": "no gradient reaches fc.weight, hidden_norm.weight"},
+     UPSTREAM_OK + ("targets", "loss")),
+    ("hidden-norm-missing", candidate(NoHiddenNorm),
+     {"context": "hidden_norm missing"}, ("structure", "mask", "targets")),
+    ("descending-layers", candidate(DescendingLayers),
+     {"context": "target layers concatenated in descending id order"},
+     ("structure", "mask", "targets")),
+    ("le-rule-masks-not-returned", candidate(ContextRuleLe, drop_masks=True),
+     {"logits": "full_attention and sliding_attention mask: context rule kv <= anchor"},
+     ("structure", "context", "targets")),
+]
+
+
+@pytest.fixture(scope="module")
+def reference(run_reference_cases):
+    return run_reference_cases([CASE])[CASE.name]
+
+
+def results_by_key(results):
+    return {(f"{r.name}.{r.details['layer_type']}" if r.name == "mask" else r.name): r
+            for r in results}
+
+
+def audit(cand: SideOutputs, ref: SideOutputs, case=CASE):
+    results = run_checks(case, cand, ref)
+    diagnose(case, cand, ref, results)
+    return results_by_key(results)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("bug,cand,expected,passing", BUGS, ids=[b[0] for b in BUGS])
+def test_bug_fails_on_the_right_check_with_the_right_diagnosis(bug, cand, expected, passing,
+                                                               reference):
+    out = cand.run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    results = audit(out, reference)
+    for key, cause in expected.items():
+        r = results[key]
+        assert r.status == "fail", (key, r.summary)
+        assert r.diagnosis and r.diagnosis[0].startswith(cause), (key, r.diagnosis)
+    for key in passing:
+        keys = [k for k in results if k == key or k.startswith(key + ".")]
+        assert keys and all(results[k].status == "pass" for k in keys), \
+            [(k, results[k].summary) for k in keys]
+
+
+@pytest.mark.reference
+def test_positions_not_restarting_cannot_change_training_and_pass(reference):
+    """Uniformly absolute positions keep every in-document RoPE distance: no finding."""
+    out = candidate(NoRestart).run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    assert {r.status for r in audit(out, reference).values()} == {"pass"}
+
+
+@pytest.mark.reference
+def test_unexplained_difference_reports_numbers(reference):
+    out = DrafterCandidate().run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    noise = torch.randn(out.tensors["logits"].shape, generator=torch.Generator().manual_seed(1))
+    out.tensors["logits"] = out.tensors["logits"] + 1e-2 * noise
+    r = audit(out, reference)["logits"]
+    assert r.status == "fail" and len(r.diagnosis) == 1
+    assert r.diagnosis[0].startswith("unexplained difference in logits: no tested hypothesis "
+                                     "reproduces the candidate (max abs")
+
+
+# ------------------------------------------------------------ hand-perturbed (no reference)
+@pytest.fixture(scope="module")
+def ours():
+    return DrafterCandidate().run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+
+
+def edited(side: SideOutputs, **tensors) -> SideOutputs:
+    out = SideOutputs({**side.tensors, **tensors}, dict(side.metrics),
+                      copy.deepcopy(side.structure), dict(side.defaults), list(side.trainable))
+    return out
+
+
+@pytest.mark.parametrize("ids,cause", [
+    ([0, 2, 3], "target layer ids in the z-lab convention (offset by one: z-lab id k = "
+                "speculators id k+1): [0, 2, 3] instead of [1, 3, 4]"),
+    ([2, 4, 5], "target layer ids offset by +1"),
+    ([1, 3, -2], "negative target layer ids [1, 3, -2] wrap python-style (N+id)"),
+])
+def test_structure_target_layer_ids(ours, ids, cause):
+    cand = edited(ours)
+    cand.structure["target_layer_ids"] = ids
+    r = audit(cand, ours)["structure"]
+    assert r.status == "fail" and r.diagnosis[0].startswith(cause)
+
+
+def test_structure_fc_sized_by_depth(ours):
+    """n = 2 target layers, 3 draft layers: fc built as Linear(3*H, H)."""
+    deep = dataclasses.replace(CASE, config=CONFIG.replace(
+        target_layer_ids=(1, 4), num_hidden_layers=3, layer_types=(FULL_ATTENTION,) * 3))
+    cand, ref = edited(ours), edited(ours)
+    cand.structure["fc_in_features"], ref.structure["fc_in_features"] = 3 * H, 2 * H
+    for side in (cand, ref):
+        side.structure.update(target_layer_ids=[1, 4], layer_types=[FULL_ATTENTION] * 3)
+    r = audit(cand, ref, deep)["structure"]
+    assert r.status == "fail"
+    assert r.diagnosis == ["fc reads 3 layers' features, the profile has n=2 target layers",
+                           "fc sized by draft depth: in_features = num_hidden_layers (3) * H "
+                           "instead of the number of target layers (2) * H"]
+
+
+def test_draft_vocab_not_reduced():
+    cfg = CONFIG.replace(draft_vocab_size=40)
+    case = synthetic_case("vocab", cfg, LossSpec(), seed=3, seq_len=48, num_documents=2)
+    ref = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
+    ids = torch.arange(40) + case.weights["d2t"]
+    full = torch.randn(1, ref.tensors["targets"].shape[1], 96)
+    full[..., ids] = ref.tensors["targets"]
+    r = audit(edited(ref, targets=full), ref, case)["targets"]
+    assert r.status == "fail" and r.diagnosis[0].startswith(
+        "targets not reduced to the draft vocabulary: over all V=96 verifier ids")
+
+
+def test_draft_vocab_d2t_read_as_absolute_ids():
+    cfg = CONFIG.replace(draft_vocab_size=40)
+    case = synthetic_case("vocab", cfg, LossSpec(), seed=3, seq_len=48, num_documents=2)
+    ids = torch.arange(40) * 2  # d2t = ids - i = i: distinct from the absolute reading
+    case.weights["d2t"], case.weights["t2d"] = ids - torch.arange(40), torch.zeros(96).bool()
+    case.weights["t2d"][ids] = True
+    ref = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
+    full = torch.randn(1, ref.tensors["logits"].shape[1], 96)
+    full[..., case.weights["d2t"]] = ref.tensors["logits"]
+    r = audit(edited(ref, logits=full), ref, case)["logits"]
+    assert r.diagnosis[0].startswith("draft-vocab mapping: d2t read as absolute ids")
+
+
+def test_loss_normalised_by_weights(ours):
+    total = recompute_loss(_ev(ours), {"kl_div": 1.0}, "weights")
+    r = audit(edited(ours, loss=torch.tensor(total)), ours)["loss"]
+    assert r.status == "fail" and r.diagnosis == [
+        "loss normalised by the sum of weights instead of the number of supervised tokens"]
+
+
+class PartialRotary(DFlashDrafter):
+    """Honours partial_rotary_factor 0.5: rotates 4 of the 8 head dimensions."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        d = config.head_dim // 2
+        self.rotary_emb.inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, d, 2).float() / d)
+
+
+def test_rope_partial_factor_applied_where_the_reference_ignores_it():
+    cfg = CONFIG.replace(rope_parameters={"partial_rotary_factor": 0.5})
+    case = synthetic_case("rope", cfg, LossSpec(), seed=4, seq_len=48, num_documents=2)
+    ref = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
+    cand = candidate(PartialRotary).run_case(case.config, case.loss, case.weights, case.inputs)
+    r = audit(cand, ref, case)["logits"]
+    assert r.status == "fail" and r.diagnosis == [
+        "RoPE partial_rotary_factor 0.5 applied: 4 of 8 head dimensions rotated, where the "
+        "reference's draft layers ignore the factor and rotate all of them"]
+
+
+def test_eal_definition_named_in_metrics_diagnosis(ours):
+    cand = edited(ours)
+    cand.metrics.update(eal_sum=ours.metrics["eal_product"], eal_total=1.0)
+    r = audit(cand, ours)["metrics"]
+    assert r.status == "warn" and r.diagnosis[0].startswith(
+        "acceptance-length definitions differ: the candidate's EAL is 'product-of-marginals'")
+
+
+def test_predict_targets_reference_hypothesis_is_our_drafter(ours):
+    from dflash_audit.audit.diagnose import TargetHypothesis
+
+    sup = ours.tensors["aligned_loss_mask"][0].bool().nonzero().squeeze(-1)
+    predicted = predict_targets(CASE, TargetHypothesis(None, 1, 1), sup)
+    torch.testing.assert_close(predicted, ours.tensors["targets"][:, sup], atol=0, rtol=0)
+
+
+def _ev(side):
+    from dflash_audit.audit.diagnose import Evidence
+
+    return Evidence(CASE, side, side)

@@ -1,0 +1,137 @@
+"""The shipped example candidates against the real reference (speculators 0.9.0): each known
+bug fails on the right check with the right diagnosis, and nothing upstream of it fails; our
+drafter and the minimal user model pass every check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dflash_audit.audit.checks import run_checks
+from dflash_audit.audit.diagnose import diagnose
+from dflash_audit.audit.synthetic import synthetic_case
+from dflash_audit.candidate import DrafterCandidate, load_candidate
+from dflash_audit.model.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    DFlashConfig,
+    default_target_layer_ids,
+)
+from dflash_audit.model.loss import LossSpec
+
+pytestmark = pytest.mark.reference
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+N = 30  # verifier depth: the z-lab default ids [2, 9, 15, 21, 28] end at N-2
+IDS = default_target_layer_ids(N)
+BASE = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, num_hidden_layers=2, vocab_size=96, num_verifier_layers=N,
+            target_layer_ids=IDS, mask_token_id=95)
+CASES = [
+    synthetic_case("mixed", DFlashConfig(**BASE, block_size=4, sliding_window=8,
+                                         layer_types=(FULL_ATTENTION, SLIDING_ATTENTION)),
+                   LossSpec(), seed=7, seq_len=64, num_documents=3, pad=4, max_anchors=6),
+    synthetic_case("zlab-full", DFlashConfig(**BASE, block_size=5), LossSpec(), seed=8,
+                   seq_len=64, num_documents=2, pad=2, max_anchors=5),
+]
+
+# example -> ({check[.layer type]: start of its first diagnosis}, checks that must pass)
+EXPECTED = {
+    "fc_subset": ({"structure": "fc fed 4 of 5 target layers: Linear(4*H, H) instead of "
+                                "Linear(5*H, H)",
+                   "context": "fc fed 4 of 5 target layers: it reads layers [2, 9, 15, 21] "
+                              "(hidden_states slices [0, 1, 2, 3]) and misses [28]",
+                   "logits": "follows from the context difference: our drafter fed the "
+                             "candidate's own context reproduces the candidate's logits"},
+                  ("mask", "targets")),
+    "targets_from_target_layer": ({"targets": "targets from layer 28 (target layer 28, "
+                                              "hidden_states slice 4), not the verifier's last "
+                                              "layer N=30: L = N-2",
+                                   "loss": "the candidate's loss formula conforms"},
+                                  ("structure", "mask", "context", "logits")),
+    "targets_post_norm": ({"targets": "targets from post-norm states: the verifier's final norm "
+                                      "is applied twice"},
+                          ("structure", "mask", "context", "logits")),
+    "gamma7": ({"loss": "decay gamma 7 (fitted from the weights",
+                "gradients": "follows from the loss difference"},
+               ("structure", "mask", "context", "targets", "logits")),
+    "context_rule_le": ({"mask.full_attention": "context rule kv <= anchor (reference: kv < "
+                                                "anchor)",
+                         "logits": "follows from the mask difference: our drafter fed the "
+                                   "candidate's own masks reproduces the candidate's logits"},
+                        ("structure", "context", "targets")),
+    "causal_block": ({"mask.full_attention": "causal attention inside the block in a "
+                                             "full-attention layer (reference: bidirectional "
+                                             "block)",
+                      "logits": "follows from the mask difference"},
+                     ("structure", "context", "targets")),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(run_reference_cases):
+    return run_reference_cases(CASES)
+
+
+def audit(candidate, case, reference):
+    cand = candidate.run_case(case.config, case.loss, case.weights, case.inputs)
+    results = run_checks(case, cand, reference[case.name])
+    diagnose(case, cand, reference[case.name], results)
+    return {(f"{r.name}.{r.details['layer_type']}" if r.name == "mask" else r.name): r
+            for r in results}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("example", sorted(EXPECTED))
+def test_example_fails_on_the_right_check_with_the_right_diagnosis(example, case, reference):
+    results = audit(load_candidate(f"{EXAMPLES / 'candidates' / example}.py:candidate"), case,
+                    reference)
+    failing, passing = EXPECTED[example]
+    for key, cause in failing.items():
+        r = results[key]
+        assert r.status == "fail", (key, r.summary)
+        assert r.diagnosis[0].startswith(cause), (key, r.diagnosis)
+    for key in passing:
+        keys = [k for k in results if k == key or k.startswith(key + ".")]
+        assert keys and all(results[k].status == "pass" for k in keys), \
+            [(k, results[k].summary) for k in keys]
+    assert {r.status for r in results.values()} >= {"fail"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_every_layer_type_shows_the_context_rule_bug(case, reference):
+    results = audit(load_candidate(f"{EXAMPLES}/candidates/context_rule_le.py:candidate"), case,
+                    reference)
+    masks = [r for k, r in results.items() if k.startswith("mask.")]
+    assert len(masks) == len(set(case.config.effective_layer_types))
+    assert all(r.status == "fail" and r.diagnosis[0].startswith("context rule kv <= anchor")
+               for r in masks)
+
+
+def test_causal_block_leaves_the_sliding_layer_passing(reference):
+    results = audit(load_candidate(f"{EXAMPLES}/candidates/causal_block.py:candidate"),
+                    CASES[0], reference)
+    assert results["mask.sliding_attention"].status == "pass"
+
+
+def test_gamma7_defaults_warn_with_both_values(reference):
+    r = audit(load_candidate(f"{EXAMPLES}/candidates/gamma7.py:candidate"), CASES[0],
+              reference)["defaults"]
+    assert r.status == "warn" and r.details["fields"]["gamma"] == {
+        "profile": 4.0, "candidate_default": 7.0, "reference_default": 4.0}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_our_drafter_passes_every_check(case, reference):
+    results = audit(DrafterCandidate(), case, reference)
+    assert {r.status for r in results.values()} == {"pass"}, \
+        [(k, r.summary) for k, r in results.items() if r.status != "pass"]
+
+
+def test_minimal_user_model_passes_every_check(reference):
+    user = load_candidate(f"{EXAMPLES}/minimal_user_model.py:TinyDFlashCandidate")
+    results = audit(user, CASES[1], reference)
+    assert {r.status for r in results.values()} == {"pass"}, \
+        [(k, r.summary) for k, r in results.items() if r.status != "pass"]
+    with pytest.raises(NotImplementedError, match="full attention"):
+        audit(user, CASES[0], reference)  # a sliding layer: outside what TinyDFlash supports
