@@ -45,7 +45,8 @@ def test_round_trip(tmp_path):
     path = batch.save(tmp_path / "b.safetensors")
     loaded = Batch.load(path)
     for key, tensor in batch.tensors().items():
-        assert torch.equal(getattr(loaded, key), tensor) and getattr(loaded, key).dtype == tensor.dtype
+        got = getattr(loaded, key)
+        assert torch.equal(got, tensor) and got.dtype == tensor.dtype
     assert loaded.metadata == batch.metadata
     assert loaded.target_layer_ids == IDS and loaded.mask_token_id == 260
     assert loaded.seq_len == 12 and loaded.hidden_size == H and loaded.num_documents == 2

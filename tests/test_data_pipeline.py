@@ -98,7 +98,7 @@ def test_real_pipeline_loss_mask_is_exactly_the_assistant_spans(smol, real_batch
                 assert replies[len(decoded) - 1].startswith(decoded[-1])
             else:
                 assert decoded[-1] == replies[len(decoded) - 1]
-            for a, b in runs:
+            for a, _ in runs:
                 assert tok.decode(ids[:a]).endswith("<|im_start|>assistant\n")
             assert tok.decode(ids).startswith("<|im_start|>system\n")
             start = end

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -58,8 +58,7 @@ def _progress(enabled: bool) -> Any:
     if not enabled:
         return nullcontext(None)
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), console=Console(stderr=True))
 
@@ -176,7 +175,8 @@ def build_batches(verifier: str | Verifier, data: str, seq_len: int, rows: int,
         if not packed:
             raise DataError(f"no conversation in {convs.source!r} has a supervised assistant "
                             f"token within seq_len {seq_len} ({stats.to_dict()})")
-        stats.used = sum(len(r.documents) for r in packed)
+        stats.used = sum(len(r.documents) for r in packed)  # the generator read one ahead
+        stats.truncated = sum(d.truncated for r in packed for d in r.documents)
         capture_task = bar.add_task("capturing hidden states", total=len(packed)) if bar else None
         batches = []
         for row in packed:
@@ -243,6 +243,7 @@ def load_batches(directory: str | Path) -> list[Batch]:
 
 # ------------------------------------------------------------------------------- CLI
 def data_command(
+    out: Annotated[Path, typer.Option(help="Output directory (batch_*.safetensors).")],
     verifier: Annotated[str, typer.Option(
         help="Local HF causal-LM folder, or the built-in 'smollm2-135m'.")] = "smollm2-135m",
     data: Annotated[str, typer.Option(
@@ -250,13 +251,12 @@ def data_command(
     ] = "chitchat",
     seq_len: Annotated[int, typer.Option(help="T, tokens per packed row.")] = 1024,
     rows: Annotated[int, typer.Option(help="Number of packed rows (batch files).")] = 16,
-    out: Annotated[Path, typer.Option(help="Output directory.")] = Path("data/batches"),
     target_layers: Annotated[str, typer.Option(
         help="'zlab' (5 evenly spaced), 'speculators' ([2, N//2, N-3]) or ids like 1,5,9.")
     ] = "zlab",
     zlab_ids: Annotated[bool, typer.Option(
         help="Read explicit --target-layers as z-lab ids (ours = z-lab + 1).")] = False,
-    mask_token_id: Annotated[Optional[int], typer.Option(  # noqa: UP007 (typer)
+    mask_token_id: Annotated[int | None, typer.Option(
         help="Mask token id (default: tokenizer mask token, spare row, reserved token).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Shuffles the conversation order.")] = 0,
