@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -51,19 +51,19 @@ def train_command(
                                   "summary.json.")] = Path("runs/train"),
     verifier: Annotated[str, Opt(help="Local HF causal-LM folder or 'smollm2-135m'.")
                         ] = "smollm2-135m",
-    batches: Annotated[Optional[Path], Opt(  # noqa: UP007 (typer)
+    batches: Annotated[Path | None, Opt(
         help="Offline: directory of batch files from `dflash-audit data`.")] = None,
-    data: Annotated[Optional[str], Opt(  # noqa: UP007
+    data: Annotated[str | None, Opt(
         help="Online: 'chitchat' or a .jsonl file; the verifier captures hidden states in "
              "the loop.")] = None,
     profile: Annotated[str, Opt(help="Profile name or TOML file (the audited one).")
                        ] = "reference-model",
-    candidate: Annotated[Optional[str], Opt(  # noqa: UP007
+    candidate: Annotated[str | None, Opt(
         help="module:attr or file.py:attr of a DrafterCandidate subclass (default: ours).")
     ] = None,
-    ref: Annotated[Optional[str], Opt(  # noqa: UP007
+    ref: Annotated[str | None, Opt(
         help="Reference the audit ran against (default: reference/speculators.lock).")] = None,
-    report: Annotated[Optional[Path], Opt(  # noqa: UP007
+    report: Annotated[Path | None, Opt(
         help="An explicit report.json (default: newest matching one in --reports-dir).")
     ] = None,
     reports_dir: Annotated[Path, Opt(help="Where `dflash-audit compare` writes reports.")
@@ -77,11 +77,11 @@ def train_command(
     max_new_tokens: Annotated[int, Opt(help="Online --regenerate: tokens per reply.")] = 64,
     online_chunk: Annotated[int, Opt(help="Online: conversations captured together.")] = 32,
     seed: Annotated[int, Opt(help="Seeds the initial weights, data order and anchors.")] = 0,
-    optimizer: Annotated[Optional[str], Opt(  # noqa: UP007
+    optimizer: Annotated[str | None, Opt(
         help="adamw | muon (default: the profile's optimizer, else adamw).")] = None,
     lr: Annotated[float, Opt(help="AdamW learning rate (and Muon's unless --muon-lr).")
                   ] = 6e-4,
-    muon_lr: Annotated[Optional[float], Opt(help="Muon group learning rate.")] = None,  # noqa: UP007
+    muon_lr: Annotated[float | None, Opt(help="Muon group learning rate.")] = None,
     weight_decay: Annotated[float, Opt(help="AdamW weight decay.")] = 0.01,
     schedule: Annotated[str, Opt(help="Decay after warmup: cosine | linear | constant.")
                         ] = "cosine",
@@ -90,7 +90,7 @@ def train_command(
     grad_clip: Annotated[float, Opt(help="Max gradient L2 norm.")] = 1.0,
     save_every: Annotated[int, Opt(help="Checkpoint every K steps (and at the end).")] = 100,
     keep_checkpoints: Annotated[int, Opt(help="Checkpoints kept (0 = all).")] = 2,
-    eval_data: Annotated[Optional[str], Opt(  # noqa: UP007
+    eval_data: Annotated[str | None, Opt(
         help="Conversations for the held-out evaluation (default: the training data's).")
     ] = None,
     eval_conversations: Annotated[int, Opt(help="Online: conversations held out of training.")
@@ -104,10 +104,10 @@ def train_command(
     tensorboard: Annotated[bool, Opt(help="Write TensorBoard scalars.")] = True,
     progress: Annotated[bool, Opt(help="Show a progress bar.")] = True,
     device: Annotated[str, Opt(help="auto | cpu | cuda.")] = "auto",
-    stop_at: Annotated[Optional[int], Opt(  # noqa: UP007
+    stop_at: Annotated[int | None, Opt(
         help="Stop after this global step (with a checkpoint); resume later.")] = None,
     resume: Annotated[bool, Opt(help="Continue from OUT/checkpoints/latest.")] = False,
-    resume_from: Annotated[Optional[Path], Opt(help="Continue from this checkpoint folder.")  # noqa: UP007
+    resume_from: Annotated[Path | None, Opt(help="Continue from this checkpoint folder.")
                            ] = None,
 ) -> None:
     """Train a drafter - only after `dflash-audit compare` passed for the same candidate,
@@ -150,21 +150,21 @@ def train_command(
 
 
 def eval_command(
-    checkpoint: Annotated[Optional[Path], Opt(  # noqa: UP007
+    checkpoint: Annotated[Path | None, Opt(
         help="Drafter checkpoint folder (config.json + model.safetensors).")] = None,
     untrained: Annotated[bool, Opt(help="Evaluate a freshly initialized drafter of --profile "
                                         "instead (the baseline).")] = False,
     profile: Annotated[str, Opt(help="Profile for --untrained.")] = "reference-model",
     seed: Annotated[int, Opt(help="Initialization seed for --untrained.")] = 0,
-    verifier: Annotated[Optional[str], Opt(  # noqa: UP007
+    verifier: Annotated[str | None, Opt(
         help="Verifier (default: the one named in the checkpoint, else smollm2-135m).")] = None,
     data: Annotated[str, Opt(help="Conversations to take held-out prompts from.")
                     ] = "chitchat",
-    exclude_batches: Annotated[Optional[Path], Opt(  # noqa: UP007
+    exclude_batches: Annotated[Path | None, Opt(
         help="Batch directory whose conversations are excluded (the training data).")] = None,
     prompts: Annotated[int, Opt(help="Number of prompts.")] = 32,
     max_new_tokens: Annotated[int, Opt(help="Tokens generated per prompt.")] = 64,
-    out: Annotated[Optional[Path], Opt(help="Write the result as JSON here.")] = None,  # noqa: UP007
+    out: Annotated[Path | None, Opt(help="Write the result as JSON here.")] = None,
 ) -> None:
     """Measure a drafter's mean acceptance length with real speculative decoding (greedy;
     accepted drafts + 1 per verify step) on held-out conversations."""

@@ -445,76 +445,79 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
 
         tracker = Tracker(out, cfg.steps, start_step, enabled=env.is_main,
                           tensorboard=cfg.tensorboard, progress=cfg.progress)
-        summary = TrainSummary(out=str(out), step=start_step, checkpoint=None, stopped_by=None,
-                               report_fingerprint=gate.report_fingerprint)
-        prompts: list[list[int]] = []
-        if env.is_main and (cfg.eval_at_end or cfg.eval_untrained):
-            prompts, _ = eval_prompt_set(cfg, source, held, verifier.tokenizer)
-            if not prompts:
-                tracker.message("warning: no held-out prompt found; skipping evaluation")
-        if env.is_main and cfg.eval_untrained and start_step == 0 and prompts:
-            summary.eval["untrained"] = _evaluate(model, verifier, prompts, cfg, tracker, 0,
-                                                  "untrained")
-        if env.distributed:
-            dist.barrier()
-        tracker.message(f"training {config.num_hidden_layers}-layer drafter (B={config.block_size}"
-                        f", A={profile.max_anchors}, V_d={config.effective_draft_vocab_size}, "
-                        f"{optim_spec.optimizer}, lr {optim_spec.lr:g}) from step {start_step} "
-                        f"to {cfg.steps}; audit report {gate.report_path}")
-
-        def save(step: int) -> Path | None:
-            ranks = _gather(ckpt.RankState(torch.get_rng_state(), anchor_gen.get_state(),
-                                           source.state_dict()), env)
-            digests = _gather(ckpt.weights_digest(model), env)
-            if len(set(digests)) > 1:
-                raise TrainError(f"data-parallel ranks hold different weights at step {step} "
-                                 f"(digests {[d[:12] for d in digests]}); DDP lost sync")
-            path = None
-            if env.is_main:
-                path = ckpt.save_checkpoint(
-                    out, step, model, optimizers, schedulers, ranks, run,
-                    gate.report_fingerprint, gate.checkpoint_metadata(),
-                    verifier.identity.path, list(getattr(verifier.model.config,
-                                                         "architectures", None) or []),
-                    keep=cfg.keep_checkpoints, extra={"weights_digests": digests})
+        try:
+            summary = TrainSummary(out=str(out), step=start_step, checkpoint=None, stopped_by=None,
+                                   report_fingerprint=gate.report_fingerprint)
+            prompts: list[list[int]] = []
+            if env.is_main and (cfg.eval_at_end or cfg.eval_untrained):
+                prompts, _ = eval_prompt_set(cfg, source, held, verifier.tokenizer)
+                if not prompts:
+                    tracker.message("warning: no held-out prompt found; skipping evaluation")
+            if env.is_main and cfg.eval_untrained and start_step == 0 and prompts:
+                summary.eval["untrained"] = _evaluate(model, verifier, prompts, cfg, tracker, 0,
+                                                      "untrained")
             if env.distributed:
                 dist.barrier()
-            return path
+            tracker.message(f"training {config.num_hidden_layers}-layer drafter "
+                            f"(B={config.block_size}, A={profile.max_anchors}, "
+                            f"V_d={config.effective_draft_vocab_size}, {optim_spec.optimizer}, "
+                            f"lr {optim_spec.lr:g}) from step {start_step} to {cfg.steps}; "
+                            f"audit report {gate.report_path}")
 
-        with StopSignals() as signals:
-            step = start_step
-            while step < cfg.steps:
-                t0 = time.perf_counter()
-                micro = next_micro_batches(source, anchor_gen, profile.max_anchors,
-                                           config.block_size, device)
-                result = train_step(forward, micro, params, optimizers, schedulers,
-                                    optim_spec.grad_clip, ddp.no_sync if ddp else None, device)
-                step += 1
-                raw = _all_reduce_sum(result.metrics, env)
-                record = tracker.log_step(step, raw, result.grad_norm, result.lrs,
-                                          time.perf_counter() - t0)
-                summary.first_loss = record.get("loss") if summary.first_loss is None \
-                    else summary.first_loss
-                summary.last_loss = record.get("loss")
-                stop = _all_max(signals.received, env)
-                at_stop = cfg.stop_at is not None and step >= cfg.stop_at
-                if stop or at_stop or step % cfg.save_every == 0 or step == cfg.steps:
-                    path = save(step)
-                    summary.checkpoint = str(path) if path else None
-                    if env.is_main:
-                        tracker.message(f"checkpoint step {step}: {path}")
-                if stop or at_stop:
-                    summary.stopped_by = (signal.Signals(stop).name if stop else "stop_at")
-                    break
-            summary.step = step
-        if env.is_main and summary.stopped_by is None and cfg.eval_at_end and prompts:
-            summary.eval["trained"] = _evaluate(model, verifier, prompts, cfg, tracker, step,
-                                                "trained")
-        summary.wall_s = time.perf_counter() - start_wall
-        if env.is_main:
-            (out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
-        tracker.close()
-        return summary
+            def save(step: int) -> Path | None:
+                ranks = _gather(ckpt.RankState(torch.get_rng_state(), anchor_gen.get_state(),
+                                               source.state_dict()), env)
+                digests = _gather(ckpt.weights_digest(model), env)
+                if len(set(digests)) > 1:
+                    raise TrainError(f"data-parallel ranks hold different weights at step {step} "
+                                     f"(digests {[d[:12] for d in digests]}); DDP lost sync")
+                path = None
+                if env.is_main:
+                    path = ckpt.save_checkpoint(
+                        out, step, model, optimizers, schedulers, ranks, run,
+                        gate.report_fingerprint, gate.checkpoint_metadata(),
+                        verifier.identity.path, list(getattr(verifier.model.config,
+                                                             "architectures", None) or []),
+                        keep=cfg.keep_checkpoints, extra={"weights_digests": digests})
+                if env.distributed:
+                    dist.barrier()
+                return path
+
+            with StopSignals() as signals:
+                step = start_step
+                while step < cfg.steps:
+                    t0 = time.perf_counter()
+                    micro = next_micro_batches(source, anchor_gen, profile.max_anchors,
+                                               config.block_size, device)
+                    result = train_step(forward, micro, params, optimizers, schedulers,
+                                        optim_spec.grad_clip, ddp.no_sync if ddp else None, device)
+                    step += 1
+                    raw = _all_reduce_sum(result.metrics, env)
+                    record = tracker.log_step(step, raw, result.grad_norm, result.lrs,
+                                              time.perf_counter() - t0)
+                    summary.first_loss = record.get("loss") if summary.first_loss is None \
+                        else summary.first_loss
+                    summary.last_loss = record.get("loss")
+                    stop = _all_max(signals.received, env)
+                    at_stop = cfg.stop_at is not None and step >= cfg.stop_at
+                    if stop or at_stop or step % cfg.save_every == 0 or step == cfg.steps:
+                        path = save(step)
+                        summary.checkpoint = str(path) if path else None
+                        if env.is_main:
+                            tracker.message(f"checkpoint step {step}: {path}")
+                    if stop or at_stop:
+                        summary.stopped_by = (signal.Signals(stop).name if stop else "stop_at")
+                        break
+                summary.step = step
+            if env.is_main and summary.stopped_by is None and cfg.eval_at_end and prompts:
+                summary.eval["trained"] = _evaluate(model, verifier, prompts, cfg, tracker, step,
+                                                    "trained")
+            summary.wall_s = time.perf_counter() - start_wall
+            if env.is_main:
+                (out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
+            return summary
+        finally:
+            tracker.close()
     finally:
         if env.distributed and dist.is_initialized():
             with contextlib.suppress(Exception):

@@ -172,6 +172,7 @@ class OnlineSource:
         self.chunk = -1  # local chunk counter (this rank's chunk number)
         self.row = 0
         self._rows: list[Batch] = []
+        self._built: tuple[int, list[Batch]] | None = None  # last chunk built (index, rows)
         self.sources = [c.source for c in self.conversations]
 
     @property
@@ -196,6 +197,13 @@ class OnlineSource:
         return [self.conversations[i] for i in part]
 
     def _build(self, local_chunk: int) -> list[Batch]:
+        if self._built is not None and self._built[0] == local_chunk:
+            return self._built[1]
+        rows = self._capture(local_chunk)
+        self._built = (local_chunk, rows)
+        return rows
+
+    def _capture(self, local_chunk: int) -> list[Batch]:
         from dflash_audit.data.conversations import ConversationSet
         from dflash_audit.data.pipeline import build_batches
 
