@@ -21,8 +21,15 @@ from dflash_audit.data.pipeline import data_command  # noqa: E402
 app.command("data")(data_command)
 
 # --- compare (dflash_audit/audit) -----------------------------------------------------
+from dflash_audit.audit.compare import compare_command  # noqa: E402
+
+app.command("compare")(compare_command)
 
 # --- train / eval (dflash_audit/train) -----------------------------------------------
+from dflash_audit.train.commands import eval_command, train_command  # noqa: E402
+
+app.command("train")(train_command)
+app.command("eval")(eval_command)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -1,0 +1,172 @@
+"""Which cases an audit runs: real batches under each audited layout, plus a seeded spread
+of synthetic cases.
+
+Layouts: the profile's own layer layout and, unless it already mixes both, the other one
+(all full <-> all sliding), because the reference's model API builds full-attention layers
+while its training CLI makes every layer sliding; the mask rules differ between the two.
+
+Synthetic cases keep the profile's semantics (loss, weighting, gamma, D-PACE alpha,
+sample_from_anchor, sliding_window_non_causal, draft vocabulary or not) and vary what real
+data rarely exercises: block size, anchors (including padding anchors), packed documents,
+padding, windows smaller than a document, and layouts (full / sliding / mixed, cycled so any
+N >= 2 covers full and sliding). Dimensions are tiny (H=32, V=128, N=12 verifier layers).
+Everything derives from ``seed``; a case is reproducible from its name and the seed.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash_audit.audit.case import Case
+from dflash_audit.audit.synthetic import synthetic_case
+from dflash_audit.audit.weights import real_case_weights
+from dflash_audit.model.anchors import select_anchors
+from dflash_audit.model.config import SLIDING_ATTENTION
+from dflash_audit.profile import Profile, ProfileError
+
+#: Window used when the full-attention profile is also audited with all layers sliding:
+#: the reference training CLI's default (speculators train/config/schema.py DraftArgs).
+REFERENCE_CLI_WINDOW = 2048
+SYNTHETIC_LAYOUTS = ("full", "sliding", "mixed")
+SYNTHETIC_BLOCK_SIZES = (2, 3, 4, 5, 8, 16)
+SYNTHETIC_VERIFIER = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 12,
+                      "vocab_size": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 1024,
+                      "rope_theta": 10000.0}
+
+
+@dataclass
+class PlannedCase:
+    """A case and how it was made (``kind`` real | synthetic, ``layout`` facts for the report)."""
+
+    case: Case
+    kind: str
+    layout: dict[str, Any]
+
+
+def layout_variants(profile: Profile) -> list[Profile]:
+    """The profile, plus the other uniform layout when the profile's layout is uniform."""
+    if profile.layout_name == "full":
+        return [profile, profile.replace(layer_layout="sliding",
+                                         sliding_window=profile.sliding_window
+                                         or REFERENCE_CLI_WINDOW)]
+    if profile.layout_name == "sliding":
+        return [profile, profile.replace(layer_layout="full")]
+    return [profile]
+
+
+def layout_facts(case: Case) -> dict[str, Any]:
+    """Structural facts of a case for the report (layout name, B, T, A, documents...)."""
+    cfg, inp = case.config, case.inputs
+    types = list(cfg.effective_layer_types)
+    kinds = set(types)
+    doc = inp["document_ids"]
+    return {
+        "layout": "mixed" if len(kinds) > 1 else (
+            "sliding" if SLIDING_ATTENTION in kinds else "full"),
+        "layer_types": types,
+        "sliding_window": cfg.sliding_window if SLIDING_ATTENTION in kinds else None,
+        "sliding_window_non_causal": cfg.sliding_window_non_causal,
+        "block_size": cfg.block_size,
+        "seq_len": int(inp["input_ids"].shape[-1]),
+        "anchors": int(inp["anchor_positions"].numel()),
+        "valid_anchors": int(inp["anchor_valid"].sum()),
+        "documents": int(doc.max()) + 1 if bool((doc >= 0).any()) else 0,
+        "padding": int((doc < 0).sum()),
+        "supervised_tokens": int(inp["loss_mask"].sum()),
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "verifier_model_type": cfg.verifier_model_type,
+    }
+
+
+def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0
+                    ) -> list[PlannedCase]:
+    """One case per (real batch, audited layout), all sharing one weight set.
+
+    Args:
+        profile: the audit profile.
+        inputs: :class:`dflash_audit.audit.real_inputs.RealInputs`.
+        anchors: A, anchor slots per case (the profile's max_anchors caps it).
+        seed: seeds the trainable weights and the anchor draw.
+
+    Raises:
+        ProfileError: the profile does not fit the verifier.
+    """
+    if not inputs.batches:
+        return []
+    first = inputs.batches[0]
+    base = profile.to_drafter_config(inputs.verifier_config, first.mask_token_id,
+                                     target_layer_ids=first.target_layer_ids)
+    weights = real_case_weights(base, inputs.frozen, seed,
+                                token_ids=[b.input_ids for b in inputs.batches])
+    n_anchors = max(1, min(anchors, profile.max_anchors))
+    planned = []
+    for i, batch in enumerate(inputs.batches):
+        g = torch.Generator().manual_seed(seed * 7919 + i)
+        anchor_positions, anchor_valid = select_anchors(batch.loss_mask, n_anchors,
+                                                        profile.block_size, g)
+        tensors = {**batch.tensors(), "anchor_positions": anchor_positions,
+                   "anchor_valid": anchor_valid}
+        for variant in layout_variants(profile):
+            config = variant.to_drafter_config(inputs.verifier_config, batch.mask_token_id,
+                                               target_layer_ids=batch.target_layer_ids)
+            case = Case(
+                name=f"real-{i:02d}-{variant.layout_name}", config=config,
+                loss=variant.loss_spec(), inputs=tensors, weights=weights,
+                description=(f"real row {i} of {inputs.data.get('source')} through "
+                             f"{inputs.verifier.get('name')}: T={batch.seq_len}, "
+                             f"{batch.num_documents} document(s), A={n_anchors}, "
+                             f"{variant.layout_name} attention"))
+            planned.append(PlannedCase(case, "real", layout_facts(case)))
+    return planned
+
+
+def _synthetic_target_layers(profile: Profile, n_layers: int) -> list[int]:
+    try:
+        return profile.resolve_target_layer_ids(n_layers)
+    except ProfileError:  # explicit ids of a deeper verifier: keep their count, spread them
+        k = min(len(profile.target_layers), n_layers - 1)
+        return sorted({round(1 + j * (n_layers - 2) / max(k - 1, 1)) for j in range(k)})
+
+
+def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[PlannedCase]:
+    """``count`` synthetic cases over a seeded spread (see the module docstring)."""
+    from transformers import LlamaConfig
+
+    verifier_config = LlamaConfig(**SYNTHETIC_VERIFIER)
+    V = SYNTHETIC_VERIFIER["vocab_size"]
+    ids = _synthetic_target_layers(profile, SYNTHETIC_VERIFIER["num_hidden_layers"])
+    draft_vocab = V // 2 if profile.draft_vocab_size is not None else None
+    loss = profile.loss_spec()
+    planned = []
+    for i in range(count):
+        rng = random.Random(seed * 1_000_003 + i)
+        layout = SYNTHETIC_LAYOUTS[i % len(SYNTHETIC_LAYOUTS)]
+        if layout == "mixed":
+            types = rng.choice([("sliding", "full"), ("full", "sliding")])
+        else:
+            types = (layout,) * rng.choice((1, 1, 2))
+        block = profile.block_size if i < len(SYNTHETIC_LAYOUTS) else rng.choice(
+            SYNTHETIC_BLOCK_SIZES)
+        seq_len = rng.randint(max(3 * block, 24), max(96, 4 * block))
+        docs = rng.randint(1, 4)
+        pad = rng.randint(0, min(8, seq_len // 4))
+        window = rng.randint(1, seq_len // 2) if rng.random() < 0.8 else rng.randint(
+            seq_len, 2 * seq_len)
+        variant = profile.replace(block_size=block, num_draft_layers=len(types),
+                                  layer_layout=list(types), sliding_window=window,
+                                  draft_vocab_size=draft_vocab)
+        config = variant.to_drafter_config(verifier_config, mask_token_id=V - 1,
+                                           target_layer_ids=ids)
+        case = synthetic_case(f"syn-{i:03d}-{variant.layout_name}", config, loss,
+                              seed=seed * 1_000_003 + i, seq_len=seq_len, num_documents=docs,
+                              pad=pad, max_anchors=rng.randint(1, 10))
+        planned.append(PlannedCase(case, "synthetic", layout_facts(case)))
+    return planned

@@ -1,0 +1,230 @@
+"""`dflash-audit compare` end to end against the real reference (speculators 0.9.0): a tiny
+random verifier + a JSONL file for the real batch, synthetic cases, exit codes 0 / 1 / 2 and
+the report files. The exit-0 run clones the reference offline from a local git repository
+built from the release source (branch main, tag v0.9.0)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import git
+import pytest
+from data_support import SAMPLE_CONVERSATIONS, make_tiny_verifier, write_jsonl
+from torch import nn
+from typer.testing import CliRunner
+
+from dflash_audit.audit import compare as cmp
+from dflash_audit.audit.compare import CompareOptions, main, run_compare
+from dflash_audit.candidate import DrafterCandidate
+from dflash_audit.cli import app
+from dflash_audit.model.drafter import DFlashDrafter
+from dflash_audit.report import REPORT_FILES
+
+pytestmark = pytest.mark.reference
+
+
+# ------------------------------------------------------------------ a buggy candidate
+class FcNMinusOneDrafter(DFlashDrafter):
+    """fc over the first n-1 target layers (Linear((n-1)*H, H)); loads the matching columns."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        H = config.hidden_size
+        self.fc = nn.Linear((config.num_target_layers - 1) * H, H, bias=False)
+
+    def context(self, hidden_states):
+        return self.hidden_norm(self.fc(hidden_states[..., : self.fc.in_features]))
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        state_dict = {**state_dict, "fc.weight": state_dict["fc.weight"][:, : self.fc.in_features]}
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+class FcNMinusOne(DrafterCandidate):
+    name = "fc reads n-1 target layers"
+
+    def build(self, config):
+        return FcNMinusOneDrafter(config)
+
+
+# ---------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def tiny_verifier(tmp_path_factory) -> Path:
+    return make_tiny_verifier(tmp_path_factory.mktemp("tiny-verifier"), layers=8)
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("data") / "chats.jsonl", SAMPLE_CONVERSATIONS)
+
+
+@pytest.fixture(scope="module")
+def origin(reference_identity, tmp_path_factory) -> dict:
+    """A local git repository of the 0.9.0 source: tag v0.9.0, branch main one commit ahead."""
+    path = tmp_path_factory.mktemp("origin") / "speculators"
+    shutil.copytree(reference_identity.source_dir, path)
+    repo = git.Repo.init(path, initial_branch="main")
+    with repo.config_writer() as cfg:
+        cfg.set_value("user", "name", "dflash-audit tests")
+        cfg.set_value("user", "email", "tests@example.invalid")
+    repo.git.add(A=True)
+    repo.index.commit("speculators 0.9.0 release source")
+    tag = repo.head.commit.hexsha
+    repo.create_tag("v0.9.0", message="release 0.9.0")
+    (path / "AFTER_0.9.0.txt").write_text("a commit after the release\n")
+    repo.git.add(A=True)
+    repo.index.commit("after 0.9.0")
+    return {"path": path, "tag_commit": tag}
+
+
+def options(tmp_path, tiny_verifier, conversations, **kw) -> CompareOptions:
+    base = dict(verifier=str(tiny_verifier), data=str(conversations), seq_len=96, rows=1,
+                anchors=6, cases=4, seed=0, out=tmp_path / "reports",
+                cache_dir=tmp_path / "cache", progress=False)
+    return CompareOptions(**{**base, **kw})
+
+
+def read_report(folder: Path) -> dict:
+    assert sorted(p.name for p in folder.iterdir()) == sorted(REPORT_FILES)
+    data = json.loads((folder / "report.json").read_text())
+    junit = ET.parse(folder / "junit.xml").getroot()
+    testcases = junit.findall("./testsuite/testcase")
+    assert len(testcases) == sum(len(c["results"]) for c in data["cases"])
+    failures = [tc for tc in testcases if tc.find("failure") is not None]
+    assert len(failures) == sum(r["status"] == "fail" for c in data["cases"]
+                                for r in c["results"])
+    md = (folder / "report.md").read_text()
+    assert md.splitlines()[0] == ("## dflash-audit compare: "
+                                  + ("✅ PASS" if data["verdict"] == "pass" else "❌ FAIL"))
+    assert "<h1>dflash-audit compare" in (folder / "report.html").read_text()
+    return data
+
+
+# ------------------------------------------------------------------------------- tests
+def test_conformant_drafter_passes_via_git_clone(tmp_path, tiny_verifier, conversations,
+                                                 origin, monkeypatch):
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "user-cache"))  # fresh git cache
+    opts = options(tmp_path, tiny_verifier, conversations, ref="speculators@v0.9.0",
+                   ref_url=origin["path"].as_uri(), profile="reference-train-cli", cases=5)
+    outcome = run_compare(opts)
+    assert outcome.exit_code == 0, [(r.case, r.name, r.summary) for r in outcome.report.results
+                                    if r.status == "fail"]
+    data = read_report(outcome.folder)
+    assert data["verdict"] == "pass" and data["exit_code"] == 0
+    ref = data["reference"]
+    assert (ref["kind"], ref["ref"], ref["commit"]) == ("git", "v0.9.0", origin["tag_commit"])
+    assert ref["url"] == origin["path"].as_uri() and ref["commit_date"]
+    assert ref["module_file"].startswith(ref["source_dir"])
+    assert outcome.folder.name.endswith("-" + origin["tag_commit"][:12])
+    names = [c["name"] for c in data["cases"]]
+    assert names[:2] == ["real-00-sliding", "real-00-full"]  # profile layout, then the other
+    assert {c["layout"]["layout"] for c in data["cases"]} == {"full", "sliding", "mixed"}
+    real = data["cases"][0]["layout"]
+    assert (real["block_size"], real["layer_types"], real["sliding_window"]) == (
+        16, ["sliding_attention"] * 5, 2048)
+    assert real["hidden_size"] == 32 and real["vocab_size"] == 300 and real["anchors"] == 6
+    assert data["profile"]["name"] == "reference-train-cli"
+    assert data["profile"]["fields"]["weighting"] == "dpace"
+    assert {c["name"] for c in data["checks"]} >= {"structure", "mask", "context", "targets",
+                                                  "logits", "loss", "gradients", "metrics"}
+    assert data["inputs"]["batch_cache"]["hit"] is False
+    assert data["inputs"]["verifier"]["path"] == str(tiny_verifier.resolve())
+    assert "data:image/png;base64," in (outcome.folder / "report.html").read_text()
+
+    # warm: the captured batch comes from the cache, the verdict and fingerprints are stable
+    again = run_compare(options(tmp_path, tiny_verifier, conversations, ref="speculators@v0.9.0",
+                                ref_url=origin["path"].as_uri(), profile="reference-train-cli",
+                                cases=0, offline=True))
+    assert again.exit_code == 0 and again.report.inputs["batch_cache"]["hit"] is True
+    assert again.report.candidate["fingerprint"] == data["candidate"]["fingerprint"]
+    assert again.report.fingerprint == data["fingerprint"]
+
+
+def test_buggy_candidate_fails_with_exit_1(tmp_path, tiny_verifier, conversations, capsys):
+    spec = f"{Path(__file__).resolve()}:FcNMinusOne"
+    rc = main(options(tmp_path, tiny_verifier, conversations, candidate=spec))
+    out = capsys.readouterr().out
+    assert rc == 1 and "verdict: FAIL" in out
+    folder = Path(out.split("report: ")[1].strip())
+    data = read_report(folder)
+    assert data["verdict"] == "fail" and data["candidate"]["name"] == "fc reads n-1 target layers"
+    assert "test_compare.py" in data["candidate"]["files"]
+    assert data["reference"]["kind"] == "sdist" and data["reference"]["version"] == "0.9.0"
+    checks = {c["name"]: c for c in data["checks"]}
+    assert checks["structure"]["status"] == "fail" and checks["context"]["status"] == "fail"
+    assert checks["mask"]["status"] == "pass"
+    assert any("fc fed 2 of 3 target layers" in d for d in checks["structure"]["diagnosis"])
+    junit = ET.parse(folder / "junit.xml").getroot()
+    failure = next(tc.find("failure") for tc in junit.iter("testcase")
+                   if tc.get("name") == "structure[real-00-full]")
+    assert "fc fed 2 of 3" in failure.text
+
+
+class Crashes(DrafterCandidate):
+    name = "raises"
+
+    def run_case(self, config, loss, weights, inputs):
+        raise RuntimeError("size mismatch for fc.weight")
+
+
+def test_crashing_candidate_is_a_conformance_failure(tmp_path, tiny_verifier, conversations):
+    spec = f"{Path(__file__).resolve()}:Crashes"
+    outcome = run_compare(options(tmp_path, tiny_verifier, conversations, candidate=spec,
+                                  rows=0, cases=1))
+    assert outcome.exit_code == 1
+    assert {(r.name, r.status) for r in outcome.report.results} == {("run", "fail")}
+    assert "RuntimeError: size mismatch" in outcome.report.results[0].summary
+    assert "state dict" in outcome.report.results[0].diagnosis[0]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli(args: list[str]):
+    return CliRunner().invoke(app, ["compare", *args])
+
+
+def test_unreachable_remote_exits_2(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
+    url = f"http://127.0.0.1:{_closed_port()}/speculators.git"
+    result = _cli(["--ref", "speculators@main", "--ref-url", url, "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "unreachable" in result.output and "--ref speculators==0.9.0" in result.output
+    assert "path:DIR" in result.output and "Traceback" not in result.output
+    assert not any(tmp_path.glob("*/report.json"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ref", "speculators-main"], "unrecognised reference spec"),
+    (["--ref", "path:/nonexistent/speculators"], "is not a directory"),
+    (["--profile", "nope"], "unknown profile 'nope'"),
+    (["--candidate", "/nonexistent/cand.py:x"], "does not exist"),
+    (["--candidate", "dflash_audit.candidate:NoSuchThing"], "has no attribute 'NoSuchThing'"),
+    (["--cases", "-1"], "--cases must be >= 0"),
+])
+def test_usage_errors_exit_2(tmp_path, args, message):
+    result = _cli([*args, "--out", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_bad_profile_file_names_the_field(tmp_path):
+    bad = tmp_path / "bad.toml"
+    text = (Path(cmp.__file__).parents[1] / "profiles" / "reference-model.toml").read_text()
+    bad.write_text(text.replace("block_size = 8", "block_size = 1"))
+    result = _cli(["--profile", str(bad), "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "field 'block_size' = 1" in result.output
+
+
+def test_bad_data_exits_2(tmp_path, tiny_verifier):
+    result = _cli(["--verifier", str(tiny_verifier), "--data", str(tmp_path / "none.jsonl"),
+                   "--cases", "0", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "none.jsonl" in result.output
+    assert "Traceback" not in result.output
