@@ -35,6 +35,19 @@ from dflash_audit.model.config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTEN
 from dflash_audit.model.loss import LOSSES, WEIGHTINGS, LossSpec, exp_decay_weights
 from dflash_audit.model.metrics import dflash_metrics
 
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny tensors: one intra-op thread is fastest, and immune to oversubscription on a busy
+    2-core machine (here and in the reference subprocess, through OMP_NUM_THREADS)."""
+    threads, patch = torch.get_num_threads(), pytest.MonkeyPatch()
+    torch.set_num_threads(1)
+    patch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    patch.undo()
+    torch.set_num_threads(threads)
+
+
 CONFIG = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, num_hidden_layers=2, vocab_size=96,
                       num_verifier_layers=6, target_layer_ids=(1, 3, 5), mask_token_id=95,

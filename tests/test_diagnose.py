@@ -25,6 +25,19 @@ from dflash_audit.model.drafter import DFlashDrafter
 from dflash_audit.model.loss import LossSpec
 from dflash_audit.model.mask import dense_mask
 
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny tensors: one intra-op thread is fastest, and immune to oversubscription on a busy
+    2-core machine (here and in the reference subprocess, through OMP_NUM_THREADS)."""
+    threads, patch = torch.get_num_threads(), pytest.MonkeyPatch()
+    torch.set_num_threads(1)
+    patch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    patch.undo()
+    torch.set_num_threads(threads)
+
+
 H, W, BLOCK = 32, 6, 4
 CONFIG = DFlashConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, num_hidden_layers=2, vocab_size=96,

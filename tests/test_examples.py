@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash_audit.audit.checks import run_checks
 from dflash_audit.audit.diagnose import diagnose
@@ -19,6 +20,19 @@ from dflash_audit.model.config import (
     default_target_layer_ids,
 )
 from dflash_audit.model.loss import LossSpec
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny tensors: one intra-op thread is fastest, and immune to oversubscription on a busy
+    2-core machine (here and in the reference subprocess, through OMP_NUM_THREADS)."""
+    threads, patch = torch.get_num_threads(), pytest.MonkeyPatch()
+    torch.set_num_threads(1)
+    patch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    patch.undo()
+    torch.set_num_threads(threads)
+
 
 pytestmark = pytest.mark.reference
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

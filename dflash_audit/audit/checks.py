@@ -95,16 +95,18 @@ def closeness(cand: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -
     c, r = cand.detach().to(dtype), ref.detach().to(dtype)
     if c.numel() == 0:
         return Closeness(True, 0.0, 0.0, 0, None)
-    diff = (c - r).abs()
-    bad = ~(diff <= atol + rtol * r.abs())  # NaN anywhere -> bad
-    rel = diff / r.abs().clamp_min(torch.finfo(dtype).tiny)
-    finite = torch.isfinite(diff)
-    max_abs = float(diff[finite].max()) if finite.any() else math.inf
-    max_rel = float(rel[finite].max()) if finite.any() else math.inf
-    if not finite.all():
+    diff = (c - r).abs()  # NaN where either side is NaN
+    r_abs = r.abs()
+    bad = ~(diff <= atol + rtol * r_abs)  # NaN -> bad
+    max_abs = float(diff.max())
+    max_rel = float((diff / r_abs.clamp_min(torch.finfo(dtype).tiny)).max())
+    if math.isnan(max_abs) or math.isnan(max_rel):
         max_abs = max_rel = math.inf
     num_bad = int(bad.sum())
-    first = tuple(int(i) for i in bad.nonzero()[0]) if num_bad else None
+    first = None
+    if num_bad:
+        flat = int(bad.reshape(-1).to(torch.uint8).argmax())  # first True
+        first = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), bad.shape))
     return Closeness(num_bad == 0, max_abs, max_rel, num_bad, first)
 
 

@@ -39,7 +39,7 @@ from dflash_audit.audit.checks import (
 from dflash_audit.audit.result import CheckResult
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_audit.model.drafter import FROZEN_PARAMETERS, DFlashDrafter, block_indices
-from dflash_audit.model.layers import RMSNorm
+from dflash_audit.model.layers import RMSNorm, RotaryEmbedding
 from dflash_audit.model.loss import LOSS_REDUCTION_EPS, LOSSES, LossSpec, parse_loss, slot_weights
 from dflash_audit.model.mask import dense_mask
 from dflash_audit.model.metrics import EAL_DEFINITIONS, dflash_metrics
@@ -47,8 +47,10 @@ from dflash_audit.model.metrics import EAL_DEFINITIONS, dflash_metrics
 #: A sliding window wider than any packed row: dense_mask then builds a causal block with no
 #: window bound on the context.
 NO_WINDOW = 1 << 62
-#: Slots / positions a hypothesis search compares on before confirming on all of them.
-SEARCH_SAMPLE = 8
+#: A hypothesis search first compares on SEARCH_SAMPLE slots / positions (and SEARCH_VOCAB
+#: vocabulary columns), then confirms a match on up to CONFIRM_SAMPLE slots, every column:
+#: cheap on real verifiers (V = 49152) and still exact where it matters.
+SEARCH_SAMPLE, SEARCH_VOCAB, CONFIRM_SAMPLE = 8, 256, 512
 #: Which checks a check's values depend on.
 UPSTREAM: dict[str, tuple[str, ...]] = {
     "logits": ("structure", "context", "mask"),
@@ -150,8 +152,10 @@ def target_hypotheses(case: Case) -> Iterator[TargetHypothesis]:
         yield TargetHypothesis(src, n, k + d, flip)
 
 
-def predict_targets(case: Case, h: TargetHypothesis, slots: torch.Tensor) -> torch.Tensor:
-    """[1, len(slots), V_d] targets of hypothesis h on the given query slots."""
+def predict_targets(case: Case, h: TargetHypothesis, slots: torch.Tensor,
+                    vocab: torch.Tensor | None = None) -> torch.Tensor:
+    """[1, len(slots), V_d] targets of hypothesis h on the given query slots (only the
+    ``vocab`` columns when given)."""
     c, H = case.config, case.config.hidden_size
     if h.source is None:
         states = case.inputs["verifier_last_hidden_states"]
@@ -165,7 +169,8 @@ def predict_targets(case: Case, h: TargetHypothesis, slots: torch.Tensor) -> tor
         norm.weight.copy_(case.weights["verifier_norm.weight"])
         for _ in range(h.norms):
             x = norm(x)
-        return x @ case.weights["verifier_lm_head.weight"].float().T
+        head = case.weights["verifier_lm_head.weight"].float()
+        return x @ (head if vocab is None else head[vocab]).T
 
 
 def describe_target_hypothesis(case: Case, h: TargetHypothesis) -> list[str]:
@@ -204,16 +209,17 @@ def describe_target_hypothesis(case: Case, h: TargetHypothesis) -> list[str]:
     return out
 
 
-def _search(ev: Evidence, hypotheses, predict: Callable[[Any, torch.Tensor], torch.Tensor],
-            observed: Callable[[torch.Tensor], torch.Tensor], subset: torch.Tensor,
-            full: torch.Tensor) -> list:
-    """Hypotheses whose prediction matches the candidate on ``subset``, then on ``full``."""
-    found = []
-    for h in hypotheses:
-        if ev.close(observed(subset), predict(h, subset)) and \
-                ev.close(observed(full), predict(h, full)):
-            found.append(h)
-    return found
+def _search(ev: Evidence, hypotheses, predict: Callable[[Any, Any], torch.Tensor],
+            observed: Callable[[Any], torch.Tensor], stages: list) -> list:
+    """Hypotheses whose prediction ``predict(h, selection)`` matches ``observed(selection)``
+    within tolerance at every stage (cheap selections first)."""
+    return [h for h in hypotheses
+            if all(ev.close(observed(sel), predict(h, sel)) for sel in stages)]
+
+
+def vocab_sample(size: int, k: int = SEARCH_VOCAB) -> torch.Tensor | None:
+    """k evenly spread vocabulary columns, or None (all) for a small vocabulary."""
+    return None if size <= k else torch.linspace(0, size - 1, k).round().long()
 
 
 def diagnose_vocab(ev: Evidence, key: str) -> list[str]:
@@ -245,9 +251,11 @@ def diagnose_targets(ev: Evidence, result: CheckResult) -> list[str]:
     if c.shape != ev.ref.tensors["targets"].shape:
         return diagnose_vocab(ev, "targets")
     slots = ev.sup.nonzero().squeeze(-1)
+    stages = [(sample(slots), vocab_sample(c.shape[-1])), (sample(slots, CONFIRM_SAMPLE), None)]
     found = _search(ev, target_hypotheses(ev.case),
-                    lambda h, s: predict_targets(ev.case, h, s),
-                    lambda s: c[:, s], sample(slots), slots)
+                    lambda h, sel: predict_targets(ev.case, h, *sel),
+                    lambda sel: c[:, sel[0]] if sel[1] is None else c[:, sel[0]][..., sel[1]],
+                    stages)
     causes = [d for h in found for d in describe_target_hypothesis(ev.case, h)]
     return list(dict.fromkeys(causes))
 
@@ -320,7 +328,7 @@ def diagnose_context(ev: Evidence, result: CheckResult) -> list[str]:
         return [f"context shape {list(c.shape)}, reference {list(ev.ref.tensors['context'].shape)}"]
     positions = (ev.inputs["document_ids"].reshape(-1) != -1).nonzero().squeeze(-1)
     found = _search(ev, context_hypotheses(ev), lambda h, p: predict_context(ev.case, h, p),
-                    lambda p: c[:, p], sample(positions), positions)
+                    lambda p: c[:, p], [sample(positions), positions])
     return [describe_context_hypothesis(ev.case, h) for h in found]
 
 
@@ -424,15 +432,42 @@ def diagnose_mask(ev: Evidence, result: CheckResult) -> list[str]:
 
 
 # ------------------------------------------------------------------------------- replay
+def drafter_with_weights(config, weights: dict[str, torch.Tensor]) -> DFlashDrafter:
+    """Our drafter holding the case's weights (shared, not copied: forward-only use), built
+    on the meta device so a real vocabulary costs no random initialisation."""
+    with torch.device("meta"):
+        model = DFlashDrafter(config)
+    model.load_state_dict(weights, strict=True, assign=True)
+    model.rotary_emb = RotaryEmbedding(config)  # its inv_freq buffer is not in the state dict
+    return model
+
+
+class SlotHead(torch.nn.Module):
+    """An lm_head applied to some query slots only: [1,Q,H] -> [1,len(slots),V_d]."""
+
+    def __init__(self, head: torch.nn.Module, slots: torch.Tensor):
+        super().__init__()
+        self.head, self.slots = head, slots
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h[:, self.slots])
+
+
 def replay(case: Case, *, config=None, inputs: dict | None = None,
            context: torch.Tensor | None = None, masks: dict | None = None,
            positions: Callable[[torch.Tensor], torch.Tensor] | None = None,
-           inv_freq: torch.Tensor | None = None) -> torch.Tensor:
-    """Our drafter's logits [1,Q,V_d] on the case, with parts replaced by a hypothesis: another
-    config, edited inputs, a given context [1,T,H], given masks {layer type: [Q,T+Q]}, a
-    transform of the [1, T+Q] position ids fed to RoPE, or RoPE inverse frequencies."""
-    model = DFlashDrafter(config or case.config).float()
-    model.load_state_dict(case.weights, strict=True)
+           inv_freq: torch.Tensor | None = None, slots: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """Our drafter's logits on the case, with parts replaced by a hypothesis: another config,
+    edited inputs, a given context [1,T,H], given masks {layer type: [Q,T+Q]}, a transform of
+    the [1, T+Q] position ids fed to RoPE, or RoPE inverse frequencies.
+
+    Returns [1, Q, V_d], or [1, len(slots), V_d] with ``slots`` (the lm_head and the targets,
+    the costly parts on a real vocabulary, then run on those slots only / not at all)."""
+    model = drafter_with_weights(config or case.config, case.weights)
+    if slots is not None:
+        model.lm_head = SlotHead(model.lm_head, slots)
+        model.targets = lambda states, indices: None
     if inv_freq is not None:
         model.rotary_emb.inv_freq = inv_freq
     if context is not None:
@@ -510,7 +545,7 @@ def rope_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
     factor = (c.rope_parameters or {}).get("partial_rotary_factor")
     if factor is None or (c.rope_parameters or {}).get("rope_type", "default") != "default":
         return
-    ours = DFlashDrafter(c).rotary_emb.inv_freq.numel() * 2
+    ours = RotaryEmbedding(c).inv_freq.numel() * 2
     partial = int(c.head_dim * factor) // 2 * 2
     if ours == c.head_dim and partial < c.head_dim:
         yield (f"RoPE partial_rotary_factor {factor} applied: {partial} of {c.head_dim} head "
@@ -550,7 +585,6 @@ def diagnose_logits(ev: Evidence, result: CheckResult) -> list[str]:
     if c.shape != ev.ref.tensors["logits"].shape:
         return diagnose_vocab(ev, "logits")
     sup = ev.sup
-    observed = c[:, sup]
     upstream = [u for u in ("context", "mask") if u in ev.failing]
     given = {}
     if "context" in upstream and "context" in ev.cand.tensors:
@@ -560,13 +594,17 @@ def diagnose_logits(ev: Evidence, result: CheckResult) -> list[str]:
                  if k.startswith("mask.")}
         if masks:
             given["masks"] = masks
-    if given:
-        if ev.close(observed, replay(ev.case, **given)[:, sup]):
-            parts = " and ".join("masks" if k == "masks" else k for k in given)
-            return [f"follows from the {_and(upstream)} difference: our drafter fed the "
-                    f"candidate's own {parts} reproduces the candidate's logits"]
-    found = [label for label, kw in logit_hypotheses(ev)
-             if ev.close(observed, replay(ev.case, **kw)[:, sup])]
+    slots = sup.nonzero().squeeze(-1)
+    stages = [sample(slots), sample(slots, CONFIRM_SAMPLE)]
+
+    def matches(kw: dict) -> bool:
+        return all(ev.close(c[:, s], replay(ev.case, slots=s, **kw)) for s in stages)
+
+    if given and matches(given):
+        parts = " and ".join("masks" if k == "masks" else k for k in given)
+        return [f"follows from the {_and(upstream)} difference: our drafter fed the "
+                f"candidate's own {parts} reproduces the candidate's logits"]
+    found = [label for label, kw in logit_hypotheses(ev) if matches(kw)]
     if found:
         return found
     upstream = follows_from("logits", ev)
@@ -646,18 +684,23 @@ def loss_formula_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict[str, float
         yield name, mix, denom
 
 
-def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str) -> float | None:
+def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str,
+                   cache: dict[str, torch.Tensor] | None = None) -> float | None:
     """The loss of the candidate's own logits / targets / aligned mask / weights under a mix
-    and a denominator (tokens: sum(m) + 1e-5; weights: sum(m*w); slots: Q)."""
+    and a denominator (tokens: sum(m) + 1e-5; weights: sum(m*w); slots: Q). ``cache`` keeps
+    each divergence's elementwise values [1,Q] between calls."""
     t = ev.cand.tensors
     if "logits" not in t or "targets" not in t or t["logits"].shape != t["targets"].shape:
         return None
+    cache = {} if cache is None else cache
     m = t.get("aligned_loss_mask", ev.ref.tensors.get("aligned_loss_mask")).reshape(1, -1).float()
     B, spec = ev.config.block_size, ev.case.loss
     total = 0.0
     own_weights = [v for k, v in t.items() if k.startswith("loss_weights.")]
     for name, coef in mix.items():
-        el = LOSSES[name](t["logits"], t["targets"]) * m
+        if name not in cache:
+            cache[name] = LOSSES[name](t["logits"], t["targets"]) * m
+        el = cache[name]
         if f"loss_weights.{name}" in t:
             w = t[f"loss_weights.{name}"].reshape(1, -1)
         elif own_weights and spec.weighting == "fixed-exp-decay":
@@ -674,9 +717,9 @@ def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str) -> float | N
 def diagnose_loss_total(ev: Evidence) -> list[str]:
     cl = float(ev.cand.tensors["loss"])
     tol = ev.tol
-    found = []
+    found, cache = [], {}
     for name, mix, denom in loss_formula_hypotheses(ev):
-        value = recompute_loss(ev, mix, denom)
+        value = recompute_loss(ev, mix, denom, cache)
         if value is None:
             return []
         if abs(value - cl) <= tol["atol"] + tol["rtol"] * abs(cl):
