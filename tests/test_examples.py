@@ -58,9 +58,8 @@ EXPECTED = {
                    "logits": "follows from the context difference: our drafter fed the "
                              "candidate's own context reproduces the candidate's logits"},
                   ("mask", "targets")),
-    "targets_from_target_layer": ({"targets": "targets from layer 28 (target layer 28, "
-                                              "hidden_states slice 4), not the verifier's last "
-                                              "layer N=30: L = N-2",
+    "targets_from_target_layer": ({"targets": "targets from target layer 28 (hidden_states slice "
+                                              "4), not the verifier's last layer N=30: L = N-2",
                                    "loss": "the candidate's loss formula conforms"},
                                   ("structure", "mask", "context", "logits")),
     "targets_post_norm": ({"targets": "targets from post-norm states: the verifier's final norm "

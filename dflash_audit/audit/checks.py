@@ -422,6 +422,11 @@ def check_mask(case: Case, cand: SideOutputs, ref: SideOutputs, layer_type: str
     name, key = "mask", f"mask.{layer_type}"
     details: dict[str, Any] = {"layer_type": layer_type}
     if key not in ref.tensors:
+        if layer_type not in case.config.effective_layer_types:
+            return CheckResult(name, case.name, WARN,
+                               f"the candidate returned a {layer_type} mask, but the profile has "
+                               f"no {layer_type} layer (see structure: layer_types)",
+                               details=details)
         return _not_provided(name, case, f"{layer_type} mask", side="reference", details=details)
     if key not in cand.tensors:
         return _not_provided(name, case, f"{layer_type} mask", details=details)

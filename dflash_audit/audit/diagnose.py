@@ -179,8 +179,8 @@ def describe_target_hypothesis(case: Case, h: TargetHypothesis) -> list[str]:
     N, out = c.num_verifier_layers, []
     if h.source is not None:
         L = c.target_layer_ids[h.source]
-        out.append(f"targets from layer {L} (target layer {L}, hidden_states slice {h.source}), "
-                   f"not the verifier's last layer N={N}: L = N-{N - L}, a proxy distribution "
+        out.append(f"targets from target layer {L} (hidden_states slice {h.source}), not the "
+                   f"verifier's last layer N={N}: L = N-{N - L}, a proxy distribution "
                    f"{N - L} layer(s) short")
     if h.norms == 2:
         out.append("targets from post-norm states: the verifier's final norm is applied twice "
@@ -726,9 +726,9 @@ def diagnose_loss_total(ev: Evidence) -> list[str]:
             if name == "profile" and denom == "tokens":
                 upstream = follows_from("loss", ev)
                 why = f"; the difference {upstream}" if upstream else ""
-                return [f"the candidate's loss formula conforms (the reference's formula on "
-                        f"the candidate's own logits, targets, mask and weights gives {cl:.6g})"
-                        + why]
+                return ["the candidate's loss formula conforms (the reference's formula on "
+                        "the candidate's own logits, targets, mask and weights reproduces its "
+                        "loss)" + why]
             causes = []
             if name != "profile":
                 hard = name == "ce" and "ce" not in parse_loss(ev.case.loss.loss)
@@ -778,7 +778,7 @@ def diagnose_gradients(ev: Evidence, result: CheckResult) -> list[str]:
     upstream = follows_from("gradients", ev)
     rest = [n for n in result.details.get("failing", []) if n not in frozen + no_grad]
     if rest and upstream:
-        causes.append(f"{upstream} ({len(rest)} parameter(s) differ)")
+        causes.append(upstream)
     return causes
 
 
