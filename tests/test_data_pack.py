@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_audit.data.errors import DataError
-from dflash_audit.data.pack import pack_row, pack_stream
+from dflash_audit.data.pack import pack_fill, pack_row, pack_stream
 from dflash_audit.data.tokenize import TokenizedConversation
 
 
@@ -77,3 +77,23 @@ def test_packing_property(lengths, seq_len):
     # next-fit: a row closed early only because the next document did not fit
     for row, nxt in zip(rows, rows[1:]):
         assert sum(row.lengths) + nxt.lengths[0] > seq_len
+
+
+def test_pack_fill_truncates_the_overflowing_conversation_into_the_gap():
+    lengths = {"a": 20, "b": 30, "c": 25, "d": 3}
+
+    def tokenize(name, budget):
+        n = min(lengths[name], budget)
+        return doc(n, masked=min(n, 2), source=name) if budget >= 2 else None
+
+    rows = list(pack_fill(["a", "b", "c", "d"], tokenize, seq_len=32, min_fill=8))
+    # a (20) fits; b (30) does not: cut to the 12 left; c opens row 2 (25); d fits (28);
+    # the 4 left are below min_fill
+    assert [[(d.source, len(d)) for d in r.documents] for r in rows] == [
+        [("a", 20), ("b", 12)], [("c", 25), ("d", 3)]]
+    assert rows[0].document_ids[0].tolist() == [0] * 20 + [1] * 12
+
+    def no_supervision(name, budget):
+        return None if name == "b" else tokenize(name, budget)
+    rows = list(pack_fill(["a", "b", "c"], no_supervision, seq_len=32))
+    assert [[d.source for d in r.documents] for r in rows] == [["a"], ["c"]]

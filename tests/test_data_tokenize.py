@@ -61,6 +61,10 @@ def test_truncation_keeps_the_first_seq_len_tokens():
     assert doc.truncated and len(doc) == cut
     assert doc.input_ids == full.input_ids[:cut] and doc.loss_mask == full.loss_mask[:cut]
     assert doc.spans == [full.spans[0], (full.spans[1][0], cut)]
+    # the second reply starts at T: the row ends after the first reply, still "truncated"
+    short = tokenize_conversation(TOK, MESSAGES, full.spans[1][0])
+    assert short.spans == [full.spans[0]] and short.truncated
+    assert short.input_ids == full.input_ids[:len(short)] and len(short) < full.spans[1][0]
 
 
 def test_rows_without_supervised_tokens_are_dropped():

@@ -12,13 +12,16 @@ Layout of a packed row (reference names and pad values, DESIGN.md section 3):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from dflash_audit.data.errors import DataError
 from dflash_audit.data.tokenize import TokenizedConversation
+
+C = TypeVar("C")
 
 
 @dataclass
@@ -92,5 +95,45 @@ def pack_stream(documents: Iterable[TokenizedConversation], seq_len: int) -> Ite
             current, used = [], 0
         current.append(doc)
         used += len(doc)
+    if current:
+        yield pack_row(current, seq_len)
+
+
+def pack_fill(items: Iterable[C], tokenize: Callable[[C, int], TokenizedConversation | None],
+              seq_len: int, min_fill: int = 16) -> Iterator[PackedRow]:
+    """Pack conversations densely: like :func:`pack_stream`, but a conversation that does not
+    fit in the space left in a row is first tried truncated to that space (as the
+    reference's collator truncates its last document); the row is closed after it.
+
+    Args:
+        items: conversations, in order; each is used at most once (a truncated one is not
+            continued in the next row).
+        tokenize: ``tokenize(item, budget)`` -> a document of at most ``budget`` tokens, or
+            ``None`` when no supervised token fits.
+        seq_len: T.
+        min_fill: do not try to fill a gap smaller than this many tokens.
+
+    Yields:
+        Rows lazily; a last partly filled row when the items run out.
+    """
+    current: list[TokenizedConversation] = []
+    used = 0
+    for item in items:
+        doc = tokenize(item, seq_len)
+        if doc is None:
+            continue
+        if used + len(doc) <= seq_len:
+            current.append(doc)
+            used += len(doc)
+            continue
+        room = seq_len - used
+        trimmed = tokenize(item, room) if room >= min_fill else None
+        if trimmed is not None:
+            current.append(trimmed)
+            yield pack_row(current, seq_len)
+            current, used = [], 0
+            continue
+        yield pack_row(current, seq_len)
+        current, used = [doc], len(doc)
     if current:
         yield pack_row(current, seq_len)

@@ -2,7 +2,8 @@
 hidden states; batch directories; the ``dflash-audit data`` command.
 
 ``build_batches`` is deterministic for a seed: conversations are shuffled with
-``random.Random(seed)``, tokenized lazily and packed next-fit until ``rows`` rows are full,
+``random.Random(seed)``, tokenized lazily and packed densely (``pack_fill``: next-fit, the
+conversation that overflows a row is truncated to fill it) until ``rows`` rows are full,
 then each row is captured (one verifier forward per document).
 """
 
@@ -22,7 +23,7 @@ from dflash_audit.data.batch import Batch
 from dflash_audit.data.capture import CONVENTION, capture_row, resolve_target_layer_ids
 from dflash_audit.data.conversations import Conversation, ConversationSet, load_conversations
 from dflash_audit.data.errors import BatchFileError, DataError
-from dflash_audit.data.pack import PackedRow, pack_stream
+from dflash_audit.data.pack import PackedRow, pack_fill
 from dflash_audit.data.tokenize import (
     MaskTokenChoice,
     TokenizedConversation,
@@ -63,31 +64,22 @@ def _progress(enabled: bool) -> Any:
                     TimeElapsedColumn(), console=Console(stderr=True))
 
 
-def _documents(verifier: Verifier, conversations: Sequence[Conversation], seq_len: int,
-               stats: _Stats, regenerate: bool, max_new_tokens: int, progress: Any
-               ) -> Iterator[TokenizedConversation]:
-    """Tokenized documents in the given order, regenerating chunk by chunk if asked."""
-    eot = end_of_turn_ids(verifier.tokenizer, getattr(verifier.model, "generation_config", None))
-    regen_task = progress.add_task("regenerating replies", total=None) if (
-        progress is not None and regenerate) else None
-    step = REGEN_CHUNK if regenerate else max(len(conversations), 1)
-    for begin in range(0, len(conversations), step):
-        chunk = conversations[begin:begin + step]
-        if regenerate:
-            from dflash_audit.data.regenerate import regenerate_conversations
-            chunk = regenerate_conversations(
-                verifier, chunk, max_new_tokens=max_new_tokens, max_context=seq_len,
-                progress=(lambda n: progress.advance(regen_task, n)) if regen_task is not None
-                else None)
-        for conv in chunk:
-            doc = tokenize_conversation(verifier.tokenizer, conv.messages, seq_len,
-                                        source=conv.source, eot_ids=eot)
-            if doc is None:
-                stats.dropped_no_supervised += 1
-                continue
-            stats.used += 1
-            stats.truncated += doc.truncated
-            yield doc
+def _conversations(verifier: Verifier, conversations: Sequence[Conversation], seq_len: int,
+                   regenerate: bool, max_new_tokens: int, progress: Any
+                   ) -> Iterator[Conversation]:
+    """Conversations in the given order; with ``regenerate``, chunk by chunk as they are
+    needed, assistant turns replaced by the verifier's own greedy replies."""
+    if not regenerate:
+        yield from conversations
+        return
+    from dflash_audit.data.regenerate import regenerate_conversations
+
+    task = progress.add_task("regenerating replies", total=None) if progress else None
+    for begin in range(0, len(conversations), REGEN_CHUNK):
+        yield from regenerate_conversations(
+            verifier, conversations[begin:begin + REGEN_CHUNK], max_new_tokens=max_new_tokens,
+            max_context=seq_len,
+            progress=(lambda n: progress.advance(task, n)) if task is not None else None)
 
 
 def _check_args(seq_len: int, rows: int) -> None:
@@ -165,8 +157,19 @@ def build_batches(verifier: str | Verifier, data: str, seq_len: int, rows: int,
     packed: list[PackedRow] = []
     with _progress(progress) as bar:
         pack_task = bar.add_task("tokenizing + packing rows", total=rows) if bar else None
-        docs = _documents(verifier, ordered, seq_len, stats, regenerate, max_new_tokens, bar)
-        for row in pack_stream(docs, seq_len):
+        eot = end_of_turn_ids(verifier.tokenizer,
+                              getattr(verifier.model, "generation_config", None))
+
+        def tokenize(conv: Conversation, budget: int) -> TokenizedConversation | None:
+            doc = tokenize_conversation(verifier.tokenizer, conv.messages, budget,
+                                        source=conv.source, eot_ids=eot)
+            if doc is None and budget == seq_len:
+                stats.dropped_no_supervised += 1
+            return doc
+
+        convs_in_order = _conversations(verifier, ordered, seq_len, regenerate, max_new_tokens,
+                                        bar)
+        for row in pack_fill(convs_in_order, tokenize, seq_len):
             packed.append(row)
             if bar:
                 bar.advance(pack_task)
@@ -175,7 +178,7 @@ def build_batches(verifier: str | Verifier, data: str, seq_len: int, rows: int,
         if not packed:
             raise DataError(f"no conversation in {convs.source!r} has a supervised assistant "
                             f"token within seq_len {seq_len} ({stats.to_dict()})")
-        stats.used = sum(len(r.documents) for r in packed)  # the generator read one ahead
+        stats.used = sum(len(r.documents) for r in packed)
         stats.truncated = sum(d.truncated for r in packed for d in r.documents)
         capture_task = bar.add_task("capturing hidden states", total=len(packed)) if bar else None
         batches = []

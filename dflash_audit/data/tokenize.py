@@ -28,7 +28,7 @@ class TokenizedConversation:
     ``input_ids``: token ids (list of int, length <= seq_len);
     ``loss_mask``: 0/1 per token, 1 on assistant tokens including the end-of-turn token;
     ``spans``: assistant spans ``[start, end)`` in token positions, after truncation;
-    ``truncated``: whether the conversation was cut at ``seq_len``.
+    ``truncated``: whether an assistant reply was cut or left out to fit ``seq_len``.
     """
 
     input_ids: list[int]
@@ -198,7 +198,6 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, str]], se
     fast = _spans_by_text(tokenizer, messages, seq_len, eot_ids)
     full, spans = fast if fast is not None else _spans_by_tokens(
         tokenizer, messages, seq_len, eot_ids, source)
-    truncated = len(full) > seq_len
     input_ids = full[:seq_len]
     loss_mask = [0] * len(input_ids)
     kept = []
@@ -209,6 +208,8 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, str]], se
             kept.append((start, end))
     if not kept:
         return None
+    # truncated: some assistant reply of the conversation is cut or left out
+    truncated = len(full) > seq_len or len(kept) < len(_assistant_turns(messages))
     return TokenizedConversation(input_ids=input_ids, loss_mask=loss_mask, source=source,
                                  spans=kept, truncated=truncated)
 
