@@ -339,6 +339,22 @@ def test_metric_value_difference_warns_and_missing_metrics(ours):
     assert check_metrics(CASE, none, ours).summary.startswith("not provided")
 
 
+def test_a_candidate_with_almost_no_outputs_gets_warnings_not_crashes(ours):
+    from dflash_audit.audit.diagnose import diagnose
+
+    cand = SideOutputs({"logits": ours.tensors["logits"]}, {"eal": 1.0},
+                       {"fc_in_features": 96})
+    results = run_checks(CASE, cand, ours)
+    diagnose(CASE, cand, ours, results)
+    status = {(r.name, r.details.get("layer_type")): r.status for r in results}
+    assert status.pop(("logits", None)) == "pass" and status.pop(("defaults", None)) == "pass"
+    assert set(status.values()) == {"warn"}, status
+    assert all("could not run" not in r.summary and not r.diagnosis for r in results
+               if r.name != "metrics")
+    metrics = next(r for r in results if r.name == "metrics")
+    assert "not provided by the candidate: full_acc_sum" in metrics.summary
+
+
 def test_a_crashing_check_becomes_a_failure(ours, monkeypatch):
     def boom(case, cand, ref):
         raise RuntimeError("bad output")

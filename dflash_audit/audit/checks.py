@@ -252,7 +252,7 @@ def _state_dict_finding(key: str, attr: str | None, cand: dict, ref: dict) -> di
 def structure_differences(cand: dict[str, Any], ref: dict[str, Any]) -> list[dict[str, Any]]:
     """DeepDiff of two normalized structure summaries, one finding per differing field or
     state-dict entry: ``{"field", "candidate", "reference", "status", "reason"}``."""
-    diff = DeepDiff(cand, ref, view="tree")
+    diff = DeepDiff(cand, ref, view="tree", threshold_to_diff_deeper=0)  # never whole-object
     seen, findings = set(), []
     for levels in diff.tree.values():
         for level in levels:
@@ -787,14 +787,14 @@ def check_metrics(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResul
     "leading-run", main@c05b95b "product-of-marginals")."""
     if not cand.metrics:
         return _not_provided("metrics", case, "metrics")
-    diffs = {}
+    diffs, missing = {}, []
     for k in sorted(set(_count_keys(ref.metrics)) | {"loss_sum"} |
                     {k for k in ref.metrics if k.endswith("_loss_sum")}):
         if k not in ref.metrics:
             continue
         c, r = cand.metrics.get(k), ref.metrics[k]
         if c is None:
-            diffs[k] = {"candidate": None, "reference": r, "reason": "not provided"}
+            missing.append(k)
         elif abs(c - r) > 1e-5 * max(1.0, abs(r)):
             diffs[k] = {"candidate": c, "reference": r}
     ce, re_ = eal_value(cand.metrics), eal_value(ref.metrics)
@@ -810,9 +810,9 @@ def check_metrics(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResul
     elif ce is not None and re_ is not None and abs(ce - re_) > 1e-5 * max(1.0, abs(re_)):
         diffs["eal"] = {"candidate": ce, "reference": re_}
     elif re_ is not None and ce is None:
-        diffs["eal"] = {"candidate": None, "reference": re_, "reason": "not provided"}
-    value_diffs = {k: v for k, v in diffs.items() if v.get("candidate") is not None
-                   and (k == "eal" or k in _count_keys(ref.metrics))}
+        missing.append("eal")
+    details["not_provided"] = missing
+    value_diffs = {k: v for k, v in diffs.items() if k == "eal" or k in _count_keys(ref.metrics)}
     if value_diffs and _near_ties_only(case, cand, ref):
         details["near_ties"] = sorted(value_diffs)
         for k in value_diffs:
@@ -821,17 +821,21 @@ def check_metrics(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResul
         shown = ", ".join(f"{k}: {v['candidate']} vs {v['reference']}"
                           for k, v in list(diffs.items())[:4])
         reasons.append(f"{len(diffs)} metric(s) differ ({shown})")
+    if missing:
+        reasons.append(f"not provided by the candidate: {', '.join(missing[:6])}"
+                       + (f" (+{len(missing) - 6} more)" if len(missing) > 6 else ""))
     if not reasons:
         note = (f"; differences only from argmax near-ties of logits equal within tolerance "
                 f"({', '.join(details['near_ties'])})") if details.get("near_ties") else ""
         defs = f" (EAL definition: {r_defs[0]})" if r_defs else ""
         return CheckResult("metrics", case.name, PASS, f"metrics agree{defs}{note}",
                            candidate=ce, reference=re_, details=details)
-    first_key = next(iter(diffs), "eal")
+    first_key = next(iter(diffs), "eal" if c_defs != r_defs else None)
     return CheckResult("metrics", case.name, WARN,
                        "; ".join(reasons) + " (metrics do not change training)",
                        candidate=ce, reference=re_,
-                       first_diff={"metric": first_key, **diffs.get(first_key, {})},
+                       first_diff=({"metric": first_key, **diffs.get(first_key, {})}
+                                   if first_key else None),
                        details=details)
 
 

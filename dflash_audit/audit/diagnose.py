@@ -854,7 +854,7 @@ def diagnose_structure(ev: Evidence, result: CheckResult) -> list[str]:
     causes: list[str] = []
     for f in result.details.get("findings", []):
         if f["status"] == FAIL:
-            found = diagnose_structure_finding(ev, f) or []
+            found = diagnose_structure_finding(ev, f) or [f["reason"]]  # the field is the cause
             causes += [found] if isinstance(found, str) else found
     return list(dict.fromkeys(causes))
 
