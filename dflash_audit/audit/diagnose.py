@@ -31,6 +31,7 @@ from dflash_audit.audit.checks import (
     FAIL,
     PASS,
     as_bool_mask,
+    attended_positions,
     closeness,
     supervised_rows,
     supervised_slots,
@@ -326,7 +327,7 @@ def diagnose_context(ev: Evidence, result: CheckResult) -> list[str]:
     c = ev.cand.tensors["context"]
     if c.shape != ev.ref.tensors["context"].shape:
         return [f"context shape {list(c.shape)}, reference {list(ev.ref.tensors['context'].shape)}"]
-    positions = (ev.inputs["document_ids"].reshape(-1) != -1).nonzero().squeeze(-1)
+    positions = attended_positions(ev.case, ev.ref).nonzero().squeeze(-1)
     found = _search(ev, context_hypotheses(ev), lambda h, p: predict_context(ev.case, h, p),
                     lambda p: c[:, p], [sample(positions), positions])
     return [describe_context_hypothesis(ev.case, h) for h in found]
