@@ -36,7 +36,7 @@ from dflash_audit.data.verifier import Verifier, load_verifier
 BATCH_GLOB = "batch_*.safetensors"
 MANIFEST = "manifest.json"
 REFERENCE_SUBDIR = "reference"
-REGEN_CHUNK = 16  # conversations regenerated together (one generate batch per turn index)
+REGEN_CHUNK = 8  # conversations regenerated together (one generate batch per turn index)
 
 
 @dataclass
