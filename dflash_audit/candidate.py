@@ -42,7 +42,13 @@ class Candidate(Protocol):
 
 
 def structure_summary(model: nn.Module, config: DFlashConfig) -> dict[str, Any]:
-    """Structural facts of a drafter module, in the same form the reference adapter reports."""
+    """Structural facts of a drafter module, in the same form the reference adapter reports.
+
+    Facts come from the built model's own ``config`` when it has one (a candidate may build
+    something other than the profile asks for), else from the profile's ``config``.
+    """
+    config = getattr(model, "config", None) if isinstance(
+        getattr(model, "config", None), DFlashConfig) else config
     params = dict(model.named_parameters())
     return {
         "fc_in_features": model.fc.in_features,

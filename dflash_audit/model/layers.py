@@ -36,16 +36,17 @@ class RMSNorm(nn.Module):
 
 
 def rope_inverse_frequencies(config: DFlashConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2 (or the partial rotary dim/2)] fp32 and the
-    attention scaling factor of the configured RoPE.
+    """Inverse frequencies [head_dim/2] fp32 and the attention scaling of the configured RoPE.
 
-    ``default`` RoPE: ``theta^(-2i/d)``, d = head_dim (RoFormer, Su et al. 2021). Other
+    ``default`` RoPE: ``theta^(-2i/d)`` with d = head_dim (RoFormer, Su et al. 2021). The
+    draft layer rotates the whole head, like the reference's Qwen3 draft layer, which ignores
+    a verifier's ``partial_rotary_factor`` (transformers 5 ``Qwen3RotaryEmbedding``). Other
     rope types (linear, dynamic, yarn, llama3, ...) are delegated to transformers'
-    ``ROPE_INIT_FUNCTIONS`` so scaling variants match the verifier's library.
+    ``ROPE_INIT_FUNCTIONS`` so scaling variants match the library the reference uses.
     """
     params = dict(config.rope_parameters or {})
     rope_type = params.get("rope_type", "default")
-    if rope_type == "default" and "partial_rotary_factor" not in params:
+    if rope_type == "default":
         d = config.head_dim
         inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         return inv, 1.0
@@ -57,10 +58,6 @@ def rope_inverse_frequencies(config: DFlashConfig) -> tuple[torch.Tensor, float]
         head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
         rope_parameters={"rope_theta": config.rope_theta, **params, "rope_type": rope_type},
     )
-    if rope_type == "default":
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-
-        return Qwen3RotaryEmbedding.compute_default_rope_parameters(hf)
     return ROPE_INIT_FUNCTIONS[rope_type](hf, None)
 
 
@@ -74,7 +71,7 @@ class RotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
-        """position_ids [1, L] int64 -> (cos, sin), each [1, L, rotary_dim] in ``dtype``."""
+        """position_ids [1, L] int64 -> (cos, sin), each [1, L, head_dim] in ``dtype``."""
         freqs = position_ids[..., None].float() * self.inv_freq.float()  # [1, L, d/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         cos = emb.cos() * self.attention_scaling
@@ -88,13 +85,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [1, heads, L, head_dim], cos/sin [1, L, rotary_dim]; rotates the first rotary_dim
-    features (partial rotary factor) and passes the rest through."""
+    """x [1, heads, L, head_dim], cos/sin [1, L, head_dim] -> x rotated by its positions."""
     cos, sin = cos[:, None], sin[:, None]
-    r = cos.shape[-1]
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    x_rot = x_rot * cos + rotate_half(x_rot) * sin
-    return torch.cat([x_rot, x_pass], dim=-1) if x_pass.numel() else x_rot
+    return x * cos + rotate_half(x) * sin
 
 
 class DraftAttention(nn.Module):
@@ -115,7 +108,7 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
     def forward(self, x, context, cos, sin, mask):
-        """x [1,Q,H] noise (normed), context [1,T,H], cos/sin [1,T+Q,r],
+        """x [1,Q,H] noise (normed), context [1,T,H], cos/sin [1,T+Q,head_dim],
         mask: bool [Q,T+Q] (SDPA) or a flex BlockMask. Returns [1,Q,H]."""
         Q, T = x.shape[1], context.shape[1]
         kv_in = torch.cat([context, x], dim=1)  # [1, T+Q, H]
