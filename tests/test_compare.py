@@ -13,6 +13,7 @@ from pathlib import Path
 
 import git
 import pytest
+import torch
 from data_support import SAMPLE_CONVERSATIONS, make_tiny_verifier, write_jsonl
 from torch import nn
 from typer.testing import CliRunner
@@ -228,3 +229,54 @@ def test_bad_data_exits_2(tmp_path, tiny_verifier):
                    "--cases", "0", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "none.jsonl" in result.output
     assert "Traceback" not in result.output
+
+
+# ----------------------------------------------------------------- planning (no reference)
+def test_synthetic_spread_covers_both_layouts_and_is_seeded():
+    from dflash_audit.audit.plan import plan_synthetic_cases
+    from dflash_audit.profile import Profile
+
+    profile = Profile.load("reference-model")
+    two = plan_synthetic_cases(profile, 2, seed=3)
+    assert [p.layout["layout"] for p in two] == ["full", "sliding"]
+    cases = plan_synthetic_cases(profile, 30, seed=3)
+    again = plan_synthetic_cases(profile, 30, seed=3)
+    assert [p.case.description for p in cases] == [p.case.description for p in again]
+    assert all(torch.equal(a.case.inputs["hidden_states"], b.case.inputs["hidden_states"])
+               for a, b in zip(cases, again))
+    layouts = [p.layout for p in cases]
+    assert {x["layout"] for x in layouts} == {"full", "sliding", "mixed"}
+    assert len({x["block_size"] for x in layouts}) >= 4 and layouts[0]["block_size"] == 8
+    assert any(x["documents"] >= 3 for x in layouts) and any(x["padding"] > 0 for x in layouts)
+    assert any(x["sliding_window"] is not None and x["sliding_window"] < x["seq_len"] // 2
+               for x in layouts)
+    assert any(x["valid_anchors"] < x["anchors"] for x in layouts)  # padding anchors
+    for p in cases:  # the profile's semantics are kept
+        assert p.case.loss == profile.loss_spec()
+        assert p.case.config.target_layer_ids == (2, 6, 9)  # [2, N//2, N-3] for N=12
+    assert plan_synthetic_cases(profile, 3, seed=4)[2].case.description != \
+        plan_synthetic_cases(profile, 3, seed=3)[2].case.description
+
+
+def test_real_cases_share_weights_anchors_and_a_draft_vocabulary(tiny_verifier, conversations,
+                                                                   tmp_path):
+    from dflash_audit.audit.plan import plan_real_cases
+    from dflash_audit.audit.real_inputs import load_real_inputs
+    from dflash_audit.profile import Profile
+
+    profile = Profile.load("reference-model").replace(draft_vocab_size=40)
+    real = load_real_inputs(str(tiny_verifier), str(conversations), 96, 1, "speculators",
+                            cache_root=tmp_path)
+    full, sliding = plan_real_cases(profile, real, anchors=5, seed=1)
+    assert (full.case.name, sliding.case.name) == ("real-00-full", "real-00-sliding")
+    assert sliding.case.config.sliding_window == 2048 and full.case.config.layer_types is None
+    assert full.case.weights is sliding.case.weights
+    assert torch.equal(full.case.inputs["anchor_positions"], sliding.case.inputs[
+        "anchor_positions"]) and full.case.inputs["anchor_positions"].numel() == 5
+    w, batch = full.case.weights, real.batches[0]
+    assert w["t2d"].sum() == 40 and w["lm_head.weight"].shape == (40, 32)
+    assert torch.equal(w["lm_head.weight"], real.frozen["lm_head.weight"][w["t2d"]])
+    assert torch.equal(w["verifier_norm.weight"], real.frozen["verifier_norm.weight"])
+    supervised = batch.input_ids[batch.loss_mask.bool()]
+    assert bool(w["t2d"][supervised].all())  # < 40 distinct supervised bytes: all kept
+    assert torch.equal(torch.arange(40) + w["d2t"], w["t2d"].nonzero().squeeze(-1))

@@ -393,6 +393,124 @@ def _notes(reference: dict[str, Any]) -> list[str]:
 
 
 # -------------------------------------------------------------------------- main
+def _check_options(opts: CompareOptions) -> None:
+    for name, value, low in (("--cases", opts.cases, 0), ("--rows", opts.rows, 0),
+                             ("--anchors", opts.anchors, 1)):
+        if value < low:
+            raise CompareSetupError(f"{name} must be >= {low}, got {value}")
+    if opts.rows == 0 and opts.cases == 0:
+        raise CompareSetupError("nothing to audit: --rows 0 and --cases 0")
+
+
+def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: ImportCheck
+               ) -> tuple[list[Any], dict[str, Any]]:
+    """The real cases (``--rows`` captured rows, cached) and the synthetic ones, plus the
+    report's ``inputs`` section.
+
+    Raises:
+        CompareSetupError: bad verifier, data, layer ids, mask token, or a profile that does
+            not fit the verifier.
+    """
+    from dflash_audit.audit.plan import plan_real_cases, plan_synthetic_cases
+    from dflash_audit.audit.real_inputs import load_real_inputs
+    from dflash_audit.data.errors import DataError
+    from dflash_audit.model.config import ConfigError
+    from dflash_audit.profile import ProfileError
+
+    planned, info = [], {}
+    try:
+        if opts.rows:
+            with st.stage("batches", "real batches (verifier + data)"):
+                real = load_real_inputs(opts.verifier, opts.data, opts.seq_len, opts.rows,
+                                        profile.target_layers, seed=opts.seed,
+                                        cache_root=opts.cache_dir, progress=st.say,
+                                        before_capture=import_check.wait)
+            first = real.batches[0]
+            info = {"verifier": real.verifier, "data": real.data, "seq_len": opts.seq_len,
+                    "rows": len(real.batches), "rows_requested": opts.rows,
+                    "target_layer_ids": first.target_layer_ids,
+                    "mask_token_id": first.mask_token_id,
+                    "mask_token_reason": first.metadata.get("mask_token_reason"),
+                    "batch_cache": {"key": real.cache_key, "hit": real.cache_hit,
+                                    "dir": str(real.cache_dir)},
+                    "data_stats": real.stats}
+        with st.stage("cases", "building cases"):
+            if opts.rows:
+                planned += plan_real_cases(profile, real, opts.anchors, seed=opts.seed)
+            planned += plan_synthetic_cases(profile, opts.cases, seed=opts.seed)
+    except (DataError, ProfileError, ConfigError, ValueError) as exc:
+        raise CompareSetupError(f"building the audit cases failed: {exc}") from None
+    info.update({"audited_anchors": min(opts.anchors, profile.max_anchors),
+                 "synthetic_cases": opts.cases, "seed": opts.seed, "cases": len(planned)})
+    return planned, info
+
+
+def run_both_sides(opts: CompareOptions, identity: Any, candidate: Any, planned: list[Any],
+                   cases_dir: Path, st: Stages, import_check: ImportCheck) -> dict[str, Any]:
+    """Write the cases, start the reference on all of them, run the candidate on each while
+    it runs; returns ``{case name: (SideOutputs | None, failing "run" result | None)}``.
+
+    Raises:
+        CompareSetupError: the reference does not import or its run failed.
+    """
+    from dflash_audit.reference_source import ReferenceSourceError
+
+    with st.stage("write_cases", "writing cases", total=len(planned)) as advance:
+        write_cases([p.case for p in planned], cases_dir, advance)
+    with st.stage("import_check", "checking that the reference imports"):
+        import_check.wait()
+    start = time.perf_counter()
+    reference_job = start_reference(identity, cases_dir, opts.reference_timeout_s)
+    outputs = {}
+    with st.stage("candidate", f"candidate on {len(planned)} cases",
+                  total=len(planned)) as advance:
+        for p in planned:
+            outputs[p.case.name] = run_candidate(candidate, p.case)
+            advance(1)
+    with st.stage("reference_wait", "reference (speculators) on all cases"):
+        try:
+            reference_job.result()
+        except ReferenceSourceError as exc:
+            raise CompareSetupError(f"the reference run failed: {exc}") from None
+    st.timing["reference"] = time.perf_counter() - start
+    return outputs
+
+
+def check_all(planned: list[Any], outputs: dict[str, Any], cases_dir: Path, checker: Checker,
+              st: Stages) -> tuple[list[Any], list[Any]]:
+    """Checks + diagnosis of every case; returns the case records and the mask pictures
+    (differing masks first, else one example per layer type from a real case).
+
+    Raises:
+        CompareSetupError: the reference wrote no outputs for a case.
+    """
+    from dflash_audit.audit.case import SideOutputs
+    from dflash_audit.report import CaseRecord
+
+    records, differing, examples = [], [], []
+    with st.stage("checks", "checks + diagnosis", total=len(planned)) as advance:
+        for p in planned:
+            name = p.case.name
+            try:
+                ref = SideOutputs.read(cases_dir / name)
+            except (OSError, KeyError, ValueError) as exc:
+                raise CompareSetupError(f"the reference wrote no usable outputs for case "
+                                        f"{name}: {exc}") from None
+            cand, failure = outputs.pop(name)
+            results = [failure] if failure is not None else _check_case(checker, p.case, cand,
+                                                                        ref)
+            records.append(CaseRecord(name=name, kind=p.kind, description=p.case.description,
+                                      layout=p.layout, results=results))
+            for pic in _mask_pictures(name, p.case, cand, ref):
+                if pic.differs and len(differing) < MAX_MASK_PICTURES:
+                    differing.append(pic)
+                elif (not pic.differs and p.kind == "real"
+                      and all(e.layer_type != pic.layer_type for e in examples)):
+                    examples.append(pic)
+            advance(1)
+    return records, differing or examples
+
+
 def run_compare(opts: CompareOptions, checker: Checker | None = None) -> CompareOutcome:
     """Run one audit and write its report (see the module docstring).
 
@@ -400,22 +518,13 @@ def run_compare(opts: CompareOptions, checker: Checker | None = None) -> Compare
         CompareSetupError: any usage or setup error (exit code 2).
     """
     from dflash_audit.candidate import CandidateError, load_candidate
-    from dflash_audit.data.errors import DataError
-    from dflash_audit.model.config import ConfigError
     from dflash_audit.profile import Profile, ProfileError
-    from dflash_audit.reference_source import ReferenceSourceError
+    from dflash_audit.report import write_report
 
-    if opts.cases < 0:
-        raise CompareSetupError(f"--cases must be >= 0, got {opts.cases}")
-    if opts.rows < 0:
-        raise CompareSetupError(f"--rows must be >= 0, got {opts.rows}")
-    if opts.anchors < 1:
-        raise CompareSetupError(f"--anchors must be >= 1, got {opts.anchors}")
-    if opts.rows == 0 and opts.cases == 0:
-        raise CompareSetupError("nothing to audit: --rows 0 and --cases 0")
-    enabled = opts.progress if opts.progress is not None else sys.stderr.isatty()
+    _check_options(opts)
     started = time.perf_counter()
     created_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    enabled = opts.progress if opts.progress is not None else sys.stderr.isatty()
     with Stages(enabled) as st:
         try:
             profile = Profile.load(opts.profile)
@@ -429,107 +538,27 @@ def run_compare(opts: CompareOptions, checker: Checker | None = None) -> Compare
             raise CompareSetupError(f"candidate: {exc}") from None
         checker = checker or Checker.default()
         import_check = ImportCheck(identity, import_ok_marker(identity, opts.cache_dir))
-
-        planned, inputs_info = [], {}
-        try:
-            if opts.rows:
-                from dflash_audit.audit.real_inputs import load_real_inputs
-
-                with st.stage("batches", "real batches (verifier + data)"):
-                    real = load_real_inputs(opts.verifier, opts.data, opts.seq_len, opts.rows,
-                                            profile.target_layers, seed=opts.seed,
-                                            cache_root=opts.cache_dir, progress=st.say,
-                                            before_capture=import_check.wait)
-                inputs_info = {
-                    "verifier": real.verifier, "data": real.data, "seq_len": opts.seq_len,
-                    "rows": len(real.batches), "rows_requested": opts.rows,
-                    "target_layer_ids": real.batches[0].target_layer_ids if real.batches
-                    else None,
-                    "mask_token_id": real.batches[0].mask_token_id if real.batches else None,
-                    "mask_token_reason": real.batches[0].metadata.get("mask_token_reason")
-                    if real.batches else None,
-                    "batch_cache": {"key": real.cache_key, "hit": real.cache_hit,
-                                    "dir": str(real.cache_dir)},
-                    "data_stats": real.stats}
-            from dflash_audit.audit.plan import plan_real_cases, plan_synthetic_cases
-
-            with st.stage("cases", "building cases"):
-                if opts.rows:
-                    planned += plan_real_cases(profile, real, opts.anchors, seed=opts.seed)
-                planned += plan_synthetic_cases(profile, opts.cases, seed=opts.seed)
-        except (DataError, ProfileError, ConfigError, ValueError) as exc:
-            raise CompareSetupError(f"building the audit cases failed: {exc}") from None
-        inputs_info.update({"audited_anchors": min(opts.anchors, profile.max_anchors),
-                            "synthetic_cases": opts.cases, "seed": opts.seed,
-                            "cases": len(planned)})
-        if not planned:
-            raise CompareSetupError("no case to audit (the data gave no row and --cases is 0)")
-
+        planned, inputs_info = plan_cases(opts, profile, st, import_check)
         with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-") as tmp:
-            cases_dir = Path(tmp)
-            with st.stage("write_cases", "writing cases", total=len(planned)) as advance:
-                write_cases([p.case for p in planned], cases_dir, advance)
-            with st.stage("import_check", "checking that the reference imports"):
-                import_check.wait()
-            ref_start = time.perf_counter()
-            reference_job = start_reference(identity, cases_dir, opts.reference_timeout_s)
-            cand_out: dict[str, Any] = {}
-            with st.stage("candidate", f"candidate on {len(planned)} cases",
-                          total=len(planned)) as advance:
-                for p in planned:
-                    cand_out[p.case.name] = run_candidate(candidate, p.case)
-                    advance(1)
-            with st.stage("reference_wait", "reference (speculators) on all cases"):
-                try:
-                    reference_job.result()
-                except ReferenceSourceError as exc:
-                    raise CompareSetupError(f"the reference run failed: {exc}") from None
-            st.timing["reference"] = time.perf_counter() - ref_start
-            from dflash_audit.audit.case import SideOutputs
-            from dflash_audit.report import CaseRecord
-
-            records, pictures, examples = [], [], []
-            ref_info = _reference_info(identity, cases_dir)
-            with st.stage("checks", "checks + diagnosis", total=len(planned)) as advance:
-                for p in planned:
-                    name = p.case.name
-                    try:
-                        ref = SideOutputs.read(cases_dir / name)
-                    except (OSError, KeyError, ValueError) as exc:
-                        raise CompareSetupError(f"the reference wrote no usable outputs for "
-                                                f"case {name}: {exc}") from None
-                    cand, failure = cand_out.pop(name)
-                    results = [failure] if failure is not None else _check_case(
-                        checker, p.case, cand, ref)
-                    records.append(CaseRecord(name=name, kind=p.kind,
-                                              description=p.case.description, layout=p.layout,
-                                              results=results))
-                    for pic in _mask_pictures(name, p.case, cand, ref):
-                        if pic.differs and len(pictures) < MAX_MASK_PICTURES:
-                            pictures.append(pic)
-                        elif not pic.differs and len(examples) < 2 and p.kind == "real" and all(
-                                e.layer_type != pic.layer_type for e in examples):
-                            examples.append(pic)
-                    advance(1)
-
-        with st.stage("report", "writing the report"):
-            report = _build_report(opts, profile, identity, ref_info, candidate, records,
-                                   pictures + examples, inputs_info, created_at, st.timing,
-                                   started)
-            try:
-                folder = _write(report, opts.out)
-            except OSError as exc:
-                raise CompareSetupError(f"cannot write the report into {opts.out}: {exc}"
-                                        ) from None
+            outputs = run_both_sides(opts, identity, candidate, planned, Path(tmp), st,
+                                     import_check)
+            records, pictures = check_all(planned, outputs, Path(tmp), checker, st)
+            ref_info = _reference_info(identity, Path(tmp))
+        st.timing["total"] = time.perf_counter() - started
+        report = _build_report(opts, profile, ref_info, candidate, records, pictures,
+                               inputs_info, created_at, st.timing)
+        try:
+            folder = write_report(report, opts.out)
+        except OSError as exc:
+            raise CompareSetupError(f"cannot write the report into {opts.out}: {exc}") from None
     return CompareOutcome(report=report, folder=folder, exit_code=report.exit_code)
 
 
 def _reference_info(identity: Any, cases_dir: Path) -> dict[str, Any]:
+    """The identity of the resolved reference plus where its process imported it from."""
     import json
 
     info = identity.to_dict()
-    info.pop("source_dir", None)
-    info["source_dir"] = str(identity.source_dir)
     run = cases_dir / "reference.json"
     if run.is_file():
         data = json.loads(run.read_text())
@@ -539,34 +568,22 @@ def _reference_info(identity: Any, cases_dir: Path) -> dict[str, Any]:
     return info
 
 
-def _build_report(opts: CompareOptions, profile: Any, identity: Any, ref_info: dict[str, Any],
-                  candidate: Any, records: list[Any], pictures: list[Any],
-                  inputs_info: dict[str, Any], created_at: str, timing: dict[str, float],
-                  started: float) -> Any:
+def _build_report(opts: CompareOptions, profile: Any, ref_info: dict[str, Any], candidate: Any,
+                  records: list[Any], pictures: list[Any], inputs_info: dict[str, Any],
+                  created_at: str, timing: dict[str, float]) -> Any:
     from dflash_audit.report import Report
     from dflash_audit.report.fingerprint import candidate_fingerprint
 
     profile_fp = profile.fingerprint()
     cand_fp = candidate_fingerprint(candidate, profile_fp)
-    timing["total"] = time.perf_counter() - started
     return Report(
         reference=ref_info,
         candidate={"name": _candidate_name(candidate, opts.candidate), "spec": opts.candidate,
                    "fingerprint": cand_fp["fingerprint"], "files": cand_fp["files"]},
         profile={"name": profile.name, "source": profile.source, "fingerprint": profile_fp,
                  "fields": profile.to_dict()},
-        inputs=inputs_info, cases=records, created_at=created_at, timing=timing,
+        inputs=inputs_info, cases=records, created_at=created_at, timing=dict(timing),
         notes=_notes(ref_info), masks=pictures)
-
-
-def _write(report: Any, out: Path) -> Path:
-    from dflash_audit.report import write_report
-
-    report.timing["total"] = report.timing.get("total", 0.0)
-    start = time.perf_counter()
-    folder = write_report(report, out)
-    report.timing["report_write"] = time.perf_counter() - start
-    return folder
 
 
 # ---------------------------------------------------------------------------- CLI

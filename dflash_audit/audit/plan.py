@@ -105,7 +105,7 @@ def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0
     base = profile.to_drafter_config(inputs.verifier_config, first.mask_token_id,
                                      target_layer_ids=first.target_layer_ids)
     weights = real_case_weights(base, inputs.frozen, seed,
-                                token_ids=[b.input_ids for b in inputs.batches])
+                                rows=[(b.input_ids, b.loss_mask) for b in inputs.batches])
     n_anchors = max(1, min(anchors, profile.max_anchors))
     planned = []
     for i, batch in enumerate(inputs.batches):
@@ -165,8 +165,10 @@ def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[Pl
                                   draft_vocab_size=draft_vocab)
         config = variant.to_drafter_config(verifier_config, mask_token_id=V - 1,
                                            target_layer_ids=ids)
+        # one case in four has more anchor slots than valid anchors: padding anchors
+        anchors = seq_len if rng.random() < 0.25 else rng.randint(1, 10)
         case = synthetic_case(f"syn-{i:03d}-{variant.layout_name}", config, loss,
                               seed=seed * 1_000_003 + i, seq_len=seq_len, num_documents=docs,
-                              pad=pad, max_anchors=rng.randint(1, 10))
+                              pad=pad, max_anchors=anchors)
         planned.append(PlannedCase(case, "synthetic", layout_facts(case)))
     return planned

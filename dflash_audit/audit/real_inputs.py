@@ -8,7 +8,7 @@ source bytes, seq_len, rows, target layers, seed, format version), under
 
     batch_00000.safetensors ...  the batches (dflash_audit.data.pipeline.write_batches)
     manifest.json                the pipeline's manifest
-    frozen.safetensors           embed_tokens / lm_head / final norm weights of the verifier
+    frozen.safetensors           the verifier's frozen weights (dflash_audit.audit.weights)
     inputs.json                  verifier identity, data identity, key fields
 
 An entry is written to a temporary sibling and renamed, so a crash never leaves half of one.
@@ -28,7 +28,7 @@ from typing import Any
 
 from dflash_audit.audit.weights import load_frozen, save_frozen, verifier_frozen_weights
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FROZEN_FILE = "frozen.safetensors"
 META_FILE = "inputs.json"
 

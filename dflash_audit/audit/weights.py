@@ -1,13 +1,17 @@
 """Weights of a real audit case: a seeded random trainable part + the verifier's real frozen
 weights (embedding, LM head, final norm), under the reference's state-dict keys.
 
-The frozen part is what the reference itself loads from the verifier
-(speculators ``model.py: _load_verifier_weights``): ``embed_tokens.weight`` = the input
-embedding [V,H]; ``lm_head.weight`` and ``verifier_lm_head.weight`` = the output embedding
-[V,H] (rows ``t2d`` only, [V_d,H], with a draft vocabulary); ``verifier_norm.weight`` = the
-final norm's weight [H]. The trainable part (fc, hidden_norm, layers, norm) is drawn from a
-seeded generator, with norm gains spread around their identity so a norm applied twice or
-not at all changes the numbers (same recipe as :mod:`dflash_audit.audit.synthetic`).
+The frozen part is :func:`dflash_audit.model.verifier_weights.verifier_state` of the verifier
+(what the reference loads from it: ``embed_tokens``, ``lm_head`` / ``verifier_lm_head`` with
+the rows of the draft vocabulary, ``verifier_norm``). The draft vocabulary, when the profile
+has one, is the most frequent supervised tokens of the audited rows
+(:mod:`dflash_audit.train.vocab`). The trainable part (fc, hidden_norm, layers, norm) is drawn
+from a seeded generator with norm gains spread around their identity, so a norm applied twice
+or not at all changes the numbers (:func:`dflash_audit.audit.synthetic.synthetic_weights`).
+
+The frozen weights are cached with the captured batches (:mod:`.real_inputs`), so a warm
+audit does not load the verifier: :func:`save_frozen` / :func:`load_frozen` store the full
+vocabulary tensors once (a tied or duplicated head is not stored twice).
 """
 
 from __future__ import annotations
@@ -20,107 +24,93 @@ from safetensors.torch import load_file, save_file
 
 from dflash_audit.audit.synthetic import synthetic_weights
 from dflash_audit.model.config import DFlashConfig
+from dflash_audit.model.verifier_weights import verifier_state
+from dflash_audit.train.vocab import draft_vocab, token_counts
 
-FROZEN_KEYS = ("embed_tokens.weight", "lm_head.weight", "norm.weight")
+FROZEN_KEYS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
+               "verifier_norm.weight")
+_SAME_AS = {"lm_head.weight": "embed_tokens.weight", "verifier_lm_head.weight": "lm_head.weight"}
 
 
 class VerifierWeightsError(ValueError):
-    """The verifier does not expose an input embedding, output embedding or final norm."""
+    """The verifier's frozen weights do not fit the drafter config (or cannot be found)."""
 
 
 def verifier_frozen_weights(model: Any) -> dict[str, torch.Tensor]:
-    """The verifier's ``embed_tokens.weight`` [V,H], ``lm_head.weight`` [V,H] (the input
-    embedding when tied or absent) and final ``norm.weight`` [H], fp32, detached.
-
-    Args:
-        model: a loaded Hugging Face causal LM.
+    """The frozen, full-vocabulary weights of a loaded HF causal LM (reference keys).
 
     Raises:
-        VerifierWeightsError: no input embedding, or no final norm on the decoder.
+        VerifierWeightsError: the verifier has no recognisable final norm.
     """
-    embed = model.get_input_embeddings()
-    if embed is None:
-        raise VerifierWeightsError(f"{type(model).__name__} has no input embedding")
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    norm = getattr(decoder, "norm", None) or getattr(decoder, "final_layernorm", None)
-    if norm is None or getattr(norm, "weight", None) is None:
-        raise VerifierWeightsError(
-            f"{type(model).__name__}: cannot find the final norm (expected "
-            "model.get_decoder().norm.weight); DFlash targets need the verifier's final norm")
-    e = embed.weight.detach().float()
-    h = head.weight.detach().float() if head is not None else e
-    return {"embed_tokens.weight": e, "lm_head.weight": h,
-            "norm.weight": norm.weight.detach().float()}
+    try:
+        return verifier_state(model)
+    except ValueError as exc:
+        raise VerifierWeightsError(str(exc)) from None
 
 
 def save_frozen(weights: dict[str, torch.Tensor], path: Path) -> Path:
-    """Save :func:`verifier_frozen_weights` output; a tied LM head is stored once."""
-    tied = weights["lm_head.weight"].data_ptr() == weights["embed_tokens.weight"].data_ptr() or (
-        torch.equal(weights["lm_head.weight"], weights["embed_tokens.weight"]))
-    tensors = {k: v.contiguous() for k, v in weights.items()
-               if not (tied and k == "lm_head.weight")}
-    save_file(tensors, path, metadata={"tied_lm_head": str(tied)})
+    """Save :func:`verifier_frozen_weights` output; a head equal to the tensor it would
+    duplicate (tied embedding, verifier head = head) is stored once."""
+    tensors, aliases = {}, {}
+    for key in FROZEN_KEYS:
+        same = _SAME_AS.get(key)
+        while same is not None and same in aliases:
+            same = aliases[same]
+        if same is not None and torch.equal(weights[key], weights[same]):
+            aliases[key] = same
+        else:
+            tensors[key] = weights[key].contiguous()
+    save_file(tensors, path, metadata={f"alias:{k}": v for k, v in aliases.items()})
     return path
 
 
 def load_frozen(path: Path) -> dict[str, torch.Tensor]:
     """Inverse of :func:`save_frozen`."""
+    from safetensors import safe_open
+
     tensors = load_file(path)
-    tensors.setdefault("lm_head.weight", tensors["embed_tokens.weight"])
+    with safe_open(path, "pt") as f:
+        aliases = {k[len("alias:"):]: v for k, v in (f.metadata() or {}).items()
+                   if k.startswith("alias:")}
+    for key in FROZEN_KEYS:
+        if key not in tensors:
+            tensors[key] = tensors[aliases[key]]
     return tensors
 
 
-def draft_vocab_mapping(token_ids: list[torch.Tensor], vocab_size: int, draft_vocab_size: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A draft vocabulary of the ``draft_vocab_size`` most frequent tokens in the data (ties
-    and unseen ids by ascending id), in the reference's convention.
-
-    Returns:
-        ``t2d`` bool [V] (True for verifier ids in the draft vocab) and ``d2t`` int64 [V_d]
-        offsets (verifier id = i + d2t[i]).
-    """
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for ids in token_ids:
-        flat = ids.flatten().long()
-        counts += torch.bincount(flat[(flat >= 0) & (flat < vocab_size)], minlength=vocab_size)
-    # stable sort by descending count keeps ascending ids among equal counts
-    order = torch.sort(-counts, stable=True).indices[:draft_vocab_size]
-    ids = order.sort().values
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    return t2d, ids - torch.arange(draft_vocab_size)
-
-
 def real_case_weights(config: DFlashConfig, frozen: dict[str, torch.Tensor], seed: int,
-                      token_ids: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                      rows: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+                      ) -> dict[str, torch.Tensor]:
     """A full drafter state dict (reference keys): trainable part from ``seed``, frozen part
-    from the verifier (see module docstring).
+    from the verifier (see the module docstring).
 
     Args:
         config: the drafter config (dimensions must match the verifier's).
-        frozen: :func:`verifier_frozen_weights` of the verifier.
+        frozen: :func:`verifier_frozen_weights` (or :func:`load_frozen`) of the verifier.
         seed: seeds the trainable part.
-        token_ids: the data's ``input_ids``; picks the draft vocabulary when
-            ``config.uses_draft_vocab``.
+        rows: ``(input_ids, loss_mask)`` of the audited rows; they pick the draft
+            vocabulary when ``config.uses_draft_vocab``.
 
     Raises:
         VerifierWeightsError: the frozen weights do not have the config's shapes.
     """
     V, H = config.vocab_size, config.hidden_size
-    embed, head, norm = (frozen[k] for k in FROZEN_KEYS)
-    if tuple(embed.shape) != (V, H) or tuple(head.shape) != (V, H) or tuple(norm.shape) != (H,):
-        raise VerifierWeightsError(
-            f"verifier weights embed {tuple(embed.shape)}, lm_head {tuple(head.shape)}, norm "
-            f"{tuple(norm.shape)} do not match the drafter config (V={V}, H={H})")
+    expected = {"embed_tokens.weight": (V, H), "lm_head.weight": (V, H),
+                "verifier_lm_head.weight": (V, H), "verifier_norm.weight": (H,)}
+    bad = {k: tuple(frozen[k].shape) for k, shape in expected.items()
+           if tuple(frozen[k].shape) != shape}
+    if bad:
+        raise VerifierWeightsError(f"verifier weights {bad} do not match the drafter config "
+                                   f"(V={V}, H={H}): is this the drafter's verifier?")
     weights = synthetic_weights(config, torch.Generator().manual_seed(seed))
-    weights["embed_tokens.weight"] = embed
+    head, verifier_head = frozen["lm_head.weight"], frozen["verifier_lm_head.weight"]
     if config.uses_draft_vocab:
-        t2d, d2t = draft_vocab_mapping(token_ids or [], V, config.effective_draft_vocab_size)
+        t2d, d2t = draft_vocab(token_counts(rows or [], V), config.effective_draft_vocab_size)
         weights["t2d"], weights["d2t"] = t2d, d2t
-        head = head[t2d]
+        head, verifier_head = head[t2d], verifier_head[t2d]
     # distinct storage per key: safetensors refuses to save tensors that share memory
+    weights["embed_tokens.weight"] = frozen["embed_tokens.weight"]
     weights["lm_head.weight"] = head.clone()
-    weights["verifier_lm_head.weight"] = head.clone()
-    weights["verifier_norm.weight"] = norm.clone()
+    weights["verifier_lm_head.weight"] = verifier_head.clone()
+    weights["verifier_norm.weight"] = frozen["verifier_norm.weight"].clone()
     return weights
