@@ -16,6 +16,7 @@ such an object (or a zero-argument factory returning one).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -89,7 +90,16 @@ def side_outputs(model: nn.Module, config: DFlashConfig, out: DraftOutputs, loss
         for name, value in result.terms.items():
             metrics[f"{name}_loss_sum"], metrics[f"{name}_loss_total"] = float(value), 1.0
     return SideOutputs(tensors=tensors, metrics=metrics,
-                       structure=structure_summary(model, config), trainable=trainable)
+                       structure=structure_summary(model, config), trainable=trainable,
+                       defaults=our_defaults())
+
+
+def our_defaults() -> dict[str, Any]:
+    """Defaults of our drafter's API (LossSpec and DFlashConfig field defaults)."""
+    spec = LossSpec()
+    block_size = next(f.default for f in dataclasses.fields(DFlashConfig) if f.name == "block_size")
+    return {"gamma": spec.gamma, "loss": spec.loss, "weighting": spec.weighting,
+            "dpace_alpha": spec.dpace_alpha, "block_size": block_size}
 
 
 class DrafterCandidate:

@@ -309,7 +309,7 @@ def test_defaults_report_each_side_and_never_fail(ours):
                     "loss_when_unset": "kl_div (fused)"}
     res = check_defaults(CASE, ours, ref)
     assert res.status == "pass"
-    assert res.details["fields"]["block_size"] == {"profile": 4, "candidate_default": None,
+    assert res.details["fields"]["block_size"] == {"profile": 4, "candidate_default": 8,
                                                    "reference_default": 8}
     cand = edited(ours)
     cand.defaults = {"gamma": 7.0, "loss": "kl_div"}
