@@ -106,12 +106,39 @@ def test_decoding_is_lossless_and_counts_acceptance(verifier, monkeypatch, corre
         assert 1 + sum(gen.acceptance) == len(gen.tokens)  # + the prefill's token
 
 
+@pytest.mark.parametrize("correct", [0, 2])
+def test_batched_decoding_equals_one_by_one(verifier, monkeypatch, correct):
+    drafter = drafter_for(verifier)
+    K = ev.num_drafts(drafter)
+    truth = {}  # (position of the last token, last token) -> next K greedy tokens
+    for prompt in PROMPTS:
+        greedy = ev.greedy_generate(verifier, prompt, 18)
+        full = list(prompt) + greedy
+        for i in range(len(prompt), len(full)):
+            truth[(i, full[i])] = (full[i + 1:i + 1 + K] + [0] * K)[:K]
+
+    def oracle(drafter, context, last_token):
+        right = truth.get((context.shape[1], last_token), [0] * K)
+        return [t if j < correct else (t + 1) % 90 + 4 for j, t in enumerate(right)]
+
+    monkeypatch.setattr(ev, "propose", oracle)
+    batched = ev.speculative_generate_batch(drafter, verifier, PROMPTS, 18)
+    for prompt, gen in zip(PROMPTS, batched):
+        single = ev.speculative_generate(drafter, verifier, prompt, 18)
+        assert gen.tokens == single.tokens == ev.greedy_generate(verifier, prompt, 18)
+        assert gen.acceptance == single.acceptance
+        assert gen.acceptance[0] == correct + 1
+
+
 def test_real_drafter_is_lossless_and_result_is_pooled(verifier):
     drafter = drafter_for(verifier, seed=3)
-    for prompt in PROMPTS:
-        gen = ev.speculative_generate(drafter, verifier, prompt, 16)
-        assert gen.tokens == ev.greedy_generate(verifier, prompt, 16)
-    result = ev.evaluate_acceptance(drafter, verifier, PROMPTS, max_new_tokens=16)
+    batched = ev.speculative_generate_batch(drafter, verifier, PROMPTS, 16)
+    for prompt, gen in zip(PROMPTS, batched):
+        single = ev.speculative_generate(drafter, verifier, prompt, 16)
+        assert gen.tokens == single.tokens == ev.greedy_generate(verifier, prompt, 16)
+        assert gen.acceptance == single.acceptance
+    result = ev.evaluate_acceptance(drafter, verifier, PROMPTS, max_new_tokens=16,
+                                    batch_size=2)
     assert result.prompts == 3 and result.generated_tokens == 48
     assert result.verify_steps == sum(result.histogram)
     assert result.acceptance_length == pytest.approx(
@@ -127,6 +154,9 @@ def test_eos_stops_generation(verifier):
     eos = greedy[4]
     gen = ev.speculative_generate(drafter, verifier, prompt, 12, eos_ids=[eos])
     assert gen.tokens == greedy[: greedy.index(eos) + 1]
+    batched = ev.speculative_generate_batch(drafter, verifier, [prompt, PROMPTS[1]], 12,
+                                            eos_ids=[eos])
+    assert batched[0].tokens == gen.tokens and batched[0].acceptance == gen.acceptance
 
 
 def test_held_out_prompts_skip_training_sources():
