@@ -351,8 +351,14 @@ def _evaluate(model: DFlashDrafter, verifier: Any, prompts: list[list[int]], cfg
     eos = end_of_turn_ids(verifier.tokenizer, getattr(verifier.model, "generation_config", None))
     tracker.message(f"evaluating the {name} drafter: speculative decoding on {len(prompts)} "
                     f"held-out prompts, up to {cfg.eval_max_new_tokens} tokens each ...")
-    result = evaluate_acceptance(model, verifier.model, prompts, cfg.eval_max_new_tokens,
-                                 sorted(eos)).to_dict()
+    device = next(model.parameters()).device
+    home = next(verifier.model.parameters()).device  # CPU: where online capture runs
+    verifier.model.to(device)
+    try:
+        result = evaluate_acceptance(model, verifier.model, prompts, cfg.eval_max_new_tokens,
+                                     sorted(eos)).to_dict()
+    finally:
+        verifier.model.to(home)
     tracker.log_eval(step, name, result)
     tracker.message(f"{name}: acceptance length {result['acceptance_length']:.3f} over "
                     f"{result['verify_steps']} verify steps ({result['wall_s']:.0f} s)")
