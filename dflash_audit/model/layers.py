@@ -85,9 +85,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [1, heads, L, head_dim], cos/sin [1, L, head_dim] -> x rotated by its positions."""
+    """x [1, heads, L, head_dim], cos/sin [1, L, r] -> x with its first r features rotated by
+    their positions (r = head_dim for our drafter; a smaller r models partial rotary)."""
     cos, sin = cos[:, None], sin[:, None]
-    return x * cos + rotate_half(x) * sin
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
 
 
 class DraftAttention(nn.Module):
