@@ -273,12 +273,46 @@ class ImportCheck:
             self._marker.touch()
 
 
-def start_reference(identity: Any, cases_dir: Path, timeout_s: float) -> Background:
-    """Start ``reference/adapter.py CASES_DIR`` (all cases, one process) in the background."""
+def split_cores() -> tuple[int, int]:
+    """(reference threads, candidate threads): the two sides run at the same time, so each
+    gets half of the usable cores (at least one). On a loaded 2-core machine one thread per
+    side is also much faster than two each: small ops spin on oversubscribed cores."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 2)
+    ref = max(1, cores // 2)
+    return ref, max(1, cores - ref)
+
+
+@contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    import os
+
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def start_reference(identity: Any, cases_dir: Path, timeout_s: float, threads: int
+                    ) -> Background:
+    """Start ``reference/adapter.py CASES_DIR`` (all cases, one process) in the background,
+    with ``threads`` intra-op threads (``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` are set in
+    this process's environment while it runs, which the subprocess inherits)."""
     from dflash_audit.reference_source import run_reference
 
-    return Background(run_reference, identity, [str(cases_dir)], cases_dir, timeout_s,
-                      name="dflash-audit-reference")
+    def job() -> Any:
+        with _environment(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)):
+            return run_reference(identity, [str(cases_dir)], cases_dir, timeout_s)
+
+    return Background(job, name="dflash-audit-reference")
 
 
 # ----------------------------------------------------------------------- candidate
@@ -445,6 +479,19 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: Imp
     return planned, info
 
 
+@contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` torch intra-op threads, then restore the previous count."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_both_sides(opts: CompareOptions, identity: Any, candidate: Any, planned: list[Any],
                    cases_dir: Path, st: Stages, import_check: ImportCheck) -> dict[str, Any]:
     """Write the cases, start the reference on all of them, run the candidate on each while
@@ -460,10 +507,11 @@ def run_both_sides(opts: CompareOptions, identity: Any, candidate: Any, planned:
     with st.stage("import_check", "checking that the reference imports"):
         import_check.wait()
     start = time.perf_counter()
-    reference_job = start_reference(identity, cases_dir, opts.reference_timeout_s)
+    ref_threads, cand_threads = split_cores()
+    reference_job = start_reference(identity, cases_dir, opts.reference_timeout_s, ref_threads)
     outputs = {}
     with st.stage("candidate", f"candidate on {len(planned)} cases",
-                  total=len(planned)) as advance:
+                  total=len(planned)) as advance, _torch_threads(cand_threads):
         for p in planned:
             outputs[p.case.name] = run_candidate(candidate, p.case)
             advance(1)

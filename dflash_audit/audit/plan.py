@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ SYNTHETIC_BLOCK_SIZES = (2, 3, 4, 5, 8, 16)
 SYNTHETIC_VERIFIER = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
                       "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 12,
                       "vocab_size": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 1024,
-                      "rope_theta": 10000.0}
+                      "rope_theta": 10000.0, "model_type": "llama", "hidden_act": "silu"}
 
 
 @dataclass
@@ -138,9 +139,7 @@ def _synthetic_target_layers(profile: Profile, n_layers: int) -> list[int]:
 
 def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[PlannedCase]:
     """``count`` synthetic cases over a seeded spread (see the module docstring)."""
-    from transformers import LlamaConfig
-
-    verifier_config = LlamaConfig(**SYNTHETIC_VERIFIER)
+    verifier_config = SimpleNamespace(**SYNTHETIC_VERIFIER)
     V = SYNTHETIC_VERIFIER["vocab_size"]
     ids = _synthetic_target_layers(profile, SYNTHETIC_VERIFIER["num_hidden_layers"])
     draft_vocab = V // 2 if profile.draft_vocab_size is not None else None

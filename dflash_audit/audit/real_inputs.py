@@ -9,9 +9,11 @@ source bytes, seq_len, rows, target layers, seed, format version), under
     batch_00000.safetensors ...  the batches (dflash_audit.data.pipeline.write_batches)
     manifest.json                the pipeline's manifest
     frozen.safetensors           the verifier's frozen weights (dflash_audit.audit.weights)
-    inputs.json                  verifier identity, data identity, key fields
+    inputs.json                  verifier identity and config, data identity, key fields
 
 An entry is written to a temporary sibling and renamed, so a crash never leaves half of one.
+A warm audit neither loads the verifier nor imports transformers: the verifier's (text)
+config comes back from ``inputs.json`` as a namespace with the config's attributes.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from dflash_audit.audit.weights import load_frozen, save_frozen, verifier_frozen_weights
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 FROZEN_FILE = "frozen.safetensors"
 META_FILE = "inputs.json"
 
@@ -40,7 +43,7 @@ class RealInputs:
 
     batches: list[Any]
     frozen: dict[str, Any]
-    verifier_config: Any  # transformers.PretrainedConfig
+    verifier_config: Any  # transformers config (cold) or a namespace of its fields (warm)
     verifier: dict[str, Any]  # VerifierIdentity.to_dict() + weights_sha256
     data: dict[str, Any]  # {"source", "sha256"}
     cache_key: str
@@ -104,8 +107,6 @@ def load_real_inputs(verifier: str, data: str, seq_len: int, rows: int, target_l
         dflash_audit.data.DataError: bad verifier / data / layer ids / mask token.
         VerifierWeightsError: the verifier has no embedding or final norm.
     """
-    from transformers import AutoConfig
-
     from dflash_audit.data.pipeline import build_batches, load_batches, write_batches
     from dflash_audit.data.verifier import (
         BUILTIN_VERIFIERS,
@@ -127,13 +128,12 @@ def load_real_inputs(verifier: str, data: str, seq_len: int, rows: int, target_l
     key = cache_key(folder, weights_sha, ident, seq_len, rows, tl, seed)
     root = Path(cache_root) if cache_root is not None else cache_dir()
     entry = root / "compare" / "batches" / key
-    config = AutoConfig.from_pretrained(folder)
     if (entry / META_FILE).is_file():
         meta = json.loads((entry / META_FILE).read_text())
         return RealInputs(batches=load_batches(entry), frozen=load_frozen(entry / FROZEN_FILE),
-                          verifier_config=config, verifier=meta["verifier"], data=meta["data"],
-                          cache_key=key, cache_hit=True, cache_dir=entry,
-                          stats=meta.get("stats", {}))
+                          verifier_config=SimpleNamespace(**meta["verifier_config"]),
+                          verifier=meta["verifier"], data=meta["data"], cache_key=key,
+                          cache_hit=True, cache_dir=entry, stats=meta.get("stats", {}))
     if before_capture is not None:
         before_capture()
     if progress:
@@ -145,8 +145,10 @@ def load_real_inputs(verifier: str, data: str, seq_len: int, rows: int, target_l
     frozen = verifier_frozen_weights(model.model)
     vid = {**model.identity.to_dict(), "weights_sha256": weights_sha}
     stats = batches[0].metadata.get("data_stats", {}) if batches else {}
-    meta = {"verifier": vid, "data": ident, "key": key, "seq_len": seq_len, "rows": rows,
-            "target_layers": tl, "seed": seed, "stats": stats}
+    config = model.config
+    meta = {"verifier": vid, "verifier_config": model.config.to_dict(), "data": ident,
+            "key": key, "seq_len": seq_len, "rows": rows, "target_layers": tl, "seed": seed,
+            "stats": stats}
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}.tmp-", dir=entry.parent))
     try:
