@@ -82,6 +82,12 @@ def origin(reference_identity, tmp_path_factory) -> dict:
     return {"path": path, "tag_commit": tag}
 
 
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory) -> Path:
+    """Batch cache + import-check marker shared by the tests that do not test caching."""
+    return tmp_path_factory.mktemp("compare-cache")
+
+
 def options(tmp_path, tiny_verifier, conversations, **kw) -> CompareOptions:
     base = dict(verifier=str(tiny_verifier), data=str(conversations), seq_len=96, rows=1,
                 anchors=6, cases=4, seed=0, out=tmp_path / "reports",
@@ -145,9 +151,11 @@ def test_conformant_drafter_passes_via_git_clone(tmp_path, tiny_verifier, conver
     assert again.report.fingerprint == data["fingerprint"]
 
 
-def test_buggy_candidate_fails_with_exit_1(tmp_path, tiny_verifier, conversations, capsys):
+def test_buggy_candidate_fails_with_exit_1(tmp_path, tiny_verifier, conversations, capsys,
+                                           shared_cache):
     spec = f"{Path(__file__).resolve()}:FcNMinusOne"
-    rc = main(options(tmp_path, tiny_verifier, conversations, candidate=spec))
+    rc = main(options(tmp_path, tiny_verifier, conversations, candidate=spec,
+                      cache_dir=shared_cache))
     out = capsys.readouterr().out
     assert rc == 1 and "verdict: FAIL" in out
     folder = Path(out.split("report: ")[1].strip())
@@ -172,10 +180,11 @@ class Crashes(DrafterCandidate):
         raise RuntimeError("size mismatch for fc.weight")
 
 
-def test_crashing_candidate_is_a_conformance_failure(tmp_path, tiny_verifier, conversations):
+def test_crashing_candidate_is_a_conformance_failure(tmp_path, tiny_verifier, conversations,
+                                                     shared_cache):
     spec = f"{Path(__file__).resolve()}:Crashes"
     outcome = run_compare(options(tmp_path, tiny_verifier, conversations, candidate=spec,
-                                  rows=0, cases=1))
+                                  rows=0, cases=1, cache_dir=shared_cache))
     assert outcome.exit_code == 1
     assert {(r.name, r.status) for r in outcome.report.results} == {("run", "fail")}
     assert "RuntimeError: size mismatch" in outcome.report.results[0].summary

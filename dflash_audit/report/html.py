@@ -109,7 +109,7 @@ def mask_figures(pic: MaskPicture) -> str:
     cand, ref = _as_bool(pic.candidate), _as_bool(pic.reference)
     r0, r1 = _crop_rows(pic, cand, ref)
     cols = max(m.shape[1] for m in (cand, ref) if m is not None)
-    scale = max(1, min(4, 600 // max(cols, 1)))
+    scale = max(1, min(4, 900 // max(cols, 1)))
     figs = []
     for label, m in (("candidate", cand), ("reference", ref)):
         if m is None:
