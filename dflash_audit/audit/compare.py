@@ -3,9 +3,12 @@ every quantity that defines DFlash training, write the conformance report, retur
 
 Order of work (cheap and likely-to-fail steps first, so a setup error costs seconds):
 
-1. profile (:class:`dflash_audit.profile.Profile`), then the reference: resolve the spec
-   (default: ``reference/speculators.lock``) and check that it imports from its source tree;
-2. the candidate (``module:attr`` / ``file.py:attr``; default: our drafter);
+1. the profile (:class:`dflash_audit.profile.Profile`), the reference spec (default:
+   ``reference/speculators.lock``) resolved to a source tree, the candidate
+   (``module:attr`` / ``file.py:attr``; default: our drafter);
+2. a check that the reference imports from its source tree, in the background, awaited
+   before anything expensive (a verifier capture, the runs); skipped when it passed before
+   for the same source, interpreter and site-packages;
 3. real batches through the data pipeline (cached, :mod:`.real_inputs`) and the cases
    (:mod:`.plan`): real rows under both layouts + ``--cases N`` synthetic ones;
 4. the reference runs ALL cases in one subprocess (``reference/adapter.py``) while the
@@ -47,7 +50,7 @@ DEFAULT_ANCHORS = 16
 DEFAULT_SEED = 8
 REFERENCE_TIMEOUT_S = 1800.0
 MAX_MASK_PICTURES = 8
-EXIT_PASS, EXIT_FAIL, EXIT_SETUP = 0, 1, 2
+EXIT_SETUP = 2  # 0 pass and 1 fail come from the report's verdict
 REF_ALTERNATIVES = ("--ref speculators==0.9.0 (the release from the package index), "
                     "--ref path:DIR (a local checkout of speculators), or --ref-url URL "
                     "(a reachable mirror or a local clone; file:// and plain paths work)")
@@ -86,30 +89,6 @@ class CompareOutcome:
     report: Any  # dflash_audit.report.Report
     folder: Path
     exit_code: int
-
-
-@dataclass
-class Checker:
-    """The check engine: ``run_checks(case, cand, ref) -> list[CheckResult]`` and
-    ``diagnose(case, cand, ref, results)`` (fills in / returns the diagnosed results)."""
-
-    run_checks: Callable[..., list]
-    diagnose: Callable[..., Any]
-
-    @classmethod
-    def default(cls) -> Checker:
-        """The real engine of :mod:`dflash_audit.audit.checks` / ``diagnose``.
-
-        Raises:
-            CompareSetupError: the check engine is not installed.
-        """
-        try:
-            from dflash_audit.audit.checks import run_checks
-            from dflash_audit.audit.diagnose import diagnose
-        except ImportError as exc:
-            raise CompareSetupError(f"the check engine is not available ({exc}); reinstall "
-                                    "dflash-audit (`pip install -e .`)") from None
-        return cls(run_checks, diagnose)
 
 
 # --------------------------------------------------------------------------- progress
@@ -394,14 +373,15 @@ def _mask_pictures(name: str, case: Any, cand: Any, ref: Any) -> list[Any]:
     return pictures
 
 
-def _check_case(checker: Checker, case: Any, cand: Any, ref: Any) -> list[Any]:
-    """run_checks + diagnose on one case; a crash of the engine on this case's outputs is a
-    failing "checks" result (the outputs could not be compared)."""
+def _check_case(case: Any, cand: Any, ref: Any) -> list[Any]:
+    """run_checks + diagnose (in place) on one case; a crash of the engine on this case's
+    outputs is a failing "checks" result (the outputs could not be compared)."""
+    from dflash_audit.audit.checks import run_checks
+    from dflash_audit.audit.diagnose import diagnose
+
     try:
-        results = list(checker.run_checks(case, cand, ref))
-        diagnosed = checker.diagnose(case, cand, ref, results)
-        if isinstance(diagnosed, list) and all(hasattr(r, "status") for r in diagnosed):
-            results = diagnosed
+        results = list(run_checks(case, cand, ref))
+        diagnose(case, cand, ref, results)
     except Exception as exc:  # noqa: BLE001 - reported with the traceback in the report
         return [_failed_run("checks", case.name,
                             f"the outputs could not be compared: {type(exc).__name__}: {exc}",
@@ -524,8 +504,8 @@ def run_both_sides(opts: CompareOptions, identity: Any, candidate: Any, planned:
     return outputs
 
 
-def check_all(planned: list[Any], outputs: dict[str, Any], cases_dir: Path, checker: Checker,
-              st: Stages) -> tuple[list[Any], list[Any]]:
+def check_all(planned: list[Any], outputs: dict[str, Any], cases_dir: Path, st: Stages
+              ) -> tuple[list[Any], list[Any]]:
     """Checks + diagnosis of every case; returns the case records and the mask pictures
     (differing masks first, else one example per layer type from a real case).
 
@@ -545,8 +525,7 @@ def check_all(planned: list[Any], outputs: dict[str, Any], cases_dir: Path, chec
                 raise CompareSetupError(f"the reference wrote no usable outputs for case "
                                         f"{name}: {exc}") from None
             cand, failure = outputs.pop(name)
-            results = [failure] if failure is not None else _check_case(checker, p.case, cand,
-                                                                        ref)
+            results = [failure] if failure is not None else _check_case(p.case, cand, ref)
             records.append(CaseRecord(name=name, kind=p.kind, description=p.case.description,
                                       layout=p.layout, results=results))
             for pic in _mask_pictures(name, p.case, cand, ref):
@@ -559,7 +538,7 @@ def check_all(planned: list[Any], outputs: dict[str, Any], cases_dir: Path, chec
     return records, differing or examples
 
 
-def run_compare(opts: CompareOptions, checker: Checker | None = None) -> CompareOutcome:
+def run_compare(opts: CompareOptions) -> CompareOutcome:
     """Run one audit and write its report (see the module docstring).
 
     Raises:
@@ -584,13 +563,12 @@ def run_compare(opts: CompareOptions, checker: Checker | None = None) -> Compare
             candidate = load_candidate(opts.candidate)
         except CandidateError as exc:
             raise CompareSetupError(f"candidate: {exc}") from None
-        checker = checker or Checker.default()
         import_check = ImportCheck(identity, import_ok_marker(identity, opts.cache_dir))
         planned, inputs_info = plan_cases(opts, profile, st, import_check)
         with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-") as tmp:
             outputs = run_both_sides(opts, identity, candidate, planned, Path(tmp), st,
                                      import_check)
-            records, pictures = check_all(planned, outputs, Path(tmp), checker, st)
+            records, pictures = check_all(planned, outputs, Path(tmp), st)
             ref_info = _reference_info(identity, Path(tmp))
         st.timing["total"] = time.perf_counter() - started
         report = _build_report(opts, profile, ref_info, candidate, records, pictures,
@@ -680,12 +658,12 @@ def compare_command(
     raise typer.Exit(main(opts))
 
 
-def main(opts: CompareOptions, checker: Checker | None = None) -> int:
+def main(opts: CompareOptions) -> int:
     """Run :func:`run_compare`, print the verdict and the report folder; returns the exit
     code. Setup errors print one message (no traceback) and return 2; an internal error
     prints its traceback and returns 2 too (1 is reserved for conformance failures)."""
     try:
-        outcome = run_compare(opts, checker)
+        outcome = run_compare(opts)
     except CompareSetupError as exc:
         print(f"dflash-audit compare: error: {exc}", file=sys.stderr)
         return EXIT_SETUP
