@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash_audit.audit.case import Case, SideOutputs
 
@@ -31,3 +32,16 @@ def run_reference_cases(reference_identity, tmp_path_factory):
         return {case.name: SideOutputs.read(Path(folder) / case.name) for case in cases}
 
     return run
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for tiny tensors: fastest, and immune to oversubscription on a busy
+    2-core machine (here and in reference subprocesses, through OMP_NUM_THREADS). Use with
+    ``pytestmark = pytest.mark.usefixtures("single_thread")``."""
+    threads, patch = torch.get_num_threads(), pytest.MonkeyPatch()
+    torch.set_num_threads(1)
+    patch.setenv("OMP_NUM_THREADS", "1")
+    yield
+    patch.undo()
+    torch.set_num_threads(threads)

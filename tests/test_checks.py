@@ -36,16 +36,7 @@ from dflash_audit.model.loss import LOSSES, WEIGHTINGS, LossSpec, exp_decay_weig
 from dflash_audit.model.metrics import dflash_metrics
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny tensors: one intra-op thread is fastest, and immune to oversubscription on a busy
-    2-core machine (here and in the reference subprocess, through OMP_NUM_THREADS)."""
-    threads, patch = torch.get_num_threads(), pytest.MonkeyPatch()
-    torch.set_num_threads(1)
-    patch.setenv("OMP_NUM_THREADS", "1")
-    yield
-    patch.undo()
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 CONFIG = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,

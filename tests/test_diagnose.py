@@ -26,16 +26,7 @@ from dflash_audit.model.loss import LossSpec
 from dflash_audit.model.mask import dense_mask
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny tensors: one intra-op thread is fastest, and immune to oversubscription on a busy
-    2-core machine (here and in the reference subprocess, through OMP_NUM_THREADS)."""
-    threads, patch = torch.get_num_threads(), pytest.MonkeyPatch()
-    torch.set_num_threads(1)
-    patch.setenv("OMP_NUM_THREADS", "1")
-    yield
-    patch.undo()
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 H, W, BLOCK = 32, 6, 4

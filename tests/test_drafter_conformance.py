@@ -15,7 +15,7 @@ from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.loss import LossSpec
 
-pytestmark = pytest.mark.reference
+pytestmark = [pytest.mark.reference, pytest.mark.usefixtures("single_thread")]
 ATOL = RTOL = 1e-5
 
 BASE = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,

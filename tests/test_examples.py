@@ -22,19 +22,9 @@ from dflash_audit.model.config import (
 from dflash_audit.model.loss import LossSpec
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny tensors: one intra-op thread is fastest, and immune to oversubscription on a busy
-    2-core machine (here and in the reference subprocess, through OMP_NUM_THREADS)."""
-    threads, patch = torch.get_num_threads(), pytest.MonkeyPatch()
-    torch.set_num_threads(1)
-    patch.setenv("OMP_NUM_THREADS", "1")
-    yield
-    patch.undo()
-    torch.set_num_threads(threads)
 
 
-pytestmark = pytest.mark.reference
+pytestmark = [pytest.mark.reference, pytest.mark.usefixtures("single_thread")]
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 N = 30  # verifier depth: the z-lab default ids [2, 9, 15, 21, 28] end at N-2
 IDS = default_target_layer_ids(N)
