@@ -31,10 +31,14 @@ from dflash_audit.audit.checks import (
 )
 from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.candidate import DrafterCandidate
-from dflash_audit.model.config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, DFlashConfig
+from dflash_audit.model.config import (
+    FULL_ATTENTION,
+    LAYER_TYPES,
+    SLIDING_ATTENTION,
+    DFlashConfig,
+)
 from dflash_audit.model.loss import LOSSES, WEIGHTINGS, LossSpec, exp_decay_weights
 from dflash_audit.model.metrics import dflash_metrics
-
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

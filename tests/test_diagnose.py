@@ -25,7 +25,6 @@ from dflash_audit.model.drafter import DFlashDrafter
 from dflash_audit.model.loss import LossSpec
 from dflash_audit.model.mask import dense_mask
 
-
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from dflash_audit.audit.checks import run_checks
 from dflash_audit.audit.diagnose import diagnose
@@ -20,9 +19,6 @@ from dflash_audit.model.config import (
     default_target_layer_ids,
 )
 from dflash_audit.model.loss import LossSpec
-
-
-
 
 pytestmark = [pytest.mark.reference, pytest.mark.usefixtures("single_thread")]
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
