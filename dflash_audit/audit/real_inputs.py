@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from dflash_audit.atomic import atomic_folder
 from dflash_audit.audit.weights import load_frozen, save_frozen, verifier_frozen_weights
 
 FORMAT_VERSION = 3
@@ -66,7 +64,11 @@ def data_identity(data: str) -> dict[str, Any]:
     Raises:
         dflash_audit.data.DataError: the source does not exist (the data pipeline's message).
     """
-    from dflash_audit.data.conversations import CHITCHAT, chitchat_path, load_conversations
+    from dflash_audit.data.conversations import (
+        CHITCHAT,
+        chitchat_path,
+        load_conversations,
+    )
 
     if data == CHITCHAT:
         return {"source": data, "sha256": _file_sha256(chitchat_path())}
@@ -149,18 +151,10 @@ def load_real_inputs(verifier: str, data: str, seq_len: int, rows: int, target_l
     meta = {"verifier": vid, "verifier_config": model.config.to_dict(), "data": ident,
             "key": key, "seq_len": seq_len, "rows": rows, "target_layers": tl, "seed": seed,
             "stats": stats}
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key[:12]}.tmp-", dir=entry.parent))
-    try:
+    # another process that finished first keeps its entry
+    with atomic_folder(entry, keep_existing=True) as tmp:
         write_batches(batches, tmp)
         save_frozen(frozen, tmp / FROZEN_FILE)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
-        if entry.exists():  # another process finished first: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            os.replace(tmp, entry)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return RealInputs(batches=batches, frozen=frozen, verifier_config=config, verifier=vid,
                       data=ident, cache_key=key, cache_hit=False, cache_dir=entry, stats=stats)

@@ -15,15 +15,14 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_audit.atomic import atomic_folder
 from dflash_audit.data.errors import VerifierError
 
 SMOLLM2_NAME = "smollm2-135m"
@@ -98,9 +97,8 @@ def convert_smollm2(target: Path | None = None,
         progress(f"dflash-audit: converting {SMOLLM2_NAME} from {gguf.name} into {target} "
                  "(one time, ~20 s) ...")
     start = time.perf_counter()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    # another process that finished first keeps its copy
+    with atomic_folder(target, keep_existing=True) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # The gguf loader dequantizes to fp32 but leaves a (non-serializable) quantizer
@@ -110,14 +108,6 @@ def convert_smollm2(target: Path | None = None,
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        tmp.chmod(0o755)  # mkdtemp creates 0700
-        if target.exists():  # another process finished first: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if progress:
         progress(f"dflash-audit: {SMOLLM2_NAME} converted in {time.perf_counter() - start:.0f} s")
     return target

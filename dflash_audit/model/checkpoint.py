@@ -16,15 +16,13 @@ Writes are atomic: a temporary folder renamed into place.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_audit.atomic import atomic_folder
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter
 
@@ -136,25 +134,6 @@ def config_from_reference(d: dict[str, Any], num_verifier_layers: int,
     )
 
 
-def atomic_folder(target: Path):
-    """A temporary sibling folder; call ``commit(tmp)`` to move it into ``target``."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-
-    def commit() -> Path:
-        if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-        return target
-
-    return tmp, commit
-
-
 def save_pretrained(model: DFlashDrafter, out_dir: str | Path,
                     verifier_name_or_path: str | None = None,
                     verifier_architectures: list[str] | None = None,
@@ -167,15 +146,11 @@ def save_pretrained(model: DFlashDrafter, out_dir: str | Path,
     config = model.config
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
              if k not in NOT_SAVED and not (k == "lm_head.weight" and not config.uses_draft_vocab)}
-    tmp, commit = atomic_folder(Path(out_dir))
-    try:
+    with atomic_folder(out_dir) as tmp:
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt", **(metadata or {})})
         (tmp / "config.json").write_text(json.dumps(
             reference_config(config, verifier_name_or_path, verifier_architectures), indent=2))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return commit()
+    return Path(out_dir)
 
 
 def load_pretrained(path: str | Path, verifier=None, num_verifier_layers: int | None = None

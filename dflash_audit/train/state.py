@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from dflash_audit.model.checkpoint import atomic_folder, save_pretrained
+from dflash_audit.atomic import atomic_folder
+from dflash_audit.model.checkpoint import save_pretrained
 
 STATE_FILE = "training_state.pt"
 STATE_FORMAT = "dflash-audit-train-state"
@@ -70,8 +71,7 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module,
     """
     root = Path(out) / CHECKPOINTS
     target = root / checkpoint_name(step)
-    tmp, commit = atomic_folder(target)
-    try:
+    with atomic_folder(target) as tmp:
         save_pretrained(model, tmp, verifier_name_or_path=verifier_path,
                         verifier_architectures=verifier_architectures,
                         metadata={**metadata, "dflash_audit_step": str(step)})
@@ -81,10 +81,6 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module,
                     "optimizers": [o.state_dict() for o in optimizers],
                     "schedulers": [s.state_dict() for s in schedulers],
                     "ranks": [r.to_dict() for r in ranks], **(extra or {})}, tmp / STATE_FILE)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    commit()
     pointer = root / f".{LATEST}.tmp"
     pointer.write_text(target.name + "\n")
     os.replace(pointer, root / LATEST)
