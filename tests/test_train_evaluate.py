@@ -164,7 +164,8 @@ def test_held_out_prompts_skip_training_sources():
     convs = [Conversation(messages=tuple(c["messages"]), source=f"f.jsonl:{i}")
              for i, c in enumerate(tt.conversations(6))]
     prompts, used = ev.held_out_prompts(tokenizer, convs, max_prompts=3,
-                                        exclude_sources=["f.jsonl:5+regen", "f.jsonl:3"])
+                                        exclude_sources=["f.jsonl:5+regen", "f.jsonl:3"],
+                                        turns_per_conversation=2)
     assert used == ["f.jsonl:4", "f.jsonl:2"]
     assert len(prompts) == 3
     first = tokenizer.apply_chat_template(list(convs[4].messages[:1]), tokenize=False,
