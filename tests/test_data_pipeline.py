@@ -253,9 +253,42 @@ def test_regeneration_batched_multi_turn(tiny, jsonl, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "c2"))
     batches = build_batches(tiny, str(jsonl), seq_len=128, rows=1, progress=False,
                             regenerate=True, max_new_tokens=4)
-    assert batches[0].metadata["regenerate"] == {"max_new_tokens": 4, "decoding": "greedy"}
+    assert batches[0].metadata["regenerate"] == {"max_new_tokens": 4, "max_turns": None,
+                                                 "decoding": "greedy"}
     assert all(d["source"].endswith("+regen") for d in batches[0].metadata["documents"])
     assert any((tmp_path / "c2" / "regenerated").rglob("*.json"))
+
+
+@pytest.mark.parametrize("max_turns, finished, kept", [
+    (None, True, 6),  # every assistant turn regenerated, nothing cut
+    (2, True, 4),  # cut after the 2nd regenerated assistant turn
+    (1, True, 2),
+    (None, False, 2),  # an unfinished reply ends the conversation
+])
+def test_regeneration_turn_bounds(tiny, tmp_path, monkeypatch, max_turns, finished, kept):
+    messages = [{"role": r, "content": f"{r} {i}"}
+                for i, r in enumerate(["user", "assistant"] * 3)]
+    conv = load_jsonl(write_jsonl(tmp_path / "c.jsonl", [{"messages": messages}])).conversations
+    reply = tiny.tokenizer.encode("ok", add_special_tokens=False)
+    prompts = []
+
+    def fake_generate(verifier, batch, max_new_tokens, eot):
+        prompts.extend(batch)
+        return [(reply, finished) for _ in batch]
+    monkeypatch.setattr(regen_mod, "_generate", fake_generate)
+    out = regenerate_conversations(tiny, conv, max_new_tokens=5, max_context=512,
+                                   max_turns=max_turns, cache_root=tmp_path / "cache")
+    got = out[0].messages
+    assert [m["role"] for m in got] == [m["role"] for m in messages[:kept]]
+    assert [m["content"] for m in got if m["role"] == "user"] == \
+        [m["content"] for m in messages[:kept] if m["role"] == "user"]
+    assert all(m["content"] == tiny.tokenizer.decode(reply) for m in got
+               if m["role"] == "assistant")
+    assert len(prompts) == kept // 2  # no reply generated for a turn that is cut
+    # the later prompts hold the regenerated replies (on-policy history)
+    assert prompts[-1] == render_ids(tiny.tokenizer, got[:kept - 1], add_generation_prompt=True)
+    keys = {regen_mod.regeneration_key(tiny, conv[0], 5, 512, t) for t in (None, 1, 2)}
+    assert len(keys) == 3  # max_turns is part of the cache key
 
 
 # --------------------------------------------------------------------------- verifier

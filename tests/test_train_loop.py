@@ -15,6 +15,7 @@ from dflash_audit.model.checkpoint import load_pretrained
 from dflash_audit.train.gate import GateError
 from dflash_audit.train.loop import TrainError, train
 from dflash_audit.train.state import ResumeError, load_training_state
+from dflash_audit.train.track import loss_curve
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,10 @@ def test_resume_continues_exactly(paths, tmp_path):
     assert sa["schedulers"] == sb["schedulers"]
     assert torch.equal(sa["ranks"][0]["anchor_generator"], sb["ranks"][0]["anchor_generator"])
     assert _losses(tmp_path / "a") == _losses(tmp_path / "b")  # steps 1-3, then 4-6
+    # the resumed run's loss curve spans the whole run, steps 1-6, like the straight one
+    assert resumed.loss_curve == straight.loss_curve
+    assert [(w["first_step"], w["loss"]) for w in straight.loss_curve] == \
+        list(zip(range(1, 7), _losses(tmp_path / "a")))
     # save_every=2, keep 2: steps 4 and 6 remain
     assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("step-*")) == \
         ["step-00000004", "step-00000006"]
@@ -165,3 +170,16 @@ def test_exactly_one_data_source(paths, tmp_path):
     with pytest.raises(TrainError, match="exactly one of --batches"):
         train(tt.tiny_config(paths, tmp_path / "x", data="chitchat"),
               reference_identity=tt.REFERENCE)
+
+
+def test_loss_curve_means_windows_and_takes_the_last_line_of_a_relogged_step(tmp_path):
+    lines = [{"kind": "train", "step": s, "loss": float(s)} for s in range(1, 8)]
+    lines.insert(3, {"kind": "eval", "step": 3, "name": "untrained", "acceptance_length": 1.0})
+    lines.append({"kind": "train", "step": 7, "loss": 70.0})  # step 7 again after a resume
+    text = "\n".join(json.dumps(x) for x in lines) + '\n{"kind": "tra'  # cut by a kill
+    (tmp_path / "metrics.jsonl").write_text(text)
+    curve = loss_curve(tmp_path / "metrics.jsonl", windows=3)
+    assert curve == [{"first_step": 1, "last_step": 2, "loss": 1.5},
+                     {"first_step": 3, "last_step": 4, "loss": 3.5},
+                     {"first_step": 5, "last_step": 7, "loss": (5 + 6 + 70) / 3}]
+    assert loss_curve(tmp_path / "missing.jsonl") == []

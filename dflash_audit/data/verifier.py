@@ -10,6 +10,7 @@ dequantized to fp32, into a plain HF folder under the cache directory
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -17,7 +18,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,23 @@ def cache_dir() -> Path:
     """The user cache directory: ``$DFLASH_AUDIT_CACHE`` if set, else ``~/.cache/dflash-audit``."""
     env = os.environ.get("DFLASH_AUDIT_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "dflash-audit"
+
+
+@contextlib.contextmanager
+def flush_denormal() -> Iterator[None]:
+    """Flush subnormal floats to zero on CPU inside the block (torch's default, off, after).
+
+    Verifier inference (regeneration, speculative decoding) produces subnormals in masked
+    attention; x86 arithmetic on them made SmolLM2-135M decoding up to 30x slower on
+    2 cores without changing a single greedy token."""
+    import torch
+
+    supported = torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        if supported:
+            torch.set_flush_denormal(False)
 
 
 def builtin_verifier_dir(name: str = SMOLLM2_NAME) -> Path:

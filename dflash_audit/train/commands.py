@@ -75,6 +75,8 @@ def train_command(
     regenerate: Annotated[bool, Opt(help="Online: train on the verifier's own greedy replies "
                                          "(cached).")] = False,
     max_new_tokens: Annotated[int, Opt(help="Online --regenerate: tokens per reply.")] = 64,
+    max_turns: Annotated[int | None, Opt(
+        help="Online --regenerate: keep the first N assistant turns.", min=1)] = None,
     online_chunk: Annotated[int, Opt(help="Online: conversations captured together.")] = 32,
     seed: Annotated[int, Opt(help="Seeds the initial weights, data order and anchors.")] = 0,
     optimizer: Annotated[str | None, Opt(
@@ -120,7 +122,8 @@ def train_command(
         out=str(out), verifier=verifier, batches=str(batches) if batches else None, data=data,
         profile=profile, candidate=candidate, ref=ref, report=str(report) if report else None,
         reports_dir=str(reports_dir), steps=steps, rows_per_step=rows_per_step, seq_len=seq_len,
-        regenerate=regenerate, max_new_tokens=max_new_tokens, online_chunk=online_chunk,
+        regenerate=regenerate, max_new_tokens=max_new_tokens, max_turns=max_turns,
+        online_chunk=online_chunk,
         seed=seed, optimizer=optimizer, lr=lr, muon_lr=muon_lr, weight_decay=weight_decay,
         schedule=schedule, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
         grad_clip=grad_clip, save_every=save_every, keep_checkpoints=keep_checkpoints,
@@ -141,9 +144,13 @@ def train_command(
         parts = [f"{k} {v['acceptance_length']:.3f}" for k, v in ev.items()]
         console.print(f"acceptance length (held-out, speculative decoding): {', '.join(parts)}",
                       markup=False, highlight=False)
+    if summary.loss_curve:
+        curve = "  ".join(f"{w['first_step']}-{w['last_step']}: {w['loss']:.3f}"
+                          for w in summary.loss_curve)
+        console.print(f"training loss (mean per step range): {curve}", markup=False,
+                      highlight=False)
     how = f" ({summary.stopped_by}; resume with --resume)" if summary.stopped_by else ""
-    console.print(f"step {summary.step}/{steps}{how}: loss {summary.first_loss} -> "
-                  f"{summary.last_loss}; checkpoint {summary.checkpoint}; "
+    console.print(f"step {summary.step}/{steps}{how}; checkpoint {summary.checkpoint}; "
                   f"{summary.wall_s:.0f} s", markup=False, highlight=False)
     if summary.exit_code:
         raise typer.Exit(summary.exit_code)

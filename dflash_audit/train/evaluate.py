@@ -27,14 +27,14 @@ up to 30x slower (SmolLM2-135M, 2 cores) without changing a single greedy token.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from dflash_audit.data.verifier import flush_denormal
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_audit.model.drafter import DFlashDrafter
 
@@ -306,17 +306,6 @@ def greedy_generate(verifier_model: Any, prompt: Sequence[int], max_new_tokens: 
             break
         ids = torch.tensor([[t]], device=device)
     return tokens
-
-
-@contextlib.contextmanager
-def flush_denormal() -> Iterator[None]:
-    """Flush subnormal floats to zero on CPU inside the block (torch's default, off, after)."""
-    supported = torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        if supported:
-            torch.set_flush_denormal(False)
 
 
 def evaluate_acceptance(drafter: DFlashDrafter, verifier_model: Any,

@@ -58,7 +58,7 @@ from dflash_audit.train import state as ckpt
 from dflash_audit.train.gate import GateResult, check_gate, expected_for
 from dflash_audit.train.optim import OptimSpec, build_optimizers, build_schedulers
 from dflash_audit.train.step import MODEL_INPUTS, drafter_forward, train_step
-from dflash_audit.train.track import Tracker
+from dflash_audit.train.track import Tracker, loss_curve
 
 
 class TrainError(Exception):
@@ -84,6 +84,7 @@ class TrainConfig:
     seq_len: int = 1024  # online
     regenerate: bool = False  # online
     max_new_tokens: int = 64  # online, with regenerate
+    max_turns: int | None = None  # online, with regenerate: first N assistant turns
     online_chunk: int = 32  # online: conversations captured together
     seed: int = 0
     optimizer: str | None = None  # None: the profile's optimizer, else adamw
@@ -117,7 +118,7 @@ class TrainConfig:
 
 
 RUN_FIELDS = ("verifier", "batches", "data", "profile", "candidate", "steps", "rows_per_step",
-              "seq_len", "regenerate", "max_new_tokens", "online_chunk", "seed", "optimizer",
+              "seq_len", "regenerate", "max_new_tokens", "max_turns", "online_chunk", "seed", "optimizer",
               "lr", "muon_lr", "weight_decay", "schedule", "warmup_steps", "min_lr_ratio",
               "grad_clip", "eval_conversations")
 
@@ -134,6 +135,7 @@ class TrainSummary:
     first_loss: float | None = None
     last_loss: float | None = None
     wall_s: float = 0.0
+    loss_curve: list[dict[str, Any]] = field(default_factory=list)  # track.loss_curve
     eval: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -322,6 +324,7 @@ def make_source(cfg: TrainConfig, verifier: Any, profile: Any, env: DistEnv):
     source = OnlineSource(verifier, train_convs, cfg.data, cfg.seq_len,
                           profile.resolve_target_layer_ids(verifier.num_layers), None,
                           regenerate=cfg.regenerate, max_new_tokens=cfg.max_new_tokens,
+                          max_turns=cfg.max_turns,
                           seed=cfg.seed, chunk_conversations=cfg.online_chunk, rank=env.rank,
                           world_size=env.world_size, rows_per_step=cfg.rows_per_step)
     return source, held
@@ -520,6 +523,7 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
                                                     "trained")
             summary.wall_s = time.perf_counter() - start_wall
             if env.is_main:
+                summary.loss_curve = loss_curve(out / "metrics.jsonl")
                 (out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
             return summary
         finally:

@@ -146,7 +146,7 @@ class OnlineSource:
         verifier: a loaded :class:`~dflash_audit.data.verifier.Verifier`.
         conversations: the training conversations (held-out ones already removed).
         data_name: the ``--data`` spec (recorded in batch metadata).
-        seq_len, target_layer_ids, mask_token_id, regenerate, max_new_tokens: as for
+        seq_len, target_layer_ids, mask_token_id, regenerate, max_new_tokens, max_turns: as for
             :func:`~dflash_audit.data.pipeline.build_batches`.
         chunk_conversations: conversations packed and captured together.
     """
@@ -155,7 +155,8 @@ class OnlineSource:
 
     def __init__(self, verifier: Any, conversations: Sequence[Any], data_name: str,
                  seq_len: int, target_layer_ids: list[int], mask_token_id: int | None,
-                 regenerate: bool = False, max_new_tokens: int = 64, seed: int = 0,
+                 regenerate: bool = False, max_new_tokens: int = 64,
+                 max_turns: int | None = None, seed: int = 0,
                  chunk_conversations: int = 32, rank: int = 0, world_size: int = 1,
                  rows_per_step: int = 1):
         if not conversations:
@@ -167,6 +168,7 @@ class OnlineSource:
         self.target_layer_ids = list(target_layer_ids)
         self._mask_token_id = mask_token_id
         self.regenerate, self.max_new_tokens = regenerate, max_new_tokens
+        self.max_turns = max_turns
         self.seed, self.chunk_conversations = seed, chunk_conversations
         self.rank, self.world_size, self.rows_per_step = rank, world_size, rows_per_step
         self.chunk = -1  # local chunk counter (this rank's chunk number)
@@ -214,7 +216,8 @@ class OnlineSource:
                                  target_layer_ids=self.target_layer_ids,
                                  mask_token_id=self.mask_token_id, seed=local_chunk,
                                  progress=False, regenerate=self.regenerate,
-                                 max_new_tokens=self.max_new_tokens, conversations=convs)
+                                 max_new_tokens=self.max_new_tokens, max_turns=self.max_turns,
+                                 conversations=convs)
         except DataError as exc:
             if "no conversation" in str(exc):
                 return []  # a chunk without supervised tokens: move on

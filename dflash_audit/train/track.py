@@ -59,6 +59,38 @@ def describe(summary: dict[str, Any], max_slots: int = 4) -> str:
             f"eal {_fmt(summary.get('eal'))}")
 
 
+def loss_curve(metrics_path: str | Path, windows: int = 10) -> list[dict[str, Any]]:
+    """The training loss of a run, averaged over ``windows`` consecutive step ranges.
+
+    Reads the ``"kind": "train"`` lines of ``metrics.jsonl`` (a resumed run re-logs the steps
+    after its checkpoint: the last line of a step wins) and splits steps into ``windows``
+    near-equal contiguous ranges. One step's loss is one packed row's, too noisy to read
+    alone; a window mean is the curve.
+
+    Returns:
+        ``[{"first_step", "last_step", "loss"}, ...]`` in step order (empty without a
+        train line); ``loss`` is the mean over the range's steps that logged one.
+    """
+    losses: dict[int, float] = {}
+    path = Path(metrics_path)
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a kill
+            if record.get("kind") == "train" and isinstance(record.get("loss"), float):
+                losses[int(record["step"])] = record["loss"]
+    steps = sorted(losses)
+    curve = []
+    n = min(windows, len(steps))
+    for w in range(n):
+        chunk = steps[w * len(steps) // n:(w + 1) * len(steps) // n]
+        curve.append({"first_step": chunk[0], "last_step": chunk[-1],
+                      "loss": sum(losses[s] for s in chunk) / len(chunk)})
+    return curve
+
+
 class Tracker:
     """Writes metrics (rank 0 only; other ranks get a tracker with ``enabled=False``)."""
 
