@@ -37,7 +37,7 @@ from dflash_audit.data.tokenize import end_of_turn_ids, render_ids
 from dflash_audit.data.verifier import Verifier, cache_dir, flush_denormal
 
 DEFAULT_MAX_NEW_TOKENS = 64
-DEFAULT_GENERATION_BATCH = 32  # decoding is weight-bandwidth bound on CPU: 8 -> 32 rows = 1.6x tok/s
+DEFAULT_GENERATION_BATCH = 32  # CPU decoding is weight-bandwidth bound: 32 rows, 1.6x 8 rows
 
 
 def regeneration_key(verifier: Verifier, conversation: Conversation, max_new_tokens: int,

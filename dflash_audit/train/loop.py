@@ -118,9 +118,9 @@ class TrainConfig:
 
 
 RUN_FIELDS = ("verifier", "batches", "data", "profile", "candidate", "steps", "rows_per_step",
-              "seq_len", "regenerate", "max_new_tokens", "max_turns", "online_chunk", "seed", "optimizer",
-              "lr", "muon_lr", "weight_decay", "schedule", "warmup_steps", "min_lr_ratio",
-              "grad_clip", "eval_conversations")
+              "seq_len", "regenerate", "max_new_tokens", "max_turns", "online_chunk", "seed",
+              "optimizer", "lr", "muon_lr", "weight_decay", "schedule", "warmup_steps",
+              "min_lr_ratio", "grad_clip", "eval_conversations")
 
 
 @dataclass
