@@ -158,7 +158,8 @@ def train_command(
 
 def eval_command(
     checkpoint: Annotated[Path | None, Opt(
-        help="Drafter checkpoint folder (config.json + model.safetensors).")] = None,
+        help="Drafter checkpoint folder (config.json + model.safetensors), or a run's "
+             "checkpoints/latest pointer, or the run folder (its latest checkpoint).")] = None,
     untrained: Annotated[bool, Opt(help="Evaluate a freshly initialized drafter of --profile "
                                         "instead (the baseline).")] = False,
     profile: Annotated[str, Opt(help="Profile for --untrained.")] = "reference-model",
@@ -210,10 +211,13 @@ def run_eval(checkpoint: Path | None, untrained: bool, profile: str, seed: int,
     from dflash_audit.train.evaluate import evaluate_acceptance, held_out_prompts
     from dflash_audit.train.loop import TrainError, build_drafter
     from dflash_audit.train.sources import OfflineSource
+    from dflash_audit.train.state import follow_latest
 
     if (checkpoint is None) == (not untrained):
         raise TrainError("give exactly one of --checkpoint DIR or --untrained")
     source = OfflineSource(exclude_batches) if exclude_batches else None
+    if checkpoint is not None:
+        checkpoint = follow_latest(checkpoint)
     if verifier is None and checkpoint is not None:
         cfg = json.loads((Path(checkpoint) / "config.json").read_text()) \
             if (Path(checkpoint) / "config.json").is_file() else {}

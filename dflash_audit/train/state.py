@@ -91,6 +91,18 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module,
     return target
 
 
+def follow_latest(path: str | Path) -> Path:
+    """The checkpoint folder a user means: ``path`` itself, or, for the ``latest`` pointer
+    file (``<out>/checkpoints/latest``) or a run folder ``<out>`` that has one, the folder
+    the pointer names. Nothing is checked here (loading says what is missing)."""
+    path = Path(path)
+    if path.is_dir() and (path / CHECKPOINTS / LATEST).is_file():
+        path = path / CHECKPOINTS / LATEST
+    if path.is_file() and path.name == LATEST:
+        return path.parent / path.read_text().strip()
+    return path
+
+
 def resolve_checkpoint(out: Path, resume: str) -> Path:
     """``resume`` = ``"latest"`` (``<out>/checkpoints/latest``) or a checkpoint folder.
 
@@ -102,7 +114,7 @@ def resolve_checkpoint(out: Path, resume: str) -> Path:
         if not pointer.is_file():
             raise ResumeError(f"--resume: no checkpoint in {Path(out) / CHECKPOINTS} "
                               "(nothing to resume; drop --resume to start fresh)")
-        path = pointer.parent / pointer.read_text().strip()
+        path = follow_latest(pointer)
     else:
         path = Path(resume)
     for name in ("model.safetensors", "config.json", STATE_FILE):
