@@ -51,25 +51,23 @@ def test_train_then_eval_through_the_cli(paths, tmp_path, reference_identity):
     assert result.exit_code == 0, result.output
     checkpoint = tmp_path / "run" / "checkpoints" / "step-00000003"
     assert (checkpoint / "model.safetensors").is_file()
-    out = tmp_path / "eval.json"
-    result = CliRunner().invoke(app, ["eval", "--checkpoint", str(checkpoint), "--data",
-                                      str(paths["conversations"]), "--exclude-batches",
-                                      str(paths["batches"]), "--prompts", "3",
-                                      "--max-new-tokens", "8", "--out", str(out)])
-    assert result.exit_code == 0, result.output
-    evaluated = json.loads(out.read_text())
+
+    def evaluate(path):
+        out = tmp_path / "eval.json"
+        result = CliRunner().invoke(app, ["eval", "--checkpoint", str(path), "--data",
+                                          str(paths["conversations"]), "--exclude-batches",
+                                          str(paths["batches"]), "--prompts", "3",
+                                          "--max-new-tokens", "8", "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        return result, json.loads(out.read_text())
+
+    result, evaluated = evaluate(checkpoint)
     assert evaluated["prompts"] == 3 and evaluated["generated_tokens"] == 24
     assert 1.0 <= evaluated["acceptance_length"] <= 4.0
     assert "acceptance length" in result.output
     # the latest pointer, and the run folder, mean the checkpoint it names
     for pointer in (tmp_path / "run" / "checkpoints" / "latest", tmp_path / "run"):
-        again = tmp_path / "again.json"
-        result = CliRunner().invoke(app, ["eval", "--checkpoint", str(pointer), "--data",
-                                          str(paths["conversations"]), "--exclude-batches",
-                                          str(paths["batches"]), "--prompts", "3",
-                                          "--max-new-tokens", "8", "--out", str(again)])
-        assert result.exit_code == 0, result.output
-        again = json.loads(again.read_text())
+        _, again = evaluate(pointer)
         assert again["drafter"] == evaluated["drafter"] == str(checkpoint)
         assert again["acceptance_length"] == evaluated["acceptance_length"]
     result = CliRunner().invoke(app, ["eval", "--untrained", "--profile", str(paths["profile"]),
