@@ -285,6 +285,12 @@ def test_structure_warnings_and_failures(ours):
     empty = edited(ours)
     empty.structure = {}
     assert check_structure(CASE, empty, ours).status == "warn"
+    extra = edited(ours)  # a field the reference does not report: nothing to compare it with
+    extra.structure["implementation"] = "my-dflash 0.1"
+    res = check_structure(CASE, extra, ours)
+    assert res.status == "warn" and res.details["findings"] == [
+        {"field": "implementation", "candidate": "my-dflash 0.1", "reference": None,
+         "status": "warn", "reason": "implementation reported only by the candidate"}]
 
 
 def test_structure_window_ignored_without_sliding_layers(ours):

@@ -22,6 +22,7 @@ from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter
+from dflash_audit.model.layers import DecoderLayer, DraftAttention, RMSNorm, apply_rope
 from dflash_audit.model.loss import LossSpec
 from dflash_audit.model.mask import dense_mask
 
@@ -360,11 +361,16 @@ def test_draft_vocab_d2t_read_as_absolute_ids():
     assert r.diagnosis[0].startswith("draft-vocab mapping: d2t read as absolute ids")
 
 
-def test_loss_normalised_by_weights(ours):
-    total = recompute_loss(_ev(ours), {"kl_div": 1.0}, "weights")
+@pytest.mark.parametrize("denom,cause", [
+    ("weights", "loss normalised by the sum of weights instead of the number of supervised "
+                "tokens"),
+    ("slots", "loss averaged over all Q slots instead of the supervised tokens")])
+def test_loss_denominator_named_alone(ours, denom, cause):
+    """Only the fewest deviations that reproduce the loss are named (another loss under the
+    same denominator can agree numerically; it is not a second cause)."""
+    total = recompute_loss(_ev(ours), {"kl_div": 1.0}, denom)
     r = audit(edited(ours, loss=torch.tensor(total)), ours)["loss"]
-    assert r.status == "fail" and r.diagnosis == [
-        "loss normalised by the sum of weights instead of the number of supervised tokens"]
+    assert r.status == "fail" and r.diagnosis == [cause]
 
 
 class PartialRotary(DFlashDrafter):
@@ -407,3 +413,165 @@ def _ev(side):
     from dflash_audit.audit.diagnose import Evidence
 
     return Evidence(CASE, side, side)
+
+
+# ------------------------------------------------- draft-layer internals (no reference)
+class ExplicitAttention(DraftAttention):
+    """Draft attention written out (matmul, masked softmax, explicit head grouping), with the
+    slips an implementation makes switched on by class attributes."""
+
+    rotate_context = True  # RoPE on the context keys
+    norm_context_keys = True  # k_norm on the context keys
+    tiled = False  # query head h reads kv head h % n_kv instead of h // group
+    scale = None  # None: head_dim ** -0.5
+
+    def forward(self, x, context, cos, sin, mask):
+        Q, T, hd = x.shape[1], context.shape[1], self.head_dim
+        kv_in = torch.cat([context, x], 1)
+        q = self.q_norm(self.q_proj(x).view(1, Q, -1, hd)).transpose(1, 2)
+        k = self.k_proj(kv_in).view(1, T + Q, -1, hd)
+        k_ctx = self.k_norm(k[:, :T]) if self.norm_context_keys else k[:, :T]
+        k = torch.cat([k_ctx, self.k_norm(k[:, T:])], 1).transpose(1, 2)
+        v = self.v_proj(kv_in).view(1, T + Q, -1, hd).transpose(1, 2)
+        q = apply_rope(q, cos[:, T:], sin[:, T:])
+        rotated = apply_rope(k, cos, sin)
+        k = rotated if self.rotate_context else torch.cat([k[:, :, :T], rotated[:, :, T:]], 2)
+        heads = torch.arange(self.num_heads)
+        kv = heads % self.num_kv_heads if self.tiled else heads // (
+            self.num_heads // self.num_kv_heads)
+        scores = q @ k[:, kv].transpose(-1, -2) * (self.scale or hd**-0.5)
+        out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v[:, kv]
+        return self.o_proj(out.transpose(1, 2).reshape(1, Q, -1))
+
+
+class Unnormed(RMSNorm):
+    """An RMSNorm that keeps its weight (so the state dict loads) but is never applied."""
+
+    def forward(self, x):
+        return x
+
+
+def drafter(attention=None, layer=None, theta=None, eps=None, act=None, final_norm=True,
+            q_norm=True):
+    """Our drafter with one slip: another attention / decoder layer class, a hard-coded RoPE
+    theta, norm eps or activation, the final norm or q_norm not applied."""
+
+    class Slip(DFlashDrafter):
+        def __init__(self, config):
+            super().__init__(config)
+            for i in range(config.num_hidden_layers):
+                if layer:
+                    self.layers[i] = layer(config)
+                if attention:
+                    self.layers[i].self_attn = attention(config)
+                if act:
+                    self.layers[i].mlp.act_fn = act
+                if not q_norm:
+                    self.layers[i].self_attn.q_norm = Unnormed(config.head_dim)
+            if theta:
+                d = config.head_dim
+                self.rotary_emb.inv_freq = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+            if eps:
+                for m in self.modules():
+                    if isinstance(m, RMSNorm):
+                        m.eps = eps
+            if not final_norm:
+                self.norm = Unnormed(config.hidden_size)
+
+    return Slip
+
+
+def attention_with(**slips):
+    return type("Slipped", (ExplicitAttention,), slips)
+
+
+class NoMLPResidual(DecoderLayer):
+    def forward(self, x, context, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, mask)
+        return self.mlp(self.post_attention_layernorm(x))
+
+
+class ContextNormedPerLayer(DecoderLayer):
+    def forward(self, x, context, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), self.input_layernorm(context), cos, sin,
+                               mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GateUpSwapped(DecoderLayer):
+    def __init__(self, config):
+        super().__init__(config)
+        mlp = self.mlp
+        mlp.forward = lambda x: mlp.down_proj(mlp.act_fn(mlp.up_proj(x)) * mlp.gate_proj(x))
+
+
+INTERNALS = [
+    ("rope-theta-1e4", drafter(theta=1e4),
+     {"logits": "RoPE theta 10000 in the draft layers; the verifier's rope_theta is 1e+06"}),
+    ("context-keys-not-rotated", drafter(attention_with(rotate_context=False)),
+     {"logits": "position ids: context not rotated (RoPE applied to the noise block only)"}),
+    ("k-norm-noise-only", drafter(attention_with(norm_context_keys=False)),
+     {"logits": "k_norm applied to the noise-block keys only"}),
+    ("scale-hidden", drafter(attention_with(scale=H**-0.5)),
+     {"logits": "attention scale 1/sqrt(hidden_size) instead of 1/sqrt(head_dim)"}),
+    ("gqa-tiled", drafter(attention_with(tiled=True)),
+     {"logits": "grouped-query attention: key/value heads tiled"}),
+    ("gelu", drafter(act=torch.nn.GELU()),
+     {"logits": "MLP activation 'gelu'; the verifier's hidden_act is 'silu'"}),
+    ("final-norm-missing", drafter(final_norm=False), {"logits": "final norm missing"}),
+    ("q-norm-missing", drafter(q_norm=False),
+     {"logits": "q_norm missing in the draft attention"}),
+    ("mlp-residual-missing", drafter(layer=NoMLPResidual),
+     {"logits": "residual connection around the MLP missing"}),
+    ("context-normed-per-layer", drafter(layer=ContextNormedPerLayer),
+     {"logits": "the context normed again in each draft layer"}),
+    ("gate-up-swapped", drafter(layer=GateUpSwapped),
+     {"logits": "MLP gate_proj and up_proj swapped"}),
+    ("eps-1e-5-everywhere", drafter(eps=1e-5),
+     {"context": "hidden_norm eps 1e-05; the verifier's rms_norm_eps is 1e-06",
+      "logits": "RMSNorm eps 1e-05 in the drafter's norms"}),
+]
+
+
+@pytest.mark.parametrize("bug,model,expected", INTERNALS, ids=[b[0] for b in INTERNALS])
+def test_draft_layer_slip_is_named(bug, model, expected, ours):
+    """Each slip is written out independently above; the diagnosis finds it by replaying our
+    drafter with the matching edit (dflash_audit.audit.architecture)."""
+    out = candidate(model).run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    results = audit(out, ours)
+    for key, cause in expected.items():
+        r = results[key]
+        assert r.status == "fail" and r.diagnosis[0].startswith(cause), (key, r.diagnosis)
+    for key in {"context", "targets"} - set(expected):
+        assert results[key].status == "pass", (key, results[key].summary)
+
+
+def test_verifier_norm_eps_named_where_it_changes_the_targets():
+    """Unit-scale verifier states hide an eps slip (the targets pass above); states of rms
+    0.01 show it."""
+    case = dataclasses.replace(CASE, inputs={**CASE.inputs, "verifier_last_hidden_states":
+                                             CASE.inputs["verifier_last_hidden_states"] * 1e-2})
+    ref = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
+    out = candidate(drafter(eps=1e-5)).run_case(case.config, case.loss, case.weights,
+                                                case.inputs)
+    r = audit(out, ref, case)["targets"]
+    assert r.status == "fail" and r.diagnosis == [
+        "verifier_norm eps 1e-05; the verifier's rms_norm_eps is 1e-06"]
+
+
+def test_explicit_attention_without_slips_passes(ours):
+    """The written-out attention computes what SDPA computes: no check may cry wolf."""
+    out = candidate(drafter(ExplicitAttention)).run_case(CASE.config, CASE.loss, CASE.weights,
+                                                         CASE.inputs)
+    assert {r.status for r in audit(out, ours).values()} == {"pass"}
+
+
+def test_unexplained_logits_behind_a_real_context_difference_are_not_blamed_on_it(ours):
+    """eps 1e-2 (no hypothesis) changes the context a little and the layers a lot: the
+    diagnosis must not claim the logits follow from the context."""
+    out = candidate(drafter(eps=1e-2)).run_case(CASE.config, CASE.loss, CASE.weights,
+                                                CASE.inputs)
+    r = audit(out, ours)["logits"]
+    assert r.diagnosis[0].startswith("unexplained difference in logits")
+    assert r.diagnosis[1].startswith("not only the context difference: our drafter fed the "
+                                     "candidate's own context does not reproduce")

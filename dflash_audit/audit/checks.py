@@ -269,10 +269,11 @@ def structure_differences(cand: dict[str, Any], ref: dict[str, Any]) -> list[dic
             if field in seen:
                 continue
             seen.add(field)
-            if field not in cand:
-                findings.append({"field": field, "candidate": None, "reference": ref.get(field),
-                                 "status": WARN, "reason": f"{field} not reported by the "
-                                                           "candidate"})
+            if field not in cand or field not in ref:  # nothing to compare it with
+                side = "reference" if field not in cand else "candidate"
+                findings.append({"field": field, "candidate": cand.get(field),
+                                 "reference": ref.get(field), "status": WARN,
+                                 "reason": f"{field} reported only by the {side}"})
             else:
                 findings.append({"field": field, "candidate": cand.get(field),
                                  "reference": ref.get(field), "status": FAIL,

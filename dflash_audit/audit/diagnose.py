@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dflash_audit.audit.architecture import COMMON_NORM_EPS, architecture_hypotheses
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.checks import (
     FAIL,
@@ -130,12 +131,13 @@ class TargetHypothesis:
 
     source: None = verifier_last_hidden_states (layer N), i = target-layer slice i of
     hidden_states. norms: 0, 1, 2 applications of verifier_norm; flipped: the other gain
-    convention (x*(1+w) vs x*w)."""
+    convention (x*(1+w) vs x*w); eps: the norm's eps when not the verifier's."""
 
     source: int | None
     norms: int
     shift: int
     flipped: bool = False
+    eps: float | None = None
 
 
 def reference_shift(case: Case) -> int:
@@ -145,12 +147,16 @@ def reference_shift(case: Case) -> int:
 
 def target_hypotheses(case: Case) -> Iterator[TargetHypothesis]:
     """Every source (layer N, each target layer) x norm (once, none, twice, flipped gain)
-    x shift (reference shift -2..+2); the reference formula first."""
+    x shift (reference shift -2..+2), the reference formula first; then the reference
+    formula with a commonly hard-coded norm eps."""
     k = reference_shift(case)
     sources = [None, *range(case.config.num_target_layers)]
     norms = [(1, False), (2, False), (0, False), (1, True)]
     for src, (n, flip), d in itertools.product(sources, norms, (0, -1, 1, -2, 2)):
         yield TargetHypothesis(src, n, k + d, flip)
+    for eps in COMMON_NORM_EPS:
+        if eps != case.config.rms_norm_eps:
+            yield TargetHypothesis(None, 1, k, eps=eps)
 
 
 def predict_targets(case: Case, h: TargetHypothesis, slots: torch.Tensor,
@@ -165,7 +171,8 @@ def predict_targets(case: Case, h: TargetHypothesis, slots: torch.Tensor,
     T = states.shape[1]
     idx = block_indices(case.inputs["anchor_positions"].long(), c.block_size)[slots]
     x = states[:, (idx - h.shift) % T].float()
-    norm = RMSNorm(H, c.rms_norm_eps, one_plus_weight=c.verifier_norm_one_plus_weight ^ h.flipped)
+    norm = RMSNorm(H, c.rms_norm_eps if h.eps is None else h.eps,
+                   one_plus_weight=c.verifier_norm_one_plus_weight ^ h.flipped)
     with torch.no_grad():
         norm.weight.copy_(case.weights["verifier_norm.weight"])
         for _ in range(h.norms):
@@ -194,6 +201,9 @@ def describe_target_hypothesis(case: Case, h: TargetHypothesis) -> list[str]:
         ref_conv = "x*(1+w)" if c.verifier_norm_one_plus_weight else "x*w"
         out.append(f"verifier_norm gain convention {conv} (reference {ref_conv} for "
                    f"{c.verifier_model_type!r})")
+    if h.eps is not None:
+        out.append(f"verifier_norm eps {h.eps:g}; the verifier's rms_norm_eps is "
+                   f"{c.rms_norm_eps:g}")
     delta = h.shift - reference_shift(case)
     ref_pos = "a+s" if reference_shift(case) == 0 else "a+s-1"
     pos = f"a+s{-h.shift:+d}" if h.shift else "a+s"
@@ -269,16 +279,21 @@ class ContextHypothesis:
     slices: tuple[int, ...]  # target-layer slices read, in order
     columns: tuple[int, ...]  # fc.weight column blocks used (in H units)
     norms: int = 1
+    eps: float | None = None  # hidden_norm's eps when not the verifier's
 
 
 def context_hypotheses(ev: Evidence) -> Iterator[ContextHypothesis]:
     """All subsets of the n target layers (of the candidate's fc width when reported) with the
-    matching or the leading fc.weight columns; no / double hidden_norm; descending layer order."""
+    matching or the leading fc.weight columns; no / double hidden_norm; descending layer order;
+    a commonly hard-coded eps."""
     n = ev.config.num_target_layers
     all_ = tuple(range(n))
     yield ContextHypothesis(all_, all_, 0)
     yield ContextHypothesis(all_, all_, 2)
     yield ContextHypothesis(all_[::-1], all_, 1)
+    for eps in COMMON_NORM_EPS:
+        if eps != ev.config.rms_norm_eps:
+            yield ContextHypothesis(all_, all_, 1, eps)
     fc_in = ev.cand.structure.get("fc_in_features")
     H = ev.config.hidden_size
     sizes = [fc_in // H] if fc_in and fc_in % H == 0 and fc_in // H < n else range(n - 1, 0, -1)
@@ -297,7 +312,7 @@ def predict_context(case: Case, h: ContextHypothesis, positions: torch.Tensor) -
     x = torch.cat([hs[..., i * H:(i + 1) * H] for i in h.slices], -1)
     cols = torch.cat([torch.arange(i * H, (i + 1) * H) for i in h.columns])
     x = x @ w[:, cols].T
-    norm = RMSNorm(H, c.rms_norm_eps)
+    norm = RMSNorm(H, c.rms_norm_eps if h.eps is None else h.eps)
     with torch.no_grad():
         norm.weight.copy_(case.weights["hidden_norm.weight"])
         for _ in range(h.norms):
@@ -308,6 +323,8 @@ def predict_context(case: Case, h: ContextHypothesis, positions: torch.Tensor) -
 def describe_context_hypothesis(case: Case, h: ContextHypothesis) -> str:
     c = case.config
     n, ids = c.num_target_layers, c.target_layer_ids
+    if h.eps is not None:
+        return f"hidden_norm eps {h.eps:g}; the verifier's rms_norm_eps is {c.rms_norm_eps:g}"
     if h.norms == 0:
         return "hidden_norm missing: the context is fc(hidden_states) without its RMSNorm"
     if h.norms == 2:
@@ -454,18 +471,22 @@ class SlotHead(torch.nn.Module):
         return self.head(h[:, self.slots])
 
 
-def replay(case: Case, *, config=None, inputs: dict | None = None,
+def replay(case: Case, *, config=None, weights: dict | None = None, inputs: dict | None = None,
            context: torch.Tensor | None = None, masks: dict | None = None,
            positions: Callable[[torch.Tensor], torch.Tensor] | None = None,
-           inv_freq: torch.Tensor | None = None, slots: torch.Tensor | None = None
-           ) -> torch.Tensor:
+           inv_freq: torch.Tensor | None = None,
+           edit: Callable[[DFlashDrafter], None] | None = None,
+           slots: torch.Tensor | None = None) -> torch.Tensor:
     """Our drafter's logits on the case, with parts replaced by a hypothesis: another config,
-    edited inputs, a given context [1,T,H], given masks {layer type: [Q,T+Q]}, a transform of
-    the [1, T+Q] position ids fed to RoPE, or RoPE inverse frequencies.
+    rearranged weights, edited inputs, a given context [1,T,H], given masks {layer type:
+    [Q,T+Q]}, a transform of the [1, T+Q] position ids fed to RoPE, RoPE inverse frequencies,
+    or an ``edit`` of the built drafter's modules (:mod:`dflash_audit.audit.architecture`).
 
     Returns [1, Q, V_d], or [1, len(slots), V_d] with ``slots`` (the lm_head and the targets,
     the costly parts on a real vocabulary, then run on those slots only / not at all)."""
-    model = drafter_with_weights(config or case.config, case.weights)
+    model = drafter_with_weights(config or case.config, weights or case.weights)
+    if edit is not None:
+        edit(model)
     if slots is not None:
         model.lm_head = SlotHead(model.lm_head, slots)
         model.targets = lambda states, indices: None
@@ -491,7 +512,8 @@ def position_hypotheses(ev: Evidence) -> Iterator[tuple[str, Callable]]:
     absolute_noise = ev.block_idx[None]
     context = {"restart per document": None,
                "not restarting per document (0..T-1)": lambda p: torch.arange(T)[None],
-               "1-indexed": lambda p: p + 1}
+               "1-indexed": lambda p: p + 1,
+               "not rotated (RoPE applied to the noise block only)": torch.zeros_like}
     noise = {"position_ids[a]+s": None, "a+s (packed position, not restarting per document)":
              lambda p: absolute_noise, "position_ids[a]+s+1 (1-indexed slots)": lambda p: p + 1,
              "position_ids[a]+s-1": lambda p: p - 1}
@@ -509,7 +531,8 @@ def position_hypotheses(ev: Evidence) -> Iterator[tuple[str, Callable]]:
 
 def logit_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
     """Counterfactual replays of our drafter: positions, noise-block tokens, mask_token_id, RoPE
-    partial factor, and (when the candidate returned no masks) mask variants."""
+    partial factor, (when the candidate returned no masks) mask variants, then the draft
+    layers' internals (:func:`dflash_audit.audit.architecture.architecture_hypotheses`)."""
     c, inputs = ev.config, ev.inputs
     for label, transform in position_hypotheses(ev):
         yield label, {"positions": transform}
@@ -532,6 +555,7 @@ def logit_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
     yield from rope_hypotheses(ev)
     if not any(k.startswith("mask.") for k in ev.cand.tensors):
         yield from mask_replay_hypotheses(ev)
+    yield from architecture_hypotheses(c, ev.case.weights, inputs["input_ids"].shape[-1])
 
 
 def rotary_inv_freq(config, rotary_dim: int) -> torch.Tensor:
@@ -601,13 +625,17 @@ def diagnose_logits(ev: Evidence, result: CheckResult) -> list[str]:
     def matches(kw: dict) -> bool:
         return all(ev.close(c[:, s], replay(ev.case, slots=s, **kw)) for s in stages)
 
+    parts = " and ".join(given)
     if given and matches(given):
-        parts = " and ".join("masks" if k == "masks" else k for k in given)
         return [f"follows from the {_and(upstream)} difference: our drafter fed the "
                 f"candidate's own {parts} reproduces the candidate's logits"]
     found = [label for label, kw in logit_hypotheses(ev) if matches(kw)]
     if found:
         return found
+    if given:  # the upstream difference is real but does not account for the logits
+        return [unexplained(result), f"not only the {_and(upstream)} difference: our drafter "
+                f"fed the candidate's own {parts} does not reproduce the candidate's logits, "
+                "so its draft layers differ as well"]
     upstream = follows_from("logits", ev)
     return [upstream] if upstream else []
 
@@ -741,8 +769,11 @@ def diagnose_loss_total(ev: Evidence) -> list[str]:
                               "supervised tokens")
             elif denom == "slots":
                 causes.append("loss averaged over all Q slots instead of the supervised tokens")
-            found.append("; ".join(causes))
-    return found
+            found.append(causes)
+    # the fewest deviations that reproduce the loss: two losses can agree numerically on a
+    # case (rkl ~ kl_div near uniform targets), a second deviation is then not evidence
+    fewest = min(map(len, found), default=0)
+    return ["; ".join(causes) for causes in found if len(causes) == fewest]
 
 
 def diagnose_loss(ev: Evidence, result: CheckResult) -> list[str]:

@@ -8,8 +8,9 @@ while its training CLI makes every layer sliding; the mask rules differ between 
 Synthetic cases keep the profile's semantics (loss, weighting, gamma, D-PACE alpha,
 sample_from_anchor, sliding_window_non_causal, draft vocabulary or not) and vary what real
 data rarely exercises: block size, anchors (including padding anchors), packed documents,
-padding, windows smaller than a document, and layouts (full / sliding / mixed, cycled so any
-N >= 2 covers full and sliding). Dimensions are tiny (H=32, V=128, N=12 verifier layers).
+padding, windows smaller than a document, layouts (full / sliding / mixed, cycled so any
+N >= 2 covers full and sliding), and the verifier's RoPE theta and RMSNorm eps (over values
+implementations commonly hard-code, so a constant not read from the verifier shows). Dimensions are tiny (H=32, V=128, N=12 verifier layers).
 Everything derives from ``seed``; a case is reproducible from its name and the seed.
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dflash_audit.audit.architecture import COMMON_NORM_EPS, COMMON_ROPE_THETAS
 from dflash_audit.audit.case import Case
 from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.audit.weights import real_case_weights
@@ -81,6 +83,8 @@ def layout_facts(case: Case) -> dict[str, Any]:
         "supervised_tokens": int(inp["loss_mask"].sum()),
         "target_layer_ids": list(cfg.target_layer_ids),
         "hidden_size": cfg.hidden_size,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
         "vocab_size": cfg.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
         "verifier_model_type": cfg.verifier_model_type,
@@ -139,7 +143,6 @@ def _synthetic_target_layers(profile: Profile, n_layers: int) -> list[int]:
 
 def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[PlannedCase]:
     """``count`` synthetic cases over a seeded spread (see the module docstring)."""
-    verifier_config = SimpleNamespace(**SYNTHETIC_VERIFIER)
     V = SYNTHETIC_VERIFIER["vocab_size"]
     ids = _synthetic_target_layers(profile, SYNTHETIC_VERIFIER["num_hidden_layers"])
     draft_vocab = V // 2 if profile.draft_vocab_size is not None else None
@@ -162,10 +165,13 @@ def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[Pl
         variant = profile.replace(block_size=block, num_draft_layers=len(types),
                                   layer_layout=list(types), sliding_window=window,
                                   draft_vocab_size=draft_vocab)
-        config = variant.to_drafter_config(verifier_config, mask_token_id=V - 1,
-                                           target_layer_ids=ids)
         # one case in four has more anchor slots than valid anchors: padding anchors
         anchors = seq_len if rng.random() < 0.25 else rng.randint(1, 10)
+        verifier_config = SimpleNamespace(**{
+            **SYNTHETIC_VERIFIER, "rope_theta": rng.choice(COMMON_ROPE_THETAS),
+            "rms_norm_eps": rng.choice(COMMON_NORM_EPS)})
+        config = variant.to_drafter_config(verifier_config, mask_token_id=V - 1,
+                                           target_layer_ids=ids)
         case = synthetic_case(f"syn-{i:03d}-{variant.layout_name}", config, loss,
                               seed=seed * 1_000_003 + i, seq_len=seq_len, num_documents=docs,
                               pad=pad, max_anchors=anchors)

@@ -54,7 +54,8 @@ def synthetic_weights(config: DFlashConfig, generator: torch.Generator) -> dict[
     """A full state dict (reference key names) with random trainable and verifier weights.
 
     Norm gains are drawn around their identity so a norm applied twice or not at all
-    changes the numbers; ``t2d`` / ``d2t`` describe a random draft vocabulary.
+    changes the numbers; ``t2d`` / ``d2t`` describe a random draft vocabulary; ``lm_head``
+    and ``verifier_lm_head`` are equal, as they are in training.
     """
     with torch.random.fork_rng():
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
@@ -71,7 +72,11 @@ def synthetic_weights(config: DFlashConfig, generator: torch.Generator) -> dict[
             model.t2d.zero_()
             model.t2d[ids] = True
             model.d2t.copy_(ids - torch.arange(Vd))
-        return {k: v.clone() for k, v in model.state_dict().items()}
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+    # both heads are frozen copies of the verifier's lm_head in the reference (speculators
+    # model.py load_verifier_weights): a state in which they differ never trains
+    weights["verifier_lm_head.weight"] = weights["lm_head.weight"].clone()
+    return weights
 
 
 def synthetic_case(name: str, config: DFlashConfig, loss: LossSpec, seed: int, seq_len: int = 64,

@@ -111,6 +111,7 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, H, bias=bias)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.scaling = hd**-0.5  # softmax(q.k * head_dim^-0.5), DESIGN.md sec. 3
 
     def forward(self, x, context, cos, sin, mask):
         """x [1,Q,H] noise (normed), context [1,T,H], cos/sin [1,T+Q,head_dim],
@@ -125,12 +126,12 @@ class DraftAttention(nn.Module):
         k = apply_rope(k, cos, sin)
         if isinstance(mask, torch.Tensor):
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask[None, None], scale=self.head_dim**-0.5,
+                q, k, v, attn_mask=mask[None, None], scale=self.scaling,
                 enable_gqa=self.num_heads != self.num_kv_heads)
         else:  # flex attention BlockMask (CUDA)
             from torch.nn.attention.flex_attention import flex_attention
 
-            out = flex_attention(q, k, v, block_mask=mask, scale=self.head_dim**-0.5,
+            out = flex_attention(q, k, v, block_mask=mask, scale=self.scaling,
                                  enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(1, Q, -1))
 
