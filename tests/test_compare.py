@@ -260,9 +260,15 @@ def test_synthetic_spread_covers_both_layouts_and_is_seeded():
     assert any(x["sliding_window"] is not None and x["sliding_window"] < x["seq_len"] // 2
                for x in layouts)
     assert any(x["valid_anchors"] < x["anchors"] for x in layouts)  # padding anchors
+    # every commonly hard-coded verifier constant is some case's verifier value
+    assert {x["rope_theta"] for x in layouts} == {1e4, 1e5, 5e5, 1e6}
+    assert {x["rms_norm_eps"] for x in layouts} == {1e-5, 1e-6}
     for p in cases:  # the profile's semantics are kept
         assert p.case.loss == profile.loss_spec()
         assert p.case.config.target_layer_ids == (2, 6, 9)  # [2, N//2, N-3] for N=12
+        # lm_head and verifier_lm_head are both the verifier's head in training
+        assert torch.equal(p.case.weights["lm_head.weight"],
+                           p.case.weights["verifier_lm_head.weight"])
     assert plan_synthetic_cases(profile, 3, seed=4)[2].case.description != \
         plan_synthetic_cases(profile, 3, seed=3)[2].case.description
 
