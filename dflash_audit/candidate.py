@@ -10,8 +10,11 @@ that builds its model from ``config`` (the profile's drafter fields), loads ``we
 runs one training step's forward and backward on ``inputs`` (batch tensors with the
 reference's names plus the injected ``anchor_positions`` / ``anchor_valid``) and returns
 the output tensors listed in :mod:`dflash_audit.audit.case` with its metrics and a
-structure summary. ``--candidate module:attr`` or ``--candidate path/file.py:attr`` names
-such an object (or a zero-argument factory returning one).
+structure summary. Optionally it also has ``select_anchors(loss_mask [1,T], max_anchors,
+block_size, generator) -> (anchor_positions [A], anchor_valid [A])``, its own anchor sampler,
+which the audit compares with the reference's by distribution. ``--candidate module:attr``
+or ``--candidate path/file.py:attr`` names such an object (or a zero-argument factory
+returning one).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 from dflash_audit.audit.case import SideOutputs
+from dflash_audit.model.anchors import select_anchors
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter, DraftOutputs
 from dflash_audit.model.loss import LossSpec, dflash_loss
@@ -110,6 +114,11 @@ class DrafterCandidate:
 
     def build(self, config: DFlashConfig) -> nn.Module:
         return DFlashDrafter(config)
+
+    def select_anchors(self, loss_mask, max_anchors, block_size, generator):
+        """Our anchor sampler (:func:`dflash_audit.model.anchors.select_anchors`), audited by
+        distribution against the reference's (:mod:`dflash_audit.audit.anchor_draws`)."""
+        return select_anchors(loss_mask, max_anchors, block_size, generator)
 
     def run_case(self, config, loss, weights, inputs) -> SideOutputs:
         model = self.build(config).float()

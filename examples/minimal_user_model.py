@@ -186,4 +186,14 @@ class TinyDFlashCandidate:
         return SideOutputs(
             tensors=tensors, structure=structure, metrics=metrics,
             trainable=[to_ref[u] for u, p in params.items() if p.requires_grad])
+
+    def select_anchors(self, loss_mask, max_anchors, block_size, generator):
+        """Optional: the training loop's anchor sampler, audited by distribution."""
+        ok = loss_mask[0].bool().clone()
+        ok[-block_size:] = False  # a block must fit in the row
+        pool = ok.nonzero().squeeze(-1)
+        pick = pool[torch.randperm(pool.numel(), generator=generator)[:max_anchors]]
+        anchors = torch.zeros(max_anchors, dtype=torch.long)
+        anchors[:pick.numel()] = pick
+        return anchors, torch.arange(max_anchors) < pick.numel()
 # --- README snippet end ------------------------------------------------------------------

@@ -168,6 +168,7 @@ def run_case(case: Path, core, resolve_loss_config) -> None:
     model.train()
 
     anchors, valid = inputs["anchor_positions"], inputs["anchor_valid"].bool()
+    select = core.select_anchors
     core.select_anchors = lambda loss_mask, n, block_size: (anchors.clone(), valid.clone())
 
     captured: dict = {"masks": {}, "decay": []}
@@ -234,6 +235,14 @@ def run_case(case: Path, core, resolve_loss_config) -> None:
             trainable.append(name)
             if p.grad is not None:
                 tensors[f"grad.{name}"] = p.grad.detach().clone()
+    # the reference's own anchor sampler, drawn K times (it uses the global RNG)
+    torch.manual_seed(1)
+    draws = [select(inputs["loss_mask"].clone(), anchors.numel(), drafter["block_size"])
+             for _ in range(profile.get("anchor_draws", 0))]
+    if draws:
+        tensors["anchor_draws"] = torch.stack([a.long() for a, _ in draws])
+        tensors["anchor_draws_valid"] = torch.stack([v.bool() for _, v in draws])
+    core.select_anchors = select
     save_file({k: v.contiguous() for k, v in tensors.items()}, case / "outputs.safetensors")
 
     state = model.state_dict()

@@ -13,7 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_audit.audit import checks
+from dflash_audit.audit.anchor_draws import draw_anchors
 from dflash_audit.audit.case import SideOutputs
+from dflash_audit.audit.compare import run_candidate
 from dflash_audit.audit.checks import (
     TOLERANCES,
     check_context,
@@ -68,9 +70,11 @@ B = CONFIG.block_size
 @pytest.fixture(scope="module")
 def ours():
     """Our drafter's outputs: the "reference" of the unit tests (conformant, see below)."""
-    out = DrafterCandidate().run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    cand = DrafterCandidate()
+    out = cand.run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
     out.structure.update(verifier_norm="Qwen3RMSNorm", load_missing_keys=[],
                          load_unexpected_keys=[])
+    out.tensors.update(draw_anchors(cand.select_anchors, CASE))  # as the harness adds them
     return out
 
 
@@ -119,7 +123,8 @@ def test_fit_decay_recovers_gamma_and_formula(gamma):
 def test_identical_outputs_pass_every_check(ours):
     results = run_checks(CASE, ours, ours)
     assert [r.name for r in results] == ["structure", "defaults", "mask", "mask", "context",
-                                         "targets", "logits", "loss", "gradients", "metrics"]
+                                         "targets", "logits", "loss", "gradients", "metrics",
+                                         "anchors"]
     assert {r.status for r in results} == {"pass"}, [(r.name, r.summary) for r in results]
     assert [r.details["layer_type"] for r in results if r.name == "mask"] == [
         FULL_ATTENTION, SLIDING_ATTENTION]
@@ -423,7 +428,7 @@ def test_our_drafter_passes_200_generated_cases_against_the_reference(run_refere
     refs = run_reference_cases(cases)
     failures, with_supervision = [], 0
     for case, p in zip(cases, params, strict=True):
-        ours = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
+        ours, _ = run_candidate(DrafterCandidate(), case)  # the harness's path, anchors too
         results = run_checks(case, ours, refs[case.name])
         with_supervision += bool(refs[case.name].tensors["aligned_loss_mask"].any())
         bad = [(r.name, r.status, r.summary) for r in results if r.status != "pass"]

@@ -17,6 +17,7 @@ import torch
 import dflash_audit.model.loss as loss_module
 from dflash_audit.audit.case import SideOutputs
 from dflash_audit.audit.checks import run_checks
+from dflash_audit.audit.compare import run_candidate
 from dflash_audit.audit.diagnose import diagnose, predict_targets, recompute_loss
 from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.candidate import DrafterCandidate
@@ -281,7 +282,7 @@ def test_bug_fails_on_the_right_check_with_the_right_diagnosis(bug, cand, expect
 @pytest.mark.reference
 def test_positions_not_restarting_cannot_change_training_and_pass(reference):
     """Uniformly absolute positions keep every in-document RoPE distance: no finding."""
-    out = candidate(NoRestart).run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    out, _ = run_candidate(candidate(NoRestart), CASE)  # the harness's path, anchors too
     assert {r.status for r in audit(out, reference).values()} == {"pass"}
 
 

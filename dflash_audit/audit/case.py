@@ -8,7 +8,8 @@ A case is a folder (the exchange format with the reference process, ``reference/
 
 Output tensor keys (both sides): ``context`` [1,T,H], ``mask.<layer type>`` [Q,T+Q] bool,
 ``targets`` / ``logits`` [1,Q,V_d], ``aligned_loss_mask`` [1,Q], ``loss`` [],
-``loss_weights.<term>`` [1,Q], ``grad.<parameter>``.
+``loss_weights.<term>`` [1,Q], ``grad.<parameter>``, ``anchor_draws`` [K,A] and
+``anchor_draws_valid`` [K,A] (the side's own anchor selection, drawn K times).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from safetensors.torch import load_file, save_file
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.loss import LossSpec
 
+#: How many anchor selections each side draws for the anchors check
+#: (:mod:`dflash_audit.audit.anchor_draws`); written into profile.json for the reference.
+ANCHOR_DRAWS = 512
 BATCH_KEYS = ("hidden_states", "verifier_last_hidden_states", "input_ids", "loss_mask",
               "position_ids", "document_ids")
 
@@ -49,7 +53,7 @@ class Case:
                   path / "weights.safetensors")
         (path / "profile.json").write_text(json.dumps(
             {"drafter": self.config.to_dict(), "loss": dataclasses.asdict(self.loss),
-             "description": self.description}, indent=1))
+             "description": self.description, "anchor_draws": ANCHOR_DRAWS}, indent=1))
         return path
 
 

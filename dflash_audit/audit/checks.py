@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from deepdiff import DeepDiff
 
+from dflash_audit.audit.anchor_draws import check_anchor_draws
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.model.config import SLIDING_ATTENTION
@@ -865,6 +866,7 @@ CHECKS: tuple[tuple[str, Callable[..., CheckResult | list[CheckResult]]], ...] =
     ("structure", check_structure), ("defaults", check_defaults), ("mask", check_masks),
     ("context", check_context), ("targets", check_targets), ("logits", check_logits),
     ("loss", check_loss), ("gradients", check_gradients), ("metrics", check_metrics),
+    ("anchors", check_anchor_draws),
 )
 
 

@@ -307,6 +307,7 @@ def run_candidate(candidate: Any, case: Any) -> tuple[Any, Any]:
     CheckResult "run")`` when it raised or broke the protocol."""
     import torch
 
+    from dflash_audit.audit.anchor_draws import draw_anchors
     from dflash_audit.audit.case import SideOutputs
 
     inputs = {k: v.clone() for k, v in case.inputs.items()}
@@ -325,6 +326,15 @@ def run_candidate(candidate: Any, case: Any) -> tuple[Any, Any]:
         return None, _failed_run(
             "run", case.name, f"run_case returned {type(out).__name__}, not SideOutputs", "",
             ["the candidate does not follow the protocol of dflash_audit.candidate"])
+    if callable(getattr(candidate, "select_anchors", None)):
+        try:
+            out.tensors.update(draw_anchors(candidate.select_anchors, case))
+        except Exception as exc:  # noqa: BLE001 - user code
+            return None, _failed_run(
+                "run", case.name, f"the candidate's select_anchors raised {type(exc).__name__}: "
+                f"{str(exc).strip()[:600]}", traceback.format_exc(),
+                ["select_anchors(loss_mask [1,T], max_anchors, block_size, generator) must "
+                 "return (anchor_positions [A], anchor_valid [A])"])
     return out, None
 
 

@@ -933,6 +933,7 @@ DIAGNOSERS: dict[str, Callable[[Evidence, CheckResult], list[str]]] = {
     "structure": diagnose_structure, "defaults": diagnose_defaults, "mask": diagnose_mask,
     "context": diagnose_context, "targets": diagnose_targets, "logits": diagnose_logits,
     "loss": diagnose_loss, "gradients": diagnose_gradients, "metrics": diagnose_metrics,
+    "anchors": lambda ev, result: result.details.get("causes", []),  # named by the check
 }
 
 

@@ -10,8 +10,9 @@ sample_from_anchor, sliding_window_non_causal, draft vocabulary or not) and vary
 data rarely exercises: block size, anchors (including padding anchors), packed documents,
 padding, windows smaller than a document, layouts (full / sliding / mixed, cycled so any
 N >= 2 covers full and sliding), and the verifier's RoPE theta and RMSNorm eps (over values
-implementations commonly hard-code, so a constant not read from the verifier shows). Dimensions are tiny (H=32, V=128, N=12 verifier layers).
-Everything derives from ``seed``; a case is reproducible from its name and the seed.
+implementations commonly hard-code, so a constant not read from the verifier shows).
+Dimensions are tiny (H=32, V=128, N=12 verifier layers). Everything derives from ``seed``;
+a case is reproducible from its name and the seed.
 """
 
 from __future__ import annotations

@@ -189,7 +189,8 @@ def load_pretrained(path: str | Path, verifier=None, num_verifier_layers: int | 
         model.load_state_dict({k: state[k] for k in ("t2d", "d2t") if k in state}, strict=False)
     load_verifier_weights(model, verifier)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    expected_missing = set(NOT_SAVED) | ({"lm_head.weight"} if not config.uses_draft_vocab else set())
+    full_vocab_head = set() if config.uses_draft_vocab else {"lm_head.weight"}
+    expected_missing = set(NOT_SAVED) | full_vocab_head
     really_missing = sorted(set(missing) - expected_missing)
     if really_missing or unexpected:
         raise CheckpointError(f"{path}/model.safetensors: missing {really_missing}, "

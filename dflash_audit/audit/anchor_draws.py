@@ -1,0 +1,135 @@
+"""Anchor selection, compared by distribution (DESIGN.md sec. 3 "Anchors").
+
+Both sides get the same injected anchors in the forward, so no other check sees how a
+candidate selects anchors. Here each side draws anchors ``ANCHOR_DRAWS`` times for the case's
+``loss_mask``, A (``anchor_positions.numel()``) and block_size, each from its own random
+stream: two implementations need not share one, only the distribution reaches training.
+
+Compared on the valid anchors of every draw: the positions ever drawn (the support), the
+number of valid anchors per draw, repeats within a draw, and how often each position is
+drawn (a two-proportion z-test per position, failing beyond ``Z_LIMIT``). Not compared,
+because neither can change training: the order of the anchors in a draw (the reference sorts
+them for its attention kernels) and the values of padding anchors (anchor_valid False).
+
+Tensors (both sides): ``anchor_draws`` [K, A] int64, ``anchor_draws_valid`` [K, A] bool. A
+candidate provides them through an optional method ``select_anchors(loss_mask [1,T],
+max_anchors, block_size, generator) -> (anchor_positions [A], anchor_valid [A])``; the
+reference adapter calls the reference's ``select_anchors`` (speculators
+``models/dflash/utils.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dflash_audit.audit.case import ANCHOR_DRAWS, Case, SideOutputs
+from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
+
+#: |z| beyond which a position's draw frequency differs from the reference's (per position;
+#: a uniform sampler exceeds 6 about once in 10^9 positions).
+Z_LIMIT = 6.0
+KEYS = ("anchor_draws", "anchor_draws_valid")
+
+
+def draw_anchors(select: Callable, case: Case, draws: int = ANCHOR_DRAWS, seed: int = 0
+                 ) -> dict[str, torch.Tensor]:
+    """``draws`` anchor selections of ``select(loss_mask, max_anchors, block_size, generator)``
+    on the case's loss_mask, from one seeded generator: {``anchor_draws`` [K,A] int64,
+    ``anchor_draws_valid`` [K,A] bool}."""
+    g = torch.Generator().manual_seed(seed)
+    A = case.inputs["anchor_positions"].numel()
+    out = [select(case.inputs["loss_mask"].clone(), A, case.config.block_size, g)
+           for _ in range(draws)]
+    return {"anchor_draws": torch.stack([a.long().reshape(-1) for a, _ in out]),
+            "anchor_draws_valid": torch.stack([v.bool().reshape(-1) for _, v in out])}
+
+
+def _positions(ps: list[int], limit: int = 8) -> str:
+    return ", ".join(map(str, ps[:limit])) + (f" (+{len(ps) - limit} more)" if len(ps) > limit
+                                               else "")
+
+
+def support_findings(case: Case, extra: list[int], missing: list[int]
+                     ) -> list[tuple[str, str]]:
+    """(cause, evidence) for positions only one side draws: beyond the row, in its last
+    block_size positions, outside the loss mask, a tail excluded in excess, or others."""
+    T, B = case.inputs["loss_mask"].shape[-1], case.config.block_size
+    lm = case.inputs["loss_mask"][0].bool()
+    out = []
+    beyond = [p for p in extra if not 0 <= p < T]
+    tail = [p for p in extra if T - B <= p < T]
+    unmasked = [p for p in extra if 0 <= p < T - B and not lm[p]]
+    if beyond:
+        out.append(("anchors outside the packed row", f"positions {_positions(beyond)}, T={T}"))
+    if tail:
+        out.append(("anchors drawn from the last block_size positions of the row; the reference "
+                    "excludes them (their blocks would run past the row)",
+                    f"positions {_positions(tail)} of T={T}, block_size={B}"))
+    if unmasked:
+        out.append(("anchors drawn where loss_mask is 0; the reference draws only supervised "
+                    "positions", f"positions {_positions(unmasked)}"))
+    if missing:
+        cut = min(missing)
+        if missing == [p for p in range(cut, T - B) if lm[p]]:
+            out.append(("more than the last block_size positions excluded from anchors",
+                        f"none drawn from position {cut} on; the reference draws up to "
+                        f"{T - B - 1} (T={T}, block_size={B})"))
+        else:
+            out.append(("positions the reference draws are never drawn",
+                        f"positions {_positions(missing)}"))
+    return out
+
+
+def check_anchor_draws(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResult:
+    """Support, count, repeats and frequencies of both sides' anchor draws (module docstring)."""
+    if not all(k in ref.tensors for k in KEYS):
+        return CheckResult("anchors", case.name, PASS, "not provided: the reference adapter "
+                           "returned no anchor draws (nothing to compare)")
+    if not all(k in cand.tensors for k in KEYS):
+        return CheckResult("anchors", case.name, WARN, "not provided: the candidate has no "
+                           "select_anchors(loss_mask, max_anchors, block_size, generator)")
+    c, cv = cand.tensors["anchor_draws"], cand.tensors["anchor_draws_valid"].bool()
+    r, rv = ref.tensors["anchor_draws"], ref.tensors["anchor_draws_valid"].bool()
+    if c.shape != r.shape or cv.shape != c.shape:
+        return CheckResult("anchors", case.name, FAIL, f"anchor draws of shape "
+                           f"{list(c.shape)}, reference {list(r.shape)} ([draws, max_anchors])")
+    found: list[tuple[str, str]] = []  # (cause, evidence on this case)
+    c_set, r_set = set(c[cv].tolist()), set(r[rv].tolist())
+    found += support_findings(case, sorted(c_set - r_set), sorted(r_set - c_set))
+    c_count, r_count = sorted(set(cv.sum(1).tolist())), sorted(set(rv.sum(1).tolist()))
+    if c_count != r_count and not found:  # with another support the count follows from it
+        found.append(("another number of anchors per draw than the reference's "
+                      "min(max_anchors, valid positions)",
+                      f"{_positions(c_count)} per draw, reference {_positions(r_count)}"))
+    repeats = sum(int(row[ok].unique().numel() < int(ok.sum())) for row, ok in zip(c, cv))
+    if repeats:
+        found.append(("anchors drawn with replacement (the reference draws without)",
+                      f"{repeats} of {len(c)} draws repeat a position"))
+    details: dict = {"draws": len(c), "support_size": {"candidate": len(c_set),
+                                                       "reference": len(r_set)},
+                     "anchors_per_draw": {"candidate": c_count, "reference": r_count}}
+    if not found and r_set:
+        size = int(max(r_set)) + 1
+        nc = torch.bincount(c[cv], minlength=size).double()
+        nr = torch.bincount(r[rv], minlength=size).double()
+        K = len(c)
+        p = (nc + nr) / (2 * K)
+        z = (nc - nr) / (2 * K * p * (1 - p)).clamp_min(1e-12).sqrt()
+        worst = int(z.abs().argmax())
+        details["max_abs_z"] = float(z.abs().max())
+        if z.abs().max() > Z_LIMIT:
+            found.append(("anchors not drawn uniformly over the valid positions",
+                          f"position {worst} drawn in {nc[worst] / K:.1%} of draws, reference "
+                          f"{nr[worst] / K:.1%} (z = {float(z[worst]):.1f})"))
+    causes = [cause for cause, _ in found]
+    details["causes"] = causes
+    if causes:
+        return CheckResult("anchors", case.name, FAIL,
+                           "; ".join(f"{cause} ({evidence})" for cause, evidence in found),
+                           details=details)
+    return CheckResult("anchors", case.name, PASS,
+                       f"{len(c)} draws agree: the same {len(r_set)} positions, "
+                       f"{_positions(r_count)} valid anchors per draw, frequencies within "
+                       f"|z| <= {Z_LIMIT:g}", details=details)

@@ -1,0 +1,126 @@
+"""The anchors check: a candidate's own anchor sampler against the reference's, by distribution.
+
+Bug samplers below are written out independently (not through our select_anchors). The
+reference side is our sampler (hand-perturbed section) or the real reference's (marked
+``reference``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_audit.audit.anchor_draws import check_anchor_draws, draw_anchors
+from dflash_audit.audit.case import SideOutputs
+from dflash_audit.audit.checks import run_checks
+from dflash_audit.audit.diagnose import diagnose
+from dflash_audit.audit.synthetic import synthetic_case
+from dflash_audit.candidate import DrafterCandidate
+from dflash_audit.model.config import DFlashConfig
+from dflash_audit.model.loss import LossSpec
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+B = 4
+CONFIG = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, num_hidden_layers=1, vocab_size=96,
+                      num_verifier_layers=6, target_layer_ids=(1, 3, 4), mask_token_id=95,
+                      block_size=B)
+CASE = synthetic_case("anchors", CONFIG, LossSpec(), seed=5, seq_len=64, num_documents=2,
+                      pad=0, max_anchors=6)
+LM = CASE.inputs["loss_mask"]
+T = LM.shape[-1]
+
+
+def _pad(chosen: torch.Tensor, max_anchors: int, fill: int = 0):
+    anchors = torch.full((max_anchors,), fill, dtype=torch.long)
+    valid = torch.zeros(max_anchors, dtype=torch.bool)
+    anchors[:chosen.numel()], valid[:chosen.numel()] = chosen, True
+    return anchors, valid
+
+
+def uniform(exclude_tail=B, use_loss_mask=True, fewer=0, order=torch.sort, fill=0):
+    """Uniform without replacement over supervised positions minus the last ``exclude_tail``."""
+    def select(loss_mask, max_anchors, block_size, g):
+        ok = loss_mask[0].bool() if use_loss_mask else torch.ones(T, dtype=torch.bool)
+        if exclude_tail:
+            ok[-exclude_tail:] = False
+        pool = ok.nonzero().squeeze(-1)
+        k = min(max_anchors - fewer, pool.numel())
+        chosen = pool[torch.multinomial(torch.ones(pool.numel()), k, generator=g)]
+        return _pad(order(chosen).values if order else chosen, max_anchors, fill)
+    return select
+
+
+def with_replacement(loss_mask, max_anchors, block_size, g):
+    pool = loss_mask[0, :-block_size].bool().nonzero().squeeze(-1)
+    k = min(max_anchors, pool.numel())
+    return _pad(pool[torch.randint(pool.numel(), (k,), generator=g)].sort().values, max_anchors)
+
+
+def early_biased(loss_mask, max_anchors, block_size, g):
+    """Half the time the first valid positions, else uniform: a skewed distribution with the
+    right support and count."""
+    pool = loss_mask[0, :-block_size].bool().nonzero().squeeze(-1)
+    k = min(max_anchors, pool.numel())
+    if torch.rand((), generator=g) < 0.5:
+        return _pad(pool[:k], max_anchors)
+    return _pad(pool[torch.randperm(pool.numel(), generator=g)[:k]].sort().values, max_anchors)
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return SideOutputs(draw_anchors(DrafterCandidate().select_anchors, CASE), {}, {})
+
+
+def check(select, ref):
+    return check_anchor_draws(CASE, SideOutputs(draw_anchors(select, CASE, seed=7), {}, {}), ref)
+
+
+@pytest.mark.parametrize("select", [
+    uniform(), uniform(order=None), uniform(fill=-1)], ids=["other-rng", "unsorted", "pad-minus-1"])
+def test_what_cannot_change_training_passes(select, ours):
+    """Another random stream, unsorted anchors, another padding value: the same training."""
+    r = check(select, ours)
+    assert r.status == "pass", r.summary
+    assert r.details["max_abs_z"] < 6
+
+
+@pytest.mark.parametrize("select,cause,evidence", [
+    (uniform(exclude_tail=0), "anchors drawn from the last block_size positions of the row",
+     f"positions 60, 61, 62, 63 of T={T}, block_size={B}"),
+    (uniform(use_loss_mask=False), "anchors drawn where loss_mask is 0", "positions 0, 1,"),
+    (with_replacement, "anchors drawn with replacement", "of 512 draws repeat a position"),
+    (uniform(exclude_tail=B + 3), "more than the last block_size positions excluded",
+     f"none drawn from position {T - B - 3} on; the reference draws up to {T - B - 1}"),
+    (uniform(fewer=1), "another number of anchors per draw than the reference's",
+     "5 per draw, reference 6"),
+    (early_biased, "anchors not drawn uniformly over the valid positions", "position"),
+], ids=["tail", "loss-mask", "replacement", "tail-too-long", "fewer", "skewed"])
+def test_sampler_bug_is_named(select, cause, evidence, ours):
+    r = check(select, ours)
+    assert r.status == "fail" and len(r.details["causes"]) == 1, r.summary
+    assert r.details["causes"][0].startswith(cause) and evidence in r.summary, r.summary
+
+
+def test_missing_sampler_warns_and_shape_mismatch_fails(ours):
+    assert check_anchor_draws(CASE, SideOutputs({}, {}, {}), ours).status == "warn"
+    short = {k: v[:10] for k, v in ours.tensors.items()}
+    assert check_anchor_draws(CASE, SideOutputs(short, {}, {}), ours).status == "fail"
+
+
+@pytest.mark.reference
+def test_against_the_reference_sampler(run_reference_cases):
+    """Our sampler matches the real reference's; one without the tail exclusion fails with a
+    diagnosis through the full check run."""
+    ref = run_reference_cases([CASE])[CASE.name]
+    assert ref.tensors["anchor_draws"].shape == (512, 6)
+    cand = DrafterCandidate()
+    out = cand.run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    out.tensors.update(draw_anchors(cand.select_anchors, CASE))
+    results = {r.name: r for r in run_checks(CASE, out, ref)}
+    assert results["anchors"].status == "pass", results["anchors"].summary
+    out.tensors.update(draw_anchors(uniform(exclude_tail=0), CASE))
+    results = run_checks(CASE, out, ref)
+    diagnose(CASE, out, ref, results)
+    r = next(r for r in results if r.name == "anchors")
+    assert r.status == "fail" and r.diagnosis[0].startswith("anchors drawn from the last")
