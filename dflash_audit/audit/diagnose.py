@@ -4,8 +4,10 @@
 most likely first. Causes are found by testing hypotheses with our own primitives on the
 case's inputs and weights: a hypothesis is a family member (all target sources x norm counts
 x shifts, all subsets of target layers, all context-rule offsets x windows x document rules,
-position conventions, loss names x normalisations, a gamma fitted from the weights) whose
-prediction is compared with what the candidate returned, within the check's tolerance.
+position conventions, draft-layer slips (:mod:`dflash_audit.audit.architecture`), loss names
+x normalisations, a gamma fitted from the weights) whose prediction is compared with what the
+candidate returned, within the check's tolerance. Where several hypotheses reproduce a loss,
+only those with the fewest deviations are named.
 A hypothesis that reproduces the candidate names the cause; a difference no hypothesis
 reproduces is reported as "unexplained difference" with its numbers.
 
