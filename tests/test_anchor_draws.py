@@ -102,6 +102,16 @@ def test_sampler_bug_is_named(select, cause, evidence, ours):
     assert r.details["causes"][0].startswith(cause) and evidence in r.summary, r.summary
 
 
+def test_sampler_with_the_reference_signature_uses_the_global_rng(ours):
+    """select_anchors(loss_mask, n, block_size), as the reference writes it: no generator."""
+    def reference_style(loss_mask, n, block_size):
+        return uniform()(loss_mask, n, block_size, None)
+
+    assert check(reference_style, ours).status == "pass"
+    again = draw_anchors(reference_style, CASE)["anchor_draws"]
+    assert torch.equal(again, draw_anchors(reference_style, CASE)["anchor_draws"])  # seeded
+
+
 def test_missing_sampler_warns_and_shape_mismatch_fails(ours):
     assert check_anchor_draws(CASE, SideOutputs({}, {}, {}), ours).status == "warn"
     short = {k: v[:10] for k, v in ours.tensors.items()}

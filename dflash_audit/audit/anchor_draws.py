@@ -13,13 +13,14 @@ them for its attention kernels) and the values of padding anchors (anchor_valid 
 
 Tensors (both sides): ``anchor_draws`` [K, A] int64, ``anchor_draws_valid`` [K, A] bool. A
 candidate provides them through an optional method ``select_anchors(loss_mask [1,T],
-max_anchors, block_size, generator) -> (anchor_positions [A], anchor_valid [A])``; the
+max_anchors, block_size[, generator]) -> (anchor_positions [A], anchor_valid [A])``; the
 reference adapter calls the reference's ``select_anchors`` (speculators
 ``models/dflash/utils.py``).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -37,10 +38,18 @@ def draw_anchors(select: Callable, case: Case, draws: int = ANCHOR_DRAWS, seed: 
                  ) -> dict[str, torch.Tensor]:
     """``draws`` anchor selections of ``select(loss_mask, max_anchors, block_size, generator)``
     on the case's loss_mask, from one seeded generator: {``anchor_draws`` [K,A] int64,
-    ``anchor_draws_valid`` [K,A] bool}."""
-    g = torch.Generator().manual_seed(seed)
+    ``anchor_draws_valid`` [K,A] bool}. A sampler with the reference's signature (no
+    generator: it uses the global RNG) is called without one, after ``torch.manual_seed``."""
     A = case.inputs["anchor_positions"].numel()
-    out = [select(case.inputs["loss_mask"].clone(), A, case.config.block_size, g)
+    args = (case.inputs["loss_mask"], A, case.config.block_size)
+    try:
+        takes_generator = len(inspect.signature(select).parameters) >= 4
+    except (TypeError, ValueError):  # no signature to read (a builtin): pass one
+        takes_generator = True
+    g = torch.Generator().manual_seed(seed)
+    if not takes_generator:
+        torch.manual_seed(seed)
+    out = [select(args[0].clone(), *args[1:], *([g] if takes_generator else []))
            for _ in range(draws)]
     return {"anchor_draws": torch.stack([a.long().reshape(-1) for a, _ in out]),
             "anchor_draws_valid": torch.stack([v.bool().reshape(-1) for _, v in out])}
