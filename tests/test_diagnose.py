@@ -508,7 +508,7 @@ class GateUpSwapped(DecoderLayer):
 
 INTERNALS = [
     ("rope-theta-1e4", drafter(theta=1e4),
-     {"logits": "RoPE theta 10000 in the draft layers; the verifier's rope_theta is 1e+06"}),
+     {"logits": "RoPE theta 10000 in the draft layers, not the verifier's rope_theta"}),
     ("context-keys-not-rotated", drafter(attention_with(rotate_context=False)),
      {"logits": "position ids: context not rotated (RoPE applied to the noise block only)"}),
     ("k-norm-noise-only", drafter(attention_with(norm_context_keys=False)),
@@ -529,7 +529,7 @@ INTERNALS = [
     ("gate-up-swapped", drafter(layer=GateUpSwapped),
      {"logits": "MLP gate_proj and up_proj swapped"}),
     ("eps-1e-5-everywhere", drafter(eps=1e-5),
-     {"context": "hidden_norm eps 1e-05; the verifier's rms_norm_eps is 1e-06",
+     {"context": "hidden_norm eps 1e-05, not the verifier's rms_norm_eps",
       "logits": "RMSNorm eps 1e-05 in the drafter's norms"}),
 ]
 
@@ -557,7 +557,7 @@ def test_verifier_norm_eps_named_where_it_changes_the_targets():
                                                 case.inputs)
     r = audit(out, ref, case)["targets"]
     assert r.status == "fail" and r.diagnosis == [
-        "verifier_norm eps 1e-05; the verifier's rms_norm_eps is 1e-06"]
+        "verifier_norm eps 1e-05, not the verifier's rms_norm_eps"]
 
 
 def test_explicit_attention_without_slips_passes(ours):

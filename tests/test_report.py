@@ -84,6 +84,13 @@ def test_verdict_and_aggregation(failing):
     assert checks["metrics"]["status"] == WARN and checks["metrics"]["warned"] == 1
     causes = [d["cause"] for d in failing.diagnoses()]
     assert causes[:2] == ["context rule <= vs <", "gamma 7 vs 4"] and causes[-1] == "EAL definition"
+    # a consequence named on more results still comes after the root cause it follows from
+    downstream = "follows from the logits difference"
+    chained = make_report({c: [result("logits", c, FAIL, 1.0, ["attention scale 1"]),
+                               result("loss", c, FAIL, 1.0, [downstream]),
+                               result("gradients", c, FAIL, 1.0, [downstream])]
+                           for c in ("a", "b")})
+    assert [d["cause"] for d in chained.diagnoses()] == ["attention scale 1", downstream]
     passing = make_report({"c": [result("mask", "c", PASS), result("metrics", "c", WARN)]})
     assert passing.verdict == "pass" and passing.exit_code == 0
     assert make_report({}).verdict == "fail"  # nothing checked is not a pass

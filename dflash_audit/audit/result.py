@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 PASS, FAIL, WARN = "pass", "fail", "warn"
+#: How a diagnosis names a consequence of another check's difference (audit/diagnose.py).
+DOWNSTREAM = re.compile(r"\bfollows? from the [\w ,]+ difference")
+
+
+def is_downstream(cause: str) -> bool:
+    """Whether a diagnosis names a consequence ("follows from the mask difference") rather
+    than a root cause."""
+    return DOWNSTREAM.search(cause) is not None
 
 
 @dataclass
 class CheckResult:
     """One check (``structure``, ``defaults``, ``mask``, ``context``, ``targets``, ``logits``,
-    ``loss``, ``gradients``, ``metrics``) on one case.
+    ``loss``, ``gradients``, ``metrics``, ``anchors``) on one case.
 
     ``first_diff`` gives the first differing coordinates in the reference's terms, e.g.
     ``{"anchor": 3, "slot": 2, "kv_position": 17, "document": 1, "layer_type": ...}``.

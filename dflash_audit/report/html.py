@@ -168,7 +168,7 @@ def render_html(report: Report) -> str:
              _e(fmt_num(c["worst_max_abs_diff"])), _e(fmt_num(c["worst_max_rel_diff"])),
              (f"<code>{_e(c['first_failure']['case'])}</code>: {_e(c['first_failure']['summary'])}"
               if c["first_failure"] else "")] for c in report.checks()]
-    parts += ["<h2>Checks</h2>", _table(["check", "status", "cases ✓ / ✗ / ⚠", "worst max abs",
+    parts += ["<h2>Checks</h2>", _table(["check", "status", "results ✓ / ✗ / ⚠", "worst max abs",
                                          "worst max rel", "first failure"], rows)]
     diagnoses = report.diagnoses()
     if diagnoses:

@@ -79,7 +79,7 @@ def _what(report: Report) -> list[str]:
 
 def checks_table(report: Report) -> list[str]:
     """The table of checks aggregated over cases."""
-    lines = ["| check | status | cases ✓ / ✗ / ⚠ | worst max abs diff | worst max rel diff "
+    lines = ["| check | status | results ✓ / ✗ / ⚠ | worst max abs diff | worst max rel diff "
              "| first failure |", "|---|---|---|---|---|---|"]
     for c in report.checks():
         ff = c["first_failure"]
@@ -94,7 +94,10 @@ def checks_table(report: Report) -> list[str]:
 def render_markdown(report: Report) -> str:
     """The text of ``report.md``."""
     out = [verdict_line(report), "", *_what(report), "", "### Checks", "",
-           *checks_table(report), ""]
+           *checks_table(report), "",
+           "One result per case (per case and layer type for mask). A check passes when "
+           "|c - r| <= atol + rtol·|r| everywhere, so a large relative diff on values near "
+           "zero can pass.", ""]
     diagnoses = report.diagnoses()
     if diagnoses:
         out += ["### Diagnoses", ""]

@@ -23,8 +23,9 @@
 - ``cases``: ``name``, ``kind`` (real | synthetic), ``description``, ``layout`` (layer
   types, window, B, T, A, documents...), ``status``, ``results`` (every
   :class:`~dflash_audit.audit.result.CheckResult` as a dict).
-- ``diagnoses``: distinct likely causes over all non-passing results, failures first, then
-  by frequency: ``cause``, ``status``, ``checks``, ``cases``.
+- ``diagnoses``: distinct likely causes over all non-passing results, failures first, root
+  causes before consequences ("follows from ..."), then by frequency: ``cause``, ``status``,
+  ``checks``, ``cases``.
 - ``timing``: seconds per stage (resolve_reference, batches, cases, write_cases,
   import_check, candidate, reference_wait, reference, checks) and ``total``.
 - ``notes``: remarks (e.g. version-dependent metric definitions).
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_audit import __version__
-from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
+from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult, is_downstream
 from dflash_audit.report.fingerprint import report_fingerprint
 
 SCHEMA_VERSION = 1
@@ -135,7 +136,8 @@ class Report:
         return [aggregate(name, rs) for name, rs in by_name.items()]
 
     def diagnoses(self) -> list[dict[str, Any]]:
-        """Distinct causes named on failing (then warning) results, most frequent first."""
+        """Distinct causes named on failing (then warning) results: root causes before the
+        consequences they explain ("follows from ..."), then most frequent first."""
         seen: dict[str, dict[str, Any]] = {}
         counts: Counter[str] = Counter()
         for r in self.results:
@@ -151,7 +153,9 @@ class Report:
                 if r.status == FAIL:
                     entry["status"] = FAIL
                 counts[cause] += 1
-        return sorted(seen.values(), key=lambda e: (e["status"] != FAIL, -counts[e["cause"]]))
+        return sorted(seen.values(), key=lambda e: (e["status"] != FAIL,
+                                                    is_downstream(e["cause"]),
+                                                    -counts[e["cause"]]))
 
     def to_dict(self) -> dict[str, Any]:
         return {
