@@ -11,7 +11,7 @@ runs one training step's forward and backward on ``inputs`` (batch tensors with 
 reference's names plus the injected ``anchor_positions`` / ``anchor_valid``) and returns
 the output tensors listed in :mod:`dflash_audit.audit.case` with its metrics and a
 structure summary. Optionally it also has ``select_anchors(loss_mask [1,T], max_anchors,
-block_size, generator) -> (anchor_positions [A], anchor_valid [A])``, its own anchor sampler,
+block_size[, generator]) -> (anchor_positions [A], anchor_valid [A])``, its own anchor sampler,
 which the audit compares with the reference's by distribution. ``--candidate module:attr``
 or ``--candidate path/file.py:attr`` names such an object (or a zero-argument factory
 returning one).

@@ -98,7 +98,7 @@ def check_anchor_draws(case: Case, cand: SideOutputs, ref: SideOutputs) -> Check
                            "returned no anchor draws (nothing to compare)")
     if not all(k in cand.tensors for k in KEYS):
         return CheckResult("anchors", case.name, WARN, "not provided: the candidate has no "
-                           "select_anchors(loss_mask, max_anchors, block_size, generator)")
+                           "select_anchors(loss_mask, max_anchors, block_size[, generator])")
     c, cv = cand.tensors["anchor_draws"], cand.tensors["anchor_draws_valid"].bool()
     r, rv = ref.tensors["anchor_draws"], ref.tensors["anchor_draws_valid"].bool()
     if c.shape != r.shape or cv.shape != c.shape:

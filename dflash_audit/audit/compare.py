@@ -333,7 +333,7 @@ def run_candidate(candidate: Any, case: Any) -> tuple[Any, Any]:
             return None, _failed_run(
                 "run", case.name, f"the candidate's select_anchors raised {type(exc).__name__}: "
                 f"{str(exc).strip()[:600]}", traceback.format_exc(),
-                ["select_anchors(loss_mask [1,T], max_anchors, block_size, generator) must "
+                ["select_anchors(loss_mask [1,T], max_anchors, block_size[, generator]) must "
                  "return (anchor_positions [A], anchor_valid [A])"])
     return out, None
 
