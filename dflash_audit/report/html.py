@@ -34,16 +34,26 @@ _BOUNDARY = (150, 150, 150)
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem;color:#222;
-max-width:1200px}
+max-width:1200px;line-height:1.4}
 h1 .pass{color:#1a7f37}h1 .fail{color:#cf222e}
-table{border-collapse:collapse;margin:.5rem 0 1.5rem}td,th{border:1px solid #d0d7de;
+.scroll{overflow-x:auto;margin:.5rem 0 1.5rem}
+table{border-collapse:collapse}td,th{border:1px solid #d0d7de;
 padding:.25rem .5rem;text-align:left;vertical-align:top;font-size:.9rem}th{background:#f6f8fa}
+td{overflow-wrap:anywhere;min-width:3.5rem}
 .pass{color:#1a7f37}.fail{color:#cf222e;font-weight:600}.warn{color:#9a6700}
-code{background:#f6f8fa;padding:0 .2rem;border-radius:3px}
-figure{display:inline-block;margin:.5rem 1rem .5rem 0;vertical-align:top}
-figure img{image-rendering:pixelated;border:1px solid #d0d7de;max-width:100%}
+code{background:#f6f8fa;padding:0 .2rem;border-radius:3px;overflow-wrap:anywhere}
+figure{display:inline-block;margin:.5rem 1rem .5rem 0;vertical-align:top;max-width:100%}
+figure img{image-rendering:pixelated;border:1px solid #d0d7de;max-width:100%;height:auto}
 figcaption{font-size:.8rem;color:#555}.masks{margin-bottom:1.5rem}
 details{margin:.3rem 0}summary{cursor:pointer}
+@media (max-width:700px){body{margin:.75rem;font-size:.95rem}h1{font-size:1.4rem}
+h2{font-size:1.2rem}h3{font-size:1rem}figure{display:block;margin:.5rem 0}
+td,th{font-size:.8rem;padding:.2rem .35rem}}
+@media print{body{margin:0;max-width:none;font-size:10pt}.scroll{overflow:visible}
+h2,h3{break-after:avoid}tr,figure,li{break-inside:avoid}
+figure img{max-height:9cm;width:auto}summary{list-style:none}
+details::details-content{content-visibility:visible;display:block}
+details>*{display:block}a{color:inherit;text-decoration:none}}
 """
 
 
@@ -143,7 +153,7 @@ def _status(s: str) -> str:
 def _table(header: list[str], rows: list[list[str]]) -> str:
     head = "".join(f"<th>{h}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    return f'<div class="scroll"><table><tr>{head}</tr>{body}</table></div>'
 
 
 def _e(x: Any) -> str:
@@ -154,8 +164,9 @@ def render_html(report: Report) -> str:
     """The text of ``report.html``."""
     v = report.verdict
     ref, cand, prof, inp = report.reference, report.candidate, report.profile, report.inputs
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>dflash-audit: {v}"
-             f"</title><style>{CSS}</style></head><body>",
+    parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+             "<meta name='viewport' content='width=device-width, initial-scale=1'>"
+             f"<title>dflash-audit: {v}</title><style>{CSS}</style></head><body>",
              f"<h1>dflash-audit compare: <span class='{v}'>{v.upper()}</span></h1>",
              f"<p>Candidate <b>{_e(cand.get('name'))}</b> "
              f"(<code>{_e(cand.get('spec') or 'default')}</code>, fingerprint "

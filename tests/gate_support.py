@@ -1,0 +1,102 @@
+"""Runs of ``scripts/audit-gate.sh audit`` in a throwaway user repository (a git repository that
+holds only a drafter file), as the GitHub Action runs it. Each run happens once per test
+session and is shared by tests/test_action.py and tests/test_report_browser.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+
+ROOT = Path(__file__).resolve().parents[1]
+GATE = ROOT / "scripts" / "audit-gate.sh"
+# the smallest audit that still runs every check on both layer layouts: 2 synthetic cases
+FAST_ARGS = "--cases 2 --rows 0"
+
+# A user's drafter that keeps the reference's parameter names: the shipped drafter, subclassed.
+PASSING_DRAFTER = '''"""My DFlash drafter: dflash-audit's own, subclassed."""
+from dflash_audit.candidate import DrafterCandidate
+
+
+class MyDrafter(DrafterCandidate):
+    name = "my drafter"
+
+
+candidate = MyDrafter()
+'''
+# A drafter with a known bug (context rule kv <= anchor): mask, logits, loss, gradients fail.
+FAILING_DRAFTER = ROOT / "examples" / "candidates" / "context_rule_le.py"
+
+_RUNS: dict[str, GateRun] = {}
+
+
+@dataclass
+class GateRun:
+    """One gate run: its exit code, output, job summary, step outputs and report folder."""
+
+    rc: int
+    stdout: str
+    stderr: str
+    summary: str
+    outputs: dict[str, str]
+    repo: Path
+    report_dir: Path | None
+
+
+def user_repo(path: Path, drafter_text: str) -> Path:
+    """A git repository at ``path`` with one committed file, ``drafter.py``."""
+    path.mkdir(parents=True)
+    (path / "drafter.py").write_text(drafter_text)
+    repo = git.Repo.init(path)
+    with repo.config_writer() as cfg:
+        cfg.set_value("user", "name", "a dflash-audit user")
+        cfg.set_value("user", "email", "user@example.invalid")
+    repo.index.add(["drafter.py"])
+    repo.index.commit("my drafter")
+    return path
+
+
+def run_gate(repo: Path, candidate: str, compare_args: str = FAST_ARGS,
+             timeout_s: int = 900) -> GateRun:
+    """``scripts/audit-gate.sh audit`` in ``repo`` with the Action's environment (GITHUB_*
+    files in ``repo/../<name>-github``); the tool is this checkout (PYTHONPATH)."""
+    github = repo.parent / f"{repo.name}-github"
+    github.mkdir()
+    summary, outputs = github / "step_summary.md", github / "output.txt"
+    summary.touch()
+    outputs.touch()
+    env = {**os.environ, "GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(summary),
+           "GITHUB_OUTPUT": str(outputs), "DFLASH_AUDIT_SOURCE": str(ROOT),
+           "DFLASH_AUDIT_CANDIDATE": candidate, "DFLASH_AUDIT_PROFILE": "reference-model",
+           "DFLASH_AUDIT_REF": "", "DFLASH_AUDIT_COMPARE_ARGS": compare_args,
+           "DFLASH_AUDIT_OUT": "dflash-audit-report", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                                         if p)}
+    proc = subprocess.run(["bash", str(GATE), "audit"], cwd=repo, env=env, text=True,
+                          capture_output=True, timeout=timeout_s)
+    out = dict(line.split("=", 1) for line in outputs.read_text().splitlines() if "=" in line)
+    report_dir = out.get("report-dir") or None
+    return GateRun(proc.returncode, proc.stdout, proc.stderr, summary.read_text(), out, repo,
+                   (repo / report_dir) if report_dir else None)
+
+
+def gate_run(kind: str, base: Path) -> GateRun:
+    """The session's ``"pass"`` or ``"fail"`` run (made on first use under ``base``)."""
+    if kind not in _RUNS:
+        text = PASSING_DRAFTER if kind == "pass" else FAILING_DRAFTER.read_text()
+        repo = user_repo(base / f"user-repo-{kind}", text)
+        _RUNS[kind] = run_gate(repo, "drafter.py:candidate")
+    return _RUNS[kind]
+
+
+def chromium() -> str | None:
+    """The Chromium executable (Debian's ``chromium`` package), or None."""
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
