@@ -39,7 +39,8 @@ h1 .pass{color:#1a7f37}h1 .fail{color:#cf222e}
 .scroll{overflow-x:auto;margin:.5rem 0 1.5rem}
 table{border-collapse:collapse}td,th{border:1px solid #d0d7de;
 padding:.25rem .5rem;text-align:left;vertical-align:top;font-size:.9rem}th{background:#f6f8fa}
-td{overflow-wrap:anywhere;min-width:3.5rem}
+td{overflow-wrap:break-word}td:last-child{min-width:14rem}
+td code{overflow-wrap:break-word}.kv td{overflow-wrap:anywhere}
 .pass{color:#1a7f37}.fail{color:#cf222e;font-weight:600}.warn{color:#9a6700}
 code{background:#f6f8fa;padding:0 .2rem;border-radius:3px;overflow-wrap:anywhere}
 figure{display:inline-block;margin:.5rem 1rem .5rem 0;vertical-align:top;max-width:100%}
@@ -51,7 +52,7 @@ h2{font-size:1.2rem}h3{font-size:1rem}figure{display:block;margin:.5rem 0}
 td,th{font-size:.8rem;padding:.2rem .35rem}}
 @media print{body{margin:0;max-width:none;font-size:10pt}.scroll{overflow:visible}
 h2,h3{break-after:avoid}tr,figure,li{break-inside:avoid}
-figure img{max-height:9cm;width:auto}summary{list-style:none}
+figure{margin:.2cm .3cm .2cm 0}figure img{max-height:6.5cm;width:auto}summary{list-style:none}
 details::details-content{content-visibility:visible;display:block}
 details>*{display:block}a{color:inherit;text-decoration:none}}
 """
@@ -150,10 +151,11 @@ def _status(s: str) -> str:
     return f'<span class="{html.escape(s)}">{html.escape(s)}</span>'
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def _table(header: list[str], rows: list[list[str]], cls: str = "") -> str:
     head = "".join(f"<th>{h}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
-    return f'<div class="scroll"><table><tr>{head}</tr>{body}</table></div>'
+    attr = f' class="{cls}"' if cls else ""
+    return f'<div class="scroll"><table{attr}><tr>{head}</tr>{body}</table></div>'
 
 
 def _e(x: Any) -> str:
@@ -207,9 +209,9 @@ def render_html(report: Report) -> str:
                      + _table(["check", "status", "summary", "max abs", "max rel", "first diff",
                                "diagnosis"], res_rows) + "</details>")
     parts += ["<h2>Reference</h2>", _table(["field", "value"], [
-        [_e(k), _e(val.strip("`"))] for k, val in reference_rows(ref)])]
+        [_e(k), _e(val.strip("`"))] for k, val in reference_rows(ref)], "kv")]
     parts += ["<h2>Inputs and profile</h2>", _table(["field", "value"], [
-        [_e(k), _e(val)] for k, val in {**inp, "profile": prof.get("fields")}.items()])]
+        [_e(k), _e(val)] for k, val in {**inp, "profile": prof.get("fields")}.items()], "kv")]
     if report.timing:
         parts += ["<h2>Timing</h2>", _table(["stage", "seconds"], [
             [_e(k), f"{val:.2f}"] for k, val in report.timing.items()])]
