@@ -17,17 +17,10 @@ GATE = ROOT / "scripts" / "audit-gate.sh"
 # the smallest audit that still runs every check on both layer layouts: 2 synthetic cases
 FAST_ARGS = "--cases 2 --rows 0"
 
-# A user's drafter that keeps the reference's parameter names: the shipped drafter, subclassed.
-PASSING_DRAFTER = '''"""My DFlash drafter: dflash-audit's own, subclassed."""
-from dflash_audit.candidate import DrafterCandidate
-
-
-class MyDrafter(DrafterCandidate):
-    name = "my drafter"
-
-
-candidate = MyDrafter()
-'''
+# examples/user-repo/: a user's repository (a drafter file and the README's workflow); its
+# drafter subclasses the shipped one and passes.
+USER_REPO = ROOT / "examples" / "user-repo"
+PASSING_DRAFTER = USER_REPO / "drafter.py"
 # A drafter with a known bug (context rule kv <= anchor): mask, logits, loss, gradients fail.
 FAILING_DRAFTER = ROOT / "examples" / "candidates" / "context_rule_le.py"
 
@@ -87,7 +80,7 @@ def run_gate(repo: Path, candidate: str, compare_args: str = FAST_ARGS,
 def gate_run(kind: str, base: Path) -> GateRun:
     """The session's ``"pass"`` or ``"fail"`` run (made on first use under ``base``)."""
     if kind not in _RUNS:
-        text = PASSING_DRAFTER if kind == "pass" else FAILING_DRAFTER.read_text()
+        text = (PASSING_DRAFTER if kind == "pass" else FAILING_DRAFTER).read_text()
         repo = user_repo(base / f"user-repo-{kind}", text)
         _RUNS[kind] = run_gate(repo, "drafter.py:candidate")
     return _RUNS[kind]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from gate_support import GATE, ROOT, gate_run, run_gate, user_repo
+from gate_support import GATE, ROOT, USER_REPO, gate_run, run_gate, user_repo
 
 ACTION = ROOT / "action.yml"
 
@@ -73,8 +73,10 @@ def test_the_readme_workflow_uses_only_declared_inputs():
     assert set(gate[0]["with"]) <= declared
     assert "candidate" in gate[0]["with"]
     assert steps[0]["uses"].startswith("actions/checkout@")  # the drafter file must be there
-    assert len((ROOT / "README.md").read_text().split("```yaml\n", 1)[1]
-               .split("```")[0].splitlines()) <= 16  # about a dozen lines
+    example = USER_REPO / ".github" / "workflows" / "dflash-audit.yml"
+    assert yaml.safe_load(example.read_text()) == workflow, \
+        "examples/user-repo's workflow is the README's"
+    assert len(example.read_text().splitlines()) <= 16  # about a dozen lines
 
 
 # ------------------------------------------------------------------- the script runs
@@ -159,3 +161,22 @@ def test_gate_usage(tmp_path):
     out = subprocess.run(["bash", str(GATE)], text=True, capture_output=True)
     assert out.returncode == 2 and "usage: scripts/audit-gate.sh install|cache-key|audit" in out.stderr
 
+
+
+def test_this_projects_ci_runs_the_action_itself():
+    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "audit.yml").read_text())
+    steps = workflow["jobs"]["compare"]["steps"]
+    gate = [s for s in steps if s.get("uses") == "./"]
+    assert len(gate) == 1 and set(gate[0].get("with", {})) <= set(_action()["inputs"])
+
+
+def test_install_refuses_a_folder_that_is_not_the_tool(tmp_path):
+    import subprocess
+
+    out = subprocess.run(["bash", str(GATE), "install"], env={
+        "PATH": "/usr/bin:/bin", "DFLASH_AUDIT_SOURCE": str(tmp_path)}, text=True,
+        capture_output=True)
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        f"dflash-audit gate: {tmp_path} is not a dflash-audit source tree (no pyproject.toml or "
+        "reference/speculators.lock); set DFLASH_AUDIT_SOURCE (action input 'source') to one.")
