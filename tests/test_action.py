@@ -86,7 +86,7 @@ def test_gate_passes_a_conformant_drafter(tmp_path_factory):
     assert run.rc == 0, run.stdout + run.stderr
     reason = run.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"dflash-audit: PASS: my drafter conforms to speculators==0\.9\.0 "
-                        r"\(10 checks, 2 cases\)", reason), reason
+                        r"\(\d+ checks, 2 cases\)", reason), reason
     assert "::error" not in run.stdout
     assert run.summary.startswith("## dflash-audit compare: ✅ PASS")
     assert "`drafter.py:candidate`" in run.summary and "| anchors | ✅ pass |" in run.summary
