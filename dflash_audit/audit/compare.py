@@ -307,7 +307,7 @@ def run_candidate(candidate: Any, case: Any) -> tuple[Any, Any]:
     CheckResult "run")`` when it raised or broke the protocol."""
     import torch
 
-    from dflash_audit.audit.anchor_draws import draw_anchors
+    from dflash_audit.audit.checks.anchors import draw_anchors
     from dflash_audit.audit.case import SideOutputs
 
     inputs = {k: v.clone() for k, v in case.inputs.items()}

@@ -40,7 +40,6 @@ class ReferenceResolutionError(ReferenceSourceError):
     unknown ref, no DFlash modules, failed download, sha256 mismatch, missing lock)."""
 
 
-
 @dataclass
 class ReferenceIdentity:
     """What was resolved; recorded in every report (``to_dict`` is JSON-able).
@@ -96,7 +95,6 @@ class ReferenceLock:
     sdist_sha256: str | None = None
     git_url: str | None = None
     git_tag: str | None = None
-
 
 
 def reference_dir() -> Path:
@@ -155,6 +153,7 @@ def load_lock(path: Path | str | None = None) -> ReferenceLock:
         raise ReferenceResolutionError(f"the lock {path} has no [reference] spec = ...")
     names = {f.name for f in dataclasses.fields(ReferenceLock)}
     return ReferenceLock(**{k: v for k, v in section.items() if k in names})
+
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")

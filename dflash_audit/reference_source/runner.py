@@ -94,8 +94,6 @@ class ReferenceRun:
     wall_s: float
 
 
-
-
 def reference_env(
     identity: ReferenceIdentity, base: dict[str, str] | None = None
 ) -> dict[str, str]:
