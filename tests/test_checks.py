@@ -25,7 +25,7 @@ from dflash_audit.audit.checks.mask import check_masks
 from dflash_audit.audit.checks.metrics import check_metrics, eal_definitions, eal_value
 from dflash_audit.audit.checks.structure import check_structure
 from dflash_audit.audit.checks.targets import check_targets
-from dflash_audit.audit.compare import run_candidate
+from dflash_audit.audit.run_sides import run_candidate
 from dflash_audit.audit.slots import attended_positions
 from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.audit.tolerance import TOLERANCES, closeness, tolerance

@@ -19,9 +19,9 @@ from dflash_audit.audit.case import SideOutputs
 from dflash_audit.audit.checks import run_checks
 from dflash_audit.audit.checks.loss import recompute_loss
 from dflash_audit.audit.checks.targets import TargetHypothesis, predict_targets
-from dflash_audit.audit.compare import run_candidate
 from dflash_audit.audit.diagnose import diagnose
 from dflash_audit.audit.evidence import Evidence
+from dflash_audit.audit.run_sides import run_candidate
 from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
