@@ -1,6 +1,6 @@
-"""The shared body of the float tensor checks (context, targets,
-logits): presence, shape and closeness on the selection that can change training, with the
-first differing element in the reference's coordinates.
+"""The shared body of the float tensor checks (context, targets, logits): presence, shape and
+closeness on the selection that can change training, with the first differing element in the
+reference's coordinates.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dflash_audit.audit.tolerance import closeness, fmt_diff, tolerance
 
 def not_provided(name: str, case: Case, what: str, side: str = "candidate",
                  **kw: Any) -> CheckResult:
+    """A ``warn`` "not provided" result: the ``side`` returned no ``what`` (never a crash)."""
     return CheckResult(name=name, case=case.name, status=WARN,
                        summary=f"not provided: the {side} returned no {what}", **kw)
 

@@ -1,6 +1,6 @@
-"""What every diagnosis shares: the case's :class:`Evidence`, the
-hypothesis search (a cheap sample first, then a confirmation), which checks a check's values
-depend on (``follows from the X difference``) and the fallback "unexplained difference".
+"""What every diagnosis shares: the case's :class:`Evidence`, the hypothesis search (a cheap
+sample first, then a confirmation), which checks a check's values depend on (``follows from the
+X difference``) and the fallback "unexplained difference".
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def sample(indices: torch.Tensor, k: int = SEARCH_SAMPLE) -> torch.Tensor:
 
 
 def comma_list(items) -> str:
+    """``a, b, c``."""
     return ", ".join(str(i) for i in items)
 
 

@@ -1,6 +1,6 @@
-"""Replay of our drafter under a hypothesis: its logits on a case with parts
-replaced (config, weights, inputs, context, masks, positions, RoPE frequencies, module edits),
-compared by diagnoses with the candidate's logits.
+"""Replay of our drafter under a hypothesis: its logits on a case with parts replaced (config,
+weights, inputs, context, masks, positions, RoPE frequencies, module edits), compared by
+diagnoses with the candidate's logits.
 """
 
 from __future__ import annotations

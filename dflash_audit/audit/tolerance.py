@@ -75,4 +75,5 @@ def closeness(cand: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -
 
 
 def fmt_diff(x: float) -> str:
+    """A difference or tolerance for a summary: 3 significant digits."""
     return f"{x:.3g}"

@@ -9,7 +9,8 @@ Compared on the valid anchors of every draw: the positions ever drawn (the suppo
 number of valid anchors per draw, repeats within a draw, and how often each position is
 drawn (a two-proportion z-test per position; tolerance: failing beyond |z| = ``Z_LIMIT``).
 Not compared, because neither can change training: the order of the anchors in a draw (the
-reference sorts them for its attention kernels) and the values of padding anchors (anchor_valid False).
+reference sorts them for its attention kernels) and the values of padding anchors
+(anchor_valid False).
 
 Tensors (both sides): ``anchor_draws`` [K, A] int64, ``anchor_draws_valid`` [K, A] bool. A
 candidate provides them through an optional method ``select_anchors(loss_mask [1,T],

@@ -88,6 +88,7 @@ def predict_context(case: Case, h: ContextHypothesis, positions: torch.Tensor) -
 
 
 def describe_context_hypothesis(case: Case, h: ContextHypothesis) -> str:
+    """The named deviation of h from the reference's context formula."""
     c = case.config
     n, ids = c.num_target_layers, c.target_layer_ids
     if h.eps is not None:
@@ -108,6 +109,7 @@ def describe_context_hypothesis(case: Case, h: ContextHypothesis) -> str:
 
 
 def diagnose_context(ev: Evidence, result: CheckResult) -> list[str]:
+    """Search every context hypothesis (:func:`context_hypotheses`) for the candidate's context."""
     c = ev.cand.tensors["context"]
     if c.shape != ev.ref.tensors["context"].shape:
         return [f"context shape {list(c.shape)}, reference "

@@ -66,6 +66,7 @@ def check_defaults(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResu
 
 
 def diagnose_defaults(ev: Evidence, result: CheckResult) -> list[str]:
+    """Each default of the candidate that differs from the reference's."""
     out = []
     for name, v in result.details.get("fields", {}).items():
         c, r = v["candidate_default"], v["reference_default"]

@@ -101,6 +101,7 @@ def check_gradients(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckRes
 
 
 def diagnose_gradients(ev: Evidence, result: CheckResult) -> list[str]:
+    """Frozen weights trained, parameters no gradient reaches, or an upstream difference."""
     params = result.details.get("parameters", {})
     frozen = [n for n, p in params.items() if p.get("reason") == "frozen in the reference"]
     causes = []

@@ -148,6 +148,8 @@ def mask_replay_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
 
 
 def diagnose_logits(ev: Evidence, result: CheckResult) -> list[str]:
+    """Replay our drafter with the candidate's own context / masks, then each logit
+    hypothesis (:func:`logit_hypotheses`); the first ones that reproduce the logits."""
     c = ev.cand.tensors["logits"]
     if c.shape != ev.ref.tensors["logits"].shape:
         return diagnose_vocab(ev, "logits")

@@ -255,6 +255,8 @@ def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str,
 
 
 def diagnose_loss_total(ev: Evidence) -> list[str]:
+    """The loss formulas (:func:`loss_formula_hypotheses`) that reproduce the candidate's total
+    on its own tensors, the fewest deviations only."""
     cl = float(ev.cand.tensors["loss"])
     tol = ev.tol
     found, cache = [], {}
@@ -288,6 +290,7 @@ def diagnose_loss_total(ev: Evidence) -> list[str]:
 
 
 def diagnose_loss(ev: Evidence, result: CheckResult) -> list[str]:
+    """Causes of the failing loss parts: aligned mask, per-slot weights, total."""
     parts = result.details.get("parts", {})
     causes: list[str] = []
     if parts.get("aligned_loss_mask", {}).get("status") == FAIL:

@@ -116,6 +116,7 @@ class MaskHypothesis:
 
 
 def expected_mask_hypothesis(case: Case, layer_type: str) -> MaskHypothesis:
+    """The reference's mask rule for one layer type (the hypothesis with no deviation)."""
     c = case.config
     sliding = layer_type == SLIDING_ATTENTION
     return MaskHypothesis(0, c.sliding_window if sliding else None, True,
@@ -155,6 +156,7 @@ def mask_hypotheses(case: Case, layer_type: str) -> Iterator[MaskHypothesis]:
 
 
 def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> list[str]:
+    """The named deviations of h from the layer type's expected mask."""
     exp = expected_mask_hypothesis(case, layer_type)
     out = []
     if h.causal_block != exp.causal_block:
@@ -187,6 +189,8 @@ def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> 
 
 
 def diagnose_mask(ev: Evidence, result: CheckResult) -> list[str]:
+    """The first mask hypothesis (:func:`mask_hypotheses`) equal to the candidate's mask on the
+    trained rows."""
     layer_type = result.details.get("layer_type")
     key = f"mask.{layer_type}"
     if key not in ev.cand.tensors or key not in ev.ref.tensors:

@@ -127,6 +127,7 @@ def _near_ties_only(case: Case, cand: SideOutputs, ref: SideOutputs) -> bool:
 
 
 def diagnose_metrics(ev: Evidence, result: CheckResult) -> list[str]:
+    """EAL definitions that differ, metrics computed differently, upstream differences."""
     eal = result.details.get("eal", {})
     out = []
     cd, rd = eal.get("candidate_definition") or [], eal.get("reference_definition") or []

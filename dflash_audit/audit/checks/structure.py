@@ -208,6 +208,7 @@ def diagnose_fc(ev: Evidence, fc_in: int) -> list[str]:
 
 
 def diagnose_layer_ids(ev: Evidence, ids: list[int]) -> str:
+    """Name the convention that turns the reference's target_layer_ids into ``ids``."""
     ref = list(ev.config.target_layer_ids)
     N = ev.config.num_verifier_layers
     if len(ids) == len(ref):
@@ -227,6 +228,7 @@ def diagnose_layer_ids(ev: Evidence, ids: list[int]) -> str:
 
 
 def diagnose_structure_finding(ev: Evidence, f: dict[str, Any]) -> list[str] | str | None:
+    """The cause(s) of one failing structure finding, or None (the finding is its own cause)."""
     field, c = f["field"], f.get("candidate")
     cfg = ev.config
     if field in ("fc_in_features", "state_dict.fc.weight.shape") and c is not None:
@@ -256,6 +258,7 @@ def diagnose_structure_finding(ev: Evidence, f: dict[str, Any]) -> list[str] | s
 
 
 def diagnose_structure(ev: Evidence, result: CheckResult) -> list[str]:
+    """The causes of every failing structure finding."""
     causes: list[str] = []
     for f in result.details.get("findings", []):
         if f["status"] == FAIL:
