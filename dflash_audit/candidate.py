@@ -117,7 +117,7 @@ class DrafterCandidate:
 
     def select_anchors(self, loss_mask, max_anchors, block_size, generator):
         """Our anchor sampler (:func:`dflash_audit.model.anchors.select_anchors`), audited by
-        distribution against the reference's (:mod:`dflash_audit.audit.anchor_draws`)."""
+        distribution against the reference's (:mod:`dflash_audit.audit.checks.anchors`)."""
         return select_anchors(loss_mask, max_anchors, block_size, generator)
 
     def run_case(self, config, loss, weights, inputs) -> SideOutputs:

@@ -21,7 +21,7 @@ from dflash_audit.data.pipeline import data_command  # noqa: E402
 app.command("data")(data_command)
 
 # --- compare (dflash_audit/audit) -----------------------------------------------------
-from dflash_audit.audit.compare import compare_command  # noqa: E402
+from dflash_audit.audit.compare_cli import compare_command  # noqa: E402
 
 app.command("compare")(compare_command)
 

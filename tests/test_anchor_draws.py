@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_audit.audit.anchor_draws import check_anchor_draws, draw_anchors
 from dflash_audit.audit.case import SideOutputs
 from dflash_audit.audit.checks import run_checks
+from dflash_audit.audit.checks.anchors import check_anchor_draws, draw_anchors
 from dflash_audit.audit.diagnose import diagnose
 from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.candidate import DrafterCandidate

@@ -13,32 +13,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_audit.audit import checks
-from dflash_audit.audit.anchor_draws import draw_anchors
 from dflash_audit.audit.case import SideOutputs
-from dflash_audit.audit.compare import run_candidate
-from dflash_audit.audit.checks import (
-    TOLERANCES,
-    check_context,
-    check_defaults,
-    check_gradients,
-    check_logits,
-    check_loss,
-    check_masks,
-    check_metrics,
-    check_structure,
-    check_targets,
-    closeness,
-    fit_decay,
-    run_checks,
-)
+from dflash_audit.audit.checks import run_checks
+from dflash_audit.audit.checks.anchors import draw_anchors
+from dflash_audit.audit.checks.context import check_context
+from dflash_audit.audit.checks.defaults import check_defaults
+from dflash_audit.audit.checks.gradients import check_gradients
+from dflash_audit.audit.checks.logits import check_logits
+from dflash_audit.audit.checks.loss import check_loss, fit_decay
+from dflash_audit.audit.checks.mask import check_masks
+from dflash_audit.audit.checks.metrics import check_metrics, eal_definitions, eal_value
+from dflash_audit.audit.checks.structure import check_structure
+from dflash_audit.audit.checks.targets import check_targets
+from dflash_audit.audit.run_sides import run_candidate
+from dflash_audit.audit.slots import attended_positions
 from dflash_audit.audit.synthetic import synthetic_case
+from dflash_audit.audit.tolerance import TOLERANCES, closeness, tolerance
 from dflash_audit.candidate import DrafterCandidate
-from dflash_audit.model.config import (
-    FULL_ATTENTION,
-    LAYER_TYPES,
-    SLIDING_ATTENTION,
-    DFlashConfig,
-)
+from dflash_audit.model.config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, DFlashConfig
 from dflash_audit.model.loss import LOSSES, WEIGHTINGS, LossSpec, exp_decay_weights
 from dflash_audit.model.metrics import dflash_metrics
 
@@ -96,7 +88,7 @@ def test_tolerance_table_is_keyed_by_dtype():
     assert TOLERANCES[torch.float32] == {"atol": 1e-5, "rtol": 1e-5}
     assert TOLERANCES[torch.bfloat16]["rtol"] > TOLERANCES[torch.float16]["rtol"] > \
         TOLERANCES[torch.float32]["rtol"]
-    assert checks.tolerance(CASE) == {"atol": 1e-5, "rtol": 1e-5}
+    assert tolerance(CASE) == {"atol": 1e-5, "rtol": 1e-5}
 
 
 def test_closeness_reports_max_diffs_and_first_index():
@@ -204,7 +196,7 @@ def test_context_compared_on_attended_positions_only(ours):
     ctx[0, pad] = float("nan")  # padding is never attended
     assert check_context(CASE, edited(ours, context=ctx), ours).status == "pass"
     doc = CASE.inputs["document_ids"][0]
-    seen = checks.attended_positions(CASE, ours)
+    seen = attended_positions(CASE, ours)
     p = int(seen.nonzero()[0])
     ctx[0, p, 3] += 0.1
     res = check_context(CASE, edited(ours, context=ctx), ours)
@@ -446,5 +438,5 @@ def test_metric_helper_matches_dflash_metrics(ours):
     """eal_definitions recomputes with dflash_metrics: the leading-run value is ours."""
     t = ours.tensors
     m = dflash_metrics(t["logits"], t["targets"], t["aligned_loss_mask"], B)
-    assert checks.eal_value(ours.metrics) == pytest.approx(m["eal_sum"] / m["eal_total"])
-    assert "leading-run" in checks.eal_definitions(ours, CASE)
+    assert eal_value(ours.metrics) == pytest.approx(m["eal_sum"] / m["eal_total"])
+    assert "leading-run" in eal_definitions(ours, CASE)

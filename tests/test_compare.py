@@ -19,7 +19,8 @@ from torch import nn
 from typer.testing import CliRunner
 
 from dflash_audit.audit import compare as cmp
-from dflash_audit.audit.compare import CompareOptions, main, run_compare
+from dflash_audit.audit.compare import CompareOptions, run_compare
+from dflash_audit.audit.compare_cli import main
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.cli import app
 from dflash_audit.model.drafter import DFlashDrafter

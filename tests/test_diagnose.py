@@ -17,8 +17,11 @@ import torch
 import dflash_audit.model.loss as loss_module
 from dflash_audit.audit.case import SideOutputs
 from dflash_audit.audit.checks import run_checks
-from dflash_audit.audit.compare import run_candidate
-from dflash_audit.audit.diagnose import diagnose, predict_targets, recompute_loss
+from dflash_audit.audit.checks.loss import recompute_loss
+from dflash_audit.audit.checks.targets import TargetHypothesis, predict_targets
+from dflash_audit.audit.diagnose import diagnose
+from dflash_audit.audit.evidence import Evidence
+from dflash_audit.audit.run_sides import run_candidate
 from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
@@ -403,16 +406,12 @@ def test_eal_definition_named_in_metrics_diagnosis(ours):
 
 
 def test_predict_targets_reference_hypothesis_is_our_drafter(ours):
-    from dflash_audit.audit.diagnose import TargetHypothesis
-
     sup = ours.tensors["aligned_loss_mask"][0].bool().nonzero().squeeze(-1)
     predicted = predict_targets(CASE, TargetHypothesis(None, 1, 1), sup)
     torch.testing.assert_close(predicted, ours.tensors["targets"][:, sup], atol=0, rtol=0)
 
 
 def _ev(side):
-    from dflash_audit.audit.diagnose import Evidence
-
     return Evidence(CASE, side, side)
 
 

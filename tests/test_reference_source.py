@@ -158,7 +158,7 @@ def test_sdist_second_resolve_does_not_download(release, monkeypatch):
     def no_network(*a, **k):
         raise AssertionError("pip download was called for a cached sdist")
 
-    monkeypatch.setattr(rs, "_pip_download", no_network)
+    monkeypatch.setattr(rs.sdist, "_pip_download", no_network)
     ident = resolve_reference("speculators==0.9.0")
     assert ident.source_dir == release.source_dir
     assert ident.sdist_sha256 == LOCKED_SHA256

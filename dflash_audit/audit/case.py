@@ -27,7 +27,7 @@ from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.loss import LossSpec
 
 #: How many anchor selections each side draws for the anchors check
-#: (:mod:`dflash_audit.audit.anchor_draws`); written into profile.json for the reference.
+#: (:mod:`dflash_audit.audit.checks.anchors`); written into profile.json for the reference.
 ANCHOR_DRAWS = 512
 BATCH_KEYS = ("hidden_states", "verifier_last_hidden_states", "input_ids", "loss_mask",
               "position_ids", "document_ids")

@@ -1,4 +1,4 @@
-"""Anchor selection, compared by distribution (DESIGN.md sec. 3 "Anchors").
+"""The ``anchors`` check: anchor selection, compared by distribution (DESIGN.md sec. 3 "Anchors").
 
 Both sides get the same injected anchors in the forward, so no other check sees how a
 candidate selects anchors. Here each side draws anchors ``ANCHOR_DRAWS`` times for the case's
@@ -7,15 +7,21 @@ stream: two implementations need not share one, only the distribution reaches tr
 
 Compared on the valid anchors of every draw: the positions ever drawn (the support), the
 number of valid anchors per draw, repeats within a draw, and how often each position is
-drawn (a two-proportion z-test per position, failing beyond ``Z_LIMIT``). Not compared,
-because neither can change training: the order of the anchors in a draw (the reference sorts
-them for its attention kernels) and the values of padding anchors (anchor_valid False).
+drawn (a two-proportion z-test per position; tolerance: failing beyond |z| = ``Z_LIMIT``).
+Not compared, because neither can change training: the order of the anchors in a draw (the
+reference sorts them for its attention kernels) and the values of padding anchors
+(anchor_valid False).
 
 Tensors (both sides): ``anchor_draws`` [K, A] int64, ``anchor_draws_valid`` [K, A] bool. A
 candidate provides them through an optional method ``select_anchors(loss_mask [1,T],
 max_anchors, block_size[, generator]) -> (anchor_positions [A], anchor_valid [A])``; the
 reference adapter calls the reference's ``select_anchors`` (speculators
 ``models/dflash/utils.py``).
+
+Hypotheses name (the comparison names them itself): anchors outside the packed row, anchors
+drawn from the last block_size positions of the row or where loss_mask is 0, more than the last
+block_size positions excluded, positions the reference draws never drawn, another number of
+anchors per draw, anchors drawn with replacement, and per-position frequencies that differ.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from dflash_audit.audit.case import ANCHOR_DRAWS, Case, SideOutputs
+from dflash_audit.audit.evidence import Evidence
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 
 #: |z| beyond which a position's draw frequency differs from the reference's (per position;
@@ -142,3 +149,8 @@ def check_anchor_draws(case: Case, cand: SideOutputs, ref: SideOutputs) -> Check
                        f"{len(c)} draws agree: the same {len(r_set)} positions, "
                        f"{_positions(r_count)} valid anchors per draw, frequencies within "
                        f"|z| <= {Z_LIMIT:g}", details=details)
+
+
+def diagnose_anchors(ev: Evidence, result: CheckResult) -> list[str]:
+    """The causes :func:`check_anchor_draws` named itself (its comparison is the diagnosis)."""
+    return result.details.get("causes", [])

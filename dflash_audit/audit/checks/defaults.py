@@ -1,0 +1,76 @@
+"""The ``defaults`` check: each side's default gamma / loss / weighting / block_size /
+max_anchors / dpace_alpha next to the profile's explicit value.
+
+Never fails (both sides run the profile's explicit values); exact comparison, loss names by
+their first word. Hypotheses name: a candidate default that differs from the reference's (a
+run without an explicit profile would train differently).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_audit.audit.case import Case, SideOutputs
+from dflash_audit.audit.evidence import Evidence
+from dflash_audit.audit.result import PASS, WARN, CheckResult
+
+#: field -> names under which a side may report its default for it
+DEFAULT_ALIASES: dict[str, tuple[str, ...]] = {
+    "gamma": ("gamma", "dflash_decay_gamma"),
+    "loss": ("loss", "loss_fn", "loss_when_unset"),
+    "weighting": ("weighting", "per_position_loss_weight"),
+    "block_size": ("block_size",),
+    "max_anchors": ("max_anchors",),
+    "dpace_alpha": ("dpace_alpha",),
+}
+
+
+def _default_of(defaults: dict[str, Any], field: str) -> Any:
+    return next((defaults[k] for k in DEFAULT_ALIASES[field] if k in defaults), None)
+
+
+def profile_defaults(case: Case) -> dict[str, Any]:
+    """The explicit values the audit runs both sides under."""
+    return {"gamma": case.loss.gamma, "loss": case.loss.loss, "weighting": case.loss.weighting,
+            "block_size": case.config.block_size,
+            "max_anchors": int(case.inputs["anchor_positions"].numel()),
+            "dpace_alpha": case.loss.dpace_alpha}
+
+
+def _same_default(a: Any, b: Any) -> bool:
+    if isinstance(a, str) and isinstance(b, str):  # "kl_div (fused)" names the loss kl_div
+        return a.split()[0] == b.split()[0]
+    return a == b
+
+
+def check_defaults(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResult:
+    """Each side's default gamma / loss / weighting / block_size / max_anchors / dpace_alpha,
+    next to the profile's explicit value. Both sides run the profile, so this never fails; it
+    warns where the candidate's default differs from the reference's (a run without an
+    explicit profile would train differently)."""
+    profile = profile_defaults(case)
+    fields, differing = {}, []
+    for field, value in profile.items():
+        c, r = _default_of(cand.defaults, field), _default_of(ref.defaults, field)
+        fields[field] = {"profile": value, "candidate_default": c, "reference_default": r}
+        if c is not None and r is not None and not _same_default(c, r):
+            differing.append(f"{field}: candidate {c!r}, reference {r!r}")
+    status = WARN if differing else PASS
+    reported = "" if cand.defaults else "; the candidate reports no defaults"
+    summary = ("defaults differ (both sides ran the profile's explicit values): "
+               + "; ".join(differing) if differing else
+               "both sides ran the profile's explicit values" + reported)
+    return CheckResult("defaults", case.name, status, summary,
+                       candidate=dict(cand.defaults), reference=dict(ref.defaults),
+                       details={"fields": fields})
+
+
+def diagnose_defaults(ev: Evidence, result: CheckResult) -> list[str]:
+    """Each default of the candidate that differs from the reference's."""
+    out = []
+    for name, v in result.details.get("fields", {}).items():
+        c, r = v["candidate_default"], v["reference_default"]
+        if c is not None and r is not None and str(c).split()[0] != str(r).split()[0]:
+            out.append(f"the candidate's default {name} {c!r} differs from the reference's "
+                       f"{r!r}: a run without an explicit profile would train differently")
+    return out

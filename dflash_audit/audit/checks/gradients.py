@@ -1,0 +1,121 @@
+"""The ``gradients`` check: the gradient of every trainable parameter of the reference after
+one backward, at a tolerance of ``atol * max(1, max|g_ref|)`` and the dtype's ``rtol``.
+
+Hypotheses name: frozen weights being trained (gradients where the reference freezes),
+parameters no gradient reaches (detached or frozen on the candidate side), and differences
+that follow from an upstream check's difference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dflash_audit.audit.case import Case, SideOutputs
+from dflash_audit.audit.compare_tensors import not_provided
+from dflash_audit.audit.evidence import Evidence, comma_list, follows_from
+from dflash_audit.audit.result import FAIL, PASS, CheckResult
+from dflash_audit.audit.tolerance import closeness, fmt_diff, tolerance
+from dflash_audit.model.drafter import FROZEN_PARAMETERS
+
+
+def _grad_tolerance(ref_grad: torch.Tensor, tol: dict[str, float]) -> dict[str, float]:
+    """atol scaled by the gradient's magnitude: ``atol * max(1, max|g_ref|)``."""
+    scale = float(ref_grad.abs().max()) if ref_grad.numel() else 0.0
+    return {"atol": tol["atol"] * max(1.0, scale), "rtol": tol["rtol"]}
+
+
+def _frozen_on_reference(ref: SideOutputs) -> set[str]:
+    sd = ref.structure.get("state_dict", {})
+    frozen = {k for k, v in sd.items() if not v.get("trainable")}
+    return frozen | (set(FROZEN_PARAMETERS) - set(ref.trainable))
+
+
+def check_gradients(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResult:
+    """Gradient of every trainable parameter of the reference after one backward; a gradient
+    on one side only fails (unless it is all zeros); a candidate gradient for a parameter the
+    reference freezes fails (frozen weights being trained). Tolerance per parameter:
+    ``atol * max(1, max|g_ref|)``, ``rtol`` from :data:`TOLERANCES`."""
+    cg = {k[5:]: v for k, v in cand.tensors.items() if k.startswith("grad.")}
+    rg = {k[5:]: v for k, v in ref.tensors.items() if k.startswith("grad.")}
+    if not cg and not cand.trainable:
+        return not_provided("gradients", case, "gradients")
+    tol = tolerance(case)
+    names = list(dict.fromkeys([*ref.trainable, *rg]))
+    per_param: dict[str, dict[str, Any]] = {}
+    problems: list[tuple[str, str, dict | None]] = []  # (parameter, reason, first_diff)
+    for n in names:
+        c, r = cg.get(n), rg.get(n)
+        if c is None or r is None:
+            present = c if c is not None else r
+            if present is None or not present.abs().max() > 0:
+                note = "either side" if present is None else "one side, zero on the other"
+                per_param[n] = {"status": PASS, "note": f"no gradient on {note}"}
+                continue
+            side = "candidate" if c is None else "reference"
+            per_param[n] = {"status": FAIL, "reason": f"no gradient on the {side} side"}
+            problems.append((n, f"{n}: no gradient on the {side} side", None))
+            continue
+        if c.shape != r.shape:
+            per_param[n] = {"status": FAIL, "reason": f"shape {list(c.shape)} != {list(r.shape)}"}
+            problems.append((n, f"{n}: gradient shape {list(c.shape)} != reference "
+                                f"{list(r.shape)}", None))
+            continue
+        ptol = _grad_tolerance(r, tol)
+        res = closeness(c, r, **ptol)
+        per_param[n] = {"status": PASS if res.ok else FAIL, "max_abs": res.max_abs,
+                        "max_rel": res.max_rel, "atol": ptol["atol"], "num_bad": res.num_bad}
+        if not res.ok:
+            problems.append((n, f"{n}: max abs {fmt_diff(res.max_abs)} "
+                                f"(atol {fmt_diff(ptol['atol'])}), max rel {fmt_diff(res.max_rel)}",
+                             {"parameter": n, "index": list(res.first_bad),
+                              "candidate": float(c[res.first_bad]),
+                              "reference": float(r[res.first_bad])}))
+    frozen = _frozen_on_reference(ref)
+    for n in sorted(set(cg) - set(names)):
+        if n in cand.trainable or bool(cg[n].abs().max() > 0):
+            why = "frozen in the reference" if n in frozen else "not a reference parameter"
+            per_param[n] = {"status": FAIL, "reason": why}
+            problems.append((n, f"{n}: {why} but trained by the candidate", {"parameter": n}))
+    for n in sorted(set(cand.trainable) & frozen - set(per_param)):
+        per_param[n] = {"status": FAIL, "reason": "frozen in the reference"}
+        problems.append((n, f"{n}: frozen in the reference but trainable on the candidate "
+                            "side", {"parameter": n}))
+    if not problems:
+        worst_abs = max((p.get("max_abs", 0.0) for p in per_param.values()), default=0.0)
+        return CheckResult("gradients", case.name, PASS,
+                           f"gradients of all {len(names)} trainable parameters match (max abs "
+                           f"{fmt_diff(worst_abs)})", tolerance=tol, max_abs_diff=worst_abs,
+                           details={"parameters": per_param})
+    first_name, _, first = problems[0]
+    max_abs = max((p.get("max_abs", 0.0) for p in per_param.values()), default=None)
+    max_rel = max((p.get("max_rel", 0.0) for p in per_param.values()), default=None)
+    return CheckResult(
+        "gradients", case.name, FAIL,
+        f"{len(problems)} of {len(per_param)} parameters differ; first: {problems[0][1]}",
+        candidate=(first or {}).get("candidate"), reference=(first or {}).get("reference"),
+        tolerance=tol, max_abs_diff=max_abs, max_rel_diff=max_rel,
+        first_diff=first or {"parameter": first_name},
+        details={"parameters": per_param, "failing": [p[0] for p in problems]})
+
+
+def diagnose_gradients(ev: Evidence, result: CheckResult) -> list[str]:
+    """Frozen weights trained, parameters no gradient reaches, or an upstream difference."""
+    params = result.details.get("parameters", {})
+    frozen = [n for n, p in params.items() if p.get("reason") == "frozen in the reference"]
+    causes = []
+    if frozen:
+        causes.append(f"frozen weights being trained: {comma_list(frozen)} receive gradients on "
+                      f"the candidate side (the reference freezes {comma_list(FROZEN_PARAMETERS)})")
+    cg = {k[5:]: v for k, v in ev.cand.tensors.items() if k.startswith("grad.")}
+    no_grad = [n for n, p in params.items() if n not in frozen and p["status"] == FAIL and (
+        n not in cg or not cg[n].abs().max() > 0)]
+    if no_grad:
+        causes.append(f"no gradient reaches {comma_list(no_grad)} on the candidate side (detached "
+                      "or frozen; the reference trains them)")
+    upstream = follows_from("gradients", ev)
+    rest = [n for n in result.details.get("failing", []) if n not in frozen + no_grad]
+    if rest and upstream:
+        causes.append(upstream)
+    return causes

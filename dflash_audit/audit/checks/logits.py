@@ -1,0 +1,184 @@
+"""The ``logits`` check: draft logits [1,Q,V_d] on the reference's supervised slots, at the
+dtype's assert_close tolerance (:data:`dflash_audit.audit.tolerance.TOLERANCES`).
+
+Hypotheses replay our drafter (:mod:`dflash_audit.audit.replay`) and name: a context / mask
+difference the logits follow from (replayed with the candidate's own context and masks),
+mixed position conventions, the noise block's slot 0 holding mask_token_id or a neighbour
+instead of the anchor token, mask_token_id falling back to another token, RoPE
+partial_rotary_factor applied or ignored, mask variants (when the candidate returned no
+masks), draft-layer slips (:mod:`dflash_audit.audit.architecture`), and a draft-vocabulary
+mapping slip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator
+
+import torch
+
+from dflash_audit.audit.architecture import architecture_hypotheses
+from dflash_audit.audit.case import Case, SideOutputs
+from dflash_audit.audit.checks.mask import (
+    build_mask,
+    describe_mask_hypothesis,
+    expected_mask_hypothesis,
+)
+from dflash_audit.audit.checks.targets import diagnose_vocab
+from dflash_audit.audit.compare_tensors import slot_check
+from dflash_audit.audit.evidence import (
+    CONFIRM_SAMPLE,
+    Evidence,
+    and_list,
+    follows_from,
+    sample,
+    unexplained,
+)
+from dflash_audit.audit.replay import replay
+from dflash_audit.audit.result import CheckResult
+from dflash_audit.audit.slots import as_bool_mask
+from dflash_audit.model.layers import RotaryEmbedding
+
+
+def check_logits(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResult:
+    """Draft logits [1,Q,V_d] on supervised slots."""
+    return slot_check("logits", case, cand, ref)
+
+
+def position_hypotheses(ev: Evidence) -> Iterator[tuple[str, Callable]]:
+    """Mixed position conventions (a uniform shift of all positions cannot change RoPE
+    attention, so only conventions that differ between context and noise are visible)."""
+    T = ev.inputs["position_ids"].shape[-1]
+    absolute_noise = ev.block_idx[None]
+    context = {"restart per document": None,
+               "not restarting per document (0..T-1)": lambda p: torch.arange(T)[None],
+               "1-indexed": lambda p: p + 1,
+               "not rotated (RoPE applied to the noise block only)": torch.zeros_like}
+    noise = {"position_ids[a]+s": None, "a+s (packed position, not restarting per document)":
+             lambda p: absolute_noise, "position_ids[a]+s+1 (1-indexed slots)": lambda p: p + 1,
+             "position_ids[a]+s-1": lambda p: p - 1}
+    for (cl, cf), (nl, nf) in itertools.product(context.items(), noise.items()):
+        if cf is None and nf is None:
+            continue
+
+        def transform(pos, cf=cf, nf=nf):
+            ctx, nz = pos[:, :T], pos[:, T:]
+            return torch.cat([cf(ctx) if cf else ctx, nf(nz) if nf else nz], 1)
+
+        yield (f"position ids: context {cl}, noise block {nl} (reference: context restarts at 0 "
+               f"per document, slot s of anchor a at position_ids[a]+s)", transform)
+
+
+def logit_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
+    """Counterfactual replays of our drafter: positions, noise-block tokens, mask_token_id, RoPE
+    partial factor, (when the candidate returned no masks) mask variants, then the draft
+    layers' internals (:func:`dflash_audit.audit.architecture.architecture_hypotheses`)."""
+    c, inputs = ev.config, ev.inputs
+    for label, transform in position_hypotheses(ev):
+        yield label, {"positions": transform}
+    anchors = inputs["anchor_positions"].long()
+    ids = inputs["input_ids"].clone()
+    ids[0, anchors] = c.mask_token_id
+    yield ("noise block slot 0 holds mask_token_id instead of the anchor token "
+           "input_ids[a]"), {"inputs": {"input_ids": ids}}
+    for d in (1, -1):
+        yield (f"noise block slot 0 holds input_ids[a{d:+d}] instead of input_ids[a]",
+               {"inputs": {"input_ids": torch.roll(inputs["input_ids"], -d, 1)}})
+    others = {"pad_token_id": c.pad_token_id, **{k: v for k, v in c.extra.items()
+                                                 if k in ("eos_token_id", "bos_token_id")},
+              "the candidate's reported mask_token_id": ev.cand.structure.get("mask_token_id"),
+              "token id 0": 0}
+    for label, tok in others.items():
+        if isinstance(tok, int) and tok != c.mask_token_id and 0 <= tok < c.vocab_size:
+            yield (f"mask_token_id falls back to {label} ({tok}); the profile's is "
+                   f"{c.mask_token_id}"), {"config": c.replace(mask_token_id=tok)}
+    yield from rope_hypotheses(ev)
+    if not any(k.startswith("mask.") for k in ev.cand.tensors):
+        yield from mask_replay_hypotheses(ev)
+    yield from architecture_hypotheses(c, ev.case.weights, inputs["input_ids"].shape[-1])
+
+
+def rotary_inv_freq(config, rotary_dim: int) -> torch.Tensor:
+    """Default RoPE inverse frequencies over the first ``rotary_dim`` head dimensions."""
+    return 1.0 / (config.rope_theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+
+
+def rope_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
+    """The profile's ``partial_rotary_factor`` honoured where our drafter (like the reference's
+    Qwen3 draft layers) does not, or ignored where it is honoured."""
+    c = ev.config
+    factor = (c.rope_parameters or {}).get("partial_rotary_factor")
+    if factor is None or (c.rope_parameters or {}).get("rope_type", "default") != "default":
+        return
+    ours = RotaryEmbedding(c).inv_freq.numel() * 2
+    partial = int(c.head_dim * factor) // 2 * 2
+    if ours == c.head_dim and partial < c.head_dim:
+        yield (f"RoPE partial_rotary_factor {factor} applied: {partial} of {c.head_dim} head "
+               "dimensions rotated, where the reference's draft layers ignore the factor and "
+               "rotate all of them"), {"inv_freq": rotary_inv_freq(c, partial)}
+    elif ours < c.head_dim:
+        yield (f"RoPE partial_rotary_factor {factor} ignored: all {c.head_dim} head dimensions "
+               f"rotated, the reference rotates {ours}"),\
+            {"inv_freq": rotary_inv_freq(c, c.head_dim)}
+
+
+def mask_replay_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
+    """Single deviations from each layer type's expected mask (context offset, documents
+    ignored, block rule flipped, window none / W-1 / W+1), applied to every layer type at once
+    and, with several layer types, to each alone."""
+    types = list(dict.fromkeys(ev.config.effective_layer_types))
+    W = ev.config.sliding_window
+    deviations = [{"offset": 1}, {"offset": -1}, {"documents": False}, {"causal_block": None},
+                  {"window": None}] + ([{"window": W - 1}, {"window": W + 1}] if W else [])
+    scopes = [types] + ([[t] for t in types] if len(types) > 1 else [])
+    for change, scope in itertools.product(deviations, scopes):
+        masks, labels = {}, []
+        for layer_type in scope:
+            exp = expected_mask_hypothesis(ev.case, layer_type)
+            kw = {"causal_block": not exp.causal_block} if "causal_block" in change else change
+            h = dataclasses.replace(exp, **kw)
+            if h == exp:
+                continue
+            masks[layer_type] = build_mask(ev.case, h)
+            labels += describe_mask_hypothesis(ev.case, layer_type, h)
+        if masks:
+            label = f"{and_list(list(masks))} mask: {'; '.join(dict.fromkeys(labels))}"
+            yield label, {"masks": masks}
+
+
+def diagnose_logits(ev: Evidence, result: CheckResult) -> list[str]:
+    """Replay our drafter with the candidate's own context / masks, then each logit
+    hypothesis (:func:`logit_hypotheses`); the first ones that reproduce the logits."""
+    c = ev.cand.tensors["logits"]
+    if c.shape != ev.ref.tensors["logits"].shape:
+        return diagnose_vocab(ev, "logits")
+    sup = ev.sup
+    upstream = [u for u in ("context", "mask") if u in ev.failing]
+    given = {}
+    if "context" in upstream and "context" in ev.cand.tensors:
+        given["context"] = ev.cand.tensors["context"]
+    if "mask" in upstream:
+        masks = {k.split(".", 1)[1]: as_bool_mask(v) for k, v in ev.cand.tensors.items()
+                 if k.startswith("mask.")}
+        if masks:
+            given["masks"] = masks
+    slots = sup.nonzero().squeeze(-1)
+    stages = [sample(slots), sample(slots, CONFIRM_SAMPLE)]
+
+    def matches(kw: dict) -> bool:
+        return all(ev.close(c[:, s], replay(ev.case, slots=s, **kw)) for s in stages)
+
+    parts = " and ".join(given)
+    if given and matches(given):
+        return [f"follows from the {and_list(upstream)} difference: our drafter fed the "
+                f"candidate's own {parts} reproduces the candidate's logits"]
+    found = [label for label, kw in logit_hypotheses(ev) if matches(kw)]
+    if found:
+        return found
+    if given:  # the upstream difference is real but does not account for the logits
+        return [unexplained(result), f"not only the {and_list(upstream)} difference: our drafter "
+                f"fed the candidate's own {parts} does not reproduce the candidate's logits, "
+                "so its draft layers differ as well"]
+    upstream = follows_from("logits", ev)
+    return [upstream] if upstream else []

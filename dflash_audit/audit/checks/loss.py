@@ -1,0 +1,307 @@
+"""The ``loss`` check: the total loss (scalar, the dtype's assert_close tolerance), the aligned
+loss mask (exact: which slots are trained) and each loss term's per-slot weights on supervised
+slots, with the decay gamma each side's weights imply (:func:`fit_decay`).
+
+Hypotheses name: slot 0 (the anchor) not masked out, padding anchors not masked out, a
+misaligned loss mask, a wrong decay gamma or decay formula, weights normalised per block,
+D-PACE vs fixed-exp-decay weighting, another loss (e.g. hard-label CE instead of a soft
+divergence) and the loss normalised by the sum of weights or averaged over all Q slots; among
+several loss formulas that reproduce the total, only those with the fewest deviations.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from dflash_audit.audit.case import Case, SideOutputs
+from dflash_audit.audit.compare_tensors import not_provided
+from dflash_audit.audit.evidence import Evidence, follows_from
+from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
+from dflash_audit.audit.slots import slot_coordinates, supervised_slots
+from dflash_audit.audit.tolerance import closeness, fmt_diff, tolerance, worst
+from dflash_audit.model.loss import LOSS_REDUCTION_EPS, LOSSES, LossSpec, parse_loss, slot_weights
+
+
+def fit_decay(weights: torch.Tensor, supervised: torch.Tensor, block_size: int
+              ) -> dict[str, float | None] | None:
+    """Fit ``w_s = exp(-(s - s0) / gamma)`` to per-position weights on supervised slots.
+
+    Args:
+        weights: [1,Q] or [Q]; supervised: [Q] bool; block_size: B.
+
+    Returns:
+        ``{"gamma", "offset" (s0: 1 for exp(-(s-1)/g), 0 for exp(-s/g)), "w0" (weight of slot 0
+        where seen, else None), "constant_per_slot" (same weight in every block)}``, gamma and
+        offset None when fewer than two slots carry positive weight; None without supervised
+        slots. Each slot's weight is its median over supervised positions.
+    """
+    w = weights.reshape(-1, block_size).double()
+    m = supervised.reshape(-1, block_size)
+    if not m.any():
+        return None
+    per_slot, constant = {}, True
+    for s in range(block_size):
+        vals = w[:, s][m[:, s]]
+        if vals.numel():
+            per_slot[s] = float(vals.median())
+            constant &= bool((vals - vals.median()).abs().max() <= 1e-6 * max(1.0, abs(
+                per_slot[s])))
+    w0 = per_slot.get(0)
+    pts = [(s, math.log(v)) for s, v in per_slot.items() if s >= 1 and v > 0]
+    gamma = offset = None
+    if len(pts) >= 2:
+        n = len(pts)
+        sx, sy = sum(p[0] for p in pts), sum(p[1] for p in pts)
+        sxx, sxy = sum(p[0] ** 2 for p in pts), sum(p[0] * p[1] for p in pts)
+        slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+        intercept = (sy - slope * sx) / n
+        if slope < 0:
+            gamma = -1.0 / slope
+            offset = intercept * gamma  # log w = (s0 - s)/g  =>  intercept = s0/g
+    return {"gamma": gamma, "offset": offset, "w0": w0, "constant_per_slot": constant,
+            "per_slot": per_slot}
+
+
+def _compare_mask(case: Case, cand: SideOutputs, ref: SideOutputs) -> dict[str, Any]:
+    if "aligned_loss_mask" not in cand.tensors or "aligned_loss_mask" not in ref.tensors:
+        return {"status": WARN, "reason": "aligned_loss_mask not provided"}
+    c = cand.tensors["aligned_loss_mask"].reshape(-1).bool()
+    r = ref.tensors["aligned_loss_mask"].reshape(-1).bool()
+    if c.shape != r.shape:
+        return {"status": FAIL, "reason": f"aligned_loss_mask shape {list(c.shape)} != "
+                                          f"reference {list(r.shape)}"}
+    if torch.equal(c, r):
+        return {"status": PASS, "supervised": int(r.sum())}
+    q = int((c != r).nonzero()[0])
+    return {"status": FAIL, "num_bad": int((c != r).sum()),
+            "first_diff": {**slot_coordinates(case, q), "candidate": bool(c[q]),
+                           "reference": bool(r[q])},
+            "reason": f"aligned_loss_mask (which slots are trained) differs at "
+                      f"{int((c != r).sum())} slots: candidate trains {int(c.sum())}, reference "
+                      f"{int(r.sum())}"}
+
+
+def _compare_weights(case: Case, cand: SideOutputs, ref: SideOutputs, key: str,
+                     sup: torch.Tensor) -> dict[str, Any]:
+    term = key.split(".", 1)[1]
+    B = case.config.block_size
+    r = ref.tensors[key].reshape(-1)
+    out: dict[str, Any] = {"term": term, "reference_fit": fit_decay(r, sup, B)}
+    if key not in cand.tensors:
+        return {**out, "status": WARN, "reason": f"loss weights of {term!r} not provided"}
+    c = cand.tensors[key].reshape(-1)
+    if c.shape != r.shape:
+        return {**out, "status": FAIL, "reason": f"loss weights of {term!r} shape "
+                                                 f"{list(c.shape)} != reference {list(r.shape)}"}
+    out["candidate_fit"] = fit_decay(c, sup, B)
+    res = closeness(c[sup], r[sup], **tolerance(case))
+    out.update(max_abs=res.max_abs, max_rel=res.max_rel)
+    if res.ok:
+        return {**out, "status": PASS}
+    slots = sup.nonzero().squeeze(-1)
+    q = int(slots[res.first_bad[0]])
+    gc, gr = (out["candidate_fit"] or {}).get("gamma"), (out["reference_fit"] or {}).get("gamma")
+    implied = (f" (implied gamma: candidate {fmt_diff(gc) if gc else '-'}, reference "
+               f"{fmt_diff(gr) if gr else '-'})")
+    return {**out, "status": FAIL, "num_bad": res.num_bad,
+            "first_diff": {**slot_coordinates(case, q), "term": term,
+                           "candidate": float(c[q]), "reference": float(r[q])},
+            "reason": f"per-slot weights of {term!r} differ on {res.num_bad} supervised slots"
+                      + implied}
+
+
+def check_loss(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResult:
+    """Total loss (scalar, assert_close tolerance), the aligned loss mask (exact: which slots
+    are trained) and the per-position weights of every loss term on supervised slots, with the
+    decay gamma each side's weights imply (:func:`fit_decay`)."""
+    if "loss" not in ref.tensors:
+        return not_provided("loss", case, "loss", side="reference")
+    tol = tolerance(case)
+    sup = supervised_slots(case, ref)
+    parts: dict[str, Any] = {"aligned_loss_mask": _compare_mask(case, cand, ref)}
+    for key in sorted(k for k in ref.tensors if k.startswith("loss_weights.")):
+        parts[key] = _compare_weights(case, cand, ref, key, sup)
+    rl = float(ref.tensors["loss"])
+    if "loss" not in cand.tensors:
+        parts["total"] = {"status": WARN, "reason": "total loss not provided"}
+        cl = max_abs = max_rel = None
+    else:
+        cl = float(cand.tensors["loss"])
+        res = closeness(cand.tensors["loss"].reshape(()), ref.tensors["loss"].reshape(()), **tol)
+        max_abs, max_rel = res.max_abs, res.max_rel
+        parts["total"] = {"status": PASS if res.ok else FAIL, "candidate": cl, "reference": rl,
+                          "reason": f"total loss {cl:.6g} vs reference {rl:.6g}"}
+    status = worst(p["status"] for p in parts.values())
+    bad = [p for p in parts.values() if p["status"] == status and status != PASS]
+    fits = {k.split(".", 1)[1]: {"candidate": (p.get("candidate_fit") or {}).get("gamma"),
+                                 "reference": (p.get("reference_fit") or {}).get("gamma")}
+            for k, p in parts.items() if k.startswith("loss_weights.")}
+    if status == PASS:
+        summary = (f"loss {cl:.6g} matches ({int(sup.sum())} supervised slots, weights of "
+                   f"{len(fits)} term(s) equal)")
+    else:
+        summary = "; ".join(p["reason"] for p in bad)
+    first = next((p.get("first_diff") for p in bad if p.get("first_diff")), None)
+    return CheckResult("loss", case.name, status, summary, candidate=cl, reference=rl,
+                       tolerance=tol, max_abs_diff=max_abs, max_rel_diff=max_rel,
+                       first_diff=first, details={"parts": parts, "implied_gamma": fits})
+
+
+def aligned_mask_hypotheses(ev: Evidence) -> Iterator[tuple[str, torch.Tensor]]:
+    """loss_mask[a+s+d] (d = -1, 0, 1) x slot 0 (zeroed / kept) x anchor_valid (applied /
+    ignored), as [Q] bool."""
+    B, T = ev.config.block_size, ev.inputs["loss_mask"].shape[-1]
+    valid = ev.inputs["anchor_valid"].bool().repeat_interleave(B)
+    slot0 = torch.arange(ev.block_idx.numel()) % B == 0
+    zero0 = not ev.config.sample_from_anchor
+    for d, keep0, use_valid in itertools.product((0, 1, -1), (not zero0, zero0), (True, False)):
+        m = ev.inputs["loss_mask"][0, (ev.block_idx + d) % T].bool()
+        if use_valid:
+            m = m & valid
+        if not keep0:
+            m = m & ~slot0
+        causes = []
+        if keep0 and zero0:
+            causes.append("slot 0 (the anchor itself) not masked out of the loss")
+        if not keep0 and not zero0:
+            causes.append("slot 0 masked out although sample_from_anchor trains it")
+        if not use_valid:
+            causes.append("padding anchors (anchor_valid False) not masked out of the loss")
+        if d:
+            causes.append(f"loss mask misaligned: loss_mask[a+s{d:+d}] instead of loss_mask[a+s]")
+        if causes:
+            yield "; ".join(causes), m
+
+
+def diagnose_weights(ev: Evidence, part: dict[str, Any]) -> list[str]:
+    """Name a per-slot weight difference from the fitted decay of the candidate's weights."""
+    spec = ev.case.loss
+    fit = part.get("candidate_fit")
+    if not fit:
+        return []
+    if spec.weighting == "fixed-exp-decay" and not fit["constant_per_slot"]:
+        return ["per-slot weights vary between blocks (D-PACE-like) where the profile says "
+                "fixed-exp-decay"]
+    if spec.weighting == "dpace":
+        return (["fixed per-slot weights where the profile says D-PACE"]
+                if fit["constant_per_slot"] else [])
+    out = []
+    s0_ref = 0.0 if ev.config.sample_from_anchor else 1.0
+    w0 = fit.get("w0")
+    if not ev.config.sample_from_anchor and w0 is not None and w0 > 0:
+        out.append(f"slot 0 weighted (w_0 = {w0:.3g}; reference 0): the anchor slot is not "
+                   "masked out of the loss")
+    g, s0 = fit.get("gamma"), fit.get("offset")
+    if g is None:
+        return out
+    if abs(g - spec.gamma) > 1e-3 * spec.gamma:
+        out.append(f"decay gamma {g:.4g} (fitted from the weights: w_(s+1)/w_s = exp(-1/gamma)), "
+                   f"reference {spec.gamma:g}")
+    if abs(s0 - s0_ref) > 1e-3:
+        if abs(s0 - (s0_ref - 1)) <= 1e-3:
+            out.append(f"decay formula exp(-s/gamma) instead of exp(-(s-{s0_ref:g})/gamma)"
+                       if s0_ref else "decay formula exp(-(s+1)/gamma)")
+        elif abs(s0 - (s0_ref + 1)) <= 1e-3:
+            out.append(f"decay formula exp(-(s-{s0_ref + 1:g})/gamma) instead of "
+                       f"exp(-(s-{s0_ref:g})/gamma)")
+        else:
+            scale = math.exp((s0 - s0_ref) / g)
+            out.append(f"per-slot weights scaled by {scale:.4g} (e.g. normalised per block)")
+    return out
+
+
+def loss_formula_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict[str, float], str]]:
+    """(label, loss mix, denominator) for every single loss and the profile's mix, under the
+    token-count (reference), weight-sum and all-slot denominators; the reference first."""
+    profile = parse_loss(ev.case.loss.loss)
+    mixes = [("profile", profile)] + [(n, {n: 1.0}) for n in LOSSES if {n: 1.0} != profile]
+    for (name, mix), denom in itertools.product(mixes, ("tokens", "weights", "slots")):
+        yield name, mix, denom
+
+
+def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str,
+                   cache: dict[str, torch.Tensor] | None = None) -> float | None:
+    """The loss of the candidate's own logits / targets / aligned mask / weights under a mix
+    and a denominator (tokens: sum(m) + 1e-5; weights: sum(m*w); slots: Q). ``cache`` keeps
+    each divergence's elementwise values [1,Q] between calls."""
+    t = ev.cand.tensors
+    if "logits" not in t or "targets" not in t or t["logits"].shape != t["targets"].shape:
+        return None
+    cache = {} if cache is None else cache
+    m = t.get("aligned_loss_mask", ev.ref.tensors.get("aligned_loss_mask")).reshape(1, -1).float()
+    B, spec = ev.config.block_size, ev.case.loss
+    total = 0.0
+    own_weights = [v for k, v in t.items() if k.startswith("loss_weights.")]
+    for name, coef in mix.items():
+        if name not in cache:
+            cache[name] = LOSSES[name](t["logits"], t["targets"]) * m
+        el = cache[name]
+        if f"loss_weights.{name}" in t:
+            w = t[f"loss_weights.{name}"].reshape(1, -1)
+        elif own_weights and spec.weighting == "fixed-exp-decay":
+            w = own_weights[0].reshape(1, -1)
+        else:
+            w = slot_weights(LossSpec(name, spec.weighting, spec.gamma, spec.dpace_alpha), el, m,
+                             B, ev.config.sample_from_anchor)
+        d = {"tokens": m.sum() + LOSS_REDUCTION_EPS, "weights": (m * w).sum() + LOSS_REDUCTION_EPS,
+             "slots": torch.tensor(float(m.numel()))}[denom]
+        total += coef * float((el * w).sum() / d)
+    return total
+
+
+def diagnose_loss_total(ev: Evidence) -> list[str]:
+    """The loss formulas (:func:`loss_formula_hypotheses`) that reproduce the candidate's total
+    on its own tensors, the fewest deviations only."""
+    cl = float(ev.cand.tensors["loss"])
+    tol = ev.tol
+    found, cache = [], {}
+    for name, mix, denom in loss_formula_hypotheses(ev):
+        value = recompute_loss(ev, mix, denom, cache)
+        if value is None:
+            return []
+        if abs(value - cl) <= tol["atol"] + tol["rtol"] * abs(cl):
+            if name == "profile" and denom == "tokens":
+                upstream = follows_from("loss", ev)
+                why = f"; the difference {upstream}" if upstream else ""
+                return ["the candidate's loss formula conforms (the reference's formula on "
+                        "the candidate's own logits, targets, mask and weights reproduces its "
+                        "loss)" + why]
+            causes = []
+            if name != "profile":
+                hard = name == "ce" and "ce" not in parse_loss(ev.case.loss.loss)
+                causes.append(f"loss computed as {name!r} where the profile says "
+                              f"{ev.case.loss.loss!r}" + (" (hard-label CE instead of soft "
+                                                         "divergence)" if hard else ""))
+            if denom == "weights":
+                causes.append("loss normalised by the sum of weights instead of the number of "
+                              "supervised tokens")
+            elif denom == "slots":
+                causes.append("loss averaged over all Q slots instead of the supervised tokens")
+            found.append(causes)
+    # the fewest deviations that reproduce the loss: two losses can agree numerically on a
+    # case (rkl ~ kl_div near uniform targets), a second deviation is then not evidence
+    fewest = min(map(len, found), default=0)
+    return ["; ".join(causes) for causes in found if len(causes) == fewest]
+
+
+def diagnose_loss(ev: Evidence, result: CheckResult) -> list[str]:
+    """Causes of the failing loss parts: aligned mask, per-slot weights, total."""
+    parts = result.details.get("parts", {})
+    causes: list[str] = []
+    if parts.get("aligned_loss_mask", {}).get("status") == FAIL:
+        c = ev.cand.tensors["aligned_loss_mask"].reshape(-1).bool()
+        causes += [label for label, m in aligned_mask_hypotheses(ev) if torch.equal(m, c)][:1]
+    for key, part in parts.items():
+        if key.startswith("loss_weights.") and part.get("status") == FAIL:
+            causes += diagnose_weights(ev, part)
+    if parts.get("total", {}).get("status") == FAIL:
+        total = diagnose_loss_total(ev)
+        if causes and total and total[0].startswith("the candidate's loss formula conforms"):
+            total = []  # the named weight / mask cause already explains the total
+        causes += total
+    return list(dict.fromkeys(causes))

@@ -1,0 +1,206 @@
+"""The ``mask`` check: each layer type's [Q, T+Q] bool attention mask, one result per layer
+type, by exact equality on the rows of blocks with a supervised slot (other rows feed no
+trained logit).
+
+Hypotheses (the expected mask rebuilt with one rule changed, via ``dense_mask``) name: causal
+attention inside the block where the reference is bidirectional (or the reverse), the context
+rule kv <= anchor or kv < anchor - 1 instead of kv < anchor, the sliding window missing,
+applied in a full-attention layer or off by one, and cross-document leakage (document_ids not
+applied).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash_audit.audit.case import Case, SideOutputs
+from dflash_audit.audit.compare_tensors import not_provided
+from dflash_audit.audit.evidence import Evidence
+from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
+from dflash_audit.audit.slots import (
+    as_bool_mask,
+    reference_masks,
+    slot_coordinates,
+    supervised_rows,
+)
+from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash_audit.model.mask import dense_mask
+
+#: A sliding window wider than any packed row: dense_mask then builds a causal block with no
+#: window bound on the context.
+NO_WINDOW = 1 << 62
+
+
+def mask_coordinates(case: Case, q: int, kv: int) -> dict[str, Any]:
+    """Reference coordinates of mask entry (q, kv): the query's anchor / slot / document and
+    either the context position (kv < T) or the block key (anchor, slot) (kv >= T)."""
+    B = case.config.block_size
+    doc = case.inputs["document_ids"].reshape(-1)
+    T = doc.numel()
+    out: dict[str, Any] = slot_coordinates(case, q)
+    if kv < T:
+        out.update(kv_position=int(kv), kv_document=int(doc[kv]))
+    else:
+        kb, ks = divmod(int(kv) - T, B)
+        out.update(block_key={"anchor": kb, "slot": ks})
+    return out
+
+
+def check_mask(case: Case, cand: SideOutputs, ref: SideOutputs, layer_type: str
+               ) -> CheckResult:
+    """Exact equality of one layer type's [Q, T+Q] bool mask on the rows of blocks with a
+    supervised slot (other rows feed no trained logit: a difference there passes, noted)."""
+    name, key = "mask", f"mask.{layer_type}"
+    details: dict[str, Any] = {"layer_type": layer_type}
+    if key not in ref.tensors:
+        if layer_type not in case.config.effective_layer_types:
+            return CheckResult(name, case.name, WARN,
+                               f"the candidate returned a {layer_type} mask, but the profile has "
+                               f"no {layer_type} layer (see structure: layer_types)",
+                               details=details)
+        return not_provided(name, case, f"{layer_type} mask", side="reference", details=details)
+    if key not in cand.tensors:
+        return not_provided(name, case, f"{layer_type} mask", details=details)
+    c, r = as_bool_mask(cand.tensors[key]), as_bool_mask(ref.tensors[key])
+    if c.shape != r.shape:
+        return CheckResult(name, case.name, FAIL,
+                           f"{layer_type} mask shape {list(c.shape)} != reference {list(r.shape)}",
+                           candidate=list(c.shape), reference=list(r.shape), details=details)
+    rows = supervised_rows(case, ref)
+    differ = c != r
+    trained = differ & rows[:, None]
+    details.update(differing=int(differ.sum()), differing_on_supervised_rows=int(trained.sum()),
+                   extra_attention=int((trained & c).sum()),
+                   missing_attention=int((trained & r).sum()))
+    if not trained.any():
+        note = (f" ({int(differ.sum())} entries differ on blocks without supervised slots, "
+                "which cannot change training)") if differ.any() else ""
+        return CheckResult(name, case.name, PASS,
+                           f"{layer_type} masks equal on all {int(rows.sum())} trained rows{note}",
+                           details=details)
+    q, kv = (int(i) for i in trained.nonzero()[0])
+    first = {**mask_coordinates(case, q, kv), "layer_type": layer_type}
+    summary = (f"{layer_type} masks differ at {int(trained.sum())} entries of trained rows "
+               f"({details['extra_attention']} extra, {details['missing_attention']} missing "
+               f"attention); first at anchor {first['anchor']} slot {first['slot']} "
+               + (f"kv position {first['kv_position']}" if "kv_position" in first else
+                  f"block key {first['block_key']}"))
+    return CheckResult(name, case.name, FAIL, summary, candidate=bool(c[q, kv]),
+                       reference=bool(r[q, kv]), tolerance={"atol": 0.0, "rtol": 0.0},
+                       first_diff=first, details=details)
+
+
+def check_masks(case: Case, cand: SideOutputs, ref: SideOutputs) -> list[CheckResult]:
+    """:func:`check_mask` for every layer type of the profile (and any other either side
+    returned)."""
+    types = list(dict.fromkeys(case.config.effective_layer_types))
+    for side in (ref, cand):
+        types += [t for t in reference_masks(side) if t not in types]
+    return [check_mask(case, cand, ref, t) for t in types]
+
+
+@dataclass(frozen=True)
+class MaskHypothesis:
+    """Context part: kv < anchor + offset, window bound W (None: none), documents respected or
+    not. Block part: causal or bidirectional."""
+
+    offset: int = 0
+    window: int | None = None
+    documents: bool = True
+    causal_block: bool = False
+
+
+def expected_mask_hypothesis(case: Case, layer_type: str) -> MaskHypothesis:
+    """The reference's mask rule for one layer type (the hypothesis with no deviation)."""
+    c = case.config
+    sliding = layer_type == SLIDING_ATTENTION
+    return MaskHypothesis(0, c.sliding_window if sliding else None, True,
+                          sliding and not c.sliding_window_non_causal)
+
+
+def build_mask(case: Case, h: MaskHypothesis) -> torch.Tensor:
+    """[Q, T+Q] bool mask of hypothesis h, from :func:`dense_mask` with edited inputs/columns:
+    the context part from the window (and documents) of h, the block part from its block rule."""
+    B = case.config.block_size
+    doc = case.inputs["document_ids"].reshape(-1)
+    T = doc.numel()
+    a = case.inputs["anchor_positions"].long()
+    docs = doc if h.documents else torch.where(doc != -1, 0, -1)
+    base = dense_mask(docs, a, B, h.window)[:, :T]
+    block = dense_mask(docs, a, B, NO_WINDOW if h.causal_block else None)[:, T:]
+    q = torch.arange(base.shape[0])
+    qa = a.repeat_interleave(B)
+    if h.offset == 1:  # kv <= anchor
+        base[q, qa] |= docs[qa] != -1
+    elif h.offset == -1:  # kv < anchor - 1
+        keep = qa >= 1
+        base[q[keep], qa[keep] - 1] = False
+    return torch.cat([base, block], 1)
+
+
+def mask_hypotheses(case: Case, layer_type: str) -> Iterator[MaskHypothesis]:
+    """Block rule (causal / bidirectional) x context offset (<, <=, < a-1) x window (expected,
+    none, W-1, W+1, W) x documents (respected, ignored)."""
+    exp = expected_mask_hypothesis(case, layer_type)
+    W = case.config.sliding_window
+    windows = list(dict.fromkeys([exp.window, None] + ([W, W - 1, W + 1] if W else [])))
+    windows = [w for w in windows if w is None or w >= 0]
+    for causal, offset, window, docs in itertools.product(
+            (exp.causal_block, not exp.causal_block), (0, 1, -1), windows, (True, False)):
+        yield MaskHypothesis(offset, window, docs, causal)
+
+
+def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> list[str]:
+    """The named deviations of h from the layer type's expected mask."""
+    exp = expected_mask_hypothesis(case, layer_type)
+    out = []
+    if h.causal_block != exp.causal_block:
+        if h.causal_block:
+            why = ("full-attention layer" if layer_type == FULL_ATTENTION else
+                   "sliding layer with sliding_window_non_causal=True")
+            out.append(f"causal attention inside the block in a {why} (reference: "
+                       "bidirectional block)")
+        else:
+            out.append("bidirectional attention inside the block in a sliding layer (reference: "
+                       "causal, sliding_window_non_causal=False)")
+    if h.offset == 1:
+        out.append("context rule kv <= anchor (reference: kv < anchor): queries also see the "
+                   "context at their own anchor position")
+    elif h.offset == -1:
+        out.append("context rule kv < anchor - 1 (reference: kv < anchor): the position just "
+                   "before the anchor is hidden")
+    if h.window != exp.window:
+        if h.window is None:
+            out.append(f"sliding window missing (reference: kv >= anchor - {exp.window})")
+        elif exp.window is None:
+            out.append(f"a sliding window W={h.window} applied in a full-attention layer")
+        else:
+            out.append(f"window bound off by {h.window - exp.window:+d}: kv >= anchor - "
+                       f"{h.window} (reference W={exp.window})")
+    if not h.documents:
+        out.append("cross-document leakage: queries see context of other packed documents "
+                   "(document_ids not applied)")
+    return out
+
+
+def diagnose_mask(ev: Evidence, result: CheckResult) -> list[str]:
+    """The first mask hypothesis (:func:`mask_hypotheses`) equal to the candidate's mask on the
+    trained rows."""
+    layer_type = result.details.get("layer_type")
+    key = f"mask.{layer_type}"
+    if key not in ev.cand.tensors or key not in ev.ref.tensors:
+        return []
+    c = as_bool_mask(ev.cand.tensors[key])
+    if c.shape != as_bool_mask(ev.ref.tensors[key]).shape:
+        return [f"mask shape {list(c.shape)} (Q x T+Q expected {list(ev.ref.tensors[key].shape)})"]
+    rows = ev.rows
+    expected = expected_mask_hypothesis(ev.case, layer_type)
+    for h in mask_hypotheses(ev.case, layer_type):
+        if h != expected and torch.equal(build_mask(ev.case, h)[rows], c[rows]):
+            return describe_mask_hypothesis(ev.case, layer_type, h)
+    return []

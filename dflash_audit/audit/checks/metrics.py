@@ -1,0 +1,153 @@
+"""The ``metrics`` check: per-slot accuracy sums / totals, full accuracy, EAL and loss-valued
+metrics of both sides (tolerance: relative 1e-5).
+
+Never fails: metrics are logged, not trained on; it warns. Hypotheses name: acceptance-length
+definitions that differ (leading-run vs product-of-marginals, as the reference changed between
+versions), a metric the candidate computes differently from the reference's definition on its
+own logits, and metric values that follow from an upstream difference.
+"""
+
+from __future__ import annotations
+
+from dflash_audit.audit.case import Case, SideOutputs
+from dflash_audit.audit.compare_tensors import not_provided
+from dflash_audit.audit.evidence import Evidence, comma_list, follows_from
+from dflash_audit.audit.result import PASS, WARN, CheckResult
+from dflash_audit.audit.slots import supervised_slots
+from dflash_audit.audit.tolerance import closeness, tolerance
+from dflash_audit.model.metrics import EAL_DEFINITIONS, dflash_metrics
+
+
+def eal_value(metrics: dict[str, float]) -> float | None:
+    """A side's reported expected acceptance length: ``eal_sum / eal_total`` or ``eal``."""
+    if "eal_sum" in metrics and metrics.get("eal_total"):
+        return metrics["eal_sum"] / metrics["eal_total"]
+    return metrics.get("eal")
+
+
+def eal_definitions(side: SideOutputs, case: Case, value: float | None = None) -> list[str]:
+    """Which EAL definitions (:data:`EAL_DEFINITIONS`) reproduce a side's reported EAL from
+    its own logits, targets and aligned loss mask (empty when none does or data is missing)."""
+    value = eal_value(side.metrics) if value is None else value
+    t = side.tensors
+    if value is None or not {"logits", "targets", "aligned_loss_mask"} <= set(t):
+        return []
+    m = dflash_metrics(t["logits"], t["targets"], t["aligned_loss_mask"],
+                       case.config.block_size, case.config.sample_from_anchor)
+    computed = {"leading-run": m["eal_sum"] / m["eal_total"] if m["eal_total"] else None,
+                "product-of-marginals": m["eal_product"]}
+    return [name for name, v in computed.items()
+            if v is not None and abs(v - value) <= 1e-5 * max(1.0, abs(value))]
+
+
+def _count_keys(metrics: dict[str, float]) -> list[str]:
+    return [k for k in metrics if (k.startswith("position_") or k.startswith("full_acc"))]
+
+
+def check_metrics(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResult:
+    """Per-slot accuracy sums/totals, full accuracy, EAL and loss-valued metrics of both sides.
+
+    Metrics are logged, not trained on, so this never fails: it warns where values differ
+    (other than argmax near-ties of logits that agree within tolerance) and where the two
+    sides' EAL follows different definitions — which one each side's number matches is
+    detected from its own tensors and named (version-dependent: speculators 0.9.0 reports
+    "leading-run", main@c05b95b "product-of-marginals")."""
+    if not cand.metrics:
+        return not_provided("metrics", case, "metrics")
+    diffs, missing = {}, []
+    for k in sorted(set(_count_keys(ref.metrics)) | {"loss_sum"} |
+                    {k for k in ref.metrics if k.endswith("_loss_sum")}):
+        if k not in ref.metrics:
+            continue
+        c, r = cand.metrics.get(k), ref.metrics[k]
+        if c is None:
+            missing.append(k)
+        elif abs(c - r) > 1e-5 * max(1.0, abs(r)):
+            diffs[k] = {"candidate": c, "reference": r}
+    ce, re_ = eal_value(cand.metrics), eal_value(ref.metrics)
+    c_defs, r_defs = eal_definitions(cand, case, ce), eal_definitions(ref, case, re_)
+    details = {"eal": {"candidate": ce, "reference": re_, "candidate_definition": c_defs,
+                       "reference_definition": r_defs, "definitions": EAL_DEFINITIONS},
+               "differences": diffs}
+    reasons = []
+    if ce is not None and re_ is not None and c_defs and r_defs and not set(c_defs) & set(r_defs):
+        reasons.append(f"EAL definitions differ: candidate {c_defs[0]!r} "
+                       f"({EAL_DEFINITIONS[c_defs[0]]}) = {ce:.4g}, reference {r_defs[0]!r} "
+                       f"({EAL_DEFINITIONS[r_defs[0]]}) = {re_:.4g}")
+    elif ce is not None and re_ is not None and abs(ce - re_) > 1e-5 * max(1.0, abs(re_)):
+        diffs["eal"] = {"candidate": ce, "reference": re_}
+    elif re_ is not None and ce is None:
+        missing.append("eal")
+    details["not_provided"] = missing
+    value_diffs = {k: v for k, v in diffs.items() if k == "eal" or k in _count_keys(ref.metrics)}
+    if value_diffs and _near_ties_only(case, cand, ref):
+        details["near_ties"] = sorted(value_diffs)
+        for k in value_diffs:
+            diffs.pop(k)
+    if diffs:
+        shown = ", ".join(f"{k}: {v['candidate']} vs {v['reference']}"
+                          for k, v in list(diffs.items())[:4])
+        reasons.append(f"{len(diffs)} metric(s) differ ({shown})")
+    if missing:
+        reasons.append(f"not provided by the candidate: {', '.join(missing[:6])}"
+                       + (f" (+{len(missing) - 6} more)" if len(missing) > 6 else ""))
+    if not reasons:
+        note = (f"; differences only from argmax near-ties of logits equal within tolerance "
+                f"({', '.join(details['near_ties'])})") if details.get("near_ties") else ""
+        defs = f" (EAL definition: {r_defs[0]})" if r_defs else ""
+        return CheckResult("metrics", case.name, PASS, f"metrics agree{defs}{note}",
+                           candidate=ce, reference=re_, details=details)
+    first_key = next(iter(diffs), "eal" if c_defs != r_defs else None)
+    return CheckResult("metrics", case.name, WARN,
+                       "; ".join(reasons) + " (metrics do not change training)",
+                       candidate=ce, reference=re_,
+                       first_diff=({"metric": first_key, **diffs.get(first_key, {})}
+                                   if first_key else None),
+                       details=details)
+
+
+def _near_ties_only(case: Case, cand: SideOutputs, ref: SideOutputs) -> bool:
+    """Whether both sides' logits and targets agree within tolerance on supervised slots and
+    the candidate's metrics follow the reference's definitions on its own tensors — then any
+    remaining count difference comes from argmax near-ties."""
+    keys = ("logits", "targets", "aligned_loss_mask")
+    if not all(k in cand.tensors and k in ref.tensors for k in keys):
+        return False
+    sup = supervised_slots(case, ref)
+    tol = tolerance(case)
+    for k in ("logits", "targets"):
+        c, r = cand.tensors[k], ref.tensors[k]
+        if c.shape != r.shape or not closeness(c[:, sup], r[:, sup], **tol).ok:
+            return False
+    own = dflash_metrics(cand.tensors["logits"], cand.tensors["targets"],
+                         cand.tensors["aligned_loss_mask"], case.config.block_size,
+                         case.config.sample_from_anchor)
+    return all(abs(own[k] - cand.metrics[k]) <= 1e-6 for k in _count_keys(cand.metrics)
+               if k in own)
+
+
+def diagnose_metrics(ev: Evidence, result: CheckResult) -> list[str]:
+    """EAL definitions that differ, metrics computed differently, upstream differences."""
+    eal = result.details.get("eal", {})
+    out = []
+    cd, rd = eal.get("candidate_definition") or [], eal.get("reference_definition") or []
+    if cd and rd and not set(cd) & set(rd):
+        out.append(f"acceptance-length definitions differ: the candidate's EAL is {cd[0]!r} "
+                   f"({EAL_DEFINITIONS[cd[0]]}), the reference's {rd[0]!r} "
+                   f"({EAL_DEFINITIONS[rd[0]]}); the reference changed definitions between "
+                   "versions (0.9.0: leading-run, main@c05b95b: product-of-marginals)")
+    t = ev.cand.tensors
+    if {"logits", "targets", "aligned_loss_mask"} <= set(t):
+        own = dflash_metrics(t["logits"], t["targets"], t["aligned_loss_mask"],
+                             ev.config.block_size, ev.config.sample_from_anchor)
+        odd = [k for k in result.details.get("differences", {})
+               if k in own and k in ev.cand.metrics and abs(own[k] - ev.cand.metrics[k]) > 1e-6]
+        if odd:
+            out.append(f"the candidate computes {comma_list(odd)} differently: the reference's "
+                       f"definition on its own logits gives "
+                       + ", ".join(f"{k}={own[k]:g} (reported {ev.cand.metrics[k]:g})"
+                                   for k in odd[:3]))
+    upstream = follows_from("metrics", ev)
+    if upstream and result.details.get("differences"):
+        out.append(f"metric values {upstream.replace('follows', 'follow')}")
+    return out

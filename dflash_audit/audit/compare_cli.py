@@ -1,0 +1,99 @@
+"""The ``dflash-audit compare`` command: its options and its exit code (0 pass, 1 a
+conformance failure, 2 a usage or setup error); the work is
+:func:`dflash_audit.audit.compare.run_compare`."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dflash_audit.audit.compare import (
+    DEFAULT_ANCHORS,
+    DEFAULT_CASES,
+    DEFAULT_DATA,
+    DEFAULT_PROFILE,
+    DEFAULT_ROWS,
+    DEFAULT_SEED,
+    DEFAULT_SEQ_LEN,
+    DEFAULT_VERIFIER,
+    CompareOptions,
+    run_compare,
+)
+from dflash_audit.audit.setup_error import EXIT_SETUP, CompareSetupError
+
+
+def compare_command(
+    ref: Annotated[Optional[str], typer.Option(  # noqa: UP007 (typer needs Optional)
+        help="Reference: speculators@<branch|tag|sha> (git clone), speculators==X.Y.Z "
+             "(release from the package index) or path:DIR. Default: reference/speculators.lock."
+    )] = None,
+    ref_url: Annotated[Optional[str], typer.Option(  # noqa: UP007
+        help="Git URL (or local path / file://) for speculators@<ref>; also "
+             "$DFLASH_AUDIT_REF_URL. Default: https://github.com/vllm-project/speculators.")
+    ] = None,
+    candidate: Annotated[Optional[str], typer.Option(  # noqa: UP007
+        help="module:attr or path/to/file.py:attr (an object with run_case, or a factory). "
+             "Default: dflash-audit's own drafter.")] = None,
+    profile: Annotated[str, typer.Option(
+        help="Built-in profile (reference-model, reference-train-cli, zlab) or a TOML file.")
+    ] = DEFAULT_PROFILE,
+    cases: Annotated[int, typer.Option(help="Number of synthetic cases (seeded spread).")
+                     ] = DEFAULT_CASES,
+    verifier: Annotated[str, typer.Option(
+        help="'smollm2-135m' or a local Hugging Face causal-LM folder.")] = DEFAULT_VERIFIER,
+    data: Annotated[str, typer.Option(help="'chitchat' or a .jsonl conversation file.")
+                    ] = DEFAULT_DATA,
+    seq_len: Annotated[int, typer.Option(help="T, tokens per real packed row.")
+                       ] = DEFAULT_SEQ_LEN,
+    rows: Annotated[int, typer.Option(help="Real packed rows (0: synthetic cases only).")
+                    ] = DEFAULT_ROWS,
+    anchors: Annotated[int, typer.Option(
+        help="Anchor slots A per real case (capped by the profile's max_anchors).")
+    ] = DEFAULT_ANCHORS,
+    seed: Annotated[int, typer.Option(help="Seeds data order, weights, anchors, cases.")
+                    ] = DEFAULT_SEED,
+    out: Annotated[Path, typer.Option(help="Folder that receives <UTC time>-<ref id>/.")
+                   ] = Path("reports"),
+    offline: Annotated[bool, typer.Option(
+        help="Never contact a git remote or the package index (use caches).")] = False,
+) -> None:
+    """Audit a DFlash drafter against the real reference; write reports/<time>-<ref>/.
+
+    Exit code 0: conformant; 1: a check failed; 2: a usage or setup error.
+    """
+    opts = CompareOptions(ref=ref, ref_url=ref_url, candidate=candidate, profile=profile,
+                          cases=cases, verifier=verifier, data=data, seq_len=seq_len,
+                          rows=rows, anchors=anchors, seed=seed, out=out, offline=offline)
+    raise typer.Exit(main(opts))
+
+
+def main(opts: CompareOptions) -> int:
+    """Run :func:`run_compare`, print the verdict and the report folder; returns the exit
+    code. Setup errors print one message (no traceback) and return 2; an internal error
+    prints its traceback and returns 2 too (1 is reserved for conformance failures)."""
+    try:
+        outcome = run_compare(opts)
+    except CompareSetupError as exc:
+        print(f"dflash-audit compare: error: {exc}", file=sys.stderr)
+        return EXIT_SETUP
+    except KeyboardInterrupt:
+        print("dflash-audit compare: interrupted", file=sys.stderr)
+        return 130
+    except Exception:  # noqa: BLE001 - a bug of dflash-audit, not of the candidate
+        traceback.print_exc()
+        print("dflash-audit compare: internal error (a bug in dflash-audit; please report the "
+              "traceback above)", file=sys.stderr)
+        return EXIT_SETUP
+    report = outcome.report
+    checks = report.checks()
+    failed = [c["name"] for c in checks if c["status"] == "fail"]
+    line = (f"verdict: {report.verdict.upper()} ({len(report.cases)} cases, {len(checks)} "
+            f"checks{', failing: ' + ', '.join(failed) if failed else ''}) in "
+            f"{report.timing.get('total', 0.0):.1f} s")
+    print(line)
+    print(f"report: {outcome.folder}")
+    return outcome.exit_code

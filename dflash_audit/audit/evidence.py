@@ -1,0 +1,121 @@
+"""What every diagnosis shares: the case's :class:`Evidence`, the hypothesis search (a cheap
+sample first, then a confirmation), which checks a check's values depend on (``follows from the
+X difference``) and the fallback "unexplained difference".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from dflash_audit.audit.case import Case, SideOutputs
+from dflash_audit.audit.result import CheckResult
+from dflash_audit.audit.slots import supervised_rows, supervised_slots
+from dflash_audit.audit.tolerance import closeness, tolerance
+from dflash_audit.model.drafter import block_indices
+
+#: A hypothesis search first compares on SEARCH_SAMPLE slots / positions (and SEARCH_VOCAB
+#: vocabulary columns), then confirms a match on up to CONFIRM_SAMPLE slots, every column:
+#: cheap on real verifiers (V = 49152) and still exact where it matters.
+SEARCH_SAMPLE, SEARCH_VOCAB, CONFIRM_SAMPLE = 8, 256, 512
+#: Which checks a check's values depend on.
+UPSTREAM: dict[str, tuple[str, ...]] = {
+    "logits": ("structure", "context", "mask"),
+    "loss": ("structure", "context", "mask", "targets", "logits"),
+    "gradients": ("structure", "context", "mask", "targets", "logits", "loss"),
+    "metrics": ("targets", "logits", "loss"),
+}
+
+
+@dataclass
+class Evidence:
+    """One case's inputs and both sides' outputs, with the derived quantities diagnoses share."""
+
+    case: Case
+    cand: SideOutputs
+    ref: SideOutputs
+    failing: set[str] = field(default_factory=set)
+
+    @cached_property
+    def tol(self) -> dict[str, float]:
+        return tolerance(self.case)
+
+    @cached_property
+    def sup(self) -> torch.Tensor:  # [Q] bool
+        return supervised_slots(self.case, self.ref)
+
+    @cached_property
+    def rows(self) -> torch.Tensor:  # [Q] bool
+        return supervised_rows(self.case, self.ref)
+
+    @property
+    def config(self):
+        return self.case.config
+
+    @property
+    def inputs(self) -> dict[str, torch.Tensor]:
+        return self.case.inputs
+
+    @cached_property
+    def block_idx(self) -> torch.Tensor:  # [Q] a_j + s
+        return block_indices(self.inputs["anchor_positions"].long(), self.config.block_size)
+
+    def close(self, cand: torch.Tensor, predicted: torch.Tensor,
+              tol: dict[str, float] | None = None) -> bool:
+        return cand.shape == predicted.shape and closeness(cand, predicted,
+                                                           **(tol or self.tol)).ok
+
+
+def sample(indices: torch.Tensor, k: int = SEARCH_SAMPLE) -> torch.Tensor:
+    """Up to k evenly spread entries of a 1-D index tensor."""
+    if indices.numel() <= k:
+        return indices
+    return indices[torch.linspace(0, indices.numel() - 1, k).round().long()]
+
+
+def comma_list(items) -> str:
+    """``a, b, c``."""
+    return ", ".join(str(i) for i in items)
+
+
+def and_list(items) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def follows_from(check: str, ev: Evidence) -> str | None:
+    """"follows from the X and Y difference" for the failing checks upstream of ``check``."""
+    upstream = [u for u in UPSTREAM.get(check, ()) if u in ev.failing]
+    return f"follows from the {and_list(upstream)} difference" if upstream else None
+
+
+def search_hypotheses(ev: Evidence, hypotheses,
+                      predict: Callable[[Any, Any], torch.Tensor],
+                      observed: Callable[[Any], torch.Tensor], stages: list) -> list:
+    """Hypotheses whose prediction ``predict(h, selection)`` matches ``observed(selection)``
+    within tolerance at every stage (cheap selections first)."""
+    return [h for h in hypotheses
+            if all(ev.close(observed(sel), predict(h, sel)) for sel in stages)]
+
+
+def vocab_sample(size: int, k: int = SEARCH_VOCAB) -> torch.Tensor | None:
+    """k evenly spread vocabulary columns, or None (all) for a small vocabulary."""
+    return None if size <= k else torch.linspace(0, size - 1, k).round().long()
+
+
+def unexplained(result: CheckResult) -> str:
+    """The fallback cause, with the numbers."""
+    nums = []
+    if result.max_abs_diff is not None:
+        nums.append(f"max abs {result.max_abs_diff:.3g}")
+    if result.max_rel_diff is not None:
+        nums.append(f"max rel {result.max_rel_diff:.3g}")
+    if result.first_diff:
+        nums.append("first at " + ", ".join(f"{k} {v}" for k, v in result.first_diff.items()))
+    return (f"unexplained difference in {result.name}: no tested hypothesis reproduces the "
+            f"candidate ({'; '.join(nums) or result.summary})")

@@ -1,0 +1,79 @@
+"""Tolerances and closeness: how two float tensors are compared.
+
+``|c - r| <= atol + rtol * |r|`` (``torch.testing.assert_close``-style) with ``atol`` / ``rtol``
+from :data:`TOLERANCES`, keyed by the dtype the case runs in; plus the severity order of
+statuses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dflash_audit.audit.case import Case
+from dflash_audit.audit.result import FAIL, PASS, WARN
+
+#: assert_close-style tolerances per dtype the case runs in. fp32 on CPU is bit-reproducible
+#: up to reduction order across two implementations of the same math (DESIGN.md sec. 3).
+TOLERANCES: dict[torch.dtype, dict[str, float]] = {
+    torch.float64: {"atol": 1e-7, "rtol": 1e-7},
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 1e-3, "rtol": 1e-3},
+    torch.bfloat16: {"atol": 1e-2, "rtol": 1.6e-2},
+}
+STATUS_ORDER = {PASS: 0, WARN: 1, FAIL: 2}
+
+
+def worst(statuses) -> str:
+    """The most severe of some statuses (fail > warn > pass); pass when empty."""
+    return max(statuses, key=STATUS_ORDER.__getitem__, default=PASS)
+
+
+def run_dtype(case: Case) -> torch.dtype:
+    """The dtype the case runs in: that of ``fc.weight`` (else of ``hidden_states``)."""
+    t = case.weights.get("fc.weight", case.inputs.get("hidden_states"))
+    return t.dtype if t is not None else torch.float32
+
+
+def tolerance(case: Case) -> dict[str, float]:
+    """``{"atol", "rtol"}`` for the case's dtype (fp32's when the dtype is not in the table)."""
+    return dict(TOLERANCES.get(run_dtype(case), TOLERANCES[torch.float32]))
+
+
+@dataclass
+class Closeness:
+    """Elementwise comparison ``|c - r| <= atol + rtol * |r|`` (non-finite values never close)."""
+
+    ok: bool
+    max_abs: float
+    max_rel: float
+    num_bad: int
+    first_bad: tuple[int, ...] | None  # index into the compared tensors
+
+
+def closeness(cand: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> Closeness:
+    """Compare two same-shape tensors (any float dtype; computed in fp32 or fp64)."""
+    dtype = torch.float64 if torch.float64 in (cand.dtype, ref.dtype) else torch.float32
+    c, r = cand.detach().to(dtype), ref.detach().to(dtype)
+    if c.numel() == 0:
+        return Closeness(True, 0.0, 0.0, 0, None)
+    diff = (c - r).abs()  # NaN where either side is NaN
+    r_abs = r.abs()
+    bad = ~(diff <= atol + rtol * r_abs)  # NaN -> bad
+    max_abs = float(diff.max())
+    max_rel = float((diff / r_abs.clamp_min(torch.finfo(dtype).tiny)).max())
+    if math.isnan(max_abs) or math.isnan(max_rel):
+        max_abs = max_rel = math.inf
+    num_bad = int(bad.sum())
+    first = None
+    if num_bad:
+        flat = int(bad.reshape(-1).to(torch.uint8).argmax())  # first True
+        first = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), bad.shape))
+    return Closeness(num_bad == 0, max_abs, max_rel, num_bad, first)
+
+
+def fmt_diff(x: float) -> str:
+    """A difference or tolerance for a summary: 3 significant digits."""
+    return f"{x:.3g}"

@@ -1,0 +1,260 @@
+"""Running the reference: ``python reference/adapter.py ...`` in a subprocess against the resolved
+source, and the errors it raises (read from the adapter's ``error.json`` or its stderr)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from dflash_audit.reference_source.identity import (
+    PACKAGE,
+    SOURCE_ENV,
+    ReferenceIdentity,
+    ReferenceSourceError,
+    adapter_path,
+)
+
+#: Import name -> pip requirement, for modules the reference imports at import time.
+PIP_NAMES: dict[str, str] = {
+    "hs_connectors": "hs-connectors",
+    "pydantic_settings": "pydantic-settings",
+    "pydantic": "pydantic",
+    "loguru": "loguru",
+    "openai": "openai",
+    "datasets": "datasets<=5.1",
+    "transformers": "transformers",
+    "torch": "torch",
+    "safetensors": "safetensors",
+    "huggingface_hub": "huggingface-hub",
+    "yaml": "pyyaml",
+    "google": "protobuf",
+    "PIL": "pillow",
+    "sklearn": "scikit-learn",
+    "aiohttp": "aiohttp",
+    "httpx": "httpx",
+    "psutil": "psutil",
+    "tqdm": "tqdm",
+    "click": "click",
+    "numpy": "numpy",
+    "typer": "typer",
+    "rich": "rich",
+}
+
+
+class ReferenceRunError(ReferenceSourceError):
+    """The reference process failed. ``returncode``/``stderr_tail`` carry what it said."""
+
+    def __init__(self, message: str, *, returncode: int | None = None, stderr_tail: str = ""):
+        super().__init__(message)
+        self.returncode = returncode
+        self.stderr_tail = stderr_tail
+
+
+class ReferenceMissingDependencyError(ReferenceRunError):
+    """The reference cannot be imported: modules are missing. ``missing`` lists them and
+    ``install_command`` is the command that installs them."""
+
+    def __init__(self, message: str, *, missing: list[str], install_command: str, **kw: Any):
+        super().__init__(message, **kw)
+        self.missing = missing
+        self.install_command = install_command
+
+
+class ReferenceApiMismatchError(ReferenceRunError):
+    """The reference at this ref lacks a function/attribute/module the adapter needs."""
+
+
+class ReferenceWrongSourceError(ReferenceRunError):
+    """``speculators`` was imported from somewhere other than the resolved source tree."""
+
+
+class ReferenceTimeoutError(ReferenceRunError):
+    """The reference process ran past its time limit and was killed."""
+
+
+# --- identity ---------------------------------------------------------------------------------
+
+@dataclass
+class ReferenceRun:
+    """A finished (successful) reference process."""
+
+    command: list[str]
+    workdir: Path
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_s: float
+
+
+def reference_env(
+    identity: ReferenceIdentity, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """Environment for a reference subprocess: ``<source>/src`` prepended to PYTHONPATH and
+    ``$DFLASH_AUDIT_REFERENCE_SOURCE`` set to it."""
+    env = dict(os.environ if base is None else base)
+    src = str(identity.src_dir)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    env[SOURCE_ENV] = src
+    return env
+
+
+def install_command(modules: Iterable[str]) -> str:
+    """The command that installs the pip packages providing ``modules`` (import names)."""
+    pkgs = []
+    for mod in modules:
+        top = mod.split(".")[0]
+        pkg = PIP_NAMES.get(top, top.replace("_", "-"))
+        if pkg not in pkgs:
+            pkgs.append(pkg)
+    return f"{shlex.quote(sys.executable)} -m pip install " + " ".join(map(shlex.quote, pkgs))
+
+
+_MISSING_RE = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
+
+
+def _missing_modules(stderr: str) -> list[str]:
+    return list(dict.fromkeys(_MISSING_RE.findall(stderr)))
+
+
+def _tail(text: str, lines: int = 25) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _missing_dependency_error(
+    identity: ReferenceIdentity, missing: list[str], returncode: int | None, stderr: str
+) -> ReferenceRunError:
+    """Missing modules -> ReferenceMissingDependencyError, or ReferenceApiMismatchError when the
+    missing module is part of speculators itself (this ref's layout is not supported)."""
+    own = [m for m in missing if m == PACKAGE or m.startswith(PACKAGE + ".")]
+    if own:
+        return ReferenceApiMismatchError(
+            f"the reference at {identity.spec} has no module {own[0]}; this ref's API is not "
+            "supported by the adapter. Use a ref the adapter knows (e.g. speculators==0.9.0).",
+            returncode=returncode, stderr_tail=_tail(stderr),
+        )
+    cmd = install_command(missing)
+    return ReferenceMissingDependencyError(
+        f"the reference ({identity.spec}) cannot be imported: missing module(s) "
+        f"{', '.join(missing)}. Install them into the interpreter that runs it:\n  {cmd}",
+        missing=missing, install_command=cmd, returncode=returncode, stderr_tail=_tail(stderr),
+    )
+
+
+def _error_from_json(
+    identity: ReferenceIdentity, err: dict[str, Any], returncode: int, stderr: str
+) -> ReferenceRunError:
+    kind = err.get("kind", "error")
+    message = str(err.get("message", "")).strip()
+    tail = _tail(stderr)
+    if kind == "missing_dependency":
+        missing = [str(m) for m in err.get("missing") or []] or _missing_modules(stderr)
+        return _missing_dependency_error(identity, missing or ["<unknown>"], returncode, stderr)
+    if kind == "api_mismatch":
+        return ReferenceApiMismatchError(
+            f"the reference at {identity.spec} ({identity.short_id}) lacks what the adapter "
+            f"needs: {message}. This ref's API is not supported by the adapter; use a ref it "
+            "knows (e.g. speculators==0.9.0).",
+            returncode=returncode, stderr_tail=tail,
+        )
+    if kind == "wrong_source":
+        return ReferenceWrongSourceError(
+            f"the reference process imported speculators from the wrong place: {message}. "
+            f"Expected a module under {identity.src_dir}; uninstall other copies of speculators "
+            "(`pip uninstall speculators`) or remove them from PYTHONPATH.",
+            returncode=returncode, stderr_tail=tail,
+        )
+    return ReferenceRunError(
+        f"the reference process failed (exit {returncode}): {message}"
+        f"\n--- stderr (tail) ---\n{tail}",
+        returncode=returncode, stderr_tail=tail,
+    )
+
+
+def _error_files(workdir: Path, adapter_args: list[str]) -> list[Path]:
+    """Where the adapter may write error.json: the workdir, then argument directories."""
+    dirs = [workdir] + [Path(a) for a in map(str, adapter_args) if Path(a).is_dir()]
+    return list(dict.fromkeys(d.resolve() / "error.json" for d in dirs))
+
+
+def run_reference(
+    identity: ReferenceIdentity,
+    adapter_args: list[str],
+    workdir: Path,
+    timeout_s: float,
+    *,
+    adapter: Path | None = None,
+) -> ReferenceRun:
+    """Run ``python reference/adapter.py <adapter_args>`` against the resolved source.
+
+    The process gets ``PYTHONPATH=<source>/src:...``, ``$DFLASH_AUDIT_REFERENCE_SOURCE`` and
+    ``cwd=workdir``. Exit code 0 is success; on failure the adapter writes ``error.json`` =
+    {"kind", "message", "missing"} into ``workdir`` or into a directory named by an adapter
+    argument (e.g. its CASES_DIR); stale ones are removed before the run.
+
+    Args:
+        adapter: the script to run (default :func:`adapter_path`); injectable for tests.
+
+    Raises:
+        ReferenceSourceError: the adapter script is absent.
+        ReferenceMissingDependencyError: modules are missing (lists them and the install command).
+        ReferenceApiMismatchError: the reference lacks a function/attribute the adapter needs.
+        ReferenceWrongSourceError: speculators was imported from outside the resolved source.
+        ReferenceTimeoutError: it ran past ``timeout_s``.
+        ReferenceRunError: any other failure (with the tail of stderr).
+    """
+    script = Path(adapter) if adapter is not None else adapter_path()
+    if not script.is_file():
+        raise ReferenceSourceError(f"the reference adapter {script} does not exist.")
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    error_files = _error_files(workdir, adapter_args)
+    for path in error_files:
+        path.unlink(missing_ok=True)
+    cmd = [sys.executable, str(script), *map(str, adapter_args)]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=workdir, env=reference_env(identity), capture_output=True, text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired as exc:
+        stderr = exc.stderr or ""
+        if isinstance(stderr, bytes):
+            stderr = stderr.decode(errors="replace")
+        raise ReferenceTimeoutError(
+            f"the reference process ({identity.spec}) did not finish within {timeout_s:g} s and "
+            f"was killed. Raise the timeout or use a smaller batch.\n{_tail(stderr)}",
+            stderr_tail=_tail(stderr),
+        ) from exc
+    wall = time.monotonic() - start
+    if proc.returncode == 0:
+        return ReferenceRun(cmd, workdir, 0, proc.stdout, proc.stderr, wall)
+    error_file = next((p for p in error_files if p.is_file()), None)
+    if error_file is not None:
+        try:
+            err = json.loads(error_file.read_text())
+            if not isinstance(err, dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            raise ReferenceRunError(
+                f"the reference process failed (exit {proc.returncode}) and wrote an unreadable "
+                f"{error_file} ({exc}).\n--- stderr (tail) ---\n{_tail(proc.stderr)}",
+                returncode=proc.returncode, stderr_tail=_tail(proc.stderr),
+            ) from exc
+        raise _error_from_json(identity, err, proc.returncode, proc.stderr)
+    missing = _missing_modules(proc.stderr)
+    if missing:
+        raise _missing_dependency_error(identity, missing, proc.returncode, proc.stderr)
+    raise ReferenceRunError(
+        f"the reference process failed (exit {proc.returncode}) without writing error.json."
+        f"\n--- stderr (tail) ---\n{_tail(proc.stderr)}",
+        returncode=proc.returncode, stderr_tail=_tail(proc.stderr),
+    )

@@ -1,0 +1,158 @@
+"""``speculators==X.Y.Z``: the release's source distribution from the package index (pip),
+verified against the lock's sha256 and cached by sha256."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from dflash_audit.reference_source.identity import (
+    PACKAGE,
+    ReferenceIdentity,
+    ReferenceLock,
+    ReferenceResolutionError,
+    _now,
+    _require_dflash,
+    load_lock,
+    missing_dflash_paths,
+    read_version,
+)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _cached_sdist(root: Path, sha256: str) -> Path | None:
+    """The extracted tree of a cached sdist whose tarball still has ``sha256``, else None."""
+    entry = root / "sdist" / sha256
+    tree = entry / "tree"
+    archives = [p for p in entry.glob("*") if p.is_file() and p.name != "meta.json"]
+    if tree.is_dir() and len(archives) == 1 and _sha256(archives[0]) == sha256:
+        return tree
+    return None
+
+
+def _pip_download(version: str, dest: Path) -> Path:
+    """Download ``speculators==version``'s sdist into ``dest`` with pip; returns the file.
+
+    Raises:
+        ReferenceResolutionError: pip failed or produced no single archive.
+    """
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        "--no-input", "--disable-pip-version-check", f"{PACKAGE}=={version}", "-d", str(dest),
+    ]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired as exc:
+        raise ReferenceResolutionError(
+            f"`{shlex.join(cmd)}` did not finish in 900 s (package index unreachable?). "
+            "Use --ref path:DIR or --ref speculators@<ref> instead."
+        ) from exc
+    archives = [p for p in dest.iterdir() if p.name.endswith((".tar.gz", ".zip"))]
+    if proc.returncode != 0 or len(archives) != 1:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
+        raise ReferenceResolutionError(
+            f"downloading the {PACKAGE} {version} source distribution failed "
+            f"(`{shlex.join(cmd)}` exit {proc.returncode}):\n{tail}\nCheck that version "
+            f"{version} exists on the package index and that the index is reachable, or use "
+            "--ref speculators@<tag> (git) or --ref path:DIR."
+        )
+    return archives[0]
+
+
+def _extract(archive: Path, dest: Path) -> Path:
+    """Extract an sdist into ``dest``; returns its single top-level folder."""
+    with tarfile.open(archive) as tar:
+        tar.extractall(dest, filter="data")
+    tops = [p for p in dest.iterdir() if p.is_dir()]
+    if len(tops) != 1:
+        raise ReferenceResolutionError(
+            f"the sdist {archive.name} does not unpack into one folder (found {len(tops)})."
+        )
+    return tops[0]
+
+
+def _resolve_sdist(
+    spec: str, version: str, root: Path, lock: ReferenceLock | None, offline: bool
+) -> ReferenceIdentity:
+    if lock is None:
+        try:
+            lock = load_lock()
+        except ReferenceResolutionError:
+            lock = None
+    expected = lock.sdist_sha256 if lock and lock.version == version else None
+    index = root / "sdist" / "index" / f"{version}.json"
+    known = json.loads(index.read_text())["sha256"] if index.is_file() else None
+    sha = expected or known
+    # a cached entry counts only if it agrees with the lock; otherwise download and compare
+    trusted = expected is None or known in (None, expected)
+    tree = _cached_sdist(root, sha) if sha and trusted else None
+    if tree is None:
+        if offline:
+            raise ReferenceResolutionError(
+                f"offline, and {spec} is not in the cache ({root / 'sdist'})."
+            )
+        tree, sha = _download_sdist(version, root, expected)
+        index.parent.mkdir(parents=True, exist_ok=True)
+        index.write_text(json.dumps({"sha256": sha, "resolved_at": _now()}))
+    _require_dflash(missing_dflash_paths(tree), f"the {spec} source distribution")
+    archive = next(p for p in tree.parent.glob("*") if p.is_file() and p.name != "meta.json")
+    return ReferenceIdentity(
+        kind="sdist",
+        spec=spec,
+        source_dir=tree,
+        short_id=sha[:12],
+        resolved_at=_now(),
+        ref=version,
+        sdist_sha256=sha,
+        sdist_filename=archive.name,
+        version=read_version(tree) or version,
+    )
+
+
+def _download_sdist(version: str, root: Path, expected: str | None) -> tuple[Path, str]:
+    """Download, verify and extract; returns (tree, sha256).
+
+    Raises:
+        ReferenceResolutionError: download failed or the sha256 differs from ``expected``.
+    """
+    tmp_base = root / "tmp"
+    tmp_base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="sdist-", dir=tmp_base))
+    try:
+        archive = _pip_download(version, tmp / "download")
+        sha = _sha256(archive)
+        if expected is not None and sha != expected:
+            raise ReferenceResolutionError(
+                f"sha256 mismatch for {archive.name}: the lock says {expected}, the package "
+                f"index served {sha}. Refusing to use it. If the release was re-published on "
+                "purpose, update reference/speculators.lock; otherwise check the index you use."
+            )
+        entry = root / "sdist" / sha
+        if _cached_sdist(root, sha) is None:
+            shutil.rmtree(entry, ignore_errors=True)
+            staging = tmp / "entry"
+            staging.mkdir()
+            shutil.move(str(archive), staging / archive.name)
+            _extract(staging / archive.name, tmp / "x").rename(staging / "tree")
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                staging.rename(entry)
+            except OSError:  # made by another process meanwhile
+                pass
+        return entry / "tree", sha
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
