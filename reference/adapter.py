@@ -20,6 +20,15 @@ outputs.json: metrics (floats), structure (config, fc shape, state-dict keys/sha
     defaults of the reference's API, identity (version, module file).
 
 On failure writes CASES_DIR/error.json {"kind", "message", "missing"} and exits 3.
+
+Derivation mode: ``python reference/adapter.py --derive VERIFIER_DIR OUT.json [NUM_LAYERS
+[SLIDING_WINDOW [FULL_ATTENTION_INDICES]]]`` (defaults 1, 2048, "0": one full-attention
+layer; indices comma-separated, "" for every layer sliding). Runs the reference's own
+drafter-config derivation on the verifier config in VERIFIER_DIR/config.json (the training
+CLI's ``create_transformer_layer_config``, ``resolve_target_layer_ids``,
+``get_target_vocab_size``, and the model's ``flatten_rope_parameters``, rotary embedding and
+``resolve_verifier_norm_class``) and writes one flat JSON dict of fields (see
+:func:`derive`). Exits 3 with the error in OUT.json ({"error": ...}) on failure.
 """
 
 from __future__ import annotations
@@ -277,7 +286,104 @@ def run_case(case: Path, core, resolve_loss_config) -> None:
     }, indent=1, sort_keys=True))
 
 
+def derive(verifier_dir: str, num_layers: int = 1, sliding_window: int = 2048,
+           full_attention_indices: tuple[int, ...] = (0,)) -> dict:
+    """The drafter config the reference derives from a verifier config, as a flat dict.
+
+    Keys: hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
+    rms_norm_eps, hidden_act, attention_bias, max_position_embeddings, tie_word_embeddings,
+    vocab_size (verifier vocab), target_vocab_size, layer_types, sliding_window,
+    rope_theta / rope_type / rope_partial_rotary_factor / rope_scaling (what the draft
+    model's rotary embedding is built from, after ``flatten_rope_parameters``), rotary_dim
+    (features per head the model rotates: 2 * len(inv_freq)), rope_attention_scaling,
+    verifier_norm ("x*(1+w)" or "x*w"), default_target_layer_ids, mask_token_id (None when
+    the verifier folder has no tokenizer), saved.<key> for every key of the
+    transformer_layer_config the reference writes into a checkpoint's config.json.
+    """
+    import warnings
+    from types import SimpleNamespace
+
+    from speculators.models.utils import (
+        flatten_rope_parameters, resolve_target_layer_ids, resolve_verifier_norm_class)
+    from speculators.train import cli
+    from speculators.train.vocab_mapping import get_target_vocab_size
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tl = cli.create_transformer_layer_config(
+            verifier_dir, num_layers, "qwen3", None, sliding_window,
+            list(full_attention_indices))
+        ids = resolve_target_layer_ids(None, verifier_dir)
+    flat = flatten_rope_parameters(tl)
+    rotary = Qwen3RotaryEmbedding(flat)
+    rope = dict(flat.rope_parameters)
+    scaling = {k: v for k, v in rope.items()
+               if k not in ("rope_theta", "rope_type", "partial_rotary_factor")}
+    norm_cls = resolve_verifier_norm_class(SimpleNamespace(speculators_config=SimpleNamespace(
+        verifier=SimpleNamespace(name_or_path=verifier_dir))))
+    try:
+        mask = cli.resolve_mask_token_id(verifier_dir, tl.vocab_size)
+    except Exception:  # noqa: BLE001 - no tokenizer in a config-only folder
+        mask = None
+    uses_sliding = "sliding_attention" in (tl.layer_types or [])
+    out = {
+        "hidden_size": tl.hidden_size, "intermediate_size": tl.intermediate_size,
+        "num_attention_heads": tl.num_attention_heads,
+        "num_key_value_heads": tl.num_key_value_heads,
+        "head_dim": tl.head_dim or tl.hidden_size // tl.num_attention_heads,
+        "rms_norm_eps": tl.rms_norm_eps, "hidden_act": tl.hidden_act,
+        "attention_bias": bool(tl.attention_bias),
+        "max_position_embeddings": tl.max_position_embeddings,
+        "tie_word_embeddings": bool(tl.tie_word_embeddings),
+        "vocab_size": tl.vocab_size,
+        "target_vocab_size": get_target_vocab_size(None, verifier_dir),
+        "layer_types": list(tl.layer_types or []),
+        "sliding_window": getattr(tl, "sliding_window", None) if uses_sliding else None,
+        "rope_theta": float(rope.get("rope_theta")),
+        "rope_type": rope.get("rope_type", "default"),
+        "rope_partial_rotary_factor": rope.get("partial_rotary_factor"),
+        "rope_scaling": scaling,
+        "rotary_dim": 2 * int(rotary.inv_freq.numel()),
+        "rope_attention_scaling": float(rotary.attention_scaling),
+        "verifier_norm": "x*(1+w)" if "Gemma" in norm_cls.__name__ else "x*w",
+        "default_target_layer_ids": list(ids),
+        "mask_token_id": mask,
+    }
+    saved = json.loads(tl.to_json_string(use_diff=False))
+    for key in ("rope_parameters", "head_dim", "num_attention_heads", "num_key_value_heads",
+                "hidden_act", "rms_norm_eps", "attention_bias", "tie_word_embeddings",
+                "sliding_window", "use_sliding_window", "layer_types", "vocab_size",
+                "max_position_embeddings", "intermediate_size", "hidden_size"):
+        out[f"saved.{key}"] = saved.get(key)
+    return out
+
+
+def derive_main(argv: list[str]) -> int:
+    """``--derive VERIFIER_DIR OUT.json [NUM_LAYERS [SLIDING_WINDOW [FULL_INDICES]]]``."""
+    if not 2 <= len(argv) <= 5:
+        print("usage: adapter.py --derive VERIFIER_DIR OUT.json [NUM_LAYERS [SLIDING_WINDOW "
+              "[FULL_ATTENTION_INDICES]]]", file=sys.stderr)
+        return 2
+    out_path = Path(argv[1])
+    if SOURCE:
+        ensure_distribution_metadata(Path(SOURCE))
+    try:
+        full = tuple(int(i) for i in argv[4].split(",") if i) if len(argv) > 4 else (0,)
+        fields = derive(argv[0], int(argv[2]) if len(argv) > 2 else 1,
+                        int(argv[3]) if len(argv) > 3 else 2048, full)
+    except Exception as err:  # noqa: BLE001 - reported to the harness, with traceback
+        out_path.write_text(json.dumps({"error": f"{type(err).__name__}: {err}",
+                                        "traceback": traceback.format_exc()}))
+        print(f"reference adapter: derive: {type(err).__name__}: {err}", file=sys.stderr)
+        return 3
+    out_path.write_text(json.dumps(fields, indent=1, sort_keys=True, default=str))
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--derive":
+        return derive_main(argv[1:])
     if len(argv) != 1:
         print("usage: adapter.py CASES_DIR", file=sys.stderr)
         return 2
