@@ -21,14 +21,14 @@ outputs.json: metrics (floats), structure (config, fc shape, state-dict keys/sha
 
 On failure writes CASES_DIR/error.json {"kind", "message", "missing"} and exits 3.
 
-Derivation mode: ``python reference/adapter.py --derive VERIFIER_DIR OUT.json [NUM_LAYERS
-[SLIDING_WINDOW [FULL_ATTENTION_INDICES]]]`` (defaults 1, 2048, "0": one full-attention
-layer; indices comma-separated, "" for every layer sliding). Runs the reference's own
-drafter-config derivation on the verifier config in VERIFIER_DIR/config.json (the training
-CLI's ``create_transformer_layer_config``, ``resolve_target_layer_ids``,
-``get_target_vocab_size``, and the model's ``flatten_rope_parameters``, rotary embedding and
-``resolve_verifier_norm_class``) and writes one flat JSON dict of fields (see
-:func:`derive`). Exits 3 with the error in OUT.json ({"error": ...}) on failure.
+Derivation mode: ``python reference/adapter.py --derive [--num-layers N] [--sliding-window W]
+[--full-attention-indices I,J] VERIFIER_DIR...`` (defaults 1, 2048, "0": one full-attention
+draft layer; "" makes every layer sliding). Runs the reference's own drafter-config
+derivation on each VERIFIER_DIR/config.json (the training CLI's
+``create_transformer_layer_config``, ``resolve_target_layer_ids``, ``get_target_vocab_size``,
+``resolve_mask_token_id``, and the model's ``flatten_rope_parameters``, rotary embedding and
+``resolve_verifier_norm_class``) and writes VERIFIER_DIR/derivation.json: one flat dict of
+fields (see :func:`derive`), or {"error", "traceback"} where the reference's code raises.
 """
 
 from __future__ import annotations
@@ -296,8 +296,8 @@ def derive(verifier_dir: str, num_layers: int = 1, sliding_window: int = 2048,
     rope_theta / rope_type / rope_partial_rotary_factor / rope_scaling (what the draft
     model's rotary embedding is built from, after ``flatten_rope_parameters``), rotary_dim
     (features per head the model rotates: 2 * len(inv_freq)), rope_attention_scaling,
-    verifier_norm ("x*(1+w)" or "x*w"), default_target_layer_ids, mask_token_id (None when
-    the verifier folder has no tokenizer), saved.<key> for every key of the
+    verifier_norm ("x*(1+w)" or "x*w"), default_target_layer_ids, mask_token_id (the
+    training CLI's resolution when no id is given; None when the folder has no tokenizer), saved.<key> for every key of the
     transformer_layer_config the reference writes into a checkpoint's config.json.
     """
     import warnings
@@ -322,10 +322,12 @@ def derive(verifier_dir: str, num_layers: int = 1, sliding_window: int = 2048,
                if k not in ("rope_theta", "rope_type", "partial_rotary_factor")}
     norm_cls = resolve_verifier_norm_class(SimpleNamespace(speculators_config=SimpleNamespace(
         verifier=SimpleNamespace(name_or_path=verifier_dir))))
-    try:
-        mask = cli.resolve_mask_token_id(verifier_dir, tl.vocab_size)
-    except Exception:  # noqa: BLE001 - no tokenizer in a config-only folder
-        mask = None
+    mask = None  # a config-only folder has no tokenizer to resolve it from
+    if any((Path(verifier_dir) / n).exists()
+           for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mask = cli.resolve_mask_token_id(verifier_dir, tl.vocab_size)
     uses_sliding = "sliding_attention" in (tl.layer_types or [])
     out = {
         "hidden_size": tl.hidden_size, "intermediate_size": tl.intermediate_size,
@@ -360,24 +362,28 @@ def derive(verifier_dir: str, num_layers: int = 1, sliding_window: int = 2048,
 
 
 def derive_main(argv: list[str]) -> int:
-    """``--derive VERIFIER_DIR OUT.json [NUM_LAYERS [SLIDING_WINDOW [FULL_INDICES]]]``."""
-    if not 2 <= len(argv) <= 5:
-        print("usage: adapter.py --derive VERIFIER_DIR OUT.json [NUM_LAYERS [SLIDING_WINDOW "
-              "[FULL_ATTENTION_INDICES]]]", file=sys.stderr)
-        return 2
-    out_path = Path(argv[1])
+    """``--derive [--num-layers N] [--sliding-window W] [--full-attention-indices I,J] DIR...``:
+    writes DIR/derivation.json for every verifier folder (``{"error", "traceback"}`` where the
+    reference's derivation raises); exit 0 when every folder was tried, 2 on bad usage."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="adapter.py --derive")
+    parser.add_argument("--num-layers", type=int, default=1)
+    parser.add_argument("--sliding-window", type=int, default=2048)
+    parser.add_argument("--full-attention-indices", default="0")
+    parser.add_argument("verifier_dirs", nargs="+")
+    args = parser.parse_args(argv)
     if SOURCE:
         ensure_distribution_metadata(Path(SOURCE))
-    try:
-        full = tuple(int(i) for i in argv[4].split(",") if i) if len(argv) > 4 else (0,)
-        fields = derive(argv[0], int(argv[2]) if len(argv) > 2 else 1,
-                        int(argv[3]) if len(argv) > 3 else 2048, full)
-    except Exception as err:  # noqa: BLE001 - reported to the harness, with traceback
-        out_path.write_text(json.dumps({"error": f"{type(err).__name__}: {err}",
-                                        "traceback": traceback.format_exc()}))
-        print(f"reference adapter: derive: {type(err).__name__}: {err}", file=sys.stderr)
-        return 3
-    out_path.write_text(json.dumps(fields, indent=1, sort_keys=True, default=str))
+    full = tuple(int(i) for i in args.full_attention_indices.split(",") if i.strip())
+    for folder in map(Path, args.verifier_dirs):
+        try:
+            fields = derive(str(folder), args.num_layers, args.sliding_window, full)
+        except Exception as err:  # noqa: BLE001 - reported to the harness, with traceback
+            fields = {"error": f"{type(err).__name__}: {err}",
+                      "traceback": traceback.format_exc()}
+        (folder / "derivation.json").write_text(
+            json.dumps(fields, indent=1, sort_keys=True, default=str))
     return 0
 
 

@@ -1,0 +1,171 @@
+"""Verifier family proxies (dflash_audit.data.families) and the drafter-config derivation per
+family: ours against the reference's own (reference/adapter.py --derive, run in the
+reference's process on the pinned speculators release)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_audit.data.capture import capture_row
+from dflash_audit.data.families import (FAMILIES, FamilyError, build_proxy, family_config,
+                                        proxy_config_from_json, resolve_verifier_spec)
+from dflash_audit.model.checkpoint import reference_config
+from dflash_audit.model.config import DFlashConfig
+from dflash_audit.model.derivation import derivation_fields
+
+ADAPTER = Path(__file__).parents[1] / "reference" / "adapter.py"
+
+#: The motivating verifier: a Qwen3.5/3.6-27B-style text config (64 layers, 3 linear-attention
+#: layers per full one, head_dim 256 with H % heads != 0, partial rotary with an mrope section).
+QWEN35_27B = {
+    "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "text_config": {
+        "model_type": "qwen3_5_text", "hidden_size": 5120, "intermediate_size": 17408,
+        "num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4,
+        "head_dim": 256, "vocab_size": 248320, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144, "tie_word_embeddings": False,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                        for i in range(64)],
+        "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                            "mrope_interleaved": True},
+        "eos_token_id": 248044, "pad_token_id": None}}
+
+#: Fields where a difference is not a derivation difference: the reference resolves the mask
+#: token from a tokenizer (these folders hold none), ours takes it as an argument.
+NOT_DERIVED = {"mask_token_id"}
+
+
+def ours(verifier_config) -> DFlashConfig:
+    vc = getattr(verifier_config, "text_config", None) or verifier_config
+    return DFlashConfig.from_verifier_config(verifier_config, target_layer_ids=[1, 2],
+                                             mask_token_id=int(vc.vocab_size) - 1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_proxy_builds_fast_and_capture_has_hf_semantics(family):
+    start = time.perf_counter()
+    model = build_proxy(family_config(family, num_hidden_layers=6), seed=1)
+    assert time.perf_counter() - start < 10.0
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    targets = [0, 2, 5]
+    hidden, last = capture_row(model, ids, torch.zeros_like(ids), targets)
+    with torch.no_grad():
+        hf = model(ids, output_hidden_states=True).hidden_states
+    assert len(hf) == 7
+    for j, layer_id in enumerate(targets):  # id L = HF output_hidden_states[L]
+        torch.testing.assert_close(hidden[..., j * 32:(j + 1) * 32], hf[layer_id])
+    # id N is the last layer's output BEFORE the final norm: normed once, it is HF's last entry
+    with torch.no_grad():
+        torch.testing.assert_close(model.get_decoder().norm(last), hf[-1])
+    assert not torch.allclose(last, hf[-1], atol=1e-3)
+
+
+def test_family_configs_keep_what_matters():
+    gemma = family_config("gemma3_text", num_hidden_layers=12)
+    assert set(gemma.rope_parameters) == {"sliding_attention", "full_attention"}
+    assert gemma.layer_types.count("full_attention") == 2 and gemma.head_dim * 4 != 32
+    qwen35 = family_config("qwen3_5", num_hidden_layers=8)
+    assert qwen35.layer_types.count("linear_attention") == 6
+    assert qwen35.rope_parameters["partial_rotary_factor"] == 0.25
+    assert family_config("gpt_oss").rope_parameters["rope_type"] == "yarn"
+    assert family_config("qwen3").tie_word_embeddings is True
+    with pytest.raises(FamilyError, match="unknown verifier family 'falcon'.*llama"):
+        family_config("falcon")
+
+
+def test_proxy_from_user_config_keeps_depth_and_layer_types(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN35_27B))
+    config = resolve_verifier_spec(str(tmp_path))
+    assert config.model_type == "qwen3_5_text" and config.num_hidden_layers == 64
+    assert config.layer_types == QWEN35_27B["text_config"]["layer_types"]
+    assert config.hidden_size == 32 and config.head_dim == 16  # still != H / heads
+    assert config.rope_parameters["partial_rotary_factor"] == 0.25
+    assert sum(config.rope_parameters["mrope_section"]) == 16 * 0.25 / 2
+    start = time.perf_counter()
+    model = build_proxy(config)
+    assert time.perf_counter() - start < 20.0
+    ids = torch.randint(0, 128, (1, 8))
+    hidden, last = capture_row(model, ids, torch.zeros_like(ids), [2, 32, 61])
+    assert hidden.shape == (1, 8, 96) and bool(torch.isfinite(last).all())
+    with pytest.raises(FamilyError, match="cannot read verifier config"):
+        proxy_config_from_json(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text(json.dumps({"model_type": "no_such_model"}))
+    with pytest.raises(FamilyError, match="unknown to this transformers"):
+        proxy_config_from_json(tmp_path / "bad.json")
+
+
+def test_nested_rope_takes_the_sliding_entry_and_the_saved_config_agrees():
+    config = ours(family_config("gemma3_text"))
+    assert config.rope_theta == 10000.0 and config.rope_parameters is None
+    saved = reference_config(config, None)["transformer_layer_config"]["rope_parameters"]
+    assert saved == {"rope_type": "default", "rope_theta": 10000.0}
+    assert config.verifier_norm_one_plus_weight and config.hidden_act == "gelu_pytorch_tanh"
+
+
+def test_partial_rotary_factor_is_not_saved_for_a_whole_head_rotation():
+    config = ours(family_config("glm4"))
+    fields = derivation_fields(config)
+    assert fields["rotary_dim"] == config.head_dim == 8
+    assert "partial_rotary_factor" not in fields["saved.rope_parameters"]
+    # a hand-made config carrying the factor: the drafter still rotates the whole head, and
+    # the checkpoint must not tell an engine otherwise
+    manual = config.replace(rope_parameters={"partial_rotary_factor": 0.5})
+    assert derivation_fields(manual)["rotary_dim"] == 8
+    assert "partial_rotary_factor" not in derivation_fields(manual)["saved.rope_parameters"]
+
+
+def test_heads_follow_head_dim_when_hidden_size_is_not_a_multiple_of_heads():
+    from transformers import AutoConfig
+
+    vc = AutoConfig.for_model("qwen3_5", **{k: v for k, v in QWEN35_27B.items()
+                                            if k != "model_type"})
+    config = ours(vc)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (
+        20, 4, 256)
+    assert config.rope_parameters == {"mrope_section": [44, 44, 40],
+                                      "partial_rotary_factor": 1.0}
+
+
+@pytest.mark.reference
+def test_derivation_matches_the_reference_for_every_family(tmp_path, reference_identity):
+    from dflash_audit.reference_source import reference_env
+
+    configs = {name: family_config(name, num_hidden_layers=8) for name in FAMILIES}
+    folders = {}
+    for name, config in configs.items():
+        folders[name] = tmp_path / name
+        config.save_pretrained(folders[name])
+    folders["qwen35_27b"] = tmp_path / "qwen35_27b"
+    folders["qwen35_27b"].mkdir()
+    (folders["qwen35_27b"] / "config.json").write_text(json.dumps(QWEN35_27B))
+    from transformers import AutoConfig
+
+    configs["qwen35_27b"] = AutoConfig.from_pretrained(folders["qwen35_27b"])
+    proc = subprocess.run([sys.executable, str(ADAPTER), "--derive", *map(str, folders.values())],
+                          capture_output=True, text=True, env=reference_env(reference_identity),
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, folder in folders.items():
+        ref = json.loads((folder / "derivation.json").read_text())
+        if name == "olmo3":  # the reference's CLI cannot derive it: Olmo3Config has no head_dim
+            assert "head_dim" in ref["error"]
+            continue
+        assert "error" not in ref, (name, ref.get("error"))
+        mine = derivation_fields(ours(configs[name]))
+        diff = {k: (mine.get(k), ref.get(k)) for k in set(mine) | set(ref)
+                if k not in NOT_DERIVED and mine.get(k) != ref.get(k)}
+        assert diff == {}, name
+    gemma = json.loads((folders["gemma3_text"] / "derivation.json").read_text())
+    assert gemma["rope_theta"] == 10000.0 and gemma["verifier_norm"] == "x*(1+w)"
+    glm = json.loads((folders["glm4"] / "derivation.json").read_text())
+    assert glm["rotary_dim"] == 8 and "partial_rotary_factor" not in glm["saved.rope_parameters"]
