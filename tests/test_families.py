@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.data.capture import capture_row
 from dflash_audit.data.families import (FAMILIES, FamilyError, build_proxy, family_config,
                                         proxy_config_from_json, resolve_verifier_spec)
 from dflash_audit.model.checkpoint import reference_config
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.derivation import derivation_fields
+from dflash_audit.model.drafter import DFlashDrafter
 
 ADAPTER = Path(__file__).parents[1] / "reference" / "adapter.py"
 
@@ -169,3 +171,37 @@ def test_derivation_matches_the_reference_for_every_family(tmp_path, reference_i
     assert gemma["rope_theta"] == 10000.0 and gemma["verifier_norm"] == "x*(1+w)"
     glm = json.loads((folders["glm4"] / "derivation.json").read_text())
     assert glm["rotary_dim"] == 8 and "partial_rotary_factor" not in glm["saved.rope_parameters"]
+
+
+class LlamaConventions(DrafterCandidate):
+    """A drafter that hard-codes Llama conventions: x*w verifier norm, silu, theta 1e4."""
+
+    name = "hard-coded Llama conventions"
+
+    def build(self, config):
+        return DFlashDrafter(config.replace(verifier_norm_one_plus_weight=False,
+                                            hidden_act="silu", rope_theta=10000.0))
+
+
+@pytest.mark.reference
+@pytest.mark.usefixtures("single_thread")
+def test_default_spread_fails_a_candidate_that_hard_codes_llama(run_reference_cases):
+    from dflash_audit.audit.plan import plan_synthetic_cases
+    from dflash_audit.profile import Profile
+
+    planned = plan_synthetic_cases(Profile.load("reference-model"), len(FAMILIES), seed=8)
+    cases = [p.case for p in planned]
+    reference = run_reference_cases(cases)
+    differs = {}
+    for case in cases:
+        ref = reference[case.name].tensors
+        mine = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
+        torch.testing.assert_close(mine.tensors["logits"], ref["logits"], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine.tensors["targets"], ref["targets"], atol=1e-4, rtol=1e-4)
+        bad = LlamaConventions().run_case(case.config, case.loss, case.weights, case.inputs)
+        differs[case.name.split("-")[2]] = not (
+            torch.allclose(bad.tensors["logits"], ref["logits"], atol=1e-4)
+            and torch.allclose(bad.tensors["targets"], ref["targets"], atol=1e-4))
+    # glm4 is the one family whose verifier has exactly these values (theta 1e4, silu, x*w)
+    assert differs == {"llama": True, "qwen3": True, "qwen3_5": True, "gemma3_text": True,
+                       "mistral": True, "gpt_oss": True, "olmo3": True, "glm4": False}
