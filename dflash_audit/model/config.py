@@ -193,8 +193,12 @@ class DFlashConfig:
         """Drafter config whose dimensions mirror a Hugging Face verifier config.
 
         ``verifier_config``: a ``transformers.PretrainedConfig`` (multimodal configs use
-        their ``text_config``). Hidden size, heads, head_dim, rope, eps, vocab and the final
-        norm convention are taken from it; the drafter-only fields are arguments.
+        their ``text_config``). Hidden size, heads, head_dim, rope, eps, activation, vocab and
+        the final norm convention are taken from it the way the reference's training CLI
+        does (:func:`draft_attention_geometry`, :func:`draft_rope_parameters`; activation
+        ``hidden_act`` else ``hidden_activation``; no attention bias, as the CLI's draft
+        Qwen3Config); the drafter-only fields are arguments. Verified field by field against
+        the reference's own derivation (``reference/adapter.py --derive``).
 
         Raises:
             ConfigError: for any invalid resulting field.
