@@ -205,3 +205,44 @@ def test_default_spread_fails_a_candidate_that_hard_codes_llama(run_reference_ca
     # glm4 is the one family whose verifier has exactly these values (theta 1e4, silu, x*w)
     assert differs == {"llama": True, "qwen3": True, "qwen3_5": True, "gemma3_text": True,
                        "mistral": True, "gpt_oss": True, "olmo3": True, "glm4": False}
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
+def test_reference_loading_our_checkpoint_runs_our_rope(family, tmp_path, reference_identity):
+    """Our saved config.json makes the reference run the RoPE we trained with (nested
+    per-layer-type rope, partial rotary): same logits from the reference loading our
+    checkpoint as from our drafter."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_audit.audit.synthetic import synthetic_batch
+    from dflash_audit.model.anchors import select_anchors
+    from dflash_audit.model.checkpoint import save_pretrained
+    from dflash_audit.model.verifier_weights import load_verifier_weights
+    from dflash_audit.reference_source import reference_env
+
+    verifier = build_proxy(family_config(family, num_hidden_layers=6), seed=2)
+    verifier.save_pretrained(tmp_path / "verifier")
+    config = DFlashConfig.from_verifier_config(verifier.config, target_layer_ids=[1, 3, 5],
+                                               mask_token_id=127, num_hidden_layers=2,
+                                               block_size=4)
+    torch.manual_seed(3)
+    drafter = DFlashDrafter(config)
+    load_verifier_weights(drafter, verifier)
+    save_pretrained(drafter, tmp_path / "ours", verifier_name_or_path=str(tmp_path / "verifier"),
+                    verifier_architectures=list(verifier.config.architectures or []))
+    g = torch.Generator().manual_seed(5)
+    batch = synthetic_batch(config, 40, 2, 2, g)
+    anchors, valid = select_anchors(batch["loss_mask"], 4, config.block_size, g)
+    inputs = {**batch, "anchor_positions": anchors, "anchor_valid": valid}
+    save_file(inputs, tmp_path / "inputs.safetensors")
+    (tmp_path / "profile.json").write_text(json.dumps({"drafter": config.to_dict()}))
+    (tmp_path / "verifier.txt").write_text(str(tmp_path / "verifier"))
+    script = Path(__file__).parent / "reference_scripts" / "checkpoint_roundtrip.py"
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                          text=True, env=reference_env(reference_identity), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with torch.no_grad():
+        ours_logits = drafter.eval()(**inputs).logits
+    torch.testing.assert_close(load_file(tmp_path / "logits_ref_loading_ours.safetensors")
+                               ["logits"], ours_logits, atol=1e-5, rtol=1e-5)
