@@ -297,14 +297,18 @@ def derive(verifier_dir: str, num_layers: int = 1, sliding_window: int = 2048,
     model's rotary embedding is built from, after ``flatten_rope_parameters``), rotary_dim
     (features per head the model rotates: 2 * len(inv_freq)), rope_attention_scaling,
     verifier_norm ("x*(1+w)" or "x*w"), default_target_layer_ids, mask_token_id (the
-    training CLI's resolution when no id is given; None when the folder has no tokenizer), saved.<key> for every key of the
-    transformer_layer_config the reference writes into a checkpoint's config.json.
+    training CLI's resolution when no id is given; None when the folder has no tokenizer),
+    saved.<key> for the keys of the transformer_layer_config the reference writes into a
+    checkpoint's config.json.
     """
     import warnings
     from types import SimpleNamespace
 
     from speculators.models.utils import (
-        flatten_rope_parameters, resolve_target_layer_ids, resolve_verifier_norm_class)
+        flatten_rope_parameters,
+        resolve_target_layer_ids,
+        resolve_verifier_norm_class,
+    )
     from speculators.train import cli
     from speculators.train.vocab_mapping import get_target_vocab_size
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding

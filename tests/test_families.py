@@ -15,8 +15,14 @@ import torch
 
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.data.capture import capture_row
-from dflash_audit.data.families import (FAMILIES, FamilyError, build_proxy, family_config,
-                                        proxy_config_from_json, resolve_verifier_spec)
+from dflash_audit.data.families import (
+    FAMILIES,
+    FamilyError,
+    build_proxy,
+    family_config,
+    proxy_config_from_json,
+    resolve_verifier_spec,
+)
 from dflash_audit.model.checkpoint import reference_config
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.derivation import derivation_fields
@@ -55,9 +61,10 @@ def ours(verifier_config) -> DFlashConfig:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_proxy_builds_fast_and_capture_has_hf_semantics(family):
+    build_proxy(family_config(family, num_hidden_layers=6))  # imports its modeling module
     start = time.perf_counter()
     model = build_proxy(family_config(family, num_hidden_layers=6), seed=1)
-    assert time.perf_counter() - start < 10.0
+    assert time.perf_counter() - start < 5.0  # seconds, on a loaded 2-core machine
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     targets = [0, 2, 5]
     hidden, last = capture_row(model, ids, torch.zeros_like(ids), targets)
@@ -93,9 +100,11 @@ def test_proxy_from_user_config_keeps_depth_and_layer_types(tmp_path):
     assert config.hidden_size == 32 and config.head_dim == 16  # still != H / heads
     assert config.rope_parameters["partial_rotary_factor"] == 0.25
     assert sum(config.rope_parameters["mrope_section"]) == 16 * 0.25 / 2
+    from transformers import Qwen3_5ForCausalLM  # noqa: F401 - import before timing the build
+
     start = time.perf_counter()
     model = build_proxy(config)
-    assert time.perf_counter() - start < 20.0
+    assert time.perf_counter() - start < 10.0
     ids = torch.randint(0, 128, (1, 8))
     hidden, last = capture_row(model, ids, torch.zeros_like(ids), [2, 32, 61])
     assert hidden.shape == (1, 8, 96) and bool(torch.isfinite(last).all())
@@ -155,7 +164,7 @@ def test_derivation_matches_the_reference_for_every_family(tmp_path, reference_i
     configs["qwen35_27b"] = AutoConfig.from_pretrained(folders["qwen35_27b"])
     proc = subprocess.run([sys.executable, str(ADAPTER), "--derive", *map(str, folders.values())],
                           capture_output=True, text=True, env=reference_env(reference_identity),
-                          timeout=900)
+                          timeout=900, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name, folder in folders.items():
         ref = json.loads((folder / "derivation.json").read_text())
@@ -240,7 +249,8 @@ def test_reference_loading_our_checkpoint_runs_our_rope(family, tmp_path, refere
     (tmp_path / "verifier.txt").write_text(str(tmp_path / "verifier"))
     script = Path(__file__).parent / "reference_scripts" / "checkpoint_roundtrip.py"
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
-                          text=True, env=reference_env(reference_identity), timeout=600)
+                          check=False, text=True, env=reference_env(reference_identity),
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with torch.no_grad():
         ours_logits = drafter.eval()(**inputs).logits
