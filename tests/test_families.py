@@ -48,6 +48,27 @@ QWEN35_27B = {
                             "mrope_interleaved": True},
         "eos_token_id": 248044, "pad_token_id": None}}
 
+#: Hub-style (transformers 4 format) configs of a Gemma3-27B and a Llama-3.1-8B verifier:
+#: transformers 5 turns rope_theta / rope_local_base_freq / rope_scaling into rope_parameters.
+GEMMA3_27B = {
+    "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+    "text_config": {
+        "model_type": "gemma3_text", "hidden_size": 5376, "intermediate_size": 21504,
+        "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 16,
+        "head_dim": 128, "query_pre_attn_scalar": 168, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024, "vocab_size": 262208, "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072}}
+LLAMA31_8B = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "vocab_size": 128256, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+    "tie_word_embeddings": False}
+REAL_CONFIGS = {"qwen35_27b": QWEN35_27B, "gemma3_27b": GEMMA3_27B, "llama31_8b": LLAMA31_8B}
+
 #: Fields where a difference is not a derivation difference: the reference resolves the mask
 #: token from a tokenizer (these folders hold none), ours takes it as an argument.
 NOT_DERIVED = {"mask_token_id"}
@@ -156,12 +177,13 @@ def test_derivation_matches_the_reference_for_every_family(tmp_path, reference_i
     for name, config in configs.items():
         folders[name] = tmp_path / name
         config.save_pretrained(folders[name])
-    folders["qwen35_27b"] = tmp_path / "qwen35_27b"
-    folders["qwen35_27b"].mkdir()
-    (folders["qwen35_27b"] / "config.json").write_text(json.dumps(QWEN35_27B))
     from transformers import AutoConfig
 
-    configs["qwen35_27b"] = AutoConfig.from_pretrained(folders["qwen35_27b"])
+    for name, real in REAL_CONFIGS.items():
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        (folders[name] / "config.json").write_text(json.dumps(real))
+        configs[name] = AutoConfig.from_pretrained(folders[name])
     proc = subprocess.run([sys.executable, str(ADAPTER), "--derive", *map(str, folders.values())],
                           capture_output=True, text=True, env=reference_env(reference_identity),
                           timeout=900, check=False)
@@ -176,8 +198,9 @@ def test_derivation_matches_the_reference_for_every_family(tmp_path, reference_i
         diff = {k: (mine.get(k), ref.get(k)) for k in set(mine) | set(ref)
                 if k not in NOT_DERIVED and mine.get(k) != ref.get(k)}
         assert diff == {}, name
-    gemma = json.loads((folders["gemma3_text"] / "derivation.json").read_text())
-    assert gemma["rope_theta"] == 10000.0 and gemma["verifier_norm"] == "x*(1+w)"
+    for name in ("gemma3_text", "gemma3_27b"):
+        gemma = json.loads((folders[name] / "derivation.json").read_text())
+        assert gemma["rope_theta"] == 10000.0 and gemma["verifier_norm"] == "x*(1+w)"
     glm = json.loads((folders["glm4"] / "derivation.json").read_text())
     assert glm["rotary_dim"] == 8 and "partial_rotary_factor" not in glm["saved.rope_parameters"]
 
@@ -256,3 +279,23 @@ def test_reference_loading_our_checkpoint_runs_our_rope(family, tmp_path, refere
         ours_logits = drafter.eval()(**inputs).logits
     torch.testing.assert_close(load_file(tmp_path / "logits_ref_loading_ours.safetensors")
                                ["logits"], ours_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(REAL_CONFIGS))
+def test_proxy_of_a_hub_config_keeps_rope_layers_and_norm(name, tmp_path):
+    real = REAL_CONFIGS[name]
+    (tmp_path / "config.json").write_text(json.dumps(real))
+    proxy = proxy_config_from_json(tmp_path / "config.json")
+    text = real.get("text_config", real)
+    assert proxy.num_hidden_layers == text["num_hidden_layers"] and proxy.hidden_size == 32
+    assert proxy.vocab_size == 128 and proxy.rms_norm_eps == text["rms_norm_eps"]
+    mine = ours(proxy)
+    if name == "gemma3_27b":  # legacy rope_local_base_freq became the sliding entry
+        assert proxy.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
+        assert proxy.layer_types[5] == "full_attention" and proxy.layer_types[6] != proxy.layer_types[5]
+        assert mine.rope_theta == 10000.0 and mine.verifier_norm_one_plus_weight
+    if name == "llama31_8b":
+        assert mine.rope_parameters["rope_type"] == "llama3" and mine.rope_theta == 500000.0
+    if name == "qwen35_27b":
+        assert mine.verifier_norm_one_plus_weight and mine.rope_parameters[
+            "partial_rotary_factor"] == 1.0
