@@ -292,7 +292,8 @@ def test_proxy_of_a_hub_config_keeps_rope_layers_and_norm(name, tmp_path):
     mine = ours(proxy)
     if name == "gemma3_27b":  # legacy rope_local_base_freq became the sliding entry
         assert proxy.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
-        assert proxy.layer_types[5] == "full_attention" and proxy.layer_types[6] != proxy.layer_types[5]
+        assert proxy.layer_types[5] == "full_attention"
+        assert proxy.layer_types[6] == "sliding_attention"
         assert mine.rope_theta == 10000.0 and mine.verifier_norm_one_plus_weight
     if name == "llama31_8b":
         assert mine.rope_parameters["rope_type"] == "llama3" and mine.rope_theta == 500000.0
