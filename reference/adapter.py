@@ -20,6 +20,15 @@ outputs.json: metrics (floats), structure (config, fc shape, state-dict keys/sha
     defaults of the reference's API, identity (version, module file).
 
 On failure writes CASES_DIR/error.json {"kind", "message", "missing"} and exits 3.
+
+Derivation mode: ``python reference/adapter.py --derive [--num-layers N] [--sliding-window W]
+[--full-attention-indices I,J] VERIFIER_DIR...`` (defaults 1, 2048, "0": one full-attention
+draft layer; "" makes every layer sliding). Runs the reference's own drafter-config
+derivation on each VERIFIER_DIR/config.json (the training CLI's
+``create_transformer_layer_config``, ``resolve_target_layer_ids``, ``get_target_vocab_size``,
+``resolve_mask_token_id``, and the model's ``flatten_rope_parameters``, rotary embedding and
+``resolve_verifier_norm_class``) and writes VERIFIER_DIR/derivation.json: one flat dict of
+fields (see :func:`derive`), or {"error", "traceback"} where the reference's code raises.
 """
 
 from __future__ import annotations
@@ -277,7 +286,114 @@ def run_case(case: Path, core, resolve_loss_config) -> None:
     }, indent=1, sort_keys=True))
 
 
+def derive(verifier_dir: str, num_layers: int = 1, sliding_window: int = 2048,
+           full_attention_indices: tuple[int, ...] = (0,)) -> dict:
+    """The drafter config the reference derives from a verifier config, as a flat dict.
+
+    Keys: hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
+    rms_norm_eps, hidden_act, attention_bias, max_position_embeddings, tie_word_embeddings,
+    vocab_size (verifier vocab), target_vocab_size, layer_types, sliding_window,
+    rope_theta / rope_type / rope_partial_rotary_factor / rope_scaling (what the draft
+    model's rotary embedding is built from, after ``flatten_rope_parameters``), rotary_dim
+    (features per head the model rotates: 2 * len(inv_freq)), rope_attention_scaling,
+    verifier_norm ("x*(1+w)" or "x*w"), default_target_layer_ids, mask_token_id (the
+    training CLI's resolution when no id is given; None when the folder has no tokenizer),
+    saved.<key> for the keys of the transformer_layer_config the reference writes into a
+    checkpoint's config.json.
+    """
+    import warnings
+    from types import SimpleNamespace
+
+    from speculators.models.utils import (
+        flatten_rope_parameters,
+        resolve_target_layer_ids,
+        resolve_verifier_norm_class,
+    )
+    from speculators.train import cli
+    from speculators.train.vocab_mapping import get_target_vocab_size
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tl = cli.create_transformer_layer_config(
+            verifier_dir, num_layers, "qwen3", None, sliding_window,
+            list(full_attention_indices))
+        ids = resolve_target_layer_ids(None, verifier_dir)
+    flat = flatten_rope_parameters(tl)
+    rotary = Qwen3RotaryEmbedding(flat)
+    rope = dict(flat.rope_parameters)
+    scaling = {k: v for k, v in rope.items()
+               if k not in ("rope_theta", "rope_type", "partial_rotary_factor")}
+    norm_cls = resolve_verifier_norm_class(SimpleNamespace(speculators_config=SimpleNamespace(
+        verifier=SimpleNamespace(name_or_path=verifier_dir))))
+    mask = None  # a config-only folder has no tokenizer to resolve it from
+    if any((Path(verifier_dir) / n).exists()
+           for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mask = cli.resolve_mask_token_id(verifier_dir, tl.vocab_size)
+    uses_sliding = "sliding_attention" in (tl.layer_types or [])
+    out = {
+        "hidden_size": tl.hidden_size, "intermediate_size": tl.intermediate_size,
+        "num_attention_heads": tl.num_attention_heads,
+        "num_key_value_heads": tl.num_key_value_heads,
+        "head_dim": tl.head_dim or tl.hidden_size // tl.num_attention_heads,
+        "rms_norm_eps": tl.rms_norm_eps, "hidden_act": tl.hidden_act,
+        "attention_bias": bool(tl.attention_bias),
+        "max_position_embeddings": tl.max_position_embeddings,
+        "tie_word_embeddings": bool(tl.tie_word_embeddings),
+        "vocab_size": tl.vocab_size,
+        "target_vocab_size": get_target_vocab_size(None, verifier_dir),
+        "layer_types": list(tl.layer_types or []),
+        "sliding_window": getattr(tl, "sliding_window", None) if uses_sliding else None,
+        "rope_theta": float(rope.get("rope_theta")),
+        "rope_type": rope.get("rope_type", "default"),
+        "rope_partial_rotary_factor": rope.get("partial_rotary_factor"),
+        "rope_scaling": scaling,
+        "rotary_dim": 2 * int(rotary.inv_freq.numel()),
+        "rope_attention_scaling": float(rotary.attention_scaling),
+        "verifier_norm": "x*(1+w)" if "Gemma" in norm_cls.__name__ else "x*w",
+        "default_target_layer_ids": list(ids),
+        "mask_token_id": mask,
+    }
+    saved = json.loads(tl.to_json_string(use_diff=False))
+    for key in ("rope_parameters", "head_dim", "num_attention_heads", "num_key_value_heads",
+                "hidden_act", "rms_norm_eps", "attention_bias", "tie_word_embeddings",
+                "sliding_window", "use_sliding_window", "layer_types", "vocab_size",
+                "max_position_embeddings", "intermediate_size", "hidden_size"):
+        out[f"saved.{key}"] = saved.get(key)
+    return out
+
+
+def derive_main(argv: list[str]) -> int:
+    """``--derive [--num-layers N] [--sliding-window W] [--full-attention-indices I,J] DIR...``:
+    writes DIR/derivation.json for every verifier folder (``{"error", "traceback"}`` where the
+    reference's derivation raises); exit 0 when every folder was tried, 2 on bad usage."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="adapter.py --derive")
+    parser.add_argument("--num-layers", type=int, default=1)
+    parser.add_argument("--sliding-window", type=int, default=2048)
+    parser.add_argument("--full-attention-indices", default="0")
+    parser.add_argument("verifier_dirs", nargs="+")
+    args = parser.parse_args(argv)
+    if SOURCE:
+        ensure_distribution_metadata(Path(SOURCE))
+    full = tuple(int(i) for i in args.full_attention_indices.split(",") if i.strip())
+    for folder in map(Path, args.verifier_dirs):
+        try:
+            fields = derive(str(folder), args.num_layers, args.sliding_window, full)
+        except Exception as err:  # noqa: BLE001 - reported to the harness, with traceback
+            fields = {"error": f"{type(err).__name__}: {err}",
+                      "traceback": traceback.format_exc()}
+        (folder / "derivation.json").write_text(
+            json.dumps(fields, indent=1, sort_keys=True, default=str))
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--derive":
+        return derive_main(argv[1:])
     if len(argv) != 1:
         print("usage: adapter.py CASES_DIR", file=sys.stderr)
         return 2

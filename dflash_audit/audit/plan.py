@@ -9,17 +9,22 @@ Synthetic cases keep the profile's semantics (loss, weighting, gamma, D-PACE alp
 sample_from_anchor, sliding_window_non_causal, draft vocabulary or not) and vary what real
 data rarely exercises: block size, anchors (including padding anchors), packed documents,
 padding, windows smaller than a document, layouts (full / sliding / mixed, cycled so any
-N >= 2 covers full and sliding), and the verifier's RoPE theta and RMSNorm eps (over values
-implementations commonly hard-code, so a constant not read from the verifier shows).
-Dimensions are tiny (H=32, V=128, N=12 verifier layers). Everything derives from ``seed``;
-a case is reproducible from its name and the seed.
+N >= 2 covers full and sliding), and the verifier: case i is a proxy of verifier family
+``FAMILIES[i % len(FAMILIES)]`` (:mod:`dflash_audit.data.families`: llama with llama3 rope
+scaling, qwen3 with head_dim != H/heads, qwen3_5 hybrid with partial rotary and x*(1+w)
+norm, gemma3_text with nested per-layer-type rope and gelu, mistral, gpt_oss with yarn,
+olmo3, glm4 with partial rotary and a tiny eps), so a candidate that hard-codes a Llama
+convention (rope theta or type, norm gain, head_dim, eps, activation) fails the default
+audit. After the first pass over the families, the RoPE theta and RMSNorm eps are redrawn
+over values implementations commonly hard-code. Dimensions are tiny (H=32, V=128, N=12
+verifier layers). Everything derives from ``seed``; a case is reproducible from its name and
+the seed.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -28,6 +33,7 @@ from dflash_audit.audit.architecture import COMMON_NORM_EPS, COMMON_ROPE_THETAS
 from dflash_audit.audit.case import Case
 from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.audit.weights import real_case_weights
+from dflash_audit.data.families import FAMILIES, family_config
 from dflash_audit.model.anchors import select_anchors
 from dflash_audit.model.config import SLIDING_ATTENTION
 from dflash_audit.profile import Profile, ProfileError
@@ -37,10 +43,26 @@ from dflash_audit.profile import Profile, ProfileError
 REFERENCE_CLI_WINDOW = 2048
 SYNTHETIC_LAYOUTS = ("full", "sliding", "mixed")
 SYNTHETIC_BLOCK_SIZES = (2, 3, 4, 5, 8, 16)
-SYNTHETIC_VERIFIER = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
-                      "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 12,
-                      "vocab_size": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 1024,
-                      "rope_theta": 10000.0, "model_type": "llama", "hidden_act": "silu"}
+SYNTHETIC_VERIFIER = {"num_hidden_layers": 12, "vocab_size": 128}
+
+
+def synthetic_verifier_config(family: str, rng: random.Random | None = None) -> Any:
+    """The verifier config of a synthetic case: the family's proxy config (N=12, V=128);
+    with ``rng``, the RoPE theta the draft layers use (the flat one, or the nested
+    ``sliding_attention`` entry) and the RMSNorm eps redrawn over commonly hard-coded values.
+    """
+    config = family_config(family, **SYNTHETIC_VERIFIER)
+    if rng is not None:
+        rope = dict(config.rope_parameters)
+        entry = "sliding_attention" if "sliding_attention" in rope else None
+        theta = rng.choice(COMMON_ROPE_THETAS)
+        if entry:
+            rope[entry] = {**rope[entry], "rope_theta": theta}
+        else:
+            rope["rope_theta"] = theta
+        config.rope_parameters = rope
+        config.rms_norm_eps = rng.choice(COMMON_NORM_EPS)
+    return config
 
 
 @dataclass
@@ -89,6 +111,10 @@ def layout_facts(case: Case) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
         "verifier_model_type": cfg.verifier_model_type,
+        "head_dim": cfg.head_dim,
+        "rope_parameters": cfg.rope_parameters,
+        "hidden_act": cfg.hidden_act,
+        "verifier_norm": "x*(1+w)" if cfg.verifier_norm_one_plus_weight else "x*w",
     }
 
 
@@ -168,12 +194,12 @@ def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[Pl
                                   draft_vocab_size=draft_vocab)
         # one case in four has more anchor slots than valid anchors: padding anchors
         anchors = seq_len if rng.random() < 0.25 else rng.randint(1, 10)
-        verifier_config = SimpleNamespace(**{
-            **SYNTHETIC_VERIFIER, "rope_theta": rng.choice(COMMON_ROPE_THETAS),
-            "rms_norm_eps": rng.choice(COMMON_NORM_EPS)})
+        family = FAMILIES[i % len(FAMILIES)]
+        verifier_config = synthetic_verifier_config(
+            family, rng if i >= len(FAMILIES) else None)
         config = variant.to_drafter_config(verifier_config, mask_token_id=V - 1,
                                            target_layer_ids=ids)
-        case = synthetic_case(f"syn-{i:03d}-{variant.layout_name}", config, loss,
+        case = synthetic_case(f"syn-{i:03d}-{family}-{variant.layout_name}", config, loss,
                               seed=seed * 1_000_003 + i, seq_len=seq_len, num_documents=docs,
                               pad=pad, max_anchors=anchors)
         planned.append(PlannedCase(case, "synthetic", layout_facts(case)))

@@ -38,6 +38,10 @@ def reference_config(config: DFlashConfig, verifier_name_or_path: str | None,
     """The reference's config.json content for a drafter config."""
     rope = {"rope_type": "default", **(config.rope_parameters or {}),
             "rope_theta": config.rope_theta}
+    if rope["rope_type"] == "default" and "mrope_section" not in rope:
+        # our draft layers rotate the whole head for default RoPE: an engine that honoured a
+        # saved partial_rotary_factor would run another RoPE (the reference CLI drops it too)
+        rope.pop("partial_rotary_factor", None)
     layer_types = list(config.effective_layer_types)
     tokens = config.block_size if config.sample_from_anchor else config.block_size - 1
     return {

@@ -8,6 +8,7 @@ Field names follow the reference (vllm-project/speculators,
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -192,27 +193,31 @@ class DFlashConfig:
         """Drafter config whose dimensions mirror a Hugging Face verifier config.
 
         ``verifier_config``: a ``transformers.PretrainedConfig`` (multimodal configs use
-        their ``text_config``). Hidden size, heads, head_dim, rope, eps, vocab and the final
-        norm convention are taken from it; the drafter-only fields are arguments.
+        their ``text_config``). Hidden size, heads, head_dim, rope, eps, activation, vocab and
+        the final norm convention are taken from it the way the reference's training CLI
+        does (:func:`draft_attention_geometry`, :func:`draft_rope_parameters`; activation
+        ``hidden_act`` else ``hidden_activation``; no attention bias, as the CLI's draft
+        Qwen3Config); the drafter-only fields are arguments. Verified field by field against
+        the reference's own derivation (``reference/adapter.py --derive``).
 
         Raises:
             ConfigError: for any invalid resulting field.
         """
         vc = getattr(verifier_config, "text_config", None) or verifier_config
-        heads = int(vc.num_attention_heads)
-        head_dim = getattr(vc, "head_dim", None) or vc.hidden_size // heads
-        rope = dict(getattr(vc, "rope_parameters", None) or {})
-        rope_theta = float(rope.pop("rope_theta", getattr(vc, "rope_theta", 1_000_000.0) or 1e6))
+        heads, kv_heads, head_dim = draft_attention_geometry(vc)
+        rope = draft_rope_parameters(vc, head_dim)
+        rope_theta = float(rope.pop("rope_theta"))
         if rope.get("rope_type", "default") == "default":
             rope.pop("rope_type", None)
         model_type = str(getattr(vc, "model_type", "") or "").lower()
         intermediate = getattr(vc, "intermediate_size", None) or 3 * int(vc.hidden_size)
+        act = getattr(vc, "hidden_act", None) or getattr(vc, "hidden_activation", None) or "silu"
         return cls(
             hidden_size=int(vc.hidden_size),
             intermediate_size=int(intermediate),
             num_attention_heads=heads,
-            num_key_value_heads=int(getattr(vc, "num_key_value_heads", None) or heads),
-            head_dim=int(head_dim),
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
             num_hidden_layers=int(num_hidden_layers),
             vocab_size=int(vc.vocab_size),
             num_verifier_layers=int(vc.num_hidden_layers),
@@ -228,12 +233,79 @@ class DFlashConfig:
             rope_theta=rope_theta,
             rope_parameters=rope or None,
             max_position_embeddings=int(getattr(vc, "max_position_embeddings", 32768)),
-            attention_bias=bool(getattr(vc, "attention_bias", False)),
-            hidden_act=str(getattr(vc, "hidden_act", "silu")),
+            # the reference's training CLI builds the draft Qwen3Config without the verifier's
+            # attention_bias (Qwen3Config default False)
+            attention_bias=False,
+            hidden_act=str(act),
             pad_token_id=getattr(vc, "pad_token_id", None),
             verifier_model_type=model_type,
             verifier_norm_one_plus_weight=model_type in ONE_PLUS_WEIGHT_NORM_MODEL_TYPES,
         )
+
+
+def draft_attention_geometry(vc: Any) -> tuple[int, int, int]:
+    """(num_attention_heads, num_key_value_heads, head_dim) of the draft layers for a verifier
+    text config, as the reference's training CLI resolves them
+    (speculators ``train/cli.py: create_transformer_layer_config``): head_dim is the
+    verifier's own (independent of H / heads); when H is not a multiple of the head count but
+    is of head_dim, the draft uses ``H // head_dim`` query heads (and as many KV heads if the
+    verifier's KV count no longer divides them).
+
+    Raises:
+        ConfigError: the resolved heads are not a multiple of the KV heads.
+    """
+    hidden = int(vc.hidden_size)
+    heads = int(vc.num_attention_heads)
+    kv_heads = int(getattr(vc, "num_key_value_heads", None) or heads)
+    head_dim = getattr(vc, "head_dim", None)
+    if head_dim and hidden % heads and not hidden % int(head_dim):
+        heads = hidden // int(head_dim)
+        if heads % kv_heads:
+            kv_heads = heads
+    return heads, kv_heads, int(head_dim or hidden // heads)
+
+
+def draft_rope_parameters(vc: Any, head_dim: int) -> dict[str, Any]:
+    """The flat RoPE parameters of the draft layers (with ``rope_theta``) for a verifier text
+    config, following the reference's training CLI (speculators ``train/cli.py``) and the
+    ``flatten_rope_parameters`` its model applies:
+
+    - per-layer-type nested ``rope_parameters`` (Gemma3, Olmo3, Laguna in transformers 5)
+      collapse to the ``sliding_attention`` entry (else ``full_attention``), theta 10000 when
+      the entry has none;
+    - ``partial_rotary_factor`` is dropped (the draft rotates the whole head) unless the rope
+      has an ``mrope_section``: then a factor f < 1 is folded into the section (each entry
+      times 1/f) and set to 1.0 (the CLI's default ``mrope_full_head_hack``);
+    - the legacy ``type`` alias and ``mrope_interleaved`` are dropped.
+    Configs without ``rope_parameters`` (transformers 4, plain namespaces) use ``rope_theta``
+    and ``rope_scaling``.
+
+    Raises:
+        ConfigError: an mrope_section that cannot be rescaled to the head.
+    """
+    raw = getattr(vc, "rope_parameters", None)
+    if raw is None:
+        raw = {**(getattr(vc, "rope_scaling", None) or {}),
+               "rope_theta": getattr(vc, "rope_theta", None) or 10000.0}
+    rope = copy.deepcopy(dict(raw))
+    if "rope_theta" not in rope:
+        sub = rope.get(SLIDING_ATTENTION) or rope.get(FULL_ATTENTION) or {}
+        rope = dict(sub) if isinstance(sub, dict) else {}
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", 10000.0)
+    factor = float(rope.get("partial_rotary_factor", 1.0))
+    if "mrope_section" in rope and factor < 1.0:
+        scale = round(1.0 / factor)
+        section = [int(x) * scale for x in rope["mrope_section"]]
+        if abs(1.0 / factor - scale) > 1e-6 or 2 * sum(section) != head_dim:
+            raise ConfigError(f"mrope_section {rope['mrope_section']} with partial_rotary_factor "
+                              f"{factor} cannot be rescaled to head_dim {head_dim}")
+        rope["mrope_section"], rope["partial_rotary_factor"] = section, 1.0
+    for key in ("type", "mrope_interleaved"):
+        rope.pop(key, None)
+    if "mrope_section" not in rope:
+        rope.pop("partial_rotary_factor", None)
+    return rope
 
 
 def default_target_layer_ids(num_verifier_layers: int, style: str = "zlab") -> list[int]:

@@ -1,0 +1,62 @@
+"""Our side of the drafter-config derivation, as the flat dict the reference adapter's
+``--derive`` mode writes (``reference/adapter.py: derive``), so the two compare field by
+field: what the drafter runs (RoPE, head geometry, eps, norm convention, vocabularies,
+layer layout, default target layers, mask token) and what its saved ``config.json`` tells an
+inference engine (``saved.<key>`` of the ``transformer_layer_config``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_audit.model.config import DFlashConfig, default_target_layer_ids
+
+#: transformer_layer_config keys reported as ``saved.<key>`` (same list as the adapter's).
+SAVED_KEYS = ("rope_parameters", "head_dim", "num_attention_heads", "num_key_value_heads",
+              "hidden_act", "rms_norm_eps", "attention_bias", "tie_word_embeddings",
+              "sliding_window", "use_sliding_window", "layer_types", "vocab_size",
+              "max_position_embeddings", "intermediate_size", "hidden_size")
+
+
+def derivation_fields(config: DFlashConfig) -> dict[str, Any]:
+    """The flat derivation dict of one of our drafter configs.
+
+    ``rotary_dim`` is the number of features per head our draft layers rotate
+    (2 * len(inv_freq)); ``verifier_norm`` is ``"x*(1+w)"`` or ``"x*w"``;
+    ``default_target_layer_ids`` is the reference's own default ``[2, N//2, N-3]`` for the
+    verifier depth N (None when N is too shallow for it).
+    """
+    from dflash_audit.model.checkpoint import reference_config
+    from dflash_audit.model.layers import rope_inverse_frequencies
+
+    inv_freq, scaling = rope_inverse_frequencies(config)
+    params = dict(config.rope_parameters or {})
+    try:
+        default_ids = default_target_layer_ids(config.num_verifier_layers, style="speculators")
+    except ValueError:
+        default_ids = None
+    layer_types = list(config.effective_layer_types)
+    saved = reference_config(config, None)["transformer_layer_config"]
+    return {
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps, "hidden_act": config.hidden_act,
+        "attention_bias": config.attention_bias,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "vocab_size": config.vocab_size, "target_vocab_size": config.vocab_size,
+        "layer_types": layer_types,
+        "sliding_window": config.sliding_window if "sliding_attention" in layer_types else None,
+        "rope_theta": float(config.rope_theta),
+        "rope_type": params.get("rope_type", "default"),
+        "rope_partial_rotary_factor": params.get("partial_rotary_factor"),
+        "rope_scaling": {k: v for k, v in params.items()
+                         if k not in ("rope_type", "partial_rotary_factor")},
+        "rotary_dim": 2 * int(inv_freq.numel()),
+        "rope_attention_scaling": float(scaling),
+        "verifier_norm": "x*(1+w)" if config.verifier_norm_one_plus_weight else "x*w",
+        "default_target_layer_ids": default_ids,
+        "mask_token_id": config.mask_token_id,
+        **{f"saved.{k}": saved.get(k) for k in SAVED_KEYS},
+    }
