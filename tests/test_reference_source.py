@@ -9,7 +9,6 @@ normal cache; everything else uses a per-test cache.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import sys
@@ -191,7 +190,8 @@ def test_resolve_branch_by_file_url(cache, origin):
     assert ident.url == origin["url"]
     assert ident.short_id == origin["main"][:12]
     assert ident.describe == f"v0.9.0-1-g{origin['main'][:7]}"
-    assert ident.version is None  # no version.py in git and not at a release tag
+    # no version.py in git: the reference's own nightly rule, one commit after v0.9.0
+    assert ident.version == "0.10.0a1"
     assert not (ident.source_dir / "src/speculators/version.py").exists()
     assert ident.source_dir == cache / "reference" / "git" / "checkouts" / origin["main"]
     assert (ident.source_dir / AFTER_RELEASE_FILE).is_file()
@@ -207,6 +207,18 @@ def test_resolve_tag(cache, origin):
     assert ident.describe == "v0.9.0"
     assert ident.version == "0.9.0"  # from the tag
     assert not (ident.source_dir / AFTER_RELEASE_FILE).exists()
+
+
+def test_git_version_follows_the_references_setup_rule(origin, tmp_path):
+    repo = git.Repo(origin["path"])
+    assert rs.git_version(repo, origin["v090"], origin["path"]) == "0.9.0"
+    assert rs.git_version(repo, origin["main"], origin["path"]) == "0.10.0a1"
+    untagged = _make_repo(tmp_path / "untagged")
+    (tmp_path / "untagged" / "setup.py").write_text('LAST_RELEASE_VERSION = Version("0.8.0")\n')
+    sha = _commit_all(untagged, "no tags")
+    assert rs.git_version(untagged, sha, tmp_path / "untagged") == "0.9.0a0"
+    (tmp_path / "untagged" / "setup.py").unlink()
+    assert rs.git_version(untagged, sha, tmp_path / "untagged") is None
 
 
 @pytest.mark.parametrize("length", [40, 12, 7])

@@ -28,7 +28,12 @@ errors come back through ``<workdir>/error.json`` and are raised as the exceptio
 """
 
 
-from dflash_audit.reference_source.git_mirror import DEFAULT_GIT_URL, REF_URL_ENV, known_refs
+from dflash_audit.reference_source.git_mirror import (
+    DEFAULT_GIT_URL,
+    REF_URL_ENV,
+    git_version,
+    known_refs,
+)
 from dflash_audit.reference_source.identity import (
     CACHE_ENV,
     PACKAGE,
@@ -69,6 +74,7 @@ __all__ = [
     "ReferenceLock", "ReferenceMissingDependencyError", "ReferenceResolutionError", "ReferenceRun",
     "ReferenceRunError", "ReferenceSourceError", "ReferenceTimeoutError",
     "ReferenceWrongSourceError", "adapter_path", "cache_root", "check_reference_importable",
-    "install_command", "known_refs", "load_lock", "missing_dflash_paths", "parse_spec",
-    "read_version", "reference_dir", "reference_env", "resolve_reference", "run_reference",
+    "git_version", "install_command", "known_refs", "load_lock", "missing_dflash_paths",
+    "parse_spec", "read_version", "reference_dir", "reference_env", "resolve_reference",
+    "run_reference",
 ]

@@ -199,7 +199,7 @@ def _resolve_git(
         commit=sha,
         commit_date=commit.committed_datetime.astimezone(timezone.utc).isoformat(),
         describe=_describe(mirror, sha),
-        version=read_version(checkout) or _version_from_tag(mirror, sha),
+        version=read_version(checkout) or git_version(mirror, sha, checkout),
         mirror_fetched_at=_fetched_at(mirror),
     )
 
@@ -221,15 +221,34 @@ def _describe(mirror: git.Repo, sha: str) -> str | None:
         return None
 
 
-def _version_from_tag(mirror: git.Repo, sha: str) -> str | None:
-    """``X.Y.Z`` when a tag ``vX.Y.Z`` / ``X.Y.Z`` points at ``sha`` (git checkouts carry no
-    version.py: speculators generates it at build time)."""
+def git_version(repo: git.Repo, sha: str, tree: Path) -> str | None:
+    """The version the reference's own ``setup.py`` gives commit ``sha`` (a git checkout has no
+    ``version.py``: speculators writes it at build time).
+
+    At a release tag ``vX.Y.Z``: ``X.Y.Z``. Elsewhere, its default (nightly) build rule: the last
+    ``vX.Y.Z`` tag before ``sha`` (or the tree's ``LAST_RELEASE_VERSION`` in ``setup.py``,
+    whichever is newer), next minor, ``a<commits since the tag>``: ``0.10.0a12`` twelve commits
+    after v0.9.0. None when neither a tag nor ``setup.py`` says.
+    """
     try:
-        tag = mirror.git.describe("--tags", "--exact-match", sha)
+        exact = repo.git.describe("--tags", "--exact-match", "--match", "v[0-9]*", sha)
     except git.GitCommandError:
-        return None
-    m = re.fullmatch(r"v?(\d+(?:\.\d+)*\S*)", tag)
-    return m.group(1) if m else None
+        exact = None
+    if exact and (m := re.fullmatch(r"v(\d+\.\d+\.\d+)", exact)):
+        return m.group(1)
+    try:
+        described = repo.git.describe("--tags", "--long", "--match", "v[0-9]*", sha)
+        m = re.fullmatch(r"v(\d+)\.(\d+)\.\d+-(\d+)-g[0-9a-f]+", described)
+    except git.GitCommandError:
+        m = None
+    last = (int(m.group(1)), int(m.group(2))) if m else None
+    commits = int(m.group(3)) if m else 0
+    setup = tree / "setup.py"
+    pinned = re.search(r'LAST_RELEASE_VERSION\s*=\s*Version\(\s*["\'](\d+)\.(\d+)',
+                       setup.read_text(errors="replace")) if setup.is_file() else None
+    if pinned:
+        last = max(last or (0, 0), (int(pinned.group(1)), int(pinned.group(2))))
+    return f"{last[0]}.{last[1] + 1}.0a{commits}" if last else None
 
 
 def _ensure_checkout(root: Path, mirror: git.Repo, sha: str) -> Path:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import git
 
+from dflash_audit.reference_source.git_mirror import git_version
 from dflash_audit.reference_source.identity import (
     PACKAGE,
     ReferenceIdentity,
@@ -33,9 +34,11 @@ def _resolve_path(spec: str, directory: Path) -> ReferenceIdentity:
     )
     short_id = hashlib.sha256(f"{directory}\0{mtime}".encode()).hexdigest()[:12]
     commit = dirty = None
+    version = read_version(directory)
     try:
         repo = git.Repo(directory)
         commit, dirty = repo.head.commit.hexsha, repo.is_dirty()
+        version = version or git_version(repo, commit, directory)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError, ValueError):
         pass
     return ReferenceIdentity(
@@ -46,5 +49,5 @@ def _resolve_path(spec: str, directory: Path) -> ReferenceIdentity:
         resolved_at=_now(),
         commit=commit,
         dirty=dirty,
-        version=read_version(directory),
+        version=version,
     )

@@ -64,14 +64,15 @@ def _what(report: Report) -> list[str]:
     lines = [
         f"**Candidate** {_cell(cand.get('name'))} (`{cand.get('spec') or 'default'}`, "
         f"fingerprint `{str(cand.get('fingerprint', ''))[:12]}`) vs **reference** "
-        f"`{ref.get('spec')}` (`{str(ref_id)[:12]}`, version {ref.get('version')}) under "
+        f"`{ref.get('spec')}` (`{str(ref_id)[:12]}`, "
+        f"version {ref.get('version') or 'unknown'}) under "
         f"profile **{prof.get('name')}** (fingerprint `{str(prof.get('fingerprint', ''))[:12]}`).",
         "",
         f"{len(report.cases)} cases: {real} real "
-        f"({_cell((inp.get('verifier') or {}).get('name'), 60)} × "
-        f"{_cell((inp.get('data') or {}).get('source'), 60)}, T={inp.get('seq_len')}, "
-        f"rows={inp.get('rows')}) and "
-        f"{synth} synthetic; layer layouts audited: "
+        + (f"({_cell((inp.get('verifier') or {}).get('name'), 60)} × "
+           f"{_cell((inp.get('data') or {}).get('source'), 60)}, T={inp.get('seq_len')}, "
+           f"rows={inp.get('rows')}) " if real else "")
+        + f"and {synth} synthetic; layer layouts audited: "
         f"{', '.join(sorted({c.layout.get('layout', '?') for c in report.cases}))}.",
     ]
     return lines
