@@ -159,7 +159,7 @@ def resolve_checkpoint(out: Path, resume: str, warn=None) -> Path:
         raise ResumeError(f"--resume: no checkpoint in {root} "
                           "(nothing to resume; drop --resume to start fresh)")
     latest = follow_latest(pointer) if pointer.is_file() else steps[0]
-    candidates = [latest] + [p for p in steps if p.name < latest.name]
+    candidates = [latest] + [p for p in steps if p.name != latest.name]
     damaged = []
     for path in candidates:
         problems = checkpoint_problems(path)
