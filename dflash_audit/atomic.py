@@ -2,6 +2,11 @@
 
 A reader never sees a half-written checkpoint, cache entry or converted verifier; a crash
 or a kill leaves at most a hidden ``.<name>.tmp-*`` folder behind, never a broken target.
+
+Also: per-folder manifests (size + sha256 of each file, :func:`write_manifest` /
+:func:`manifest_problems`) that checkpoints and cache entries carry, a structural length
+check of ``.safetensors`` files (:func:`safetensors_problem`), and a writable-folder probe
+run before long work (:func:`ensure_writable_dir`).
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Order of a run (:func:`train`):
 
 1. **Gate** (:mod:`dflash_audit.train.gate`): a passing audit report for this candidate,
    profile and reference must exist, else :class:`~dflash_audit.train.gate.GateError`.
+   The run folder ``out`` must be writable, and one that already holds a run
+   (checkpoints, metrics) is only continued (``resume``) or replaced (``overwrite``):
+   :func:`dflash_audit.train.state.check_run_folder`.
 2. Verifier, data source (:mod:`~dflash_audit.train.sources`: batch files, or online capture
    by the verifier in the loop), drafter from the profile (``Profile.to_drafter_config``),
    draft vocabulary from token counts when the profile sets ``draft_vocab_size``, frozen
