@@ -71,7 +71,8 @@ def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None,
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "DFLASH_AUDIT_PROGRESS_INTERVAL": "0",
                 "COLUMNS": "200", **(env or {})}
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=full_env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600,
+                          check=False)
 
 
 def tree_digest(folder: Path) -> dict[str, str]:

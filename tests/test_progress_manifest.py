@@ -12,8 +12,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash_audit.atomic import (MANIFEST_NAME, ensure_writable_dir, manifest_problems,
-                                 safetensors_problem, write_manifest)
+from dflash_audit.atomic import (
+    MANIFEST_NAME,
+    ensure_writable_dir,
+    manifest_problems,
+    safetensors_problem,
+    write_manifest,
+)
 from dflash_audit.command_errors import os_error_message
 from dflash_audit.progress import LineProgress, progress_display
 

@@ -23,8 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_audit.atomic import (atomic_folder, manifest_problems, safetensors_problem,
-                                 write_manifest)
+from dflash_audit.atomic import (
+    atomic_folder,
+    manifest_problems,
+    safetensors_problem,
+    write_manifest,
+)
 from dflash_audit.data.errors import VerifierError
 
 SMOLLM2_NAME = "smollm2-135m"

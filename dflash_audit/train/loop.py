@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-
 import signal
 import time
 from dataclasses import dataclass, field
@@ -55,13 +54,27 @@ import torch
 import torch.distributed as dist
 
 from dflash_audit.train import state as ckpt
-from dflash_audit.train.distributed import (DistEnv, StopSignals, _all_max, _all_reduce_sum,
-                                            _gather, init_distributed, resolve_device)
+from dflash_audit.train.distributed import (
+    DistEnv,
+    StopSignals,
+    _all_max,
+    _all_reduce_sum,
+    _gather,
+    init_distributed,
+    resolve_device,
+)
 from dflash_audit.train.gate import GateResult, check_gate, expected_for
 from dflash_audit.train.optim import OptimSpec, build_optimizers, build_schedulers
-from dflash_audit.train.setup import (TrainError, anchor_generator, build_drafter,
-                                      eval_prompt_set, evaluate_drafter, make_source,
-                                      next_micro_batches, step_inputs)
+from dflash_audit.train.setup import (
+    TrainError,
+    anchor_generator,
+    build_drafter,
+    eval_prompt_set,
+    evaluate_drafter,
+    make_source,
+    next_micro_batches,
+    step_inputs,
+)
 from dflash_audit.train.step import drafter_forward, train_step
 from dflash_audit.train.track import Tracker, loss_curve
 

@@ -30,7 +30,11 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_audit.atomic import atomic_folder, manifest_problems, write_manifest
-from dflash_audit.model.checkpoint import CheckpointError, save_pretrained, validate_checkpoint
+from dflash_audit.model.checkpoint import (
+    CheckpointError,
+    save_pretrained,
+    validate_checkpoint,
+)
 
 STATE_FILE = "training_state.pt"
 STATE_FORMAT = "dflash-audit-train-state"
