@@ -9,6 +9,7 @@ then each row is captured (one verifier forward per document).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from collections.abc import Iterator, Sequence
@@ -291,12 +292,19 @@ def data_command(
 
     console = Console(stderr=True)
     _check_args(seq_len, rows)
+    created = not out.exists()
     ensure_writable_dir(out)  # before minutes of capture: a file, read-only, ...
-    batches = build_batches(verifier, data, seq_len, rows, target_layer_ids=target_layers,
-                            zlab_ids=zlab_ids, mask_token_id=mask_token_id, seed=seed,
-                            progress=True, regenerate=regenerate,
-                            max_new_tokens=max_new_tokens, max_turns=max_turns)
-    paths = write_batches(batches, out, reference_format=reference_format)
+    try:
+        batches = build_batches(verifier, data, seq_len, rows, target_layer_ids=target_layers,
+                                zlab_ids=zlab_ids, mask_token_id=mask_token_id, seed=seed,
+                                progress=True, regenerate=regenerate,
+                                max_new_tokens=max_new_tokens, max_turns=max_turns)
+        paths = write_batches(batches, out, reference_format=reference_format)
+    except BaseException:
+        if created:  # leave nothing behind: the folder this command made, if still empty
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
     meta = batches[0].metadata
     tokens = sum(int(b.loss_mask.sum()) for b in batches)
     console.print(
