@@ -203,8 +203,10 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
             gate = check_gate(expected, Path(cfg.report) if cfg.report else None,
                               Path(cfg.reports_dir))
         optim_spec = cfg.optim_spec(profile.optimizer)
-        if env.is_main:
-            ckpt.check_run_folder(out, cfg.resume, cfg.overwrite)
+        # every rank checks (so all refuse together), only rank 0 removes for --overwrite
+        ckpt.check_run_folder(out, cfg.resume, cfg.overwrite, remove=env.is_main)
+        if env.distributed:
+            dist.barrier()
 
         verifier = load_verifier(cfg.verifier, progress=None if not env.is_main else
                                  (lambda m: print(f"dflash-audit: {m}", flush=True)))

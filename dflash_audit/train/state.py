@@ -180,12 +180,14 @@ def resolve_checkpoint(out: Path, resume: str, warn=None) -> Path:
 RUN_FILES = ("metrics.jsonl", "summary.json")
 
 
-def check_run_folder(out: Path, resume: str | None, overwrite: bool) -> None:
+def check_run_folder(out: Path, resume: str | None, overwrite: bool, remove: bool = True
+                     ) -> None:
     """Refuse to write a new run over an existing one.
 
     ``out`` holds a run when it has ``checkpoints/`` with anything in it, ``metrics.jsonl``
     or ``summary.json``. Then a fresh start needs ``overwrite`` (which removes them, and
-    ``tensorboard/``), else ``resume``. Also proves ``out`` is a writable folder.
+    ``tensorboard/``; only when ``remove``: rank 0 of a multi-process run), else ``resume``.
+    Also proves ``out`` is a writable folder.
 
     Raises:
         ResumeError: an existing run without ``--resume`` / ``--overwrite``; or both given.
@@ -206,6 +208,8 @@ def check_run_folder(out: Path, resume: str | None, overwrite: bool) -> None:
         raise ResumeError(f"--out {out} already holds a training run (checkpoints or "
                           "metrics); continue it with --resume, or replace it with "
                           "--overwrite")
+    if not remove:
+        return
     for name in (CHECKPOINTS, "tensorboard"):
         shutil.rmtree(out / name, ignore_errors=True)
     for name in RUN_FILES:
