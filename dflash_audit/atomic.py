@@ -2,6 +2,11 @@
 
 A reader never sees a half-written checkpoint, cache entry or converted verifier; a crash
 or a kill leaves at most a hidden ``.<name>.tmp-*`` folder behind, never a broken target.
+
+Also: per-folder manifests (size + sha256 of each file, :func:`write_manifest` /
+:func:`manifest_problems`) that checkpoints and cache entries carry, a structural length
+check of ``.safetensors`` files (:func:`safetensors_problem`), and a writable-folder probe
+run before long work (:func:`ensure_writable_dir`).
 """
 
 from __future__ import annotations
@@ -43,3 +48,124 @@ def atomic_folder(target: str | Path, *, keep_existing: bool = False) -> Iterato
         os.replace(target, old)
         os.replace(tmp, target)
         shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------- manifests
+MANIFEST_NAME = "dflash_audit_manifest.json"
+_verified: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, per process
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 hex of a file's bytes (read in 4 MiB chunks)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(folder: str | Path) -> Path:
+    """Record size and sha256 of every plain file in ``folder`` (not recursive) in
+    ``folder/dflash_audit_manifest.json``. Call it on the temporary folder of
+    :func:`atomic_folder`, so the manifest is published with the files it describes."""
+    import json
+
+    folder = Path(folder)
+    files = {p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)}
+             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST_NAME}
+    tmp = folder / f".{MANIFEST_NAME}.tmp"
+    tmp.write_text(json.dumps({"version": 1, "files": files}, indent=1, sort_keys=True))
+    os.replace(tmp, folder / MANIFEST_NAME)
+    return folder / MANIFEST_NAME
+
+
+def manifest_problems(folder: str | Path, full_hash: bool = True) -> list[str] | None:
+    """Check ``folder`` against its manifest.
+
+    Returns:
+        None when the folder has no manifest (written before manifests existed); else the
+        list of problems (empty: intact), e.g. ``"model.safetensors: 1000 bytes, manifest
+        says 2000 (truncated?)"``. Sizes are always compared; with ``full_hash`` the sha256
+        too (once per process for a file whose size and mtime have not changed).
+    """
+    import json
+
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST_NAME).read_text())
+        files = dict(manifest["files"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"{MANIFEST_NAME} unreadable ({type(exc).__name__})"]
+    problems = []
+    for name, want in sorted(files.items()):
+        path = folder / name
+        try:
+            st = path.stat()
+        except OSError:
+            problems.append(f"{name}: missing")
+            continue
+        if st.st_size != want.get("size"):
+            problems.append(f"{name}: {st.st_size} bytes, manifest says {want.get('size')} "
+                            "(truncated or replaced)")
+            continue
+        if full_hash:
+            key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+            digest = _verified.get(key) or file_sha256(path)
+            if digest != want.get("sha256"):
+                problems.append(f"{name}: sha256 differs from the manifest (corrupt)")
+            else:
+                _verified[key] = digest
+    return problems
+
+
+def safetensors_problem(path: str | Path) -> str | None:
+    """A cheap structural check of a ``.safetensors`` file: the header parses and the file
+    is exactly as long as the header's last tensor ends (a truncated or padded file is
+    not). Returns a description of the problem, or None when the file looks whole."""
+    import json
+    import struct
+
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                return f"{path}: {size} bytes, too short for a safetensors header (truncated)"
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(size, 100 << 20):
+                return f"{path}: header length {n} exceeds the file ({size} bytes; truncated?)"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        return f"{path}: unreadable safetensors header ({type(exc).__name__})"
+    end = max((int(v["data_offsets"][1]) for k, v in header.items()
+               if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v),
+              default=0)
+    if 8 + n + end != size:
+        return (f"{path}: {size} bytes, its header says {8 + n + end} "
+                f"({'truncated' if size < 8 + n + end else 'trailing bytes'})")
+    return None
+
+
+def ensure_writable_dir(path: str | Path, option: str = "--out") -> Path:
+    """Create ``path`` (and parents) if needed and prove it writable by creating and removing
+    a probe file, before any long work writes there.
+
+    Raises:
+        OSError: with ``filename`` set and a message naming ``option`` (ENOTDIR when
+            ``path`` or a parent is a file; EACCES / EROFS / ENOSPC from the probe).
+    """
+    import errno
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OSError(errno.ENOTDIR, f"{option} must be a folder, but it is a file", str(path))
+    path.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
+    os.close(fd)
+    os.unlink(probe)
+    return path

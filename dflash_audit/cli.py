@@ -1,6 +1,8 @@
 """Command-line entry point: ``dflash-audit data | compare | train | eval``.
 
-Each command lives in the module that does its job; this file only wires them to typer.
+Each command lives in the module that does its job; this file only wires them to typer,
+each through :func:`~dflash_audit.command_errors.command_boundary` (one error contract: a
+one-line message and exit 2 for bad input, setup and OS errors, never a traceback).
 Exit codes: 0 success / audit pass, 1 conformance failure, 2 usage or setup error.
 """
 
@@ -8,9 +10,12 @@ from __future__ import annotations
 
 import typer
 
+from dflash_audit.command_errors import EXIT_CODES_HELP, command_boundary
+
 app = typer.Typer(
     name="dflash-audit",
-    help="Audit a DFlash drafter against vllm-project/speculators, then train it.",
+    help="Audit a DFlash drafter against vllm-project/speculators, then train it. "
+         + EXIT_CODES_HELP,
     no_args_is_help=True,
     add_completion=False,
 )
@@ -18,18 +23,18 @@ app = typer.Typer(
 # --- data (dflash_audit/data) ---------------------------------------------------------
 from dflash_audit.data.pipeline import data_command  # noqa: E402
 
-app.command("data")(data_command)
+app.command("data")(command_boundary(data_command))
 
 # --- compare (dflash_audit/audit) -----------------------------------------------------
 from dflash_audit.audit.compare_cli import compare_command  # noqa: E402
 
-app.command("compare")(compare_command)
+app.command("compare")(command_boundary(compare_command))
 
 # --- train / eval (dflash_audit/train) -----------------------------------------------
 from dflash_audit.train.commands import eval_command, train_command  # noqa: E402
 
-app.command("train")(train_command)
-app.command("eval")(eval_command)
+app.command("train")(command_boundary(train_command))
+app.command("eval")(command_boundary(eval_command))
 
 
 def main() -> None:  # pragma: no cover - console entry

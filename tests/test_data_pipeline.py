@@ -162,7 +162,9 @@ def _app() -> typer.Typer:
     def _group() -> None:  # keeps `data` a sub-command, as in dflash_audit.cli
         pass
 
-    app.command("data")(data_command)
+    from dflash_audit.command_errors import command_boundary
+
+    app.command("data")(command_boundary(data_command))  # as dflash_audit.cli wires it
     return app
 
 

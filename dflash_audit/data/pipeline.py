@@ -9,6 +9,7 @@ then each row is captured (one verifier forward per document).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from collections.abc import Iterator, Sequence
@@ -55,13 +56,13 @@ class _Stats:
 
 
 def _progress(enabled: bool) -> Any:
-    """A rich progress bar on stderr (or a no-op stand-in)."""
+    """A rich progress bar on a terminal, progress lines every ~10 s on a non-TTY stderr
+    (:func:`dflash_audit.progress.progress_display`), or a no-op stand-in."""
     if not enabled:
         return nullcontext(None)
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=Console(stderr=True))
+    from dflash_audit.progress import progress_display
+
+    return progress_display()
 
 
 def _conversations(verifier: Verifier, conversations: Sequence[Conversation], seq_len: int,
@@ -75,7 +76,8 @@ def _conversations(verifier: Verifier, conversations: Sequence[Conversation], se
         return
     from dflash_audit.data.regenerate import regenerate_conversations
 
-    task = progress.add_task("regenerating replies", total=None) if progress else None
+    task = progress.add_task("regenerating replies (at most)", total=len(conversations)
+                             ) if progress else None
     for begin in range(0, len(conversations), REGEN_CHUNK):
         yield from regenerate_conversations(
             verifier, conversations[begin:begin + REGEN_CHUNK], max_new_tokens=max_new_tokens,
@@ -281,19 +283,28 @@ def data_command(
         help="Also write speculators' offline format (hs_{i}.safetensors) to OUT/reference.")
     ] = False,
 ) -> None:
-    """Build packed batches with captured verifier hidden states and write them to --out."""
+    """Build packed batches with captured verifier hidden states and write them to --out.
+    Exit codes: 0 written; 2 bad input or environment (options, data, verifier, an
+    unwritable or full --out), checked before the capture where possible."""
     from rich.console import Console
 
+    from dflash_audit.atomic import ensure_writable_dir
+
     console = Console(stderr=True)
+    _check_args(seq_len, rows)
+    created = not out.exists()
+    ensure_writable_dir(out)  # before minutes of capture: a file, read-only, ...
     try:
         batches = build_batches(verifier, data, seq_len, rows, target_layer_ids=target_layers,
                                 zlab_ids=zlab_ids, mask_token_id=mask_token_id, seed=seed,
                                 progress=True, regenerate=regenerate,
                                 max_new_tokens=max_new_tokens, max_turns=max_turns)
         paths = write_batches(batches, out, reference_format=reference_format)
-    except DataError as exc:
-        console.print(f"error: {exc}", style="bold red", highlight=False, markup=False)
-        raise typer.Exit(2) from None
+    except BaseException:
+        if created:  # leave nothing behind: the folder this command made, if still empty
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
     meta = batches[0].metadata
     tokens = sum(int(b.loss_mask.sum()) for b in batches)
     console.print(

@@ -23,7 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_audit.atomic import atomic_folder
+from dflash_audit.atomic import (
+    atomic_folder,
+    manifest_problems,
+    safetensors_problem,
+    write_manifest,
+)
 from dflash_audit.data.errors import VerifierError
 
 SMOLLM2_NAME = "smollm2-135m"
@@ -65,7 +70,9 @@ def builtin_verifier_dir(name: str = SMOLLM2_NAME) -> Path:
 
 
 def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    """Default progress sink: ``dflash-audit: <message>`` on stderr (messages carry no
+    prefix of their own, so a caller's sink that adds one does not double it)."""
+    print(f"dflash-audit: {message}", file=sys.stderr, flush=True)
 
 
 def smollm2_gguf_path() -> Path:
@@ -89,11 +96,14 @@ def smollm2_gguf_path() -> Path:
 
 
 def convert_smollm2(target: Path | None = None,
-                    progress: Callable[[str], None] | None = _stderr) -> Path:
+                    progress: Callable[[str], None] | None = _stderr,
+                    replace: bool = False) -> Path:
     """Convert the SmolLM2 gguf into a plain fp32 HF folder (model + tokenizer), atomically.
 
     Writes into a temporary sibling folder and renames it to ``target`` (default
-    :func:`builtin_verifier_dir`), so an interrupted conversion never leaves a half folder.
+    :func:`builtin_verifier_dir`), so an interrupted conversion never leaves a half folder;
+    a manifest of the files' sizes and sha256 is published with them. An existing
+    ``target`` (another process finished first) is kept unless ``replace`` (a damaged one).
     Takes ~20 s on 2 CPU cores; the result (~0.5 GB) loads in ~1.5 s.
 
     Returns:
@@ -112,11 +122,11 @@ def convert_smollm2(target: Path | None = None,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if progress:
-        progress(f"dflash-audit: converting {SMOLLM2_NAME} from {gguf.name} into {target} "
+        progress(f"converting {SMOLLM2_NAME} from {gguf.name} into {target} "
                  "(one time, ~20 s) ...")
     start = time.perf_counter()
     # another process that finished first keeps its copy
-    with atomic_folder(target, keep_existing=True) as tmp:
+    with atomic_folder(target, keep_existing=not replace) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # The gguf loader dequantizes to fp32 but leaves a (non-serializable) quantizer
@@ -126,8 +136,9 @@ def convert_smollm2(target: Path | None = None,
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        write_manifest(tmp)
     if progress:
-        progress(f"dflash-audit: {SMOLLM2_NAME} converted in {time.perf_counter() - start:.0f} s")
+        progress(f"{SMOLLM2_NAME} converted in {time.perf_counter() - start:.0f} s")
     return target
 
 
@@ -142,6 +153,16 @@ def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = _s
         folder = builtin_verifier_dir(spec)
         if not (folder / "config.json").is_file():
             convert_smollm2(folder, progress=progress)
+        elif problems := cache_problems(folder):
+            if progress:
+                progress(f"the cached verifier {folder} is damaged ({'; '.join(problems)}); "
+                         "rebuilding it")
+            try:
+                convert_smollm2(folder, progress=progress, replace=True)
+            except VerifierError as exc:
+                raise VerifierError(f"the cached verifier {folder} is damaged "
+                                    f"({'; '.join(problems)}) and cannot be rebuilt here: "
+                                    f"{exc}") from exc
         return spec, folder
     folder = Path(spec).expanduser()
     if not folder.exists():
@@ -151,6 +172,22 @@ def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = _s
     if not (folder / "config.json").is_file():
         raise VerifierError(f"verifier folder {folder} has no config.json (not a HF model folder)")
     return folder.resolve().name, folder.resolve()
+
+
+def cache_problems(folder: Path) -> list[str]:
+    """What is wrong with a converted verifier folder (empty: intact). With a manifest: any
+    file missing, of another size or another sha256 (hashed once per process). Without one
+    (converted before manifests): a structural check of its ``.safetensors`` files; when
+    they pass, the manifest is written now (best effort)."""
+    problems = manifest_problems(folder)
+    if problems is not None:
+        return problems
+    problems = [p for f in sorted(Path(folder).glob("*.safetensors"))
+                if (p := safetensors_problem(f))]
+    if not problems:
+        with contextlib.suppress(OSError):
+            write_manifest(folder)
+    return problems
 
 
 def config_hash(config: Any) -> str:
@@ -243,14 +280,21 @@ def load_verifier(spec: str, attn_implementation: str = "sdpa",
         raise VerifierError(f"attn_implementation must be 'sdpa' or 'eager', got "
                             f"{attn_implementation!r}")
     name, folder = resolve_verifier_path(spec, progress=progress)
+    damaged = [p for f in sorted(folder.glob("*.safetensors")) if (p := safetensors_problem(f))]
+    if damaged:
+        raise VerifierError(f"verifier weights damaged: {'; '.join(damaged)}; restore the "
+                            "folder (or remove it if it is a cache entry)")
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch.float32, attn_implementation=attn_implementation)
-    except (OSError, ValueError, KeyError) as exc:
-        raise VerifierError(f"cannot load a causal LM from {folder}: {exc}") from exc
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
+        raise VerifierError(f"cannot load a causal LM from {folder}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                            ) from exc
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, KeyError, TypeError) as exc:

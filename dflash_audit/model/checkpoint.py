@@ -138,6 +138,102 @@ def config_from_reference(d: dict[str, Any], num_verifier_layers: int,
     )
 
 
+def _speculative_tokens(d: dict[str, Any]) -> Any:
+    methods = (d.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return (methods[0] or {}).get("speculative_tokens")
+
+
+def validate_checkpoint(path: str | Path, num_verifier_layers: int,
+                        verifier_hidden_size: int | None = None) -> dict[str, Any]:
+    """Check a checkpoint folder against the reference's DFlash config rules before loading.
+
+    Rules (speculators 0.9.0, ``models/dflash/core.py``): ``speculative_tokens`` of the
+    greedy proposal = ``block_size`` (``sample_from_anchor``) else ``block_size - 1``; every
+    ``aux_hidden_state_layer_ids`` entry in [0, N-1] for an N-layer verifier (the same rule,
+    and message, as ``dflash-audit data``); ``fc.weight`` reads ``len(ids) * H`` features;
+    with a draft vocabulary, ``t2d`` (bool, [V]) has ``draft_vocab_size`` True entries and
+    ``d2t`` ([V_d]) maps draft id i to target id ``i + d2t[i]``, the i-th True position of
+    ``t2d``. Also: ``config.json`` parses; ``model.safetensors`` is whole (its manifest, or
+    its header's length) .
+
+    Returns:
+        The parsed ``config.json``.
+
+    Raises:
+        CheckpointError: one line naming the folder, the rule and the values.
+    """
+    from safetensors import safe_open
+
+    from dflash_audit.atomic import manifest_problems, safetensors_problem
+    from dflash_audit.data.capture import resolve_target_layer_ids
+    from dflash_audit.data.errors import LayerIdError
+
+    path = Path(path)
+    for name in ("config.json", "model.safetensors"):
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path} has no {name}: not a finished checkpoint")
+    problems = manifest_problems(path) or []
+    bad = safetensors_problem(path / "model.safetensors")
+    if problems or bad:
+        raise CheckpointError(f"checkpoint {path} is damaged ({'; '.join(problems or [bad])}); "
+                              "use an intact checkpoint (an earlier step-* folder)")
+    try:
+        d = json.loads((path / "config.json").read_text())
+        tl = d["transformer_layer_config"]
+        block_size, hidden = int(d["block_size"]), int(tl["hidden_size"])
+        ids = [int(i) for i in d["aux_hidden_state_layer_ids"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}/config.json is not a DFlash checkpoint config "
+                              f"({type(exc).__name__}: {exc})") from exc
+    if d.get("speculators_model_type") != "dflash":
+        raise CheckpointError(f"{path}/config.json: not a DFlash checkpoint config "
+                              f"(speculators_model_type={d.get('speculators_model_type')!r})")
+    want = block_size if d.get("sample_from_anchor") else block_size - 1
+    if _speculative_tokens(d) != want:
+        raise CheckpointError(
+            f"{path}/config.json: speculative_tokens {_speculative_tokens(d)!r} does not fit "
+            f"block_size {block_size} (the reference requires block_size"
+            f"{'' if d.get('sample_from_anchor') else ' - 1'} = {want}); fix the config")
+    try:
+        resolve_target_layer_ids(num_verifier_layers, ids)
+    except LayerIdError as exc:
+        raise CheckpointError(f"checkpoint {path}: aux_hidden_state_layer_ids: {exc}") from exc
+    if verifier_hidden_size is not None and hidden != verifier_hidden_size:
+        raise CheckpointError(f"checkpoint {path}: hidden_size {hidden}, the verifier's is "
+                              f"{verifier_hidden_size}; use the verifier it was trained with")
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        fc = list(f.get_slice("fc.weight").get_shape()) if "fc.weight" in keys else None
+        if fc is not None and fc[-1] != len(ids) * hidden:
+            raise CheckpointError(
+                f"checkpoint {path}: fc.weight reads {fc[-1]} features, but "
+                f"{len(ids)} target layers x H={hidden} = {len(ids) * hidden}")
+        vocab, vd = int(tl.get("vocab_size", 0)), d.get("draft_vocab_size")
+        if vd not in (None, vocab) and {"t2d", "d2t"} <= keys:
+            _check_draft_vocab(path, f.get_tensor("t2d"), f.get_tensor("d2t"), int(vd), vocab)
+    return d
+
+
+def _check_draft_vocab(path: Path, t2d: torch.Tensor, d2t: torch.Tensor, vd: int,
+                       vocab: int) -> None:
+    """t2d: bool [V] with V_d True entries; d2t: [V_d], i + d2t[i] = i-th True of t2d."""
+    where = f"checkpoint {path}: draft vocabulary"
+    if t2d.shape != (vocab,) or d2t.shape != (vd,):
+        raise CheckpointError(f"{where}: t2d shape {list(t2d.shape)} (want [{vocab}]), d2t "
+                              f"shape {list(d2t.shape)} (want [{vd}])")
+    kept = torch.nonzero(t2d.bool()).flatten()
+    if kept.numel() != vd:
+        raise CheckpointError(f"{where}: t2d has {kept.numel()} True entries, "
+                              f"draft_vocab_size is {vd}")
+    mapped = torch.arange(vd) + d2t.long()
+    wrong = torch.nonzero(mapped != kept).flatten()
+    if wrong.numel():
+        i = int(wrong[0])
+        raise CheckpointError(f"{where}: d2t disagrees with t2d at {wrong.numel()} draft ids "
+                              f"(first: draft id {i} -> target {int(mapped[i])}, t2d's is "
+                              f"{int(kept[i])})")
+
+
 def save_pretrained(model: DFlashDrafter, out_dir: str | Path,
                     verifier_name_or_path: str | None = None,
                     verifier_architectures: list[str] | None = None,
@@ -174,7 +270,10 @@ def load_pretrained(path: str | Path, verifier=None, num_verifier_layers: int | 
     for name in ("config.json", "model.safetensors"):
         if not (path / name).is_file():
             raise CheckpointError(f"{path} has no {name}: not a finished checkpoint")
-    d = json.loads((path / "config.json").read_text())
+    try:
+        d = json.loads((path / "config.json").read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{path}/config.json is not JSON ({exc})") from exc
     if verifier is None:
         name = (d.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
         if not name:
@@ -183,6 +282,7 @@ def load_pretrained(path: str | Path, verifier=None, num_verifier_layers: int | 
 
         verifier = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
     vc = getattr(verifier.config, "text_config", None) or verifier.config
+    validate_checkpoint(path, num_verifier_layers or vc.num_hidden_layers, vc.hidden_size)
     config = config_from_reference(d, num_verifier_layers or vc.num_hidden_layers,
                                    str(getattr(vc, "model_type", "llama")))
     model = DFlashDrafter(config)

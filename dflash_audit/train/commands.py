@@ -25,25 +25,10 @@ def _console():
     return Console(stderr=True)
 
 
-def _setup_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean bad input (exit code 2, one-line message, no traceback)."""
-    from dflash_audit.candidate import CandidateError
-    from dflash_audit.data.errors import DataError
-    from dflash_audit.model.checkpoint import CheckpointError
-    from dflash_audit.model.config import ConfigError
-    from dflash_audit.profile import ProfileError
-    from dflash_audit.reference_source import ReferenceSourceError
-    from dflash_audit.train.loop import TrainError
-    from dflash_audit.train.optim import OptimConfigError
-    from dflash_audit.train.state import ResumeError
-
-    return (CandidateError, DataError, CheckpointError, ConfigError, ProfileError,
-            ReferenceSourceError, TrainError, OptimConfigError, ResumeError)
-
-
 def _fail(message: str, code: int) -> None:
-    _console().print(f"error: {message}", style="bold red", markup=False, highlight=False)
-    raise typer.Exit(code)
+    from dflash_audit.command_errors import fail
+
+    fail(message, code)
 
 
 def train_command(
@@ -111,10 +96,14 @@ def train_command(
     resume: Annotated[bool, Opt(help="Continue from OUT/checkpoints/latest.")] = False,
     resume_from: Annotated[Path | None, Opt(help="Continue from this checkpoint folder.")
                            ] = None,
+    overwrite: Annotated[bool, Opt(help="Start fresh in an --out that already holds a run, "
+                                        "deleting its checkpoints and metrics.")] = False,
 ) -> None:
     """Train a drafter - only after `dflash-audit compare` passed for the same candidate,
-    profile and reference. Exit codes: 0 done, 1 audit failed, 2 no matching report or bad
-    input, 130/143 interrupted (checkpoint written)."""
+    profile and reference. An --out that holds a run needs --resume or --overwrite. Exit
+    codes: 0 done, 1 audit failed, 2 no matching report, bad input or environment (an
+    existing run, unwritable or full --out, damaged checkpoint), 130/143 interrupted
+    (checkpoint written)."""
     from dflash_audit.train.gate import GateError
     from dflash_audit.train.loop import TrainConfig, train
 
@@ -131,13 +120,12 @@ def train_command(
         eval_max_new_tokens=eval_max_new_tokens, eval_at_end=evaluate,
         eval_untrained=eval_untrained, tensorboard=tensorboard, progress=progress,
         device=device, stop_at=stop_at,
-        resume=str(resume_from) if resume_from else ("latest" if resume else None))
+        resume=str(resume_from) if resume_from else ("latest" if resume else None),
+        overwrite=overwrite)
     try:
         summary = train(cfg)
     except GateError as exc:
         _fail(f"training refused: {exc}", exc.exit_code)
-    except _setup_errors() as exc:
-        _fail(str(exc), 2)
     console = _console()
     ev = summary.eval
     if "untrained" in ev or "trained" in ev:
@@ -175,15 +163,21 @@ def eval_command(
     out: Annotated[Path | None, Opt(help="Write the result as JSON here.")] = None,
 ) -> None:
     """Measure a drafter's mean acceptance length with real speculative decoding (greedy;
-    accepted drafts + 1 per verify step) on held-out conversations."""
-    try:
-        result = run_eval(checkpoint, untrained, profile, seed, verifier, data,
-                          exclude_batches, prompts, max_new_tokens)
-    except _setup_errors() as exc:
-        _fail(str(exc), 2)
+    accepted drafts + 1 per verify step) on held-out conversations. Exit codes: 0 done,
+    2 bad input or environment (checkpoint damaged or against the reference's config rules,
+    unwritable --out)."""
+    from dflash_audit.atomic import ensure_writable_dir
+
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
+        if out.is_dir():
+            _fail(f"--out {out} is a folder; give a file path for the JSON result", 2)
+        ensure_writable_dir(out.parent, "--out's folder")
+    result = run_eval(checkpoint, untrained, profile, seed, verifier, data,
+                      exclude_batches, prompts, max_new_tokens)
+    if out is not None:
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(result, indent=2))
+        tmp.replace(out)
     hist = " ".join(f"{k + 1}:{n}" for k, n in enumerate(result["histogram"]))
     _console().print(
         f"acceptance length {result['acceptance_length']:.3f} over {result['verify_steps']} "
@@ -219,9 +213,15 @@ def run_eval(checkpoint: Path | None, untrained: bool, profile: str, seed: int,
     if checkpoint is not None:
         checkpoint = follow_latest(checkpoint)
     if verifier is None and checkpoint is not None:
-        cfg = json.loads((Path(checkpoint) / "config.json").read_text()) \
-            if (Path(checkpoint) / "config.json").is_file() else {}
-        verifier = (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
+        from dflash_audit.model.checkpoint import CheckpointError
+
+        try:
+            cfg = json.loads((Path(checkpoint) / "config.json").read_text()) \
+                if (Path(checkpoint) / "config.json").is_file() else {}
+        except ValueError as exc:
+            raise CheckpointError(f"{checkpoint}/config.json is not JSON ({exc})") from exc
+        verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}
+                    ).get("name_or_path")
     v = load_verifier(verifier or "smollm2-135m")
     if checkpoint is not None:
         drafter = load_pretrained(checkpoint, verifier=v.model)

@@ -4,6 +4,9 @@ Order of a run (:func:`train`):
 
 1. **Gate** (:mod:`dflash_audit.train.gate`): a passing audit report for this candidate,
    profile and reference must exist, else :class:`~dflash_audit.train.gate.GateError`.
+   The run folder ``out`` must be writable, and one that already holds a run
+   (checkpoints, metrics) is only continued (``resume``) or replaced (``overwrite``):
+   :func:`dflash_audit.train.state.check_run_folder`.
 2. Verifier, data source (:mod:`~dflash_audit.train.sources`: batch files, or online capture
    by the verifier in the loop), drafter from the profile (``Profile.to_drafter_config``),
    draft vocabulary from token counts when the profile sets ``draft_vocab_size``, frozen
@@ -41,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -51,18 +53,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash_audit.model.anchors import select_anchors
-from dflash_audit.model.drafter import DFlashDrafter
-from dflash_audit.model.verifier_weights import load_verifier_weights
 from dflash_audit.train import state as ckpt
+from dflash_audit.train.distributed import (
+    DistEnv,
+    StopSignals,
+    _all_max,
+    _all_reduce_sum,
+    _gather,
+    init_distributed,
+    resolve_device,
+)
 from dflash_audit.train.gate import GateResult, check_gate, expected_for
 from dflash_audit.train.optim import OptimSpec, build_optimizers, build_schedulers
-from dflash_audit.train.step import MODEL_INPUTS, drafter_forward, train_step
+from dflash_audit.train.setup import (
+    TrainError,
+    anchor_generator,
+    build_drafter,
+    eval_prompt_set,
+    evaluate_drafter,
+    make_source,
+    next_micro_batches,
+    step_inputs,
+)
+from dflash_audit.train.step import drafter_forward, train_step
 from dflash_audit.train.track import Tracker, loss_curve
 
-
-class TrainError(Exception):
-    """The run cannot start or continue; the message says why and what to do."""
+__all__ = ["RUN_FIELDS", "DistEnv", "TrainConfig", "TrainError", "TrainSummary",
+           "anchor_generator", "build_drafter", "make_source", "next_micro_batches",
+           "step_inputs", "train"]
 
 
 @dataclass
@@ -108,6 +126,7 @@ class TrainConfig:
     device: str = "auto"
     stop_at: int | None = None  # stop (with a checkpoint) once this global step is done
     resume: str | None = None  # "latest" or a checkpoint folder
+    overwrite: bool = False  # start fresh in an `out` that holds a run (its files removed)
 
     def optim_spec(self, profile_optimizer: str | None) -> OptimSpec:
         return OptimSpec(optimizer=self.optimizer or profile_optimizer or "adamw", lr=self.lr,
@@ -147,227 +166,6 @@ class TrainSummary:
         return dataclasses.asdict(self)
 
 
-# ----------------------------------------------------------------------------- helpers
-class StopSignals:
-    """Context manager: SIGINT/SIGTERM set :attr:`received` instead of killing the process,
-    so the loop can finish the step and checkpoint. Handlers are restored on exit."""
-
-    def __init__(self) -> None:
-        self.received: int = 0
-        self._old: dict[int, Any] = {}
-
-    def _handler(self, signum, _frame) -> None:
-        self.received = signum
-
-    def __enter__(self) -> StopSignals:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, self._handler)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-@dataclass
-class DistEnv:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-
-def init_distributed(device: str) -> DistEnv:
-    """Read torchrun's environment; initialize the process group when ``WORLD_SIZE`` > 1
-    (gloo on CPU, NCCL on CUDA)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    env = DistEnv(rank=int(os.environ.get("RANK", "0")), world_size=world,
-                  local_rank=int(os.environ.get("LOCAL_RANK", "0")))
-    if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend=backend)
-    return env
-
-
-def resolve_device(requested: str, env: DistEnv) -> torch.device:
-    """``auto`` -> CUDA (this rank's GPU) when available, else CPU."""
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda":
-        if not torch.cuda.is_available():
-            raise TrainError("--device cuda, but torch sees no GPU; use --device cpu")
-        return torch.device("cuda", env.local_rank)
-    return torch.device(requested)
-
-
-def _all_reduce_sum(values: dict[str, float], env: DistEnv) -> dict[str, float]:
-    if not env.distributed:
-        return values
-    keys = sorted(values)
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return dict(zip(keys, t.tolist()))
-
-
-def _all_max(value: int, env: DistEnv) -> int:
-    if not env.distributed:
-        return value
-    t = torch.tensor([value], dtype=torch.long)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
-def _gather(obj: Any, env: DistEnv) -> list[Any]:
-    if not env.distributed:
-        return [obj]
-    out: list[Any] = [None] * env.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def step_inputs(batch: Any, anchors: tuple[torch.Tensor, torch.Tensor], device: torch.device
-                ) -> dict[str, torch.Tensor]:
-    """A batch's tensors plus the anchors, on ``device`` (the drafter's forward inputs).
-    Inference-mode tensors (online capture) are cloned so autograd may save them."""
-    tensors = {k: v.clone() if v.is_inference() else v
-               for k, v in ((k, v.to(device)) for k, v in batch.tensors().items())}
-    tensors["anchor_positions"], tensors["anchor_valid"] = (a.to(device) for a in anchors)
-    return {k: tensors[k] for k in MODEL_INPUTS}
-
-
-def next_micro_batches(source: Any, anchor_gen: torch.Generator, max_anchors: int,
-                       block_size: int, device: torch.device | str = "cpu"
-                       ) -> list[dict[str, torch.Tensor]]:
-    """The next step's micro-batches: the source's rows for this rank, each with up to
-    ``max_anchors`` anchors drawn by ``select_anchors`` from ``anchor_gen``."""
-    micro = []
-    for batch in source.next_rows():
-        anchors = select_anchors(batch.loss_mask, max_anchors, block_size, anchor_gen)
-        micro.append(step_inputs(batch, anchors, torch.device(device)))
-    return micro
-
-
-def anchor_generator(seed: int, rank: int = 0) -> torch.Generator:
-    """The seeded CPU generator that draws a rank's anchors."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + 7919 * rank)
-
-
-def build_drafter(candidate: Any, config: Any, verifier_model: Any, seed: int,
-                  vocab_rows: Any = None) -> DFlashDrafter:
-    """The candidate's drafter for ``config``: seeded initialization, draft vocabulary from
-    ``vocab_rows`` token counts when ``config`` has one, frozen verifier-owned weights.
-
-    Raises:
-        TrainError: the candidate cannot build a trainable drafter.
-    """
-    from dflash_audit.train.vocab import draft_vocab, token_counts
-
-    if not hasattr(candidate, "build"):
-        raise TrainError(f"candidate {type(candidate).__name__} has no build(config); training "
-                         "needs a drafter module (DrafterCandidate or a subclass)")
-    torch.manual_seed(seed)
-    model = candidate.build(config)
-    if not isinstance(model, DFlashDrafter):
-        raise TrainError(f"candidate built a {type(model).__name__}; training (checkpoints in "
-                         "the reference format) needs a DFlashDrafter or a subclass")
-    model = model.float()
-    if config.uses_draft_vocab:
-        counts = token_counts(vocab_rows or [], config.vocab_size)
-        t2d, d2t = draft_vocab(counts, config.effective_draft_vocab_size)
-        model.t2d.copy_(t2d)
-        model.d2t.copy_(d2t)
-    load_verifier_weights(model, verifier_model)
-    return model
-
-
-def make_source(cfg: TrainConfig, verifier: Any, profile: Any, env: DistEnv):
-    """The run's data source and the conversations held out for evaluation (online; None
-    offline, where evaluation excludes every conversation packed into a batch).
-
-    Raises:
-        TrainError: not exactly one of ``batches`` / ``data``, or batches that do not fit
-            the verifier or the profile's target layers.
-    """
-    from dflash_audit.train.sources import OfflineSource, OnlineSource
-
-    if (cfg.batches is None) == (cfg.data is None):
-        raise TrainError("give exactly one of --batches DIR (batch files from `dflash-audit "
-                         "data`) or --data SOURCE (online capture by the verifier)")
-    if cfg.batches is not None:
-        source = OfflineSource(cfg.batches, seed=cfg.seed, rank=env.rank,
-                               world_size=env.world_size, rows_per_step=cfg.rows_per_step)
-        if source.metadata["verifier"].get("config_hash") != verifier.identity.config_hash:
-            raise TrainError(f"the batches in {cfg.batches} were captured with verifier "
-                             f"{source.metadata['verifier'].get('name')!r}, not with "
-                             f"{cfg.verifier!r} (config hashes differ)")
-        wanted = profile.resolve_target_layer_ids(verifier.num_layers)
-        if source.target_layer_ids != wanted:
-            raise TrainError(f"the batches hold target layers {source.target_layer_ids}, the "
-                             f"profile {profile.name} wants {wanted}; rebuild the batches with "
-                             f"`dflash-audit data --target-layers {','.join(map(str, wanted))}`")
-        return source, None
-    from dflash_audit.data.conversations import load_conversations
-
-    convs = load_conversations(cfg.data).conversations
-    n_held = min(cfg.eval_conversations, max(0, len(convs) - 1))
-    train_convs, held = convs[: len(convs) - n_held], convs[len(convs) - n_held:]
-    source = OnlineSource(verifier, train_convs, cfg.data, cfg.seq_len,
-                          profile.resolve_target_layer_ids(verifier.num_layers), None,
-                          regenerate=cfg.regenerate, max_new_tokens=cfg.max_new_tokens,
-                          max_turns=cfg.max_turns,
-                          seed=cfg.seed, chunk_conversations=cfg.online_chunk, rank=env.rank,
-                          world_size=env.world_size, rows_per_step=cfg.rows_per_step)
-    return source, held
-
-
-def eval_prompt_set(cfg: TrainConfig, source: Any, held: list[Any] | None, tokenizer: Any
-                    ) -> tuple[list[list[int]], list[str]]:
-    """Held-out prompts: online, from the held-out conversations; offline, from the
-    training data's conversation source minus every conversation packed into a batch."""
-    from dflash_audit.data.conversations import load_conversations
-    from dflash_audit.train.evaluate import held_out_prompts
-
-    if held is not None and cfg.eval_data is None:
-        return held_out_prompts(tokenizer, held, cfg.eval_prompts)
-    name = cfg.eval_data or getattr(source, "data_name", None)
-    if not name:
-        raise TrainError("no conversation source for the evaluation; pass --eval-data")
-    convs = load_conversations(name).conversations
-    return held_out_prompts(tokenizer, convs, cfg.eval_prompts, exclude_sources=source.sources)
-
-
-def _evaluate(model: DFlashDrafter, verifier: Any, prompts: list[list[int]], cfg: TrainConfig,
-              tracker: Tracker, step: int, name: str) -> dict[str, Any]:
-    from dflash_audit.data.tokenize import end_of_turn_ids
-    from dflash_audit.train.evaluate import evaluate_acceptance
-
-    eos = end_of_turn_ids(verifier.tokenizer, getattr(verifier.model, "generation_config", None))
-    tracker.message(f"evaluating the {name} drafter: speculative decoding on {len(prompts)} "
-                    f"held-out prompts, up to {cfg.eval_max_new_tokens} tokens each ...")
-    device = next(model.parameters()).device
-    home = next(verifier.model.parameters()).device  # CPU: where online capture runs
-    verifier.model.to(device)
-    try:
-        result = evaluate_acceptance(model, verifier.model, prompts, cfg.eval_max_new_tokens,
-                                     sorted(eos)).to_dict()
-    finally:
-        verifier.model.to(home)
-    tracker.log_eval(step, name, result)
-    tracker.message(f"{name}: acceptance length {result['acceptance_length']:.3f} over "
-                    f"{result['verify_steps']} verify steps ({result['wall_s']:.0f} s)")
-    return result
-
-
 # -------------------------------------------------------------------------------- train
 def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
           gate: GateResult | None = None) -> TrainSummary:
@@ -405,9 +203,13 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
             gate = check_gate(expected, Path(cfg.report) if cfg.report else None,
                               Path(cfg.reports_dir))
         optim_spec = cfg.optim_spec(profile.optimizer)
+        # every rank checks (so all refuse together), only rank 0 removes for --overwrite
+        ckpt.check_run_folder(out, cfg.resume, cfg.overwrite, remove=env.is_main)
+        if env.distributed:
+            dist.barrier()
 
         verifier = load_verifier(cfg.verifier, progress=None if not env.is_main else
-                                 (lambda m: print(m, flush=True)))
+                                 (lambda m: print(f"dflash-audit: {m}", flush=True)))
         source, held = make_source(cfg, verifier, profile, env)
         config = profile.to_drafter_config(verifier.model.config, source.mask_token_id,
                                            source.target_layer_ids)
@@ -463,7 +265,7 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
                 if not prompts:
                     tracker.message("warning: no held-out prompt found; skipping evaluation")
             if env.is_main and cfg.eval_untrained and start_step == 0 and prompts:
-                summary.eval["untrained"] = _evaluate(model, verifier, prompts, cfg, tracker, 0,
+                summary.eval["untrained"] = evaluate_drafter(model, verifier, prompts, cfg, tracker, 0,
                                                       "untrained")
             if env.distributed:
                 dist.barrier()
@@ -519,7 +321,7 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
                         break
                 summary.step = step
             if env.is_main and summary.stopped_by is None and cfg.eval_at_end and prompts:
-                summary.eval["trained"] = _evaluate(model, verifier, prompts, cfg, tracker, step,
+                summary.eval["trained"] = evaluate_drafter(model, verifier, prompts, cfg, tracker, step,
                                                     "trained")
             summary.wall_s = time.perf_counter() - start_wall
             if env.is_main:

@@ -12,12 +12,16 @@ renamed into place, so a crash never leaves a half checkpoint):
   "anchor_generator", "data"}, ...] (one entry per rank)}``.
 
 ``<out>/checkpoints/latest`` (a one-line text file, replaced atomically) names the newest one.
+Each checkpoint folder carries ``dflash_audit_manifest.json`` (size and sha256 of its files,
+published with them): ``--resume`` verifies it and falls back to the newest intact
+checkpoint when the latest is damaged (:func:`resolve_checkpoint`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +29,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from dflash_audit.atomic import atomic_folder
-from dflash_audit.model.checkpoint import save_pretrained
+from dflash_audit.atomic import atomic_folder, manifest_problems, write_manifest
+from dflash_audit.model.checkpoint import (
+    CheckpointError,
+    save_pretrained,
+    validate_checkpoint,
+)
 
 STATE_FILE = "training_state.pt"
 STATE_FORMAT = "dflash-audit-train-state"
@@ -72,15 +80,25 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module,
     root = Path(out) / CHECKPOINTS
     target = root / checkpoint_name(step)
     with atomic_folder(target) as tmp:
-        save_pretrained(model, tmp, verifier_name_or_path=verifier_path,
-                        verifier_architectures=verifier_architectures,
-                        metadata={**metadata, "dflash_audit_step": str(step)})
-        torch.save({"format": STATE_FORMAT, "version": STATE_VERSION, "step": step,
-                    "world_size": len(ranks), "run": run,
-                    "report_fingerprint": report_fingerprint,
-                    "optimizers": [o.state_dict() for o in optimizers],
-                    "schedulers": [s.state_dict() for s in schedulers],
-                    "ranks": [r.to_dict() for r in ranks], **(extra or {})}, tmp / STATE_FILE)
+        try:
+            save_pretrained(model, tmp, verifier_name_or_path=verifier_path,
+                            verifier_architectures=verifier_architectures,
+                            metadata={**metadata, "dflash_audit_step": str(step)})
+            torch.save({"format": STATE_FORMAT, "version": STATE_VERSION, "step": step,
+                        "world_size": len(ranks), "run": run,
+                        "report_fingerprint": report_fingerprint,
+                        "optimizers": [o.state_dict() for o in optimizers],
+                        "schedulers": [s.state_dict() for s in schedulers],
+                        "ranks": [r.to_dict() for r in ranks], **(extra or {})},
+                       tmp / STATE_FILE)
+        except (RuntimeError, OSError) as exc:
+            # torch / safetensors report a full disk as RuntimeError ("unexpected pos")
+            free = shutil.disk_usage(root).free
+            raise ResumeError(f"cannot write checkpoint {target} ({free / 2**20:.0f} MiB free "
+                              f"on its disk): {str(exc).splitlines()[0][:200]}; free space "
+                              "or use another --out, then --resume from the previous "
+                              "checkpoint") from exc
+        write_manifest(tmp)
     pointer = root / f".{LATEST}.tmp"
     pointer.write_text(target.name + "\n")
     os.replace(pointer, root / LATEST)
@@ -103,25 +121,99 @@ def follow_latest(path: str | Path) -> Path:
     return path
 
 
-def resolve_checkpoint(out: Path, resume: str) -> Path:
+def checkpoint_problems(path: Path) -> list[str]:
+    """What is wrong with a training checkpoint folder (empty: intact): missing files, and
+    files that differ from its manifest (size always, sha256 once per process), or, for a
+    checkpoint written before manifests, a truncated ``model.safetensors``."""
+    from dflash_audit.atomic import safetensors_problem
+
+    path = Path(path)
+    missing = [n for n in ("model.safetensors", "config.json", STATE_FILE)
+               if not (path / n).is_file()]
+    if missing:
+        return [f"no {', '.join(missing)}"]
+    problems = manifest_problems(path)
+    if problems is None:  # written before manifests: a structural check
+        bad = safetensors_problem(path / "model.safetensors")
+        problems = [bad] if bad else []
+    return problems
+
+
+def resolve_checkpoint(out: Path, resume: str, warn=None) -> Path:
     """``resume`` = ``"latest"`` (``<out>/checkpoints/latest``) or a checkpoint folder.
 
+    With ``"latest"``, a damaged latest checkpoint (see :func:`checkpoint_problems`) is
+    skipped for the newest intact ``step-*`` folder, with a line on stderr (or ``warn``).
+
     Raises:
-        ResumeError: nothing to resume from.
+        ResumeError: nothing (intact) to resume from; an explicit folder that is damaged.
     """
-    if resume == LATEST:
-        pointer = Path(out) / CHECKPOINTS / LATEST
-        if not pointer.is_file():
-            raise ResumeError(f"--resume: no checkpoint in {Path(out) / CHECKPOINTS} "
-                              "(nothing to resume; drop --resume to start fresh)")
-        path = follow_latest(pointer)
-    else:
+    warn = warn or (lambda m: print(f"dflash-audit: {m}", file=sys.stderr, flush=True))
+    if resume != LATEST:
         path = Path(resume)
-    for name in ("model.safetensors", "config.json", STATE_FILE):
-        if not (path / name).is_file():
-            raise ResumeError(f"--resume: {path} has no {name}; not a complete training "
-                              "checkpoint")
-    return path
+        problems = checkpoint_problems(path)
+        if problems:
+            raise ResumeError(f"--resume-from: {path} is not an intact training checkpoint "
+                              f"({'; '.join(problems)}); pick another checkpoint folder")
+        return path
+    root = Path(out) / CHECKPOINTS
+    pointer = root / LATEST
+    steps = sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True)
+    if not pointer.is_file() and not steps:
+        raise ResumeError(f"--resume: no checkpoint in {root} "
+                          "(nothing to resume; drop --resume to start fresh)")
+    latest = follow_latest(pointer) if pointer.is_file() else steps[0]
+    candidates = [latest] + [p for p in steps if p.name != latest.name]
+    damaged = []
+    for path in candidates:
+        problems = checkpoint_problems(path)
+        if not problems:
+            if damaged:
+                warn(f"--resume: {'; '.join(damaged)}; resuming from the newest intact "
+                     f"checkpoint {path}")
+            return path
+        damaged.append(f"{path} is damaged ({'; '.join(problems)})")
+    raise ResumeError(f"--resume: no intact checkpoint in {root}: {'; '.join(damaged)}; "
+                      "start a new run with --overwrite (or another --out)")
+
+
+RUN_FILES = ("metrics.jsonl", "summary.json")
+
+
+def check_run_folder(out: Path, resume: str | None, overwrite: bool, remove: bool = True
+                     ) -> None:
+    """Refuse to write a new run over an existing one.
+
+    ``out`` holds a run when it has ``checkpoints/`` with anything in it, ``metrics.jsonl``
+    or ``summary.json``. Then a fresh start needs ``overwrite`` (which removes them, and
+    ``tensorboard/``; only when ``remove``: rank 0 of a multi-process run), else ``resume``.
+    Also proves ``out`` is a writable folder.
+
+    Raises:
+        ResumeError: an existing run without ``--resume`` / ``--overwrite``; or both given.
+        OSError: ``out`` is not a writable folder (a file, a path under a file, read-only).
+    """
+    from dflash_audit.atomic import ensure_writable_dir
+
+    out = Path(out)
+    if resume and overwrite:
+        raise ResumeError("give --resume/--resume-from or --overwrite, not both")
+    ensure_writable_dir(out)
+    root = out / CHECKPOINTS
+    has_run = (root.is_dir() and any(root.iterdir())) or any(
+        (out / n).exists() for n in RUN_FILES)
+    if not has_run or resume:
+        return
+    if not overwrite:
+        raise ResumeError(f"--out {out} already holds a training run (checkpoints or "
+                          "metrics); continue it with --resume, or replace it with "
+                          "--overwrite")
+    if not remove:
+        return
+    for name in (CHECKPOINTS, "tensorboard"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    for name in RUN_FILES:
+        (out / name).unlink(missing_ok=True)
 
 
 def load_training_state(path: Path) -> dict[str, Any]:
@@ -146,6 +238,10 @@ def load_model_weights(path: Path, model: torch.nn.Module) -> None:
     Raises:
         ResumeError: a trainable parameter is missing or a tensor does not fit.
     """
+    try:
+        validate_checkpoint(path, model.config.num_verifier_layers, model.config.hidden_size)
+    except CheckpointError as exc:
+        raise ResumeError(str(exc)) from exc
     saved = load_file(Path(path) / "model.safetensors")
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     missing = sorted(trainable - set(saved))

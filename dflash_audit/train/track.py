@@ -1,4 +1,5 @@
-"""Training metrics: per-step summary, JSONL file, TensorBoard, and a rich progress bar.
+"""Training metrics: per-step summary, JSONL file, TensorBoard, and progress (a rich bar on a
+terminal, a line every ~10 s otherwise: :mod:`dflash_audit.progress`).
 
 Per step (``<out>/metrics.jsonl``, one JSON object per line, ``"kind": "train"``):
 ``step``, ``loss``, ``lr`` (one per optimizer), ``grad_norm``, ``acc_<s>`` (per draft slot s,
@@ -109,15 +110,15 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(out / "tensorboard"))
-        if progress:
-            from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+        if progress:  # a bar on a terminal, a line every ~10 s in a log
+            from rich.progress import (BarColumn, MofNCompleteColumn, TextColumn,
                                        TimeElapsedColumn, TimeRemainingColumn)
 
-            self._progress = Progress(
+            from dflash_audit.progress import progress_display
+
+            self._progress = progress_display((
                 TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                console=Console(stderr=True), transient=False)
+                TimeRemainingColumn(), TextColumn("{task.fields[info]}")))
             self._progress.start()
             self._task = self._progress.add_task("train", total=total_steps,
                                                  completed=start_step, info="")

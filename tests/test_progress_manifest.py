@@ -1,0 +1,104 @@
+"""Unit tests of the small helpers behind the error contract: progress lines without a
+terminal (dflash_audit.progress), file manifests, the safetensors length check and the
+writable-folder probe (dflash_audit.atomic), and OS-error messages (command_errors)."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dflash_audit.atomic import (
+    MANIFEST_NAME,
+    ensure_writable_dir,
+    manifest_problems,
+    safetensors_problem,
+    write_manifest,
+)
+from dflash_audit.command_errors import os_error_message
+from dflash_audit.progress import LineProgress, progress_display
+
+
+def test_line_progress_prints_done_total_rate_and_eta_at_the_interval():
+    stream = io.StringIO()
+    bar = LineProgress(stream, interval=3600.0)
+    task = bar.add_task("capturing", total=4)
+    bar.advance(task)
+    bar.advance(task)
+    assert stream.getvalue() == ""  # interval not reached, not complete
+    bar.advance(task, 2)  # complete: always printed
+    line = stream.getvalue().strip()
+    assert line.startswith("dflash-audit: capturing: 4/4 (") and "/s" in line
+    assert "ETA 0:00" in line
+    bar.stop()
+    assert stream.getvalue().count("\n") == 1  # final state already printed
+
+
+def test_line_progress_every_update_with_zero_interval_and_resumed_start():
+    stream = io.StringIO()
+    with LineProgress(stream, interval=0.0) as bar:
+        task = bar.add_task("train", total=10, completed=6, info="")
+        bar.update(task, completed=7, info="loss 1.000")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dflash-audit: train: 7/10 (")
+    assert lines[0].endswith("| loss 1.000")
+
+
+def test_progress_display_is_lines_on_a_non_tty():
+    assert isinstance(progress_display(stream=io.StringIO()), LineProgress)
+
+
+def test_manifest_detects_truncation_and_corruption(tmp_path):
+    (tmp_path / "a.bin").write_bytes(b"x" * 100)
+    (tmp_path / "b.json").write_text("{}")
+    assert manifest_problems(tmp_path) is None  # no manifest yet
+    write_manifest(tmp_path)
+    files = json.loads((tmp_path / MANIFEST_NAME).read_text())["files"]
+    assert sorted(files) == ["a.bin", "b.json"] and files["a.bin"]["size"] == 100
+    assert manifest_problems(tmp_path) == []
+    (tmp_path / "a.bin").write_bytes(b"x" * 50)
+    assert manifest_problems(tmp_path) == [
+        "a.bin: 50 bytes, manifest says 100 (truncated or replaced)"]
+    (tmp_path / "a.bin").write_bytes(b"y" * 100)
+    assert manifest_problems(tmp_path) == ["a.bin: sha256 differs from the manifest (corrupt)"]
+    (tmp_path / "b.json").unlink()
+    assert "b.json: missing" in manifest_problems(tmp_path)
+
+
+def test_safetensors_length_check(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.zeros(64)}, path)
+    assert safetensors_problem(path) is None
+    data = path.read_bytes()
+    path.write_bytes(data[:-10])
+    assert "truncated" in safetensors_problem(path)
+    path.write_bytes(data + b"\0")
+    assert "trailing bytes" in safetensors_problem(path)
+    path.write_bytes(data[:5])
+    assert "too short" in safetensors_problem(path)
+
+
+def test_ensure_writable_dir_refuses_a_file_and_a_path_under_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("keep")
+    with pytest.raises(OSError) as exc:
+        ensure_writable_dir(f)
+    assert exc.value.errno == errno.ENOTDIR and f.read_text() == "keep"
+    with pytest.raises(OSError) as exc:
+        ensure_writable_dir(f / "sub")
+    assert exc.value.errno == errno.ENOTDIR
+    assert "not a folder" in os_error_message(exc.value) and str(f) in os_error_message(exc.value)
+    assert ensure_writable_dir(tmp_path / "new" / "deep").is_dir()
+    assert list((tmp_path / "new" / "deep").iterdir()) == []  # the probe is gone
+
+
+def test_os_error_message_names_path_and_fix():
+    msg = os_error_message(OSError(errno.ENOSPC, "No space left on device", "/x/ckpt"))
+    assert msg == ("/x/ckpt: No space left on device (the disk is full: free space or choose "
+                   "a folder on another disk)")
+    msg = os_error_message(OSError(errno.EROFS, "Read-only file system", "/ro"))
+    assert msg.startswith("/ro: Read-only file system (read-only file system")
