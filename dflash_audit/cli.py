@@ -1,4 +1,4 @@
-"""Command-line entry point: ``dflash-audit data | compare | train | eval``.
+"""Command-line entry point: ``dflash-audit data | compare | check-batches | train | eval``.
 
 Each command lives in the module that does its job; this file only wires them to typer.
 Exit codes: 0 success / audit pass, 1 conformance failure, 2 usage or setup error.
@@ -24,6 +24,11 @@ app.command("data")(data_command)
 from dflash_audit.audit.compare import compare_command  # noqa: E402
 
 app.command("compare")(compare_command)
+
+# --- check-batches (dflash_audit/batch_audit) ---------------------------------------
+from dflash_audit.batch_audit.command import check_batches_command  # noqa: E402
+
+app.command("check-batches")(check_batches_command)
 
 # --- train / eval (dflash_audit/train) -----------------------------------------------
 from dflash_audit.train.commands import eval_command, train_command  # noqa: E402
