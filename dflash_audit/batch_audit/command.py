@@ -96,9 +96,8 @@ def run_check_batches(directory: str | Path, verifier: str | Verifier, rows_to_c
     if target_layer_ids is not None:
         folder.target_layer_ids = list(target_layer_ids)
     recompute, checks, measured, names = Recomputer(verifier), [], None, []
-    bar = _progress(progress)
     start = time.perf_counter()
-    with bar:
+    with _progress(progress) as bar:
         task = bar.add_task("recomputing rows", total=None) if bar else None
         indices = sample_rows(len(folder.names), rows_to_check)
         if bar:
@@ -115,7 +114,7 @@ def run_check_batches(directory: str | Path, verifier: str | Verifier, rows_to_c
             layer_checks, ids = check_layers(row, states, folder.target_layer_ids,
                                              verifier.hidden_size)
             checks += layer_checks
-            measured = measured or ids
+            measured, noise = measured or ids, states.noise
             if bar:
                 bar.advance(task)
     drafter_ids, source = drafter_layer_ids(config, prof, verifier.num_layers)
@@ -124,13 +123,13 @@ def run_check_batches(directory: str | Path, verifier: str | Verifier, rows_to_c
                                    _find(config, "mask_token_id") if config else None,
                                    verifier.tokenizer, verifier.embedding_rows,
                                    folder.all_input_ids()))
-    precision = str(file_precision(folder.load(indices[0]).hidden_states))
+    precision = str(states.dtype)
     return BatchReport(
         folder=str(folder.path), format=folder.format, verifier=verifier.identity.to_dict(),
         rows_checked=names, checks=checks,
         context={"rows_in_folder": len(folder.names), "files_precision":
                  precision.removeprefix("torch."),
-                 "noise_per_layer": [round(x, 5) for x in next(iter(recompute._noise.values()))],
+                 "noise_per_layer": [round(x, 5) for x in noise],
                  "tolerance": "4 x measured bf16-vs-fp32 noise per layer (>= 1e-3), mean "
                               "per-token relative error",
                  "target_layer_ids (files)": folder.target_layer_ids,
@@ -181,11 +180,12 @@ def check_batches_command(
                                    ids)
         folder = _write(report, out)
     except (DataError, OSError) as exc:
-        console.print(f"error: {exc}", style="bold red", highlight=False, markup=False)
+        console.print(f"error: {exc}", style="bold red", highlight=False, markup=False,
+                      soft_wrap=True)
         raise typer.Exit(2) from None
     for c in report.failures:
         console.print(f"FAIL [{c.finding or c.name}] {c.row or 'folder'}: {c.message}",
-                      highlight=False, markup=False)
+                      highlight=False, markup=False, soft_wrap=True)
     console.print(f"check-batches: {report.verdict.upper()} ({len(report.checks)} checks, "
                   f"{len(report.failures)} failed) report: {folder}", highlight=False,
                   markup=False)

@@ -82,13 +82,17 @@ class LayerStates:
 
 
 class Recomputer:
-    """Recomputes layer states with a loaded :class:`Verifier` in float32 and low precision
-    (a low-precision copy of the model is made once, on first use)."""
+    """Recomputes layer states with a loaded :class:`Verifier` in float32 and low precision.
+
+    The low-precision copy of the model and the measured noise are kept in the verifier's
+    cache, so several runs with one loaded verifier pay for them once."""
 
     def __init__(self, verifier: Verifier):
         self.verifier = verifier
-        self._models: dict[torch.dtype, torch.nn.Module] = {torch.float32: verifier.model}
-        self._noise: dict[torch.dtype, list[float]] = {}
+        self._models: dict[torch.dtype, torch.nn.Module] = verifier._cache.setdefault(
+            "batch_audit_models", {torch.float32: verifier.model})
+        self._noise: dict[torch.dtype, list[float]] = verifier._cache.setdefault(
+            "batch_audit_noise", {})
 
     def _model(self, dtype: torch.dtype) -> torch.nn.Module:
         if dtype not in self._models:
