@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from data_support import SAMPLE_CONVERSATIONS, make_tiny_verifier, write_jsonl
 from typer.testing import CliRunner
 
-from data_support import SAMPLE_CONVERSATIONS, make_tiny_verifier, write_jsonl
 from dflash_audit.batch_audit.command import run_check_batches, sample_rows
 from dflash_audit.batch_audit.recompute import file_precision
 from dflash_audit.data.pipeline import build_batches, write_batches

@@ -62,8 +62,8 @@ def drafter_layer_ids(config: dict[str, Any] | None, profile: Any, num_layers: i
         if (ids := _find(config, "aux_hidden_state_layer_ids")) is not None:
             return [int(i) for i in ids], "drafter config aux_hidden_state_layer_ids"
         if (ids := _find(config.get("dflash_config", {}), "target_layer_ids")) is not None:
-            return [int(i) + 1 for i in ids], "drafter config dflash_config.target_layer_ids " \
-                                              "(z-lab ids, +1)"
+            return ([int(i) + 1 for i in ids],
+                    "drafter config dflash_config.target_layer_ids (z-lab ids, +1)")
         if (ids := _find(config, "target_layer_ids")) is not None:
             zlab = profile is not None and profile.name == "zlab"
             return ([int(i) + int(zlab) for i in ids],

@@ -30,7 +30,11 @@ import torch
 from dflash_audit.batch_audit.files import Row
 from dflash_audit.batch_audit.result import FAIL, PASS, SKIP, Check
 from dflash_audit.data.errors import TokenizationError
-from dflash_audit.data.tokenize import end_of_turn_ids, render_text, tokenize_conversation
+from dflash_audit.data.tokenize import (
+    end_of_turn_ids,
+    render_text,
+    tokenize_conversation,
+)
 
 ROLES = ("system", "user", "assistant")
 _SENTINEL = {r: f"q9{r.upper()}SENTINELq9" for r in ROLES}
@@ -47,7 +51,7 @@ class ChatMarkers:
 
 @functools.lru_cache(maxsize=4)
 def _markers(tokenizer: Any) -> ChatMarkers:
-    s, u = (dict(role=r, content=_SENTINEL[r]) for r in ("system", "user"))
+    s, u = ({"role": r, "content": _SENTINEL[r]} for r in ("system", "user"))
     only_sys = render_text(tokenizer, [s], False)
     with_user = render_text(tokenizer, [s, u], False)
     prompt = render_text(tokenizer, [s, u], True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 import json
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from xml.etree import ElementTree as ET
 
@@ -81,7 +81,7 @@ def write_report(report: BatchReport, out_dir: str | Path) -> Path:
     Returns:
         The folder. Raises ``OSError`` when it cannot be written.
     """
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     base = Path(out_dir) / re.sub(r"[^A-Za-z0-9._-]", "_", f"{stamp}-check-batches")
     folder, n = base, 1
     while folder.exists():

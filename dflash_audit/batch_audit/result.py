@@ -4,7 +4,7 @@ the :class:`BatchReport` that turns them into a verdict and an exit code."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
@@ -47,7 +47,7 @@ class BatchReport:
     checks: list[Check] = field(default_factory=list)
     context: dict[str, Any] = field(default_factory=dict)
     created_at: str = field(
-        default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
 
     @property
     def failures(self) -> list[Check]:
