@@ -169,3 +169,21 @@ def test_file_precision_and_row_sampling():
     assert file_precision(x.to(torch.bfloat16)) == torch.bfloat16
     assert sample_rows(16, 4) == [0, 5, 10, 15]
     assert sample_rows(3, 10) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("variant, finding", [
+    ("earlier", "shift -1"), ("no_eot", "end-of-turn excluded"), ("inverted", "inverted")])
+def test_loss_mask_hypotheses(tiny, good, variant, finding):
+    from dflash_audit.batch_audit.files import open_batch_folder
+    from dflash_audit.batch_audit.loss_mask import check_loss_mask
+
+    row = open_batch_folder(good).load(0)
+    assert check_loss_mask(row, tiny.tokenizer).status == "pass"
+    lm, valid = row.loss_mask, (row.document_ids >= 0).long()
+    eot = tiny.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    row.loss_mask = {"earlier": torch.cat([lm[1:], lm.new_zeros(1)]),
+                     "no_eot": lm * (row.input_ids != eot).long(),
+                     "inverted": valid * (1 - lm)}[variant]
+    check = check_loss_mask(row, tiny.tokenizer)
+    assert (check.status, check.finding) == ("fail", finding)
+    assert check.details["wrong_tokens"] > 0

@@ -159,9 +159,10 @@ def check_loss_mask(row: Row, tokenizer: Any, generation_config: Any = None) -> 
     wrong = int((mask != expected)[keep].sum())
     details = {"wrong_tokens": wrong, "expected_tokens": int(expected.sum()),
                "file_tokens": int(mask[keep].sum()), "documents_skipped": len(skipped)}
+    note = f"; {len(skipped)} documents not a chat rendering, unchecked" if skipped else ""
     if wrong == 0:
         return Check("loss_mask", PASS, f"loss_mask equals the assistant spans of the chat "
-                     f"template ({int(expected.sum())} tokens, end-of-turn included)",
+                     f"template ({int(expected.sum())} tokens, end-of-turn included{note})",
                      row=row.name, details=details)
     eot_pos = torch.tensor([int(t in eot) for t in row.input_ids.tolist()])
     hyps = {k: int((mask != h)[keep].sum()) for k, h in

@@ -26,7 +26,8 @@ def user_mask(ids: list[int], start: int, header: list[int], end: int) -> list[i
 
 
 def make(src, out, verifier="smollm2-135m"):
-    tok = AutoTokenizer.from_pretrained(resolve_verifier_path(verifier)[1])
+    tok = verifier.tokenizer if hasattr(verifier, "tokenizer") else AutoTokenizer.from_pretrained(
+        resolve_verifier_path(verifier)[1])
     start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     header = tok("user\n", add_special_tokens=False)["input_ids"]
     rows = read_folder(src)
