@@ -16,10 +16,10 @@ import typer
 
 from dflash_audit.batch_audit.files import BatchFolder, open_batch_folder
 from dflash_audit.batch_audit.ids import (
-    _find,
     check_mask_token,
     check_target_layer_ids,
     drafter_layer_ids,
+    find_key,
     read_drafter_config,
 )
 from dflash_audit.batch_audit.layers import check_layers
@@ -120,7 +120,7 @@ def run_check_batches(directory: str | Path, verifier: str | Verifier, rows_to_c
     drafter_ids, source = drafter_layer_ids(config, prof, verifier.num_layers)
     checks.append(check_target_layer_ids(measured, folder.target_layer_ids, drafter_ids, source))
     checks.append(check_mask_token(folder.mask_token_id,
-                                   _find(config, "mask_token_id") if config else None,
+                                   find_key(config, "mask_token_id") if config else None,
                                    verifier.tokenizer, verifier.embedding_rows,
                                    folder.all_input_ids()))
     precision = str(states.dtype)

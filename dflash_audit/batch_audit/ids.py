@@ -29,13 +29,13 @@ from dflash_audit.data.errors import DataError
 from dflash_audit.data.tokenize import _forbidden_ids
 
 
-def _find(config: Any, key: str) -> Any:
+def find_key(config: Any, key: str) -> Any:
     """``config[key]`` at the top level or in any nested dict (first found)."""
     if isinstance(config, dict):
         if key in config:
             return config[key]
         for value in config.values():
-            found = _find(value, key)
+            found = find_key(value, key)
             if found is not None:
                 return found
     return None
@@ -59,12 +59,12 @@ def drafter_layer_ids(config: dict[str, Any] | None, profile: Any, num_layers: i
                       ) -> tuple[list[int] | None, str]:
     """The ids the drafter reads (speculators convention) and where they come from."""
     if config is not None:
-        if (ids := _find(config, "aux_hidden_state_layer_ids")) is not None:
+        if (ids := find_key(config, "aux_hidden_state_layer_ids")) is not None:
             return [int(i) for i in ids], "drafter config aux_hidden_state_layer_ids"
-        if (ids := _find(config.get("dflash_config", {}), "target_layer_ids")) is not None:
+        if (ids := find_key(config.get("dflash_config", {}), "target_layer_ids")) is not None:
             return ([int(i) + 1 for i in ids],
                     "drafter config dflash_config.target_layer_ids (z-lab ids, +1)")
-        if (ids := _find(config, "target_layer_ids")) is not None:
+        if (ids := find_key(config, "target_layer_ids")) is not None:
             zlab = profile is not None and profile.name == "zlab"
             return ([int(i) + int(zlab) for i in ids],
                     f"drafter config target_layer_ids{' (z-lab ids, +1)' if zlab else ''}")
