@@ -194,7 +194,7 @@ def check_batches_command(
                       highlight=False, markup=False, soft_wrap=True)
     console.print(f"check-batches: {report.verdict.upper()} ({len(report.checks)} checks, "
                   f"{len(report.failures)} failed) report: {folder}", highlight=False,
-                  markup=False)
+                  markup=False, soft_wrap=True)
     raise typer.Exit(report.exit_code)
 
 
