@@ -187,3 +187,35 @@ def test_loss_mask_hypotheses(tiny, good, variant, finding):
     check = check_loss_mask(row, tiny.tokenizer)
     assert (check.status, check.finding) == ("fail", finding)
     assert check.details["wrong_tokens"] > 0
+
+
+def test_target_layer_id_hypotheses():
+    from dflash_audit.batch_audit.ids import check_target_layer_ids, drafter_layer_ids
+
+    def finding(measured, drafter):
+        c = check_target_layer_ids(measured, measured, drafter, "test")
+        return c.status, c.finding
+    assert finding([2, 9, 15], [2, 9, 15]) == ("pass", "")
+    assert finding([1, 8, 14], [2, 9, 15]) == ("fail", "zlab ids read as speculators ids")
+    assert finding([3, 10, 16], [2, 9, 15]) == ("fail", "speculators ids read as zlab ids")
+    assert finding([2, 15, 27], [2, 9, 15]) == ("fail", "count collision")
+    assert finding([2, 15], [2, 9, 15]) == ("fail", "count mismatch")
+    zlab = {"dflash_config": {"target_layer_ids": [1, 8, 14]}}
+    assert drafter_layer_ids(zlab, None, 30)[0] == [2, 9, 15]
+    assert drafter_layer_ids({"aux_hidden_state_layer_ids": [2, 9]}, None, 30)[0] == [2, 9]
+    assert drafter_layer_ids(None, None, 30) == (None, "")
+
+
+def test_mask_token_hypotheses(tiny):
+    from dflash_audit.batch_audit.ids import check_mask_token
+
+    tok, rows = tiny.tokenizer, tiny.embedding_rows
+    data = [torch.tensor([5, 6, 7, 270])]
+    spare = len(tok)  # a spare embedding row: never produced by the tokenizer
+    assert check_mask_token(spare, None, tok, rows, data).status == "pass"
+    assert check_mask_token(None, None, tok, rows, data).status == "skip"
+    assert check_mask_token(tok.eos_token_id, None, tok, rows, data).finding.startswith(
+        "mask token is")
+    assert check_mask_token(7, None, tok, rows, data).finding == "mask token in data"
+    assert check_mask_token(rows, None, tok, rows, data).finding == "mask token out of range"
+    assert check_mask_token(spare, spare + 1, tok, rows, data).finding == "mask token disagrees"

@@ -32,6 +32,7 @@ class Check:
     details: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
+        """The check as a JSON-able dict (the ``checks`` entries of ``report.json``)."""
         return asdict(self)
 
 
@@ -51,6 +52,7 @@ class BatchReport:
 
     @property
     def failures(self) -> list[Check]:
+        """The failed checks, in run order."""
         return [c for c in self.checks if c.status == FAIL]
 
     @property
@@ -64,6 +66,7 @@ class BatchReport:
         return 1 if self.failures else 0
 
     def to_dict(self) -> dict[str, Any]:
+        """``report.json``: verdict, context, the sorted finding names and every check."""
         return {"kind": "dflash-audit check-batches", "verdict": self.verdict,
                 "created_at": self.created_at, "folder": self.folder, "format": self.format,
                 "verifier": self.verifier, "rows_checked": self.rows_checked,
