@@ -219,3 +219,21 @@ def test_mask_token_hypotheses(tiny):
     assert check_mask_token(7, None, tok, rows, data).finding == "mask token in data"
     assert check_mask_token(rows, None, tok, rows, data).finding == "mask token out of range"
     assert check_mask_token(spare, spare + 1, tok, rows, data).finding == "mask token disagrees"
+
+
+def test_bf16_reference_folder_is_compared_in_bf16(tiny, good, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    ref = tmp_path / "ref"
+    shutil.copytree(good / "reference", ref)
+    for f in (ref / "hidden_states").glob("hs_*.safetensors"):
+        t = load_file(str(f))
+        save_file({"hidden_states": t["hidden_states"].to(torch.bfloat16),
+                   "token_ids": t["token_ids"]}, str(f))
+    report = run_check_batches(ref, tiny, rows_to_check=2, progress=False)
+    assert report.context["files_precision"] == "bfloat16"
+    assert report.exit_code == 0, failed(report)
+    layer = [c for c in report.checks if c.name == "verifier_last_hidden_states"][0]
+    assert layer.details["dtype"] == "bfloat16" and 0 < layer.details["error"] < 0.05
