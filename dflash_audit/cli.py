@@ -1,4 +1,4 @@
-"""Command-line entry point: ``dflash-audit data | compare | train | eval``.
+"""Command-line entry point: ``dflash-audit data | compare | check-batches | train | eval``.
 
 Each command lives in the module that does its job; this file only wires them to typer,
 each through :func:`~dflash_audit.command_errors.command_boundary` (one error contract: a
@@ -29,6 +29,11 @@ app.command("data")(command_boundary(data_command))
 from dflash_audit.audit.compare_cli import compare_command  # noqa: E402
 
 app.command("compare")(command_boundary(compare_command))
+
+# --- check-batches (dflash_audit/batch_audit) ---------------------------------------
+from dflash_audit.batch_audit.command import check_batches_command  # noqa: E402
+
+app.command("check-batches")(check_batches_command)
 
 # --- train / eval (dflash_audit/train) -----------------------------------------------
 from dflash_audit.train.commands import eval_command, train_command  # noqa: E402

@@ -1,0 +1,207 @@
+"""Read a user's batch folder into :class:`Row`s, in either format, without judging content.
+
+Formats (detected from the folder):
+
+- ``dflash-audit``: ``batch_*.safetensors`` written by ``dflash-audit data``
+  (:mod:`dflash_audit.data.batch`): packed ``[1, T]`` rows with ``position_ids`` and
+  ``document_ids`` and the metadata ``target_layer_ids`` (speculators convention),
+  ``mask_token_id``, ``num_verifier_layers``, ``hidden_size``.
+- ``reference-offline``: speculators 0.9.0's offline layout (``train/data.py: ArrowDataset``,
+  ``data_generation/offline.py``; written here by :mod:`dflash_audit.data.reference_format`):
+  a ``datasets`` Arrow folder with ``input_ids`` / ``loss_mask`` per conversation and
+  ``hidden_states/hs_{i}.safetensors`` holding ``hidden_states [len, n+1, H]`` (n target layers,
+  then the last layer) and ``token_ids [len]``. One row per conversation, no positions (the
+  reference's collator makes them). Layer ids come from ``dflash_audit_reference_format.json``
+  when our exporter wrote it, else from ``--target-layer-ids``.
+
+Unlike :meth:`Batch.load`, packing conventions (positions, document ids, padding values) are
+not enforced here: they are what ``check-batches`` audits and reports as findings. Only what
+makes a file unreadable raises :class:`~dflash_audit.data.errors.BatchFileError` (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from dflash_audit.data.batch import FORMAT, TENSOR_KEYS
+from dflash_audit.data.errors import BatchFileError
+from dflash_audit.data.pipeline import BATCH_GLOB
+from dflash_audit.data.reference_format import HIDDEN_STATES_DIR, INFO_FILE
+
+OURS, REFERENCE = "dflash-audit", "reference-offline"
+
+
+@dataclass
+class Row:
+    """One row as the files hold it (T tokens, H hidden size, n captured target layers).
+
+    ``hidden_states`` [T, n*H] and ``last`` [T, H] keep the files' dtype; ``input_ids``,
+    ``loss_mask`` int64 [T]; ``position_ids`` / ``document_ids`` int64 [T] or ``None`` (the
+    reference format has neither: one conversation per row, document 0).
+    """
+
+    name: str
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    hidden_states: torch.Tensor
+    last: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    document_ids: torch.Tensor | None = None
+
+    @property
+    def documents(self) -> list[tuple[int, int]]:
+        """``[start, end)`` of each document (runs of equal ``document_ids >= 0``)."""
+        if self.document_ids is None:
+            return [(0, int(self.input_ids.numel()))]
+        docs, bounds, start = self.document_ids.tolist(), [], None
+        for t, d in enumerate(docs + [-2]):
+            if start is not None and (t == len(docs) or d != docs[start]):
+                bounds.append((start, t))
+                start = None
+            if start is None and t < len(docs) and d >= 0:
+                start = t
+        return bounds
+
+
+@dataclass
+class BatchFolder:
+    """A batch folder: its format, the row names, a loader per row and what the files say
+    (``target_layer_ids`` in the speculators convention, ``mask_token_id``, ...; ``None``
+    where the files do not say)."""
+
+    path: Path
+    format: str
+    names: list[str]
+    loaders: list[Callable[[], Row]] = field(repr=False)
+    all_input_ids: Callable[[], list[torch.Tensor]] = field(repr=False)
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+    num_verifier_layers: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def load(self, i: int) -> Row:
+        """Row ``i`` (raises :class:`BatchFileError` naming the file when unreadable)."""
+        return self.loaders[i]()
+
+
+def _read_safetensors(path: Path, keys: tuple[str, ...]) -> tuple[dict[str, torch.Tensor],
+                                                                  dict[str, str]]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            found = set(f.keys())
+            missing = [k for k in keys if k not in found]
+            if missing:
+                raise BatchFileError(f"{path}: tensors {missing} are missing (found "
+                                     f"{sorted(found)})")
+            return {k: f.get_tensor(k) for k in keys}, dict(f.metadata() or {})
+    except BatchFileError:
+        raise
+    except Exception as exc:  # safetensors raises several types on a damaged file
+        raise BatchFileError(f"{path}: not a readable safetensors file (truncated or corrupt?):"
+                             f" {type(exc).__name__}: {exc}") from exc
+
+
+def _ours_metadata(path: Path) -> dict[str, Any]:
+    _, raw = _read_safetensors(path, ())
+    try:
+        meta = {k: json.loads(v) for k, v in raw.items()}
+    except json.JSONDecodeError as exc:
+        raise BatchFileError(f"{path}: metadata is not valid JSON: {exc}") from exc
+    if meta.get("format") != FORMAT:
+        raise BatchFileError(f"{path}: not a {FORMAT} file (metadata 'format' missing)")
+    return meta
+
+
+def _load_ours(path: Path) -> Row:
+    t, _ = _read_safetensors(path, TENSOR_KEYS)
+    T = t["input_ids"].shape[-1]
+    for k in ("input_ids", "loss_mask", "position_ids", "document_ids"):
+        if tuple(t[k].shape) != (1, T):
+            raise BatchFileError(f"{path}: {k} has shape {tuple(t[k].shape)}, expected (1, {T})")
+    for k in ("hidden_states", "verifier_last_hidden_states"):
+        if t[k].dim() != 3 or tuple(t[k].shape[:2]) != (1, T):
+            raise BatchFileError(f"{path}: {k} has shape {tuple(t[k].shape)}, expected "
+                                 f"(1, {T}, ...)")
+    return Row(name=path.name, input_ids=t["input_ids"][0].long(),
+               loss_mask=t["loss_mask"][0].long(), hidden_states=t["hidden_states"][0],
+               last=t["verifier_last_hidden_states"][0], position_ids=t["position_ids"][0].long(),
+               document_ids=t["document_ids"][0].long())
+
+
+def _open_ours(d: Path, files: list[Path]) -> BatchFolder:
+    meta = _ours_metadata(files[0])
+    ids = meta.get("target_layer_ids")
+    return BatchFolder(
+        path=d, format=OURS, names=[f.name for f in files],
+        loaders=[(lambda f=f: _load_ours(f)) for f in files],
+        all_input_ids=lambda: [_read_safetensors(f, ("input_ids",))[0]["input_ids"][0]
+                               for f in files],
+        target_layer_ids=[int(i) for i in ids] if isinstance(ids, list) else None,
+        mask_token_id=meta.get("mask_token_id"),
+        num_verifier_layers=meta.get("num_verifier_layers"),
+        info={k: meta.get(k) for k in ("verifier", "layer_id_convention", "mask_token_reason",
+                                       "hidden_size", "seq_len")})
+
+
+def _load_reference(hs_path: Path, input_ids: list[int], loss_mask: list[int]) -> Row:
+    t, _ = _read_safetensors(hs_path, ("hidden_states", "token_ids"))
+    hs, tok = t["hidden_states"], t["token_ids"].long()
+    if hs.dim() != 3 or hs.shape[1] < 2 or hs.shape[0] != tok.numel():
+        raise BatchFileError(f"{hs_path}: hidden_states has shape {tuple(hs.shape)}, expected "
+                             f"[len={tok.numel()}, n+1 >= 2, H]")
+    if tok.tolist() != list(input_ids):
+        raise BatchFileError(f"{hs_path}: token_ids differ from the dataset row's input_ids "
+                             "(the reference's ArrowDataset rejects this row too)")
+    return Row(name=hs_path.stem, input_ids=tok, loss_mask=torch.tensor(loss_mask).long(),
+               hidden_states=hs[:, :-1].flatten(1), last=hs[:, -1])
+
+
+def _open_reference(d: Path) -> BatchFolder:
+    try:
+        import datasets
+        data = datasets.load_from_disk(str(d))
+        columns = {k: data[k] for k in ("input_ids", "loss_mask")}
+    except Exception as exc:  # missing package, not an Arrow folder, missing column
+        raise BatchFileError(f"{d}: not a readable reference offline dataset "
+                             f"({type(exc).__name__}: {exc})") from exc
+    columns = {k: [list(map(int, v)) for v in col] for k, col in columns.items()}
+    hs_dir = d / HIDDEN_STATES_DIR
+    n = len(columns["input_ids"])
+    info = json.loads((d / INFO_FILE).read_text()) if (d / INFO_FILE).is_file() else {}
+    ids = info.get("target_layer_ids")
+    return BatchFolder(
+        path=d, format=REFERENCE, names=[f"hs_{i}" for i in range(n)],
+        loaders=[(lambda i=i: _load_reference(hs_dir / f"hs_{i}.safetensors",
+                                              columns["input_ids"][i], columns["loss_mask"][i]))
+                 for i in range(n)],
+        all_input_ids=lambda: [torch.tensor(x) for x in columns["input_ids"]],
+        target_layer_ids=[int(i) for i in ids] if isinstance(ids, list) else None,
+        mask_token_id=info.get("mask_token_id"), info=info)
+
+
+def open_batch_folder(directory: str | Path) -> BatchFolder:
+    """Detect the format of ``directory`` and open it (rows are read lazily).
+
+    Raises:
+        BatchFileError: the folder is missing, holds neither format, or its first file /
+            dataset is unreadable; the message names the path and what to pass instead.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise BatchFileError(f"{d}: batch folder not found")
+    files = sorted(d.glob(BATCH_GLOB))
+    if files:
+        return _open_ours(d, files)
+    if (d / HIDDEN_STATES_DIR).is_dir():
+        return _open_reference(d)
+    hint = " (its reference/ subfolder holds the reference format)" if (
+        d / "reference" / HIDDEN_STATES_DIR).is_dir() else ""
+    raise BatchFileError(f"{d}: no {BATCH_GLOB} files and no {HIDDEN_STATES_DIR}/ folder: not a "
+                         f"dflash-audit or reference offline batch folder{hint}")

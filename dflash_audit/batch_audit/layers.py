@@ -1,0 +1,97 @@
+"""Each captured slice, and the last state, against every verifier layer's output.
+
+For a row the files hold ``hidden_states`` ``[T, n*H]`` (slice j = target layer j, ascending
+ids) and ``verifier_last_hidden_states`` ``[T, H]`` (the last layer, id N, pre-norm). Each is
+compared with the N+2 recomputed candidates of :mod:`~dflash_audit.batch_audit.recompute`
+(ids 0..N and ``post-norm``); the closest one within its tolerance is the layer the slice
+*equals*. Hypotheses, each with its name in :attr:`Check.finding`:
+
+- ``layer N-k``: the slice equals another layer's output than the files say (e.g. the last
+  state taken two layers short: ``layer N-2``; a target slice at ``layer 28`` for id 29);
+- ``post-norm``: the slice equals the final norm of the last layer's output (HF
+  ``hidden_states[-1]``); the drafter norms the last state itself, so it would be normed twice;
+- ``no layer``: no candidate within tolerance (another verifier, other weights, positions
+  that do not restart, or a dtype far from the files').
+"""
+
+from __future__ import annotations
+
+from dflash_audit.batch_audit.files import Row
+from dflash_audit.batch_audit.recompute import LayerStates, token_distance
+from dflash_audit.batch_audit.result import FAIL, PASS, Check
+
+LAST = "verifier_last_hidden_states"
+
+
+def _relation(matched: int, expected: int, n: int) -> str:
+    """``layer N-2`` style name of a layer relative to N, or ``layer 7`` for shallow ones."""
+    return f"layer N-{n - matched}" if matched > n // 2 else f"layer {matched}"
+
+
+def match_slice(x, states: LayerStates, tokens) -> tuple[int, list[float]]:
+    """Index of the closest candidate to ``x`` ``[T, H]`` on the ``tokens`` mask, and the
+    distances to all N+2 candidates."""
+    dist = [token_distance(x[tokens], states.states[c][tokens])
+            for c in range(states.states.shape[0])]
+    return min(range(len(dist)), key=dist.__getitem__), dist
+
+
+def _judge(name: str, row: Row, x, expected: int | None, states: LayerStates, tokens,
+           what: str) -> tuple[Check, int | None]:
+    n = states.num_layers
+    best, dist = match_slice(x, states, tokens)
+    tol = states.tolerance[best]
+    details = {"matched": states.label(best), "expected": None if expected is None
+               else states.label(expected), "error": dist[best], "tolerance": tol,
+               "error_to_expected": None if expected is None else dist[expected],
+               "dtype": str(states.dtype).removeprefix("torch.")}
+    if dist[best] > tol:
+        return Check(name, FAIL, f"{name} equals no layer of this verifier: closest is "
+                     f"{states.label(best)} at error {dist[best]:.3g} > tolerance {tol:.3g} "
+                     "(another verifier or weights, wrong positions, or a different dtype)",
+                     row=row.name, finding="no layer", details=details), None
+    matched = None if best == n + 1 else best
+    if expected is None or best == expected:
+        return Check(name, PASS, f"{name} equals {states.label(best)}'s output{what} (error "
+                     f"{dist[best]:.2g} <= {tol:.2g})", row=row.name, details=details), matched
+    if best == n + 1:
+        return Check(name, FAIL, f"{name} is post-norm: it equals the final norm of the last "
+                     f"layer's output (HF hidden_states[-1]), not {states.label(expected)}'s "
+                     "output; the drafter norms it again (normed twice downstream)",
+                     row=row.name, finding="post-norm", details=details), matched
+    relation = _relation(best, expected, n)
+    return Check(name, FAIL, f"{name} equals layer {best}'s output; the files say "
+                 f"{states.label(expected)}{what}: L = {relation.removeprefix('layer ')}",
+                 row=row.name, finding=relation, details=details), matched
+
+
+def check_layers(row: Row, states: LayerStates, target_layer_ids: list[int] | None,
+                 hidden_size: int) -> tuple[list[Check], list[int | None]]:
+    """Judge every slice of ``row`` (see the module docstring).
+
+    Args:
+        row: the files' row; ``hidden_states`` must be ``[T, n*hidden_size]``.
+        states: the recomputed candidates for this row.
+        target_layer_ids: what the files say slice j is (speculators convention), or ``None``
+            when they do not say (each slice is then only located).
+        hidden_size: H.
+
+    Returns:
+        One check per slice then the last state's, and the layer id each target slice
+        actually equals (``None`` where it equals none, or post-norm).
+    """
+    tokens = row.input_ids.new_zeros(row.input_ids.numel(), dtype=bool)
+    for s, e in row.documents:
+        tokens[s:e] = True
+    n_slices = row.hidden_states.shape[-1] // hidden_size
+    checks, measured = [], []
+    for j in range(n_slices):
+        expected = target_layer_ids[j] if target_layer_ids else None
+        x = row.hidden_states[:, j * hidden_size:(j + 1) * hidden_size]
+        check, matched = _judge(f"hidden_states[{j}]", row, x, expected, states, tokens, "")
+        checks.append(check)
+        measured.append(matched)
+    check, _ = _judge(LAST, row, row.last, states.num_layers, states, tokens,
+                      " (the last layer, pre-norm)")
+    checks.append(check)
+    return checks, measured

@@ -1,0 +1,95 @@
+"""Write a :class:`BatchReport` as ``report.json``, ``report.md``, ``report.html`` and
+``junit.xml`` (the four files ``compare`` writes; the shapes differ, so these are small
+writers of their own: one row per check, findings first)."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from xml.etree import ElementTree as ET
+
+from dflash_audit.batch_audit.result import FAIL, BatchReport, Check
+
+REPORT_FILES = ("report.json", "report.md", "report.html", "junit.xml")
+
+
+def _ordered(report: BatchReport) -> list[Check]:
+    rank = {FAIL: 0, "skip": 1, "pass": 2}
+    return sorted(report.checks, key=lambda c: rank.get(c.status, 3))
+
+
+def render_markdown(report: BatchReport) -> str:
+    """The report as Markdown: verdict, findings, context, then a table of every check."""
+    lines = [f"# check-batches: {report.verdict.upper()}", "",
+             f"- folder: `{report.folder}` ({report.format})",
+             f"- verifier: {report.verifier.get('name')} (`{report.verifier.get('path')}`)",
+             f"- rows checked: {', '.join(report.rows_checked)}"]
+    lines += [f"- {k}: {v}" for k, v in report.context.items()]
+    if report.failures:
+        lines += ["", "## Findings", ""]
+        lines += [f"- **{c.finding or c.name}** ({c.row or 'folder'}): {c.message}"
+                  for c in report.failures]
+    lines += ["", "## Checks", "", "| status | check | row | result |", "|---|---|---|---|"]
+    for c in _ordered(report):
+        msg = c.message.replace("|", "\\|")
+        lines.append(f"| {c.status} | {c.name} | {c.row or 'folder'} | {msg} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_html(report: BatchReport) -> str:
+    """The report as one self-contained HTML page."""
+    color = {FAIL: "#c62828", "pass": "#2e7d32", "skip": "#757575"}
+    rows = "".join(
+        f"<tr><td style='color:{color.get(c.status, '#000')}'><b>{c.status}</b></td>"
+        f"<td>{html.escape(c.name)}</td><td>{html.escape(c.row or 'folder')}</td>"
+        f"<td>{html.escape(c.finding)}</td><td>{html.escape(c.message)}</td></tr>"
+        for c in _ordered(report))
+    ctx = "".join(f"<li>{html.escape(str(k))}: {html.escape(str(v))}</li>"
+                  for k, v in report.context.items())
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>check-batches "
+            f"{report.verdict}</title></head><body style='font-family:sans-serif'>"
+            f"<h1 style='color:{color[report.verdict]}'>check-batches: "
+            f"{report.verdict.upper()}</h1><p>{html.escape(report.folder)} ({report.format}), "
+            f"verifier {html.escape(str(report.verifier.get('name')))}, rows "
+            f"{html.escape(', '.join(report.rows_checked))}</p><ul>{ctx}</ul>"
+            "<table border='1' cellpadding='4' style='border-collapse:collapse'><tr><th>status"
+            "</th><th>check</th><th>row</th><th>finding</th><th>result</th></tr>"
+            f"{rows}</table></body></html>\n")
+
+
+def render_junit(report: BatchReport) -> str:
+    """The report as JUnit XML: one testcase per check (failure / skipped)."""
+    suite = ET.Element("testsuite", name="dflash-audit check-batches",
+                       tests=str(len(report.checks)), failures=str(len(report.failures)),
+                       skipped=str(sum(c.status == "skip" for c in report.checks)))
+    for c in report.checks:
+        case = ET.SubElement(suite, "testcase", classname=f"check-batches.{c.row or 'folder'}",
+                             name=c.name)
+        if c.status == FAIL:
+            ET.SubElement(case, "failure", message=c.finding or c.name).text = c.message
+        elif c.status == "skip":
+            ET.SubElement(case, "skipped", message=c.message)
+    return ET.tostring(ET.ElementTree(suite).getroot(), encoding="unicode") + "\n"
+
+
+def write_report(report: BatchReport, out_dir: str | Path) -> Path:
+    """Write the four files into a new folder ``<out_dir>/<UTC time>-check-batches``.
+
+    Returns:
+        The folder. Raises ``OSError`` when it cannot be written.
+    """
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    base = Path(out_dir) / re.sub(r"[^A-Za-z0-9._-]", "_", f"{stamp}-check-batches")
+    folder, n = base, 1
+    while folder.exists():
+        n += 1
+        folder = base.with_name(f"{base.name}-{n}")
+    folder.mkdir(parents=True)
+    (folder / "report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
+    (folder / "report.md").write_text(render_markdown(report))
+    (folder / "report.html").write_text(render_html(report))
+    (folder / "junit.xml").write_text(render_junit(report))
+    return folder

@@ -1,0 +1,239 @@
+"""check-batches on a tiny random Llama (8 layers, H=32, byte-level ChatML tokenizer): our
+files and the reference offline format pass; every shipped broken-batch script makes a
+folder that fails with the right finding; setup errors exit 2 with one line."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from data_support import SAMPLE_CONVERSATIONS, make_tiny_verifier, write_jsonl
+from typer.testing import CliRunner
+
+from dflash_audit.batch_audit.command import run_check_batches, sample_rows
+from dflash_audit.batch_audit.recompute import file_precision
+from dflash_audit.data.pipeline import build_batches, write_batches
+from dflash_audit.data.verifier import load_verifier
+
+BROKEN = Path(__file__).resolve().parents[1] / "examples" / "broken_batches"
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def broken_script(name: str):
+    """Import ``examples/broken_batches/<name>.py`` (its folder on sys.path for _batches)."""
+    if str(BROKEN) not in sys.path:
+        sys.path.insert(0, str(BROKEN))
+    spec = importlib.util.spec_from_file_location(f"broken_{name}", BROKEN / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_verifier(tmp_path_factory.mktemp("tiny") / "verifier", layers=8)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_verifier(str(tiny_dir))
+
+
+@pytest.fixture(scope="module")
+def good(tiny, tmp_path_factory):
+    """Two packed rows (T=256, several documents each) + the reference offline copy."""
+    folder = tmp_path_factory.mktemp("good")
+    data = write_jsonl(folder / "conv.jsonl", SAMPLE_CONVERSATIONS * 6)
+    batches = build_batches(tiny, str(data), seq_len=256, rows=2, progress=False)
+    write_batches(batches, folder / "ours", reference_format=True)
+    return folder / "ours"
+
+
+def failed(report):
+    return {(c.name, c.finding) for c in report.failures}
+
+
+def test_our_files_pass(tiny, good):
+    report = run_check_batches(good, tiny, rows_to_check=2, progress=False, profile="zlab")
+    assert report.exit_code == 0, failed(report)
+    by_name = {c.name: c for c in report.checks}
+    assert by_name["target_layer_ids"].status == "pass"
+    assert by_name["mask_token_id"].status == "pass"
+    assert by_name["loss_mask"].status == "pass"
+    assert by_name["position_ids"].status == "pass"
+    assert by_name["verifier_last_hidden_states"].details["matched"] == "layer 8"
+    assert [c.details["matched"] for c in report.checks if c.name.startswith("hidden_states[")
+            ][:5] == ["layer 2", "layer 3", "layer 4", "layer 5", "layer 6"]
+
+
+def test_reference_offline_format_passes(tiny, good):
+    report = run_check_batches(good / "reference", tiny, rows_to_check=3, progress=False)
+    assert report.format == "reference-offline"
+    assert report.exit_code == 0, failed(report)
+    assert len(report.rows_checked) == 3
+    assert any(c.name == "loss_mask" and c.status == "pass" for c in report.checks)
+
+
+def test_bf16_rounded_capture_passes_within_measured_noise(tiny, good, tmp_path):
+    rows = broken_script("_batches").read_folder(good)
+    for _, t, _ in rows:
+        for k in ("hidden_states", "verifier_last_hidden_states"):
+            t[k] = t[k].to(torch.bfloat16).float()
+    out = broken_script("_batches").write_folder(rows, tmp_path / "bf16")
+    report = run_check_batches(out, tiny, rows_to_check=1, progress=False)
+    assert report.context["files_precision"] == "bfloat16"
+    assert report.exit_code == 0, failed(report)
+    assert all(0 < x < 0.05 for x in report.context["noise_per_layer"])
+
+
+@pytest.mark.parametrize("script, check, finding, kwargs", [
+    ("last_layer_two_short", "verifier_last_hidden_states", "layer N-2", {}),
+    ("post_norm_last_state", "verifier_last_hidden_states", "post-norm", {}),
+    ("loss_mask_shifted", "loss_mask", "shift +1", {}),
+    ("mask_on_user_turns", "loss_mask", "user turns", {}),
+    ("positions_not_restarting", "position_ids", "positions continue", {}),
+    ("zlab_ids_as_speculators", "target_layer_ids", "zlab ids read as speculators ids",
+     {"drafter_config": "drafter_config.json"}),
+])
+def test_broken_batches_fail_with_the_right_name(tiny, tiny_dir, good, tmp_path, script,
+                                                 check, finding, kwargs):
+    out = broken_script(script).make(good, tmp_path / script, str(tiny_dir))
+    kwargs = {k: Path(out) / v for k, v in kwargs.items()}
+    report = run_check_batches(out, tiny, rows_to_check=1, progress=False, **kwargs)
+    assert report.exit_code == 1
+    assert failed(report) == {(check, finding)}
+
+
+def test_zlab_ids_named_with_the_profile_alone(tiny, tiny_dir, good, tmp_path):
+    out = broken_script("zlab_ids_as_speculators").make(good, tmp_path / "z", str(tiny_dir))
+    report = run_check_batches(out, tiny, rows_to_check=1, progress=False, profile="zlab")
+    assert failed(report) == {("target_layer_ids", "zlab ids read as speculators ids")}
+    speculators = run_check_batches(out, tiny, rows_to_check=1, progress=False,
+                                    profile="reference-model")
+    assert failed(speculators) == {("target_layer_ids", "count mismatch")}
+
+
+def test_cli_exit_codes_and_reports(tiny_dir, good, tmp_path):
+    from dflash_audit.cli import app
+
+    runner = CliRunner()
+    ok = runner.invoke(app, ["check-batches", str(good), "--verifier", str(tiny_dir),
+                             "--rows-to-check", "1", "--out", str(tmp_path / "r")])
+    assert ok.exit_code == 0, ok.output
+    (folder,) = (tmp_path / "r").iterdir()
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["report.json", "report.md", "report.html", "junit.xml"])
+    assert json.loads((folder / "report.json").read_text())["verdict"] == "pass"
+
+    bad = broken_script("post_norm_last_state").make(good, tmp_path / "pn", str(tiny_dir))
+    res = runner.invoke(app, ["check-batches", str(bad), "--verifier", str(tiny_dir),
+                              "--rows-to-check", "1", "--out", str(tmp_path / "r2")])
+    assert res.exit_code == 1 and "post-norm" in res.output
+    (folder,) = (tmp_path / "r2").iterdir()
+    assert "<failure message=\"post-norm\"" in (folder / "junit.xml").read_text()
+
+
+def test_setup_errors_exit_2_with_one_line(tiny_dir, good, tmp_path):
+    from dflash_audit.cli import app
+
+    runner = CliRunner()
+    shallow = make_tiny_verifier(tmp_path / "shallow", layers=4)
+    truncated = tmp_path / "trunc"
+    truncated.mkdir()
+    data = (good / "batch_00000.safetensors").read_bytes()
+    (truncated / "batch_00000.safetensors").write_bytes(data[: len(data) // 2])
+    for args, words in [
+        ([str(tmp_path / "nope")], "batch folder not found"),
+        ([str(tmp_path)], "not a dflash-audit or reference offline batch folder"),
+        ([str(truncated)], "not a readable safetensors file"),
+        ([str(good), "--verifier", str(shallow)], "has 4 layers"),
+        ([str(good), "--profile", "no-such-profile"], "--profile"),
+    ]:
+        if "--verifier" not in args:
+            args = args + ["--verifier", str(tiny_dir)]
+        res = runner.invoke(app, ["check-batches", *args, "--out", str(tmp_path / "r")])
+        assert res.exit_code == 2, (args, res.output)
+        assert words in res.output and "Traceback" not in res.output
+        errors = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and words in errors[0]  # one line (besides HF load bars)
+
+
+def test_file_precision_and_row_sampling():
+    x = torch.randn(4, 8)
+    assert file_precision(x) == torch.float32
+    assert file_precision(x.to(torch.bfloat16).float()) == torch.bfloat16
+    assert file_precision(x.to(torch.bfloat16)) == torch.bfloat16
+    assert sample_rows(16, 4) == [0, 5, 10, 15]
+    assert sample_rows(3, 10) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("variant, finding", [
+    ("earlier", "shift -1"), ("no_eot", "end-of-turn excluded"), ("inverted", "inverted")])
+def test_loss_mask_hypotheses(tiny, good, variant, finding):
+    from dflash_audit.batch_audit.files import open_batch_folder
+    from dflash_audit.batch_audit.loss_mask import check_loss_mask
+
+    row = open_batch_folder(good).load(0)
+    assert check_loss_mask(row, tiny.tokenizer).status == "pass"
+    lm, valid = row.loss_mask, (row.document_ids >= 0).long()
+    eot = tiny.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    row.loss_mask = {"earlier": torch.cat([lm[1:], lm.new_zeros(1)]),
+                     "no_eot": lm * (row.input_ids != eot).long(),
+                     "inverted": valid * (1 - lm)}[variant]
+    check = check_loss_mask(row, tiny.tokenizer)
+    assert (check.status, check.finding) == ("fail", finding)
+    assert check.details["wrong_tokens"] > 0
+
+
+def test_target_layer_id_hypotheses():
+    from dflash_audit.batch_audit.ids import check_target_layer_ids, drafter_layer_ids
+
+    def finding(measured, drafter):
+        c = check_target_layer_ids(measured, measured, drafter, "test")
+        return c.status, c.finding
+    assert finding([2, 9, 15], [2, 9, 15]) == ("pass", "")
+    assert finding([1, 8, 14], [2, 9, 15]) == ("fail", "zlab ids read as speculators ids")
+    assert finding([3, 10, 16], [2, 9, 15]) == ("fail", "speculators ids read as zlab ids")
+    assert finding([2, 15, 27], [2, 9, 15]) == ("fail", "count collision")
+    assert finding([2, 15], [2, 9, 15]) == ("fail", "count mismatch")
+    zlab = {"dflash_config": {"target_layer_ids": [1, 8, 14]}}
+    assert drafter_layer_ids(zlab, None, 30)[0] == [2, 9, 15]
+    assert drafter_layer_ids({"aux_hidden_state_layer_ids": [2, 9]}, None, 30)[0] == [2, 9]
+    assert drafter_layer_ids(None, None, 30) == (None, "")
+
+
+def test_mask_token_hypotheses(tiny):
+    from dflash_audit.batch_audit.ids import check_mask_token
+
+    tok, rows = tiny.tokenizer, tiny.embedding_rows
+    data = [torch.tensor([5, 6, 7, 270])]
+    spare = len(tok)  # a spare embedding row: never produced by the tokenizer
+    assert check_mask_token(spare, None, tok, rows, data).status == "pass"
+    assert check_mask_token(None, None, tok, rows, data).status == "skip"
+    assert check_mask_token(tok.eos_token_id, None, tok, rows, data).finding.startswith(
+        "mask token is")
+    assert check_mask_token(7, None, tok, rows, data).finding == "mask token in data"
+    assert check_mask_token(rows, None, tok, rows, data).finding == "mask token out of range"
+    assert check_mask_token(spare, spare + 1, tok, rows, data).finding == "mask token disagrees"
+
+
+def test_bf16_reference_folder_is_compared_in_bf16(tiny, good, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    ref = tmp_path / "ref"
+    shutil.copytree(good / "reference", ref)
+    for f in (ref / "hidden_states").glob("hs_*.safetensors"):
+        t = load_file(str(f))
+        save_file({"hidden_states": t["hidden_states"].to(torch.bfloat16),
+                   "token_ids": t["token_ids"]}, str(f))
+    report = run_check_batches(ref, tiny, rows_to_check=2, progress=False)
+    assert report.context["files_precision"] == "bfloat16"
+    assert report.exit_code == 0, failed(report)
+    layer = [c for c in report.checks if c.name == "verifier_last_hidden_states"][0]
+    assert layer.details["dtype"] == "bfloat16" and 0 < layer.details["error"] < 0.05
