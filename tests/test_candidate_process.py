@@ -126,3 +126,12 @@ def test_case_and_outputs_round_trip(tmp_path):
     assert again.metrics["odd"] == "[1]"
     with pytest.raises(TypeError, match=r"tensors\['b'\] is a list; expected a torch.Tensor"):
         SideOutputs(tensors={"b": [1]}, metrics={}, structure={}).write(tmp_path)
+
+
+def test_candidate_side_in_compare_form(chaos_run):
+    from dflash_audit.audit.candidate_process import candidate_side
+
+    _, runs, _, tmp = chaos_run
+    side = candidate_side(runs, tmp / "out")
+    assert side["c40"][1] is None and "logits" in side["c40"][0].tensors
+    assert side["c45"][0] is None and side["c45"][1].details["cause"] == "timeout"

@@ -25,7 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_audit.audit.candidate_runner import EXIT_LOAD_ERROR, HEARTBEAT, LOAD_ERROR, STATUS
+from dflash_audit.audit.candidate_runner import (
+    EXIT_LOAD_ERROR,
+    HEARTBEAT,
+    LOAD_ERROR,
+    STATUS,
+)
 from dflash_audit.candidate import CandidateError
 
 #: Default of ``--candidate-timeout``: seconds one case may take (a real case with the
@@ -77,13 +82,13 @@ class CandidateCaseRun:
         """The failing ``run`` CheckResult of a failed case (cause, traceback, stderr tail)."""
         from dflash_audit.audit.result import FAIL, CheckResult
 
-        hint = {"timeout": ["the candidate did not finish the case in time: an endless loop, "
+        hint = {"timeout": [("the candidate did not finish the case in time: an endless loop, "
                             "a deadlock, or a case far slower than the reference (raise "
-                            "--candidate-timeout if it is only slow)"],
+                            "--candidate-timeout if it is only slow)")],
                 "killed": ["out of memory is the usual cause of SIGKILL"],
                 "exit": ["the candidate must return SideOutputs from run_case, not exit"],
-                "protocol": ["the candidate does not follow the protocol of "
-                             "dflash_audit.candidate"]}.get(self.status, [])
+                "protocol": [("the candidate does not follow the protocol of "
+                             "dflash_audit.candidate")]}.get(self.status, [])
         return CheckResult(name="run", case=self.case, status=FAIL, summary=self.summary,
                            diagnosis=hint,
                            details={"cause": self.status, "traceback": self.detail,
@@ -269,3 +274,23 @@ def read_candidate_outputs(out_dir: Path, name: str) -> Any:
     from dflash_audit.audit.case import SideOutputs
 
     return SideOutputs.read(Path(out_dir) / name)
+
+
+def candidate_side(runs: dict[str, CandidateCaseRun], out_dir: Path) -> dict[str, tuple[Any, Any]]:
+    """``{case: (SideOutputs, None) | (None, failing "run" CheckResult)}`` -- the form
+    ``compare.run_both_sides`` returns for the candidate side. Outputs that cannot be read
+    back are a protocol failure of that case."""
+    from dflash_audit.audit.result import FAIL, CheckResult
+
+    side: dict[str, tuple[Any, Any]] = {}
+    for name, run in runs.items():
+        if not run.ok:
+            side[name] = (None, run.to_check_result())
+            continue
+        try:
+            side[name] = (read_candidate_outputs(out_dir, name), None)
+        except (OSError, KeyError, ValueError) as exc:
+            side[name] = (None, CheckResult(
+                name="run", case=name, status=FAIL, summary=f"the candidate's outputs cannot "
+                f"be read back: {type(exc).__name__}: {exc}", details={"cause": "protocol"}))
+    return side
