@@ -135,3 +135,16 @@ def test_candidate_side_in_compare_form(chaos_run):
     side = candidate_side(runs, tmp / "out")
     assert side["c40"][1] is None and "logits" in side["c40"][0].tensors
     assert side["c45"][0] is None and side["c45"][1].details["cause"] == "timeout"
+
+
+def test_load_only_gives_the_identity_without_importing_here(tmp_path):
+    from dflash_audit.audit.candidate_process import load_candidate_identity
+
+    ident = load_candidate_identity(CHAOS, tmp_path)
+    assert ident["name"] == "chaos" and ident["has_select_anchors"] is True
+    assert any(f.endswith("isolation_candidates.py") for f in ident["source_files"])
+    with pytest.raises(CandidateLoadError, match=r"ended \(exit code 0\) before the candidate "
+                                                 r"was loaded"):
+        load_candidate_identity(f"{HERE / 'isolation_candidates.py'}:ExitAtImport", tmp_path)
+    with pytest.raises(CandidateLoadError, match="has no attribute 'Nope'"):
+        load_candidate_identity(f"{HERE / 'isolation_candidates.py'}:Nope", tmp_path)

@@ -28,6 +28,7 @@ from typing import Any
 from dflash_audit.audit.candidate_runner import (
     EXIT_LOAD_ERROR,
     HEARTBEAT,
+    IDENTITY,
     LOAD_ERROR,
     STATUS,
 )
@@ -87,6 +88,10 @@ class CandidateCaseRun:
                             "--candidate-timeout if it is only slow)")],
                 "killed": ["out of memory is the usual cause of SIGKILL"],
                 "exit": ["the candidate must return SideOutputs from run_case, not exit"],
+                "raised": ["the candidate's parameters do not match the reference's state dict "
+                           "(names or shapes): compare fc in/out features, layer count and "
+                           "head sizes with the reference"]
+                if "state_dict" in self.summary or "size mismatch" in self.summary else [],
                 "protocol": [("the candidate does not follow the protocol of "
                              "dflash_audit.candidate")]}.get(self.status, [])
         return CheckResult(name="run", case=self.case, status=FAIL, summary=self.summary,
@@ -294,3 +299,37 @@ def candidate_side(runs: dict[str, CandidateCaseRun], out_dir: Path) -> dict[str
                 name="run", case=name, status=FAIL, summary=f"the candidate's outputs cannot "
                 f"be read back: {type(exc).__name__}: {exc}", details={"cause": "protocol"}))
     return side
+
+
+def load_candidate_identity(spec: str | None, out_dir: Path, timeout_s: float =
+                            DEFAULT_STARTUP_TIMEOUT_S) -> dict[str, Any]:
+    """Load the candidate in a runner process (``--load-only``) and return its
+    ``candidate.json`` (name, class, source_files, has_select_anchors): the setup check that
+    replaces importing the candidate into our process.
+
+    Raises:
+        CandidateLoadError: it cannot be loaded (message from the runner), or the process
+            died, hung or wrote nothing (with the tail of its stderr).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / IDENTITY).unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "dflash_audit.audit.candidate_runner", str(out_dir),
+           str(out_dir), "--load-only", *(["--candidate", spec] if spec else [])]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL,
+                              env=runner_env(None), timeout=timeout_s, start_new_session=True)
+    except subprocess.TimeoutExpired:
+        raise CandidateLoadError(f"loading the candidate {spec!r} took more than "
+                                 f"{timeout_s:g} s") from None
+    if proc.returncode == EXIT_LOAD_ERROR and (out_dir / LOAD_ERROR).is_file():
+        raise CandidateLoadError(json.loads((out_dir / LOAD_ERROR).read_text())["message"])
+    try:
+        return json.loads((out_dir / IDENTITY).read_text())
+    except (OSError, ValueError):
+        rc = proc.returncode
+        how = (f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
+        tail = proc.stderr.decode(errors="replace")[-TAIL_CHARS:].strip()
+        raise CandidateLoadError(f"the process loading candidate {spec!r} ended ({how}) "
+                                 "before the candidate was loaded (its import or factory "
+                                 "exits or crashes)" + (f"\n{tail}" if tail else "")) from None

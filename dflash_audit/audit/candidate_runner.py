@@ -13,7 +13,10 @@ Files written into OUT_DIR (the only channel to the parent, :mod:`.candidate_pro
   "traceback"}`` and, when ok, ``<case>/outputs.safetensors`` + ``outputs.json``
   (:meth:`SideOutputs.write`, read back with :meth:`SideOutputs.read` as the reference's are);
   the folder is published atomically, so it exists only once the case is complete;
-- ``load_error.json`` = ``{"message"}`` when the candidate cannot be loaded (exit code 3).
+- ``load_error.json`` = ``{"message"}`` when the candidate cannot be loaded (exit code 3);
+- ``candidate.json`` = ``{"name", "class", "source_files", "has_select_anchors"}`` once it is
+  loaded (so the parent never imports the candidate: its name and the files its fingerprint
+  hashes come from here). ``--load-only`` stops there (a cheap setup check).
 
 The candidate's stdout and stderr go wherever the parent points this process's (files); a
 segfault prints the Python stack to stderr (``faulthandler``).
@@ -34,6 +37,7 @@ EXIT_LOAD_ERROR = 3
 HEARTBEAT = "started.json"
 STATUS = "status.json"
 LOAD_ERROR = "load_error.json"
+IDENTITY = "candidate.json"
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -94,6 +98,18 @@ def publish(out_dir: Path, name: str, status: dict[str, Any], outputs: Any) -> N
         (tmp / STATUS).write_text(json.dumps(status))
 
 
+def identity(candidate: Any, spec: str | None) -> dict[str, Any]:
+    """What the parent needs to know about the loaded candidate: its report name, class,
+    source files (:func:`dflash_audit.report.fingerprint.candidate_source_files`) and whether
+    it has its own anchor sampler."""
+    from dflash_audit.report.fingerprint import candidate_source_files
+
+    return {"name": str(getattr(candidate, "name", None) or spec or type(candidate).__name__),
+            "class": f"{type(candidate).__module__}.{type(candidate).__qualname__}",
+            "source_files": [str(f) for f in candidate_source_files(candidate)],
+            "has_select_anchors": callable(getattr(candidate, "select_anchors", None))}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Load the candidate, run every pending case, write results; 0 when all cases ran
     (whatever their status), 3 when the candidate cannot be loaded."""
@@ -103,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--candidate", default=None)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--case", action="append", default=None)
+    parser.add_argument("--load-only", action="store_true")
     args = parser.parse_args(argv)
     faulthandler.enable()
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -119,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     except CandidateError as exc:
         write_json_atomic(args.out_dir / LOAD_ERROR, {"message": str(exc)})
         return EXIT_LOAD_ERROR
+    write_json_atomic(args.out_dir / IDENTITY, identity(candidate, args.candidate))
+    if args.load_only:
+        return 0
     names = sorted(p.name for p in args.cases_dir.iterdir() if (p / "profile.json").is_file())
     if args.case is not None:
         names = [n for n in names if n in set(args.case)]
