@@ -175,3 +175,13 @@ def test_nan_gradient_of_a_frozen_parameter_does_not_pass(good):
 
     case, out = good
     assert check_gradients(case, _nan_variant(out, frozen_grad=True), out).status != "pass"
+
+
+def test_the_real_reference_conforms(run_reference_cases):
+    """The protocol is the reference's own output format: its outputs on the synthetic
+    layouts (full, sliding, mixed) have no protocol or non-finite findings."""
+    planned = plan_synthetic_cases(Profile.load("reference-model"), 3, seed=8)
+    cases = [p.case for p in planned]
+    refs = run_reference_cases(cases)
+    for case in cases:
+        assert output_findings(refs[case.name], case, "reference") == [], case.name
