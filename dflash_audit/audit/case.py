@@ -56,6 +56,23 @@ class Case:
              "description": self.description, "anchor_draws": ANCHOR_DRAWS}, indent=1))
         return path
 
+    @classmethod
+    def read(cls, path: Path) -> Case:
+        """Read a case folder written by :meth:`write` (the case's name is the folder's name).
+
+        Raises:
+            OSError: a file is missing or unreadable.
+            ValueError: ``profile.json`` is not valid JSON or holds invalid fields
+                (:class:`~dflash_audit.model.config.ConfigError` is a ValueError).
+        """
+        path = Path(path)
+        profile = json.loads((path / "profile.json").read_text())
+        return cls(name=path.name, config=DFlashConfig.from_dict(profile["drafter"]),
+                   loss=LossSpec(**profile["loss"]),
+                   inputs=load_file(path / "inputs.safetensors"),
+                   weights=load_file(path / "weights.safetensors"),
+                   description=profile.get("description", ""))
+
 
 @dataclass
 class SideOutputs:
@@ -78,3 +95,33 @@ class SideOutputs:
         return cls(tensors=load_file(case_dir / "outputs.safetensors"), metrics=meta["metrics"],
                    structure=meta["structure"], defaults=meta.get("defaults", {}),
                    trainable=meta.get("trainable", []))
+
+    def write(self, case_dir: Path) -> None:
+        """Write ``outputs.safetensors`` + ``outputs.json`` into ``case_dir`` (the files
+        :meth:`read` reads; the candidate process writes its side this way). Tensors are
+        detached and copied (safetensors refuses tensors that share memory); metrics that are
+        not numbers are written as their ``repr`` (the protocol check names them); NaN / inf
+        metrics are kept (``json`` writes them as NaN / Infinity).
+
+        Raises:
+            TypeError: a value of ``tensors`` is not a ``torch.Tensor``.
+        """
+        case_dir = Path(case_dir)
+        for key, value in self.tensors.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"tensors[{key!r}] is a {type(value).__name__}; expected a "
+                                "torch.Tensor")
+        save_file({k: v.detach().cpu().contiguous().clone() for k, v in self.tensors.items()},
+                  case_dir / "outputs.safetensors")
+        (case_dir / "outputs.json").write_text(json.dumps({
+            "metrics": {k: _metric_value(v) for k, v in self.metrics.items()},
+            "structure": self.structure, "defaults": self.defaults,
+            "trainable": list(self.trainable)}, indent=1, sort_keys=True, default=repr))
+
+
+def _metric_value(value: Any) -> float | str:
+    """A metric as a float (a 0-d tensor or number), else its ``repr``."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return repr(value)

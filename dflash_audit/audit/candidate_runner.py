@@ -1,0 +1,155 @@
+"""Runs INSIDE the candidate's own process: the candidate on cases already written to disk.
+
+Usage: ``python -m dflash_audit.audit.candidate_runner CASES_DIR OUT_DIR --candidate SPEC
+[--threads N] [--case NAME ...]``. Each sub-folder of CASES_DIR holding ``profile.json`` is one
+case (:meth:`dflash_audit.audit.case.Case.write`); ``--case`` restricts the run to those names.
+Cases whose result folder already exists in OUT_DIR are skipped (a restarted runner resumes).
+
+Files written into OUT_DIR (the only channel to the parent, :mod:`.candidate_process`):
+
+- ``started.json`` = ``{"case": NAME}``, replaced atomically before each case (the parent's
+  per-case clock and the name of the case a crash or a hang belongs to);
+- ``<case>/status.json`` = ``{"status": "ok" | "raised" | "exit" | "protocol", "summary",
+  "traceback"}`` and, when ok, ``<case>/outputs.safetensors`` + ``outputs.json``
+  (:meth:`SideOutputs.write`, read back with :meth:`SideOutputs.read` as the reference's are);
+  the folder is published atomically, so it exists only once the case is complete;
+- ``load_error.json`` = ``{"message"}`` when the candidate cannot be loaded (exit code 3);
+- ``candidate.json`` = ``{"name", "class", "source_files", "has_select_anchors"}`` once it is
+  loaded (so the parent never imports the candidate: its name and the files its fingerprint
+  hashes come from here). ``--load-only`` stops there (a cheap setup check).
+
+The candidate's stdout and stderr go wherever the parent points this process's (files); a
+segfault prints the Python stack to stderr (``faulthandler``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+EXIT_LOAD_ERROR = 3
+HEARTBEAT = "started.json"
+STATUS = "status.json"
+LOAD_ERROR = "load_error.json"
+IDENTITY = "candidate.json"
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON to ``path`` through a temporary sibling and a rename."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def run_one(candidate: Any, case: Any) -> tuple[dict[str, Any], Any]:
+    """Run the candidate on one case as the in-process path did: cloned inputs, torch seed
+    0, then K draws of its ``select_anchors`` when it has one.
+
+    Returns:
+        ``(status dict, SideOutputs | None)``; status ``"ok"``, ``"raised"`` (an exception,
+        with its traceback), ``"exit"`` (``sys.exit`` inside the candidate) or ``"protocol"``
+        (run_case returned something other than SideOutputs).
+    """
+    import torch
+
+    from dflash_audit.audit.anchor_draws import draw_anchors
+    from dflash_audit.audit.case import SideOutputs
+
+    inputs = {k: v.clone() for k, v in case.inputs.items()}
+    torch.manual_seed(0)
+    stage = "run_case"
+    try:
+        out = candidate.run_case(case.config, case.loss, case.weights, inputs)
+        if not isinstance(out, SideOutputs):
+            return {"status": "protocol", "summary": f"run_case returned "
+                    f"{type(out).__name__}, not SideOutputs", "traceback": ""}, None
+        if callable(getattr(candidate, "select_anchors", None)):
+            stage = "select_anchors"
+            out.tensors.update(draw_anchors(candidate.select_anchors, case))
+    except SystemExit as exc:
+        return {"status": "exit", "summary": f"the candidate's {stage} called sys.exit"
+                f"({exc.code!r})", "traceback": traceback.format_exc()}, None
+    except Exception as exc:  # noqa: BLE001 - user code: a conformance failure, reported
+        return {"status": "raised", "summary": f"the candidate's {stage} raised "
+                f"{type(exc).__name__}: {str(exc).strip()[:600]}",
+                "traceback": traceback.format_exc()}, None
+    return {"status": "ok", "summary": "", "traceback": ""}, out
+
+
+def publish(out_dir: Path, name: str, status: dict[str, Any], outputs: Any) -> None:
+    """Write one case's result folder ``out_dir/name`` atomically (status + outputs)."""
+    from dflash_audit.atomic import atomic_folder
+
+    with atomic_folder(out_dir / name) as tmp:
+        if outputs is not None:
+            try:
+                outputs.write(tmp)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                status = {"status": "protocol", "summary": f"the outputs cannot be written: "
+                          f"{exc}", "traceback": traceback.format_exc()}
+                for leftover in tmp.iterdir():
+                    leftover.unlink()
+        (tmp / STATUS).write_text(json.dumps(status))
+
+
+def identity(candidate: Any, spec: str | None) -> dict[str, Any]:
+    """What the parent needs to know about the loaded candidate: its report name, class,
+    source files (:func:`dflash_audit.report.fingerprint.candidate_source_files`) and whether
+    it has its own anchor sampler."""
+    from dflash_audit.report.fingerprint import candidate_source_files
+
+    return {"name": str(getattr(candidate, "name", None) or spec or type(candidate).__name__),
+            "class": f"{type(candidate).__module__}.{type(candidate).__qualname__}",
+            "source_files": [str(f) for f in candidate_source_files(candidate)],
+            "has_select_anchors": callable(getattr(candidate, "select_anchors", None))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Load the candidate, run every pending case, write results; 0 when all cases ran
+    (whatever their status), 3 when the candidate cannot be loaded."""
+    parser = argparse.ArgumentParser(prog="python -m dflash_audit.audit.candidate_runner")
+    parser.add_argument("cases_dir", type=Path)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--candidate", default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--case", action="append", default=None)
+    parser.add_argument("--load-only", action="store_true")
+    args = parser.parse_args(argv)
+    faulthandler.enable()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    from dflash_audit.audit.case import Case
+    from dflash_audit.candidate import CandidateError, load_candidate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        candidate = load_candidate(args.candidate)
+    except CandidateError as exc:
+        write_json_atomic(args.out_dir / LOAD_ERROR, {"message": str(exc)})
+        return EXIT_LOAD_ERROR
+    write_json_atomic(args.out_dir / IDENTITY, identity(candidate, args.candidate))
+    if args.load_only:
+        return 0
+    names = sorted(p.name for p in args.cases_dir.iterdir() if (p / "profile.json").is_file())
+    if args.case is not None:
+        names = [n for n in names if n in set(args.case)]
+    for name in names:
+        if (args.out_dir / name).exists():
+            continue
+        write_json_atomic(args.out_dir / HEARTBEAT, {"case": name})
+        status, outputs = run_one(candidate, Case.read(args.cases_dir / name))
+        publish(args.out_dir, name, status, outputs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

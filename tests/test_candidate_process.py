@@ -1,0 +1,150 @@
+"""The candidate in its own process: every way it can die, hang or misbehave is a failure of
+that case, with its cause and stderr tail; the other cases still run; nothing hangs."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_audit.audit.candidate_process import (
+    CandidateLoadError,
+    read_candidate_outputs,
+    run_candidate_process,
+)
+from dflash_audit.audit.case import Case, SideOutputs
+from dflash_audit.audit.compare import write_cases
+from dflash_audit.audit.plan import plan_synthetic_cases
+from dflash_audit.audit.synthetic import synthetic_case
+from dflash_audit.candidate import DrafterCandidate
+from dflash_audit.profile import Profile
+
+HERE = Path(__file__).parent
+CHAOS = f"{HERE / 'isolation_candidates.py'}:ChaosCandidate"
+
+
+def tiny_cases(lengths):
+    base = plan_synthetic_cases(Profile.load("reference-model"), 1, seed=8)[0].case
+    config = base.config.replace(block_size=4)
+    return [synthetic_case(f"c{T}", config, base.loss, seed=T, seq_len=T, max_anchors=3)
+            for T in lengths]
+
+
+@pytest.fixture(scope="module")
+def chaos_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("chaos")
+    cases = tiny_cases(range(40, 49))
+    write_cases(cases, tmp / "cases")
+    seen = []
+    runs = run_candidate_process(CHAOS, tmp / "cases", [c.name for c in cases], tmp / "out",
+                                 timeout_s=10.0, threads=1, on_case=seen.append)
+    return cases, runs, seen, tmp
+
+
+def test_every_case_gets_one_result(chaos_run):
+    cases, runs, seen, _ = chaos_run
+    assert sorted(runs) == sorted(c.name for c in cases)
+    assert sorted(r.case for r in seen) == sorted(runs)  # on_case once per case
+
+
+@pytest.mark.parametrize("name,status,fragment", [
+    ("c41", "exit", "called sys.exit(0)"),
+    ("c42", "exit", "exited with code 3 while running the case"),
+    ("c43", "crash", "crashed with SIGSEGV while running the case (segmentation fault"),
+    ("c44", "killed", "was killed by SIGKILL while running the case (the kernel's OOM killer"),
+    ("c45", "timeout", "did not finish the case within 10 s and was killed"),
+    ("c47", "raised", "the candidate's run_case raised RuntimeError: boom in run_case"),
+])
+def test_fault_is_a_failed_case_with_cause(chaos_run, name, status, fragment):
+    run = chaos_run[1][name]
+    assert run.status == status
+    assert fragment in run.summary
+    assert "chaos: " in run.stderr_tail  # the candidate's own stderr, kept for the report
+    check = run.to_check_result()
+    assert (check.name, check.status, check.details["cause"]) == ("run", "fail", status)
+
+
+def test_segfault_tail_has_the_python_stack(chaos_run):
+    assert "Fatal Python error: Segmentation fault" in chaos_run[1]["c43"].stderr_tail
+    assert "isolation_candidates.py" in chaos_run[1]["c43"].stderr_tail
+
+
+def test_timeout_is_measured_per_case(chaos_run):
+    assert 10.0 <= chaos_run[1]["c45"].seconds < 20.0
+
+
+def test_good_cases_around_the_faults_ran_and_match_in_process(chaos_run):
+    cases, runs, _, tmp = chaos_run
+    for case in cases:
+        if case.name in ("c40", "c46", "c48"):
+            assert runs[case.name].ok, runs[case.name]
+            out = read_candidate_outputs(tmp / "out", case.name)
+            inproc = DrafterCandidate().run_case(case.config, case.loss, case.weights,
+                                                 {k: v.clone() for k, v in case.inputs.items()})
+            assert torch.equal(out.tensors["logits"], inproc.tensors["logits"])
+            assert out.tensors["mask.full_attention"].dtype == torch.bool
+            assert out.tensors["anchor_draws"].shape[0] == 512
+            assert out.metrics["loss_sum"] == inproc.metrics["loss_sum"]
+
+
+def test_stdout_does_not_mix_into_ours(chaos_run, capfd):
+    runs, tmp = chaos_run[1], chaos_run[3]
+    assert "candidate noise" not in capfd.readouterr().out
+    assert "candidate noise on stdout" in "".join(
+        p.read_text() for p in (tmp / "out" / ".logs").glob("stdout-*.txt"))
+    assert runs["c46"].ok
+
+
+def test_load_error_is_a_setup_error(tmp_path):
+    cases = tiny_cases([40])
+    write_cases(cases, tmp_path / "cases")
+    with pytest.raises(CandidateLoadError, match="has no attribute 'Nope'"):
+        run_candidate_process(f"{HERE / 'isolation_candidates.py'}:Nope", tmp_path / "cases",
+                              ["c40"], tmp_path / "out", timeout_s=30)
+
+
+def test_exit_while_loading_fails_every_case_without_looping(tmp_path):
+    cases = tiny_cases([40, 41])
+    write_cases(cases, tmp_path / "cases")
+    runs = run_candidate_process(f"{HERE / 'isolation_candidates.py'}:ExitAtImport",
+                                 tmp_path / "cases", ["c40", "c41"], tmp_path / "out",
+                                 timeout_s=30)
+    assert {r.status for r in runs.values()} == {"startup"}
+    assert "ended (code 0) before running it" in runs["c40"].summary
+
+
+def test_case_and_outputs_round_trip(tmp_path):
+    case = tiny_cases([40])[0]
+    back = Case.read(case.write(tmp_path))
+    assert back.config == case.config and back.loss == case.loss
+    assert all(torch.equal(back.inputs[k], v) for k, v in case.inputs.items())
+    out = SideOutputs(tensors={"a": torch.arange(6).reshape(2, 3).t()},  # not contiguous
+                      metrics={"eal": float("nan"), "odd": [1]}, structure={"x": 1})
+    out.write(tmp_path)
+    again = SideOutputs.read(tmp_path)
+    assert torch.equal(again.tensors["a"], out.tensors["a"])
+    assert again.metrics["eal"] != again.metrics["eal"]  # NaN survives
+    assert again.metrics["odd"] == "[1]"
+    with pytest.raises(TypeError, match=r"tensors\['b'\] is a list; expected a torch.Tensor"):
+        SideOutputs(tensors={"b": [1]}, metrics={}, structure={}).write(tmp_path)
+
+
+def test_candidate_side_in_compare_form(chaos_run):
+    from dflash_audit.audit.candidate_process import candidate_side
+
+    _, runs, _, tmp = chaos_run
+    side = candidate_side(runs, tmp / "out")
+    assert side["c40"][1] is None and "logits" in side["c40"][0].tensors
+    assert side["c45"][0] is None and side["c45"][1].details["cause"] == "timeout"
+
+
+def test_load_only_gives_the_identity_without_importing_here(tmp_path):
+    from dflash_audit.audit.candidate_process import load_candidate_identity
+
+    ident = load_candidate_identity(CHAOS, tmp_path)
+    assert ident["name"] == "chaos" and ident["has_select_anchors"] is True
+    assert any(f.endswith("isolation_candidates.py") for f in ident["source_files"])
+    with pytest.raises(CandidateLoadError, match=r"ended \(exit code 0\) before the candidate "
+                                                 r"was loaded"):
+        load_candidate_identity(f"{HERE / 'isolation_candidates.py'}:ExitAtImport", tmp_path)
+    with pytest.raises(CandidateLoadError, match="has no attribute 'Nope'"):
+        load_candidate_identity(f"{HERE / 'isolation_candidates.py'}:Nope", tmp_path)
