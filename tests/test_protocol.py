@@ -163,7 +163,7 @@ def _nan_variant(out, metrics=False, frozen_grad=False):
 
 @pytest.mark.xfail(strict=True, reason="check_metrics: abs(c - r) > tol is False for NaN")
 def test_nan_metrics_do_not_pass(good):
-    from dflash_audit.audit.checks import check_metrics
+    from dflash_audit.audit.checks.metrics import check_metrics
 
     case, out = good
     assert check_metrics(case, _nan_variant(out, metrics=True), out).status != "pass"
@@ -171,7 +171,7 @@ def test_nan_metrics_do_not_pass(good):
 
 @pytest.mark.xfail(strict=True, reason="check_gradients: NaN.abs().max() > 0 is False")
 def test_nan_gradient_of_a_frozen_parameter_does_not_pass(good):
-    from dflash_audit.audit.checks import check_gradients
+    from dflash_audit.audit.checks.gradients import check_gradients
 
     case, out = good
     assert check_gradients(case, _nan_variant(out, frozen_grad=True), out).status != "pass"
