@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from dflash_audit.audit.architecture import COMMON_NORM_EPS, COMMON_ROPE_THETAS
-from dflash_audit.audit.case import Case
+from dflash_audit.audit.case import Case, CaseVerifier
 from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.audit.weights import real_case_weights
 from dflash_audit.data.families import FAMILIES, family_config
@@ -139,6 +139,9 @@ def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0
     weights = real_case_weights(base, inputs.frozen, seed,
                                 rows=[(b.input_ids, b.loss_mask) for b in inputs.batches])
     n_anchors = max(1, min(anchors, profile.max_anchors))
+    verifier = CaseVerifier(name=str(inputs.verifier.get("name")), config=inputs.verifier_config,
+                            folder=str(inputs.verifier_dir) if inputs.verifier_dir else None,
+                            target_layers=profile.target_layers)
     planned = []
     for i, batch in enumerate(inputs.batches):
         g = torch.Generator().manual_seed(seed * 7919 + i)
@@ -149,7 +152,7 @@ def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0
         for variant in layout_variants(profile):
             config = variant.to_drafter_config(inputs.verifier_config, batch.mask_token_id,
                                                target_layer_ids=batch.target_layer_ids)
-            case = Case(
+            case = Case(verifier=verifier,
                 name=f"real-{i:02d}-{variant.layout_name}", config=config,
                 loss=variant.loss_spec(), inputs=tensors, weights=weights,
                 description=(f"real row {i} of {inputs.data.get('source')} through "
@@ -202,5 +205,7 @@ def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[Pl
         case = synthetic_case(f"syn-{i:03d}-{family}-{variant.layout_name}", config, loss,
                               seed=seed * 1_000_003 + i, seq_len=seq_len, num_documents=docs,
                               pad=pad, max_anchors=anchors)
+        case.verifier = CaseVerifier(name=f"family:{family}", config=verifier_config,
+                                     target_layers=profile.target_layers)
         planned.append(PlannedCase(case, "synthetic", layout_facts(case)))
     return planned
