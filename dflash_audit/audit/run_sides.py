@@ -206,8 +206,8 @@ def run_candidate(candidate: Any, case: Any) -> tuple[Any, Any]:
             return None, failed_run(
                 "run", case.name, f"the candidate's select_anchors raised {type(exc).__name__}: "
                 f"{str(exc).strip()[:600]}", traceback.format_exc(),
-                ["select_anchors(loss_mask [1,T], max_anchors, block_size[, generator]) must "
-                 "return (anchor_positions [A], anchor_valid [A])"])
+                ["select_anchors(loss_mask [1,T], max_anchors, block_size[, generator]"
+                 "[, document_ids]) must return (anchor_positions [A], anchor_valid [A])"])
     out.derivation = candidate_derivation(candidate, case)
     return out, None
 
