@@ -262,7 +262,7 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
             ref_info = _reference_info(identity, Path(tmp))
         st.timing["total"] = time.perf_counter() - started
         report = _build_report(opts, profile, ref_info, candidate, records, pictures,
-                               inputs_info, created_at, st.timing)
+                               inputs_info, created_at, st.timing, covered_verifiers(planned))
         try:
             folder = write_report(report, opts.out)
         except OSError as exc:
@@ -284,9 +284,24 @@ def _reference_info(identity: Any, cases_dir: Path) -> dict[str, Any]:
     return info
 
 
+def covered_verifiers(planned: list[Any]) -> dict[str, dict[str, Any]]:
+    """{verifier fingerprint: {"name", "architecture"}} of every verifier the cases derive
+    from (the real one, each synthetic family proxy): what the training gate accepts."""
+    from dflash_audit.report.fingerprint import verifier_architecture, verifier_fingerprint
+
+    out: dict[str, dict[str, Any]] = {}
+    for p in planned:
+        v = p.case.verifier
+        if v is not None:
+            out.setdefault(verifier_fingerprint(v.config), {
+                "name": v.name, "architecture": verifier_architecture(v.config)})
+    return out
+
+
 def _build_report(opts: CompareOptions, profile: Any, ref_info: dict[str, Any], candidate: Any,
                   records: list[Any], pictures: list[Any], inputs_info: dict[str, Any],
-                  created_at: str, timing: dict[str, float]) -> Any:
+                  created_at: str, timing: dict[str, float],
+                  verifiers: dict[str, dict[str, Any]]) -> Any:
     from dflash_audit.report import Report
     from dflash_audit.report.fingerprint import candidate_fingerprint
 
@@ -299,4 +314,4 @@ def _build_report(opts: CompareOptions, profile: Any, ref_info: dict[str, Any], 
         profile={"name": profile.name, "source": profile.source, "fingerprint": profile_fp,
                  "fields": profile.to_dict()},
         inputs=inputs_info, cases=records, created_at=created_at, timing=dict(timing),
-        notes=_notes(ref_info), masks=pictures)
+        notes=_notes(ref_info), masks=pictures, verifiers=verifiers)
