@@ -78,6 +78,7 @@ class CompareOptions:
     progress: bool | None = None  # None: a progress bar when stderr is a terminal
     cache_dir: Path | None = None  # batch cache + import marker (default: the user cache)
     reference_timeout_s: float = REFERENCE_TIMEOUT_S
+    weights: Path | None = None  # a user's drafter checkpoint folder for the real cases
 
 
 @dataclass
@@ -162,12 +163,17 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: Imp
     """
     from dflash_audit.audit.plan import plan_real_cases, plan_synthetic_cases
     from dflash_audit.audit.real_inputs import load_real_inputs
+    from dflash_audit.audit.user_weights import UserWeightsError, load_user_weights
     from dflash_audit.data.errors import DataError
     from dflash_audit.model.config import ConfigError
     from dflash_audit.profile import ProfileError
 
     planned, info = [], {}
+    if opts.weights is not None and not opts.rows:
+        raise CompareSetupError("--weights needs real cases (--rows >= 1): the synthetic cases "
+                                "have tiny dimensions a checkpoint cannot fit")
     try:
+        user = load_user_weights(opts.weights) if opts.weights is not None else None
         if opts.rows:
             with st.stage("batches", "real batches (verifier + data)"):
                 real = load_real_inputs(opts.verifier, opts.data, opts.seq_len, opts.rows,
@@ -185,10 +191,15 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: Imp
                     "data_stats": real.stats}
         with st.stage("cases", "building cases"):
             if opts.rows:
-                planned += plan_real_cases(profile, real, opts.anchors, seed=opts.seed)
+                planned += plan_real_cases(profile, real, opts.anchors, seed=opts.seed,
+                                           user_weights=user, weights_source=str(opts.weights))
             planned += plan_synthetic_cases(profile, opts.cases, seed=opts.seed)
+    except UserWeightsError as exc:
+        raise CompareSetupError(str(exc)) from None
     except (DataError, ProfileError, ConfigError, ValueError) as exc:
         raise CompareSetupError(f"building the audit cases failed: {exc}") from None
+    if opts.weights is not None:
+        info["weights"] = str(Path(opts.weights).expanduser().resolve())
     info.update({"audited_anchors": min(opts.anchors, profile.max_anchors),
                  "synthetic_cases": opts.cases, "seed": opts.seed, "cases": len(planned)})
     return planned, info

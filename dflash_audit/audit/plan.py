@@ -118,8 +118,9 @@ def layout_facts(case: Case) -> dict[str, Any]:
     }
 
 
-def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0
-                    ) -> list[PlannedCase]:
+def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0,
+                    user_weights: dict[str, torch.Tensor] | None = None,
+                    weights_source: str = "") -> list[PlannedCase]:
     """One case per (real batch, audited layout), all sharing one weight set.
 
     Args:
@@ -127,9 +128,13 @@ def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0
         inputs: :class:`dflash_audit.audit.real_inputs.RealInputs`.
         anchors: A, anchor slots per case (the profile's max_anchors caps it).
         seed: seeds the trainable weights and the anchor draw.
+        user_weights: a user's checkpoint (:func:`dflash_audit.audit.user_weights.
+            load_user_weights`) replacing the seeded trainable weights.
+        weights_source: where ``user_weights`` came from (named in errors).
 
     Raises:
         ProfileError: the profile does not fit the verifier.
+        UserWeightsError: the user's weights do not fit the drafter (keys named).
     """
     if not inputs.batches:
         return []
@@ -138,6 +143,11 @@ def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0
                                      target_layer_ids=first.target_layer_ids)
     weights = real_case_weights(base, inputs.frozen, seed,
                                 rows=[(b.input_ids, b.loss_mask) for b in inputs.batches])
+    if user_weights is not None:
+        from dflash_audit.audit.user_weights import apply_user_weights
+
+        weights = apply_user_weights(weights, user_weights, weights_source,
+                                     inputs.frozen["verifier_lm_head.weight"])
     n_anchors = max(1, min(anchors, profile.max_anchors))
     verifier = CaseVerifier(name=str(inputs.verifier.get("name")), config=inputs.verifier_config,
                             folder=str(inputs.verifier_dir) if inputs.verifier_dir else None,
