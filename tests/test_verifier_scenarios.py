@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_families import QWEN35_27B
 
 from dflash_audit.audit.compare import _check_case
 from dflash_audit.audit.plan import plan_real_cases
@@ -18,7 +19,6 @@ from dflash_audit.candidate import DrafterCandidate, load_candidate
 from dflash_audit.data.proxy_folder import proxy_verifier_dir
 from dflash_audit.data.verifier import load_verifier
 from dflash_audit.profile import Profile
-from test_families import QWEN35_27B
 
 #: z-lab's five target layers of a 64-layer verifier (build_target_layer_ids: 1 .. N-3).
 FIVE_TARGETS = [1, 16, 31, 46, 61]

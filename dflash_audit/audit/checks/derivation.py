@@ -12,8 +12,9 @@ layer types, sliding window, the mask token (where the reference resolves one fr
 tokenizer), the default target layer ids (where the profile asks for the speculators default)
 and ``saved.<key>``: what each side writes into a checkpoint's ``config.json``. Exact
 comparison, floats to a relative tolerance of 1e-9; a differing mask token only warns (it is
-saved in ``config.json``, a choice rather than a conformance failure). A field the candidate does not report is
-not compared; a candidate without ``derive_config`` gets ``warn`` "not provided". A verifier the
+saved in ``config.json``, a choice rather than a conformance failure). A field the
+candidate does not report is not compared; a candidate without ``derive_config`` gets
+``warn`` "not provided". A verifier the
 reference's own code cannot derive (e.g. Olmo3: its config has no ``head_dim``) is a reference
 limitation (``warn``), not a candidate failure.
 
