@@ -4,9 +4,11 @@ Run 1 uses an empty cache (``$DFLASH_AUDIT_CACHE`` in a temporary folder): it do
 pinned reference release from the package index, converts the SmolLM2 verifier, captures the
 real batch and checks that the reference imports. Run 2 reuses that cache, as every later
 audit does. Both runs write their reports into a temporary folder. Prints each run's wall
-time, its stages (from report.json) and the warm time against the target.
+time, its stages (from report.json) and the warm time against the target, then the cost of
+each verifier family (:func:`family_costs`).
 
-Usage: ``python benchmarks/bench_compare.py [--cache DIR] [--target-s 60] [-- extra args]``
+Usage: ``python benchmarks/bench_compare.py [--cache DIR] [--target-s 60] [--no-families]
+[-- extra args]``
 (``--cache DIR`` keeps / reuses a cache folder; extra args go to ``dflash-audit compare``).
 """
 
@@ -47,11 +49,55 @@ def run(cache: Path, out: Path, extra: list[str]) -> dict:
             "cache_hit": report.get("inputs", {}).get("batch_cache", {}).get("hit")}
 
 
+def family_costs(seed: int = 8) -> list[dict]:
+    """Per verifier family, in this process (one thread, as each side of an audit): seconds to
+    plan its synthetic case of the default spread (proxy config + case), to run our drafter on
+    it (forward, backward, 512 anchor draws, derivation), and to build its proxy model (what
+    ``--verifier family:NAME`` pays once before the cache)."""
+    import torch
+
+    from dflash_audit.audit.plan import plan_synthetic_cases
+    from dflash_audit.audit.run_sides import run_candidate
+    from dflash_audit.candidate import DrafterCandidate
+    from dflash_audit.data.families import FAMILIES, build_proxy, family_config
+    from dflash_audit.profile import Profile
+
+    torch.set_num_threads(1)
+    profile, candidate, rows = Profile.load("reference-model"), DrafterCandidate(), []
+    planned = plan_synthetic_cases(profile, len(FAMILIES), seed=seed)
+    run_candidate(candidate, planned[0].case)  # first-use costs (imports, kernels)
+    plan_totals = []  # the spread is planned in order: case i costs plan(i+1) - plan(i)
+    for n in range(len(FAMILIES) + 1):
+        start = time.perf_counter()
+        plan_synthetic_cases(profile, n, seed=seed)
+        plan_totals.append(time.perf_counter() - start)
+    for i, family in enumerate(FAMILIES):
+        start = time.perf_counter()
+        run_candidate(candidate, planned[i].case)
+        run_s = time.perf_counter() - start
+        build_proxy(family_config(family, num_hidden_layers=12))  # its modeling import
+        start = time.perf_counter()
+        build_proxy(family_config(family, num_hidden_layers=12))
+        rows.append({"family": family, "plan_s": max(0.0, plan_totals[i + 1] - plan_totals[i]),
+                     "candidate_s": run_s, "proxy_build_s": time.perf_counter() - start})
+    return rows
+
+
+def print_family_costs(rows: list[dict]) -> None:
+    """The table of :func:`family_costs`."""
+    print("per-family cost (s, 1 thread): family, plan case, our drafter on it, build proxy")
+    for r in rows:
+        print(f"  {r['family']:<12} {r['plan_s']:6.2f} {r['candidate_s']:6.2f} "
+              f"{r['proxy_build_s']:6.2f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, default=None,
                         help="cache folder to use (default: a fresh temporary one)")
     parser.add_argument("--target-s", type=float, default=TARGET_S)
+    parser.add_argument("--no-families", action="store_true",
+                        help="skip the per-family cost table")
     parser.add_argument("extra", nargs="*", help="extra arguments for dflash-audit compare")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-compare-"))
@@ -70,6 +116,8 @@ def main() -> int:
         print(f"warm / target: {warm:.1f} s / {args.target_s:.0f} s -> "
               f"{'OK' if warm <= args.target_s else 'OVER'} "
               f"(load average after: {os.getloadavg()[0]:.2f})")
+        if not args.no_families:
+            print_family_costs(family_costs())
         return 0 if all(r["exit_code"] == 0 for r in results.values()) else 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # a --cache folder lives outside tmp

@@ -11,8 +11,17 @@ runs one training step's forward and backward on ``inputs`` (batch tensors with 
 reference's names plus the injected ``anchor_positions`` / ``anchor_valid``) and returns
 the output tensors listed in :mod:`dflash_audit.audit.case` with its metrics and a
 structure summary. Optionally it also has ``select_anchors(loss_mask [1,T], max_anchors,
-block_size[, generator]) -> (anchor_positions [A], anchor_valid [A])``, its own anchor sampler,
-which the audit compares with the reference's by distribution. ``--candidate module:attr``
+block_size[, generator][, document_ids=[1,T]]) -> (anchor_positions [A], anchor_valid [A])``,
+its own anchor sampler (``document_ids`` is passed when its signature names it, so a
+per-document sampler can be audited),
+which the audit compares with the reference's by distribution, and
+``derive_config(verifier_config, config) -> dict``, its own drafter-config derivation from a
+verifier config (``config`` carries the drafter-only fields: draft layers and layout, block
+size, target layers, mask token) as the flat dict of
+:func:`dflash_audit.model.derivation.derivation_fields` (RoPE the draft layers run, head
+geometry, eps, norm convention, vocabularies, and ``saved.<key>`` for what its checkpoint's
+``config.json`` says), which the ``derivation`` check compares field by field with the
+reference's own derivation. ``--candidate module:attr``
 or ``--candidate path/file.py:attr`` names such an object (or a zero-argument factory
 returning one).
 """
@@ -115,10 +124,18 @@ class DrafterCandidate:
     def build(self, config: DFlashConfig) -> nn.Module:
         return DFlashDrafter(config)
 
-    def select_anchors(self, loss_mask, max_anchors, block_size, generator):
+    def select_anchors(self, loss_mask, max_anchors, block_size, generator, document_ids=None):
         """Our anchor sampler (:func:`dflash_audit.model.anchors.select_anchors`), audited by
         distribution against the reference's (:mod:`dflash_audit.audit.checks.anchors`)."""
-        return select_anchors(loss_mask, max_anchors, block_size, generator)
+        return select_anchors(loss_mask, max_anchors, block_size, generator, document_ids)
+
+    def derive_config(self, verifier_config: Any, config: DFlashConfig) -> dict[str, Any]:
+        """Our derivation of the drafter config from ``verifier_config`` (flat dict, see
+        :func:`dflash_audit.model.derivation.derivation_fields`), audited against the
+        reference's own by the ``derivation`` check."""
+        from dflash_audit.model.derivation import derivation_fields, rederive
+
+        return derivation_fields(rederive(verifier_config, config))
 
     def run_case(self, config, loss, weights, inputs) -> SideOutputs:
         model = self.build(config).float()

@@ -22,9 +22,11 @@ File format (flat TOML, every key below; unknown keys are errors)::
     sample_from_anchor = false
     draft_vocab_size = 32000          # optional; absent = the verifier's vocabulary
     optimizer = "muon"                # optional, informational (training): adamw | muon
+    mask_token_id = 151669            # optional; absent = chosen from the verifier's tokenizer
 
 Built-in profiles live in ``dflash_audit/profiles/*.toml``; ``Profile.load`` takes a built-in
-name or a file path.
+name, a TOML file, or a drafter's ``config.json`` (a speculators DFlash checkpoint config or
+a z-lab DFlash config, :mod:`dflash_audit.profile_import`).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class Profile:
     sample_from_anchor: bool = False
     draft_vocab_size: int | None = None
     optimizer: str | None = None
+    mask_token_id: int | None = None
     description: str = ""
     source: str = ""  # built-in name or file path it was read from
 
@@ -106,12 +109,37 @@ class Profile:
         Raises:
             ProfileError: unknown name / missing file / TOML syntax error / bad field.
         """
+        if str(name_or_path).endswith(".json"):
+            return cls.from_drafter_config(Path(name_or_path))
         text, source = _read(str(name_or_path))
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ProfileError(f"profile {source}: not valid TOML: {exc}") from None
         return cls.from_dict(data, source=source)
+
+    @classmethod
+    def from_drafter_config(cls, path: Path) -> Profile:
+        """A profile from a drafter's ``config.json`` (speculators checkpoint or z-lab): its
+        block size, target layer ids, mask token, layer types and draft vocabulary; the
+        training recipe from the built-in profile of the same origin.
+
+        Raises:
+            ProfileError: unreadable or not a DFlash drafter config, or a bad field.
+        """
+        from dflash_audit.profile_import import RECIPE, read_drafter_config
+
+        try:
+            fmt, fields = read_drafter_config(Path(path).expanduser())
+        except ValueError as exc:
+            raise ProfileError(str(exc)) from None
+        recipe = cls.load(RECIPE[fmt]).to_dict()
+        for key in ("name", "description", "source", "sliding_window", "draft_vocab_size"):
+            recipe.pop(key, None)
+        data = {**recipe, **fields, "name": Path(path).parent.name or "drafter-config",
+                "description": f"{fmt} drafter config {path} (recipe: {RECIPE[fmt]})"}
+        return cls.from_dict({k: v for k, v in data.items() if v is not None},
+                             source=str(path))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> Profile:
@@ -206,6 +234,9 @@ class Profile:
                  "draft_vocab_size", "must be a positive integer (or absent for the verifier's)")
         if self.optimizer is not None:
             want(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {list(OPTIMIZERS)}")
+        if self.mask_token_id is not None:
+            want(is_int(self.mask_token_id) and self.mask_token_id >= 0, "mask_token_id",
+                 "must be a non-negative integer (or absent)")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -247,13 +278,18 @@ class Profile:
         """The drafter config of this profile for a Hugging Face verifier config.
 
         ``target_layer_ids`` overrides the profile's (e.g. ids already resolved by the data
-        pipeline); otherwise they are resolved from the verifier's layer count.
+        pipeline); otherwise they are resolved from the verifier's layer count. The profile's
+        ``mask_token_id``, when set and inside the verifier's vocabulary, replaces
+        ``mask_token_id`` (a proxy or synthetic verifier's smaller vocabulary keeps the
+        given one).
 
         Raises:
             ProfileError: the profile does not fit the verifier (layer ids, draft vocab size).
         """
         vc = getattr(verifier_config, "text_config", None) or verifier_config
         ids = target_layer_ids or self.resolve_target_layer_ids(int(vc.num_hidden_layers))
+        if self.mask_token_id is not None and self.mask_token_id < int(vc.vocab_size):
+            mask_token_id = self.mask_token_id
         sliding = SLIDING_ATTENTION in self.layer_types
         try:
             return DFlashConfig.from_verifier_config(
@@ -286,6 +322,8 @@ class Profile:
         """The fields that define training (no name / description / source); layouts are
         normalised to one entry per layer so equivalent spellings compare equal."""
         d = {k: v for k, v in self.to_dict().items() if k not in INFORMATIONAL}
+        if d["mask_token_id"] is None:  # absent: fingerprints of older profiles unchanged
+            del d["mask_token_id"]
         d["layer_layout"] = list(self.layer_types)
         d["gamma"], d["dpace_alpha"] = float(self.gamma), float(self.dpace_alpha)
         return d

@@ -18,6 +18,10 @@ outputs.safetensors: context [1,T,H]; mask.full_attention / mask.sliding_attenti
     loss_weights.<term> [1,Q]; grad.<param> for every trainable parameter.
 outputs.json: metrics (floats), structure (config, fc shape, state-dict keys/shapes/frozen),
     defaults of the reference's API, identity (version, module file).
+derive.json (optional) {"verifier_dir", "num_layers", "sliding_window",
+    "full_attention_indices"}: the adapter also runs the reference's drafter-config
+    derivation of that verifier with the case's draft layout and writes derivation.json
+    (see :func:`derive`), in the same process as the case.
 
 On failure writes CASES_DIR/error.json {"kind", "message", "missing"} and exits 3.
 
@@ -365,6 +369,20 @@ def derive(verifier_dir: str, num_layers: int = 1, sliding_window: int = 2048,
     return out
 
 
+def derive_case(case: Path) -> None:
+    """CASE/derive.json {"verifier_dir", "num_layers", "sliding_window",
+    "full_attention_indices"} -> CASE/derivation.json: :func:`derive` on the case's verifier
+    with the case's draft layout (``{"error", "traceback"}`` where the reference raises)."""
+    args = json.loads((case / "derive.json").read_text())
+    try:
+        fields = derive(args["verifier_dir"], int(args["num_layers"]),
+                        int(args["sliding_window"]), tuple(args["full_attention_indices"]))
+    except Exception as err:  # noqa: BLE001 - reported to the harness, with traceback
+        fields = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+    (case / "derivation.json").write_text(json.dumps(fields, indent=1, sort_keys=True,
+                                                     default=str))
+
+
 def derive_main(argv: list[str]) -> int:
     """``--derive [--num-layers N] [--sliding-window W] [--full-attention-indices I,J] DIR...``:
     writes DIR/derivation.json for every verifier folder (``{"error", "traceback"}`` where the
@@ -403,6 +421,8 @@ def main(argv: list[str]) -> int:
     try:
         for case in cases:
             run_case(case, core, resolve_loss_config)
+            if (case / "derive.json").exists():
+                derive_case(case)
     except AttributeError as err:
         fail(cases_dir, "api_mismatch", f"the reference lacks an attribute the adapter uses: {err}")
     except Exception as err:  # noqa: BLE001 - reported to the harness, with traceback

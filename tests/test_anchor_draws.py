@@ -67,6 +67,19 @@ def early_biased(loss_mask, max_anchors, block_size, g):
     return _pad(pool[torch.randperm(pool.numel(), generator=g)[:k]].sort().values, max_anchors)
 
 
+def per_document(loss_mask, max_anchors, block_size, g, document_ids=None):
+    """speculators PR 1071's direction: max_anchors anchors per packed document."""
+    ok = loss_mask[0].bool().clone()
+    ok[-block_size:] = False
+    chosen = []
+    for d in sorted(set(document_ids[0][ok].tolist())):
+        pool = (ok & (document_ids[0] == d)).nonzero().squeeze(-1)
+        k = min(max_anchors, pool.numel())
+        chosen.append(pool[torch.randperm(pool.numel(), generator=g)[:k]])
+    docs = int(document_ids.max()) + 1
+    return _pad(torch.cat(chosen).sort().values, max_anchors * docs)
+
+
 @pytest.fixture(scope="module")
 def ours():
     return SideOutputs(draw_anchors(DrafterCandidate().select_anchors, CASE), {}, {})
@@ -134,3 +147,11 @@ def test_against_the_reference_sampler(run_reference_cases):
     diagnose(CASE, out, ref, results)
     r = next(r for r in results if r.name == "anchors")
     assert r.status == "fail" and r.diagnosis[0].startswith("anchors drawn from the last")
+    # a per-document sampler gets document_ids and is named against the per-row reference
+    out.tensors.update(draw_anchors(per_document, CASE))
+    assert out.tensors["anchor_draws"].shape == (512, 12)
+    r = next(r for r in run_checks(CASE, out, ref) if r.name == "anchors")
+    assert r.status == "fail" and r.details["sampling"] == {"candidate": "per document",
+                                                            "reference": "per row"}
+    assert r.summary.startswith("anchors sampled per document (max_anchors=6 per packed "
+                                "document) where the reference samples per row"), r.summary

@@ -300,3 +300,69 @@ def test_proxy_of_a_hub_config_keeps_rope_layers_and_norm(name, tmp_path):
     if name == "qwen35_27b":
         assert mine.verifier_norm_one_plus_weight and mine.rope_parameters[
             "partial_rotary_factor"] == 1.0
+
+
+class Gemma3RopeFallback(DrafterCandidate):
+    """The derivation before the fix: a nested per-layer-type rope kept as is, theta 1e6."""
+
+    name = "rope theta 1e6 fallback for nested rope_parameters"
+
+    def derive_config(self, verifier_config, config):
+        fields = super().derive_config(verifier_config, config)
+        rope = dict(getattr(verifier_config, "rope_parameters", None) or {})
+        if "sliding_attention" in rope:
+            fields["rope_theta"] = 1e6
+            fields["saved.rope_parameters"] = {**rope, "rope_theta": 1e6,
+                                               "rope_type": "default"}
+        return fields
+
+
+class SavedPartialFactor(DrafterCandidate):
+    """The checkpoint before the fix: it kept the verifier's partial_rotary_factor while the
+    draft layers rotate the whole head."""
+
+    name = "saved partial_rotary_factor"
+
+    def derive_config(self, verifier_config, config):
+        fields = super().derive_config(verifier_config, config)
+        factor = (getattr(verifier_config, "rope_parameters", None) or {}).get(
+            "partial_rotary_factor")
+        if factor is not None:
+            fields["saved.rope_parameters"] = {**fields["saved.rope_parameters"],
+                                               "partial_rotary_factor": factor}
+        return fields
+
+
+@pytest.mark.reference
+@pytest.mark.usefixtures("single_thread")
+def test_derivation_check_names_the_reintroduced_rope_bugs(run_reference_cases):
+    from dflash_audit.audit.checks.derivation import check_derivation
+    from dflash_audit.audit.plan import plan_synthetic_cases
+    from dflash_audit.audit.run_sides import run_candidate
+    from dflash_audit.profile import Profile
+
+    planned = plan_synthetic_cases(Profile.load("reference-model"), len(FAMILIES), seed=8)
+    cases = {p.case.name.split("-")[2]: p.case for p in planned}
+    cases = {k: cases[k] for k in ("gemma3_text", "glm4", "olmo3", "llama")}
+    reference = run_reference_cases(list(cases.values()))
+
+    def derivation(candidate, family):
+        case = cases[family]
+        out, failure = run_candidate(candidate, case)
+        assert failure is None
+        [result] = check_derivation(case, out, reference[case.name])
+        return result
+
+    for family in cases:  # ours: equal to the reference's own derivation
+        result = derivation(DrafterCandidate(), family)
+        assert result.status == ("warn" if family == "olmo3" else "pass"), result.summary
+    assert "reference limitation" in derivation(DrafterCandidate(), "olmo3").summary
+    gemma = derivation(Gemma3RopeFallback(), "gemma3_text")
+    assert gemma.status == "fail"
+    assert set(gemma.details["differing"]) == {"rope_theta", "saved.rope_parameters"}
+    assert "rope theta 1e+06 where the verifier's sliding_attention rope_parameters give " \
+           "10000" in gemma.summary
+    assert derivation(Gemma3RopeFallback(), "llama").status == "pass"  # flat rope: unchanged
+    glm = derivation(SavedPartialFactor(), "glm4")
+    assert glm.status == "fail" and set(glm.details["differing"]) == {"saved.rope_parameters"}
+    assert "a saved partial_rotary_factor 0.5 the draft layers do not apply" in glm.summary

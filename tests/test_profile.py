@@ -3,6 +3,8 @@ and loss specs, fingerprint their semantics, and bad files fail naming the field
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import LlamaConfig
 
@@ -154,3 +156,52 @@ def test_profile_that_does_not_fit_the_verifier(tmp_path):
     big = p.replace(target_layers=[1, 3], draft_vocab_size=10_000)
     with pytest.raises(ProfileError, match="draft_vocab_size"):
         big.to_drafter_config(verifier(6), mask_token_id=7)
+
+
+#: A z-lab DFlash drafter config.json (z-lab/Qwen3-8B-DFlash-b16 style: a Qwen3 config with a
+#: dflash_config; 36-layer verifier, five draft layers, z-lab target ids read hidden_states[id+1]).
+ZLAB_CONFIG = {
+    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
+    "num_hidden_layers": 5, "num_target_layers": 36, "hidden_size": 4096,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+    "layer_types": ["full_attention"] * 5,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}}
+
+
+def test_profile_from_a_zlab_drafter_config(tmp_path):
+    path = tmp_path / "Qwen3-8B-DFlash-b16" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(ZLAB_CONFIG))
+    profile = Profile.load(str(path))
+    assert profile.block_size == 16 and profile.num_draft_layers == 5
+    assert profile.target_layers == (2, 10, 18, 26, 34)  # z-lab id + 1
+    assert profile.mask_token_id == 151669 and profile.layout_name == "full"
+    assert profile.loss == "ce" and profile.gamma == 7.0  # the zlab recipe
+    assert profile.name == "Qwen3-8B-DFlash-b16" and profile.source == str(path)
+
+
+def test_profile_from_a_speculators_checkpoint_config(tmp_path):
+    from dflash_audit.data.families import family_config
+    from dflash_audit.model.checkpoint import reference_config
+    from dflash_audit.model.config import DFlashConfig
+
+    config = DFlashConfig.from_verifier_config(
+        family_config("qwen3", num_hidden_layers=12), target_layer_ids=[2, 6, 9],
+        mask_token_id=127, num_hidden_layers=3, block_size=4, draft_vocab_size=64,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=32, sliding_window_non_causal=True)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(reference_config(config, "verifier")))
+    profile = Profile.load(str(path))
+    assert (profile.block_size, profile.target_layers, profile.mask_token_id) == (4, (2, 6, 9),
+                                                                                 127)
+    assert profile.layer_layout == ("sliding", "full", "sliding")
+    assert profile.sliding_window == 32 and profile.sliding_window_non_causal
+    assert profile.draft_vocab_size == 64 and profile.weighting == "dpace"  # train-cli recipe
+    # the profile rebuilds the same drafter config from the same verifier
+    again = profile.to_drafter_config(family_config("qwen3", num_hidden_layers=12), 5)
+    assert again.mask_token_id == 127 and again.layer_types == config.layer_types
+    (tmp_path / "bad.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ProfileError, match="neither a speculators DFlash checkpoint config"):
+        Profile.load(str(tmp_path / "bad.json"))

@@ -142,3 +142,60 @@ def test_compare_command_quotes_and_defaults():
         "--candidate pkg.mod:Cand"
     assert compare_command(None, "p.toml", None, Path("other")) == \
         "dflash-audit compare --profile p.toml --out other"
+
+
+def test_verifier_the_report_did_not_cover_is_refused_with_its_compare_command(tmp_path):
+    """The gate covers the verifier: a report lists the architectures it audited; training
+    with another verifier (here a Gemma3-27B-style config.json) is refused with the compare
+    command that would cover it, while one it covered is admitted."""
+    from test_families import GEMMA3_27B
+
+    profile_path = tt.write_profile(tmp_path / "tiny.toml")
+    profile = Profile.load(str(profile_path))
+    verifier = tt.make_verifier(tmp_path / "verifier")
+    report = tt.write_report(tmp_path / "reports", profile_path)
+    covered = expected_for(load_candidate(None), None, profile, "speculators==0.9.0",
+                           reference_identity=tt.REFERENCE, verifier=str(verifier))
+    assert check_gate(covered, reports_dir=tmp_path / "reports").report_path == report
+    gemma = tmp_path / "gemma3-27b.json"
+    gemma.write_text(json.dumps(GEMMA3_27B))
+    other = expected_for(load_candidate(None), None, profile, "speculators==0.9.0",
+                         reference_identity=tt.REFERENCE, verifier=str(gemma))
+    with pytest.raises(GateError) as err:
+        check_gate(other, reports_dir=tmp_path / "reports")
+    msg = str(err.value)
+    assert err.value.exit_code == 2
+    assert f"verifier not covered: this run trains with verifier {gemma}" in msg
+    assert "the report audited tiny" in msg
+    assert (f"dflash-audit compare --ref speculators==0.9.0 --profile {profile_path} "
+            f"--verifier {gemma}") in msg
+    # a verifiers list edited into the report breaks its fingerprint
+    data = json.loads(report.read_text())
+    data["verifiers"][other.verifier_fingerprint] = {"name": "forged"}
+    report.write_text(json.dumps(data))
+    with pytest.raises(GateError, match="does not carry a valid fingerprint"):
+        check_gate(other, reports_dir=tmp_path / "reports")
+
+
+def test_the_default_audit_covers_its_real_verifier_and_the_family_proxies():
+    """What compare records (a warm real-input namespace, the synthetic family configs) has the
+    fingerprint the gate computes from the verifier's folder or family spec."""
+    from dflash_audit.audit.compare import covered_verifiers
+    from dflash_audit.audit.plan import plan_synthetic_cases
+    from dflash_audit.train.gate import _verifier_fingerprint
+
+    profile = Profile.load("reference-model")
+    covered = covered_verifiers(plan_synthetic_cases(profile, 8, seed=8))
+    assert _verifier_fingerprint("family:gemma3_text") in covered
+    assert _verifier_fingerprint("family:qwen3_5") in covered
+    # the real verifier: a warm audit reads its config back as a namespace of to_dict()
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from dflash_audit.data.verifier import resolve_verifier_path
+    from dflash_audit.report.fingerprint import verifier_fingerprint
+
+    _, folder = resolve_verifier_path("smollm2-135m", progress=None)
+    warm = SimpleNamespace(**AutoConfig.from_pretrained(folder).to_dict())
+    assert verifier_fingerprint(warm) == _verifier_fingerprint("smollm2-135m")

@@ -66,17 +66,25 @@ def make_tokenizer():
     return fast
 
 
+def verifier_config(tokenizer=None):
+    """The tiny verifier's LlamaConfig (4 layers, H=32)."""
+    from transformers import LlamaConfig
+
+    tokenizer = tokenizer or make_tokenizer()
+    return LlamaConfig(vocab_size=len(tokenizer) + 2, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=4096, rope_theta=10000.0,
+                       tie_word_embeddings=False, eos_token_id=2, pad_token_id=3,
+                       bos_token_id=None)
+
+
 def make_verifier(folder: Path, seed: int = 0) -> Path:
     """A random 4-layer Llama (H=32) + tokenizer saved as a HF folder (safetensors)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     tokenizer = make_tokenizer()
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer) + 2, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096, rope_theta=10000.0,
-                         tie_word_embeddings=False, eos_token_id=2, pad_token_id=3,
-                         bos_token_id=None)
+    config = verifier_config(tokenizer)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # larger logits so greedy decoding is far from ties
         model.lm_head.weight.mul_(20.0)
@@ -116,10 +124,15 @@ def write_report(reports_dir: Path, profile_path: Path, candidate_spec: str | No
                  verdict: str = "pass", reference: dict[str, Any] | None = None,
                  name: str = "20260101T000000Z-ad5e21eedc89", **overrides: Any) -> Path:
     """A report.json as `dflash-audit compare` writes it (schema v1), fingerprints computed
-    for the candidate/profile/reference given; ``overrides`` replace top-level fields."""
+    for the candidate/profile/reference given, covering the tiny verifier;
+    ``overrides`` replace top-level fields."""
     from dflash_audit.candidate import load_candidate
     from dflash_audit.profile import Profile
-    from dflash_audit.report.fingerprint import candidate_fingerprint, report_fingerprint
+    from dflash_audit.report.fingerprint import (
+        candidate_fingerprint,
+        report_fingerprint,
+        verifier_fingerprint,
+    )
 
     profile = Profile.load(str(profile_path))
     reference = dict(reference or REFERENCE)
@@ -129,9 +142,10 @@ def write_report(reports_dir: Path, profile_path: Path, candidate_spec: str | No
               "candidate": {"name": "dflash-audit drafter", "spec": candidate_spec, **cand},
               "profile": {"name": profile.name, "source": profile.source,
                           "fingerprint": profile.fingerprint(), "fields": profile.to_dict()},
-              "checks": []}
+              "checks": [],
+              "verifiers": {verifier_fingerprint(verifier_config()): {"name": "tiny"}}}
     report["fingerprint"] = report_fingerprint(verdict, reference, cand["fingerprint"],
-                                               profile.fingerprint())
+                                               profile.fingerprint(), list(report["verifiers"]))
     report.update(overrides)
     folder = reports_dir / name
     folder.mkdir(parents=True, exist_ok=True)

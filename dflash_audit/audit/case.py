@@ -34,6 +34,44 @@ BATCH_KEYS = ("hidden_states", "verifier_last_hidden_states", "input_ids", "loss
 
 
 @dataclass
+class CaseVerifier:
+    """The verifier a case's drafter config was derived from.
+
+    ``config``: its transformers config (or a namespace of its fields); ``folder``: a folder
+    holding its ``config.json`` (and tokenizer, for a real verifier) the reference derives
+    from, or None (``config`` is written beside the case); ``target_layers``: the profile's
+    ``target_layers`` spec (``"speculators"`` makes the reference's default ids comparable).
+    """
+
+    name: str
+    config: Any
+    folder: str | None = None
+    target_layers: Any = None
+
+    def config_dict(self) -> dict[str, Any]:
+        """The config as a ``config.json`` dict."""
+        cfg = self.config
+        return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
+
+    def write_derive_request(self, case_dir: Path, config: DFlashConfig) -> None:
+        """``case_dir/derive.json`` for the adapter: the verifier folder and the case's draft
+        layout (layer count, sliding window, full-attention layer indices)."""
+        folder = self.folder
+        if folder is None:
+            folder_path = case_dir / "verifier"
+            folder_path.mkdir(exist_ok=True)
+            (folder_path / "config.json").write_text(
+                json.dumps(self.config_dict(), indent=1, default=str))
+            folder = str(folder_path)
+        types = config.effective_layer_types
+        (case_dir / "derive.json").write_text(json.dumps({
+            "verifier_dir": folder, "num_layers": config.num_hidden_layers,
+            "sliding_window": config.sliding_window or 2048,
+            "full_attention_indices": [i for i, t in enumerate(types)
+                                       if t == "full_attention"]}))
+
+
+@dataclass
 class Case:
     """Inputs of one comparison: the same for candidate and reference."""
 
@@ -43,6 +81,9 @@ class Case:
     inputs: dict[str, torch.Tensor]  # BATCH_KEYS + anchor_positions [A] + anchor_valid [A]
     weights: dict[str, torch.Tensor]  # reference state-dict keys
     description: str = ""
+    #: The verifier ``config`` was derived from, for the ``derivation`` check: a
+    #: :class:`CaseVerifier`, or None (no derivation compared).
+    verifier: CaseVerifier | None = None
 
     def write(self, folder: Path) -> Path:
         """Write the case into ``folder/<name>`` and return that path."""
@@ -54,6 +95,8 @@ class Case:
         (path / "profile.json").write_text(json.dumps(
             {"drafter": self.config.to_dict(), "loss": dataclasses.asdict(self.loss),
              "description": self.description, "anchor_draws": ANCHOR_DRAWS}, indent=1))
+        if self.verifier is not None:
+            self.verifier.write_derive_request(path, self.config)
         return path
 
     @classmethod
@@ -83,6 +126,9 @@ class SideOutputs:
     structure: dict[str, Any]
     defaults: dict[str, Any] = field(default_factory=dict)
     trainable: list[str] = field(default_factory=list)
+    #: The side's drafter-config derivation from the case's verifier (flat dict of
+    #: :func:`dflash_audit.model.derivation.derivation_fields` keys), None when not provided.
+    derivation: dict[str, Any] | None = None
 
     @classmethod
     def read(cls, case_dir: Path) -> SideOutputs:
@@ -92,9 +138,11 @@ class SideOutputs:
             FileNotFoundError: the adapter wrote no outputs for this case.
         """
         meta = json.loads((case_dir / "outputs.json").read_text())
+        derived = case_dir / "derivation.json"
         return cls(tensors=load_file(case_dir / "outputs.safetensors"), metrics=meta["metrics"],
                    structure=meta["structure"], defaults=meta.get("defaults", {}),
-                   trainable=meta.get("trainable", []))
+                   trainable=meta.get("trainable", []),
+                   derivation=json.loads(derived.read_text()) if derived.is_file() else None)
 
     def write(self, case_dir: Path) -> None:
         """Write ``outputs.safetensors`` + ``outputs.json`` into ``case_dir`` (the files
@@ -117,6 +165,8 @@ class SideOutputs:
             "metrics": {k: _metric_value(v) for k, v in self.metrics.items()},
             "structure": self.structure, "defaults": self.defaults,
             "trainable": list(self.trainable)}, indent=1, sort_keys=True, default=repr))
+        if self.derivation is not None:
+            (case_dir / "derivation.json").write_text(json.dumps(self.derivation, indent=1))
 
 
 def _metric_value(value: Any) -> float | str:

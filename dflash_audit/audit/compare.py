@@ -78,6 +78,7 @@ class CompareOptions:
     progress: bool | None = None  # None: a progress bar when stderr is a terminal
     cache_dir: Path | None = None  # batch cache + import marker (default: the user cache)
     reference_timeout_s: float = REFERENCE_TIMEOUT_S
+    weights: Path | None = None  # a user's drafter checkpoint folder for the real cases
 
 
 @dataclass
@@ -162,12 +163,17 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: Imp
     """
     from dflash_audit.audit.plan import plan_real_cases, plan_synthetic_cases
     from dflash_audit.audit.real_inputs import load_real_inputs
+    from dflash_audit.audit.user_weights import UserWeightsError, load_user_weights
     from dflash_audit.data.errors import DataError
     from dflash_audit.model.config import ConfigError
     from dflash_audit.profile import ProfileError
 
     planned, info = [], {}
+    if opts.weights is not None and not opts.rows:
+        raise CompareSetupError("--weights needs real cases (--rows >= 1): the synthetic cases "
+                                "have tiny dimensions a checkpoint cannot fit")
     try:
+        user = load_user_weights(opts.weights) if opts.weights is not None else None
         if opts.rows:
             with st.stage("batches", "real batches (verifier + data)"):
                 real = load_real_inputs(opts.verifier, opts.data, opts.seq_len, opts.rows,
@@ -185,10 +191,15 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: Imp
                     "data_stats": real.stats}
         with st.stage("cases", "building cases"):
             if opts.rows:
-                planned += plan_real_cases(profile, real, opts.anchors, seed=opts.seed)
+                planned += plan_real_cases(profile, real, opts.anchors, seed=opts.seed,
+                                           user_weights=user, weights_source=str(opts.weights))
             planned += plan_synthetic_cases(profile, opts.cases, seed=opts.seed)
+    except UserWeightsError as exc:
+        raise CompareSetupError(str(exc)) from None
     except (DataError, ProfileError, ConfigError, ValueError) as exc:
         raise CompareSetupError(f"building the audit cases failed: {exc}") from None
+    if opts.weights is not None:
+        info["weights"] = str(Path(opts.weights).expanduser().resolve())
     info.update({"audited_anchors": min(opts.anchors, profile.max_anchors),
                  "synthetic_cases": opts.cases, "seed": opts.seed, "cases": len(planned)})
     return planned, info
@@ -262,7 +273,7 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
             ref_info = _reference_info(identity, Path(tmp))
         st.timing["total"] = time.perf_counter() - started
         report = _build_report(opts, profile, ref_info, candidate, records, pictures,
-                               inputs_info, created_at, st.timing)
+                               inputs_info, created_at, st.timing, covered_verifiers(planned))
         try:
             folder = write_report(report, opts.out)
         except OSError as exc:
@@ -284,9 +295,24 @@ def _reference_info(identity: Any, cases_dir: Path) -> dict[str, Any]:
     return info
 
 
+def covered_verifiers(planned: list[Any]) -> dict[str, dict[str, Any]]:
+    """{verifier fingerprint: {"name", "architecture"}} of every verifier the cases derive
+    from (the real one, each synthetic family proxy): what the training gate accepts."""
+    from dflash_audit.report.fingerprint import verifier_architecture, verifier_fingerprint
+
+    out: dict[str, dict[str, Any]] = {}
+    for p in planned:
+        v = p.case.verifier
+        if v is not None:
+            out.setdefault(verifier_fingerprint(v.config), {
+                "name": v.name, "architecture": verifier_architecture(v.config)})
+    return out
+
+
 def _build_report(opts: CompareOptions, profile: Any, ref_info: dict[str, Any], candidate: Any,
                   records: list[Any], pictures: list[Any], inputs_info: dict[str, Any],
-                  created_at: str, timing: dict[str, float]) -> Any:
+                  created_at: str, timing: dict[str, float],
+                  verifiers: dict[str, dict[str, Any]]) -> Any:
     from dflash_audit.report import Report
     from dflash_audit.report.fingerprint import candidate_fingerprint
 
@@ -299,4 +325,4 @@ def _build_report(opts: CompareOptions, profile: Any, ref_info: dict[str, Any], 
         profile={"name": profile.name, "source": profile.source, "fingerprint": profile_fp,
                  "fields": profile.to_dict()},
         inputs=inputs_info, cases=records, created_at=created_at, timing=dict(timing),
-        notes=_notes(ref_info), masks=pictures)
+        notes=_notes(ref_info), masks=pictures, verifiers=verifiers)

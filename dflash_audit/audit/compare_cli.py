@@ -39,12 +39,16 @@ def compare_command(
         help="module:attr or path/to/file.py:attr (an object with run_case, or a factory). "
              "Default: dflash-audit's own drafter.")] = None,
     profile: Annotated[str, typer.Option(
-        help="Built-in profile (reference-model, reference-train-cli, zlab) or a TOML file.")
+        help="Built-in profile (reference-model, reference-train-cli, zlab), a TOML file, or "
+             "a drafter's config.json (speculators DFlash checkpoint or z-lab DFlash config).")
     ] = DEFAULT_PROFILE,
     cases: Annotated[int, typer.Option(help="Number of synthetic cases (seeded spread).")
                      ] = DEFAULT_CASES,
     verifier: Annotated[str, typer.Option(
-        help="'smollm2-135m' or a local Hugging Face causal-LM folder.")] = DEFAULT_VERIFIER,
+        help="'smollm2-135m', a local Hugging Face causal-LM folder, family:NAME (a built-in "
+             "proxy: llama, qwen3, qwen3_5, gemma3_text, mistral, gpt_oss, olmo3, glm4) or "
+             "path/to/config.json (a proxy of your verifier: real depth and layer types, "
+             "shrunk width).")] = DEFAULT_VERIFIER,
     data: Annotated[str, typer.Option(help="'chitchat' or a .jsonl conversation file.")
                     ] = DEFAULT_DATA,
     seq_len: Annotated[int, typer.Option(help="T, tokens per real packed row.")
@@ -60,6 +64,9 @@ def compare_command(
                    ] = Path("reports"),
     offline: Annotated[bool, typer.Option(
         help="Never contact a git remote or the package index (use caches).")] = False,
+    weights: Annotated[Optional[Path], typer.Option(  # noqa: UP007
+        help="Folder of your drafter checkpoint (*.safetensors, speculators or z-lab keys): "
+             "the real cases run on its weights instead of seeded random ones.")] = None,
 ) -> None:
     """Audit a DFlash drafter against the real reference; write reports/<time>-<ref>/.
 
@@ -67,7 +74,8 @@ def compare_command(
     """
     opts = CompareOptions(ref=ref, ref_url=ref_url, candidate=candidate, profile=profile,
                           cases=cases, verifier=verifier, data=data, seq_len=seq_len,
-                          rows=rows, anchors=anchors, seed=seed, out=out, offline=offline)
+                          rows=rows, anchors=anchors, seed=seed, out=out, offline=offline,
+                          weights=weights)
     raise typer.Exit(main(opts))
 
 

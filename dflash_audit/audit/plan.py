@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from dflash_audit.audit.architecture import COMMON_NORM_EPS, COMMON_ROPE_THETAS
-from dflash_audit.audit.case import Case
+from dflash_audit.audit.case import Case, CaseVerifier
 from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.audit.weights import real_case_weights
 from dflash_audit.data.families import FAMILIES, family_config
@@ -118,8 +118,9 @@ def layout_facts(case: Case) -> dict[str, Any]:
     }
 
 
-def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0
-                    ) -> list[PlannedCase]:
+def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0,
+                    user_weights: dict[str, torch.Tensor] | None = None,
+                    weights_source: str = "") -> list[PlannedCase]:
     """One case per (real batch, audited layout), all sharing one weight set.
 
     Args:
@@ -127,9 +128,13 @@ def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0
         inputs: :class:`dflash_audit.audit.real_inputs.RealInputs`.
         anchors: A, anchor slots per case (the profile's max_anchors caps it).
         seed: seeds the trainable weights and the anchor draw.
+        user_weights: a user's checkpoint (:func:`dflash_audit.audit.user_weights.
+            load_user_weights`) replacing the seeded trainable weights.
+        weights_source: where ``user_weights`` came from (named in errors).
 
     Raises:
         ProfileError: the profile does not fit the verifier.
+        UserWeightsError: the user's weights do not fit the drafter (keys named).
     """
     if not inputs.batches:
         return []
@@ -138,7 +143,15 @@ def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0
                                      target_layer_ids=first.target_layer_ids)
     weights = real_case_weights(base, inputs.frozen, seed,
                                 rows=[(b.input_ids, b.loss_mask) for b in inputs.batches])
+    if user_weights is not None:
+        from dflash_audit.audit.user_weights import apply_user_weights
+
+        weights = apply_user_weights(weights, user_weights, weights_source,
+                                     inputs.frozen["verifier_lm_head.weight"])
     n_anchors = max(1, min(anchors, profile.max_anchors))
+    verifier = CaseVerifier(name=str(inputs.verifier.get("name")), config=inputs.verifier_config,
+                            folder=str(inputs.verifier_dir) if inputs.verifier_dir else None,
+                            target_layers=profile.target_layers)
     planned = []
     for i, batch in enumerate(inputs.batches):
         g = torch.Generator().manual_seed(seed * 7919 + i)
@@ -149,7 +162,7 @@ def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0
         for variant in layout_variants(profile):
             config = variant.to_drafter_config(inputs.verifier_config, batch.mask_token_id,
                                                target_layer_ids=batch.target_layer_ids)
-            case = Case(
+            case = Case(verifier=verifier,
                 name=f"real-{i:02d}-{variant.layout_name}", config=config,
                 loss=variant.loss_spec(), inputs=tensors, weights=weights,
                 description=(f"real row {i} of {inputs.data.get('source')} through "
@@ -202,5 +215,7 @@ def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[Pl
         case = synthetic_case(f"syn-{i:03d}-{family}-{variant.layout_name}", config, loss,
                               seed=seed * 1_000_003 + i, seq_len=seq_len, num_documents=docs,
                               pad=pad, max_anchors=anchors)
+        case.verifier = CaseVerifier(name=f"family:{family}", config=verifier_config,
+                                     target_layers=profile.target_layers)
         planned.append(PlannedCase(case, "synthetic", layout_facts(case)))
     return planned

@@ -48,6 +48,8 @@ class RealInputs:
     cache_hit: bool
     cache_dir: Path
     stats: dict[str, Any] = field(default_factory=dict)
+    #: The verifier's folder (config.json, tokenizer): what the reference derives from.
+    verifier_dir: Path | None = None
 
 
 def _file_sha256(path: Path) -> str:
@@ -135,7 +137,8 @@ def load_real_inputs(verifier: str, data: str, seq_len: int, rows: int, target_l
         return RealInputs(batches=load_batches(entry), frozen=load_frozen(entry / FROZEN_FILE),
                           verifier_config=SimpleNamespace(**meta["verifier_config"]),
                           verifier=meta["verifier"], data=meta["data"], cache_key=key,
-                          cache_hit=True, cache_dir=entry, stats=meta.get("stats", {}))
+                          cache_hit=True, cache_dir=entry, stats=meta.get("stats", {}),
+                          verifier_dir=Path(folder))
     if before_capture is not None:
         before_capture()
     if progress:
@@ -157,4 +160,5 @@ def load_real_inputs(verifier: str, data: str, seq_len: int, rows: int, target_l
         save_frozen(frozen, tmp / FROZEN_FILE)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
     return RealInputs(batches=batches, frozen=frozen, verifier_config=config, verifier=vid,
-                      data=ident, cache_key=key, cache_hit=False, cache_dir=entry, stats=stats)
+                      data=ident, cache_key=key, cache_hit=False, cache_dir=entry, stats=stats,
+                      verifier_dir=Path(folder))

@@ -206,9 +206,26 @@ def run_candidate(candidate: Any, case: Any) -> tuple[Any, Any]:
             return None, failed_run(
                 "run", case.name, f"the candidate's select_anchors raised {type(exc).__name__}: "
                 f"{str(exc).strip()[:600]}", traceback.format_exc(),
-                ["select_anchors(loss_mask [1,T], max_anchors, block_size[, generator]) must "
-                 "return (anchor_positions [A], anchor_valid [A])"])
+                ["select_anchors(loss_mask [1,T], max_anchors, block_size[, generator]"
+                 "[, document_ids]) must return (anchor_positions [A], anchor_valid [A])"])
+    out.derivation = candidate_derivation(candidate, case)
     return out, None
+
+
+def candidate_derivation(candidate: Any, case: Any) -> dict[str, Any] | None:
+    """The candidate's ``derive_config(verifier_config, config)`` for the case's verifier;
+    None when the case has no verifier or the candidate no ``derive_config``;
+    ``{"error": ...}`` when it raised or returned no dict (the ``derivation`` check fails)."""
+    derive = getattr(candidate, "derive_config", None)
+    if case.verifier is None or not callable(derive):
+        return None
+    try:
+        fields = derive(case.verifier.config, case.config)
+    except Exception as exc:  # noqa: BLE001 - user code: reported by the check
+        return {"error": f"{type(exc).__name__}: {str(exc).strip()[:600]}"}
+    if not isinstance(fields, dict):
+        return {"error": f"derive_config returned {type(fields).__name__}, not a dict"}
+    return fields
 
 
 def write_cases(cases: list[Any], folder: Path, advance: Callable[[int], None] = lambda n: None

@@ -144,11 +144,17 @@ def convert_smollm2(target: Path | None = None,
 
 def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = _stderr
                           ) -> tuple[str, Path]:
-    """Map a verifier spec to ``(name, folder)``; converts the built-in on first use.
+    """Map a verifier spec to ``(name, folder)``; converts the built-in on first use, builds
+    a proxy for ``family:NAME`` or ``path/to/config.json``
+    (:mod:`dflash_audit.data.proxy_folder`).
 
     Raises:
         VerifierError: unknown name / missing folder / folder without ``config.json``.
     """
+    from dflash_audit.data.proxy_folder import is_proxy_spec, proxy_verifier_dir
+
+    if is_proxy_spec(spec):
+        return proxy_verifier_dir(spec, progress=progress)
     if spec in BUILTIN_VERIFIERS:
         folder = builtin_verifier_dir(spec)
         if not (folder / "config.json").is_file():
@@ -168,7 +174,8 @@ def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = _s
     if not folder.exists():
         raise VerifierError(
             f"verifier {spec!r} is neither a built-in ({', '.join(BUILTIN_VERIFIERS)}) nor an "
-            "existing folder; pass a local Hugging Face causal-LM folder or 'smollm2-135m'")
+            "existing folder; pass a local Hugging Face causal-LM folder, 'smollm2-135m', "
+            "family:NAME or a config.json file")
     if not (folder / "config.json").is_file():
         raise VerifierError(f"verifier folder {folder} has no config.json (not a HF model folder)")
     return folder.resolve().name, folder.resolve()

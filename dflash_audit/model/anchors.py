@@ -39,8 +39,9 @@ def select_anchors(
     max_anchors: int,
     block_size: int,
     generator: torch.Generator | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw up to ``max_anchors`` anchors uniformly without replacement.
+    """Draw up to ``max_anchors`` anchors uniformly without replacement, per packed row.
 
     Args:
         loss_mask: [1, T] 0/1.
@@ -48,11 +49,15 @@ def select_anchors(
         block_size: B.
         generator: explicit RNG (``torch.Generator`` on loss_mask's device) so a run is
             reproducible; None uses the global RNG like the reference.
+        document_ids: [1, T] packed-document ids (-1 padding), accepted for the sampler
+            protocol and unused: like the reference (speculators 0.9.0), ``max_anchors`` is
+            per packed row, not per document (the direction of speculators PR 1071).
 
     Returns:
         ``anchor_positions`` [A] int64 sorted ascending over the valid part (padding 0),
         ``anchor_valid`` [A] bool.
     """
+    del document_ids  # per row, as the reference
     valid = valid_anchor_mask(loss_mask, block_size)
     candidates = valid.nonzero().squeeze(-1)  # [num_valid]
     k = min(max_anchors, candidates.numel())

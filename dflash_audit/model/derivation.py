@@ -60,3 +60,20 @@ def derivation_fields(config: DFlashConfig) -> dict[str, Any]:
         "mask_token_id": config.mask_token_id,
         **{f"saved.{k}": saved.get(k) for k in SAVED_KEYS},
     }
+
+
+def rederive(verifier_config: Any, config: DFlashConfig) -> DFlashConfig:
+    """Our drafter config derived from ``verifier_config`` with the drafter-only fields
+    (draft layers and layout, block size, target layers, mask token, draft vocabulary) of
+    ``config``: what :meth:`DFlashConfig.from_verifier_config` makes of that verifier.
+
+    Raises:
+        ConfigError: an invalid resulting field.
+    """
+    return DFlashConfig.from_verifier_config(
+        verifier_config, target_layer_ids=config.target_layer_ids,
+        mask_token_id=config.mask_token_id, num_hidden_layers=config.num_hidden_layers,
+        block_size=config.block_size, draft_vocab_size=config.draft_vocab_size,
+        layer_types=config.layer_types, sliding_window=config.sliding_window,
+        sliding_window_non_causal=config.sliding_window_non_causal,
+        sample_from_anchor=config.sample_from_anchor)

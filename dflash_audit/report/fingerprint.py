@@ -7,8 +7,11 @@ across machines and runs:
   over the source files that define the candidate (see :func:`candidate_source_files`);
 * reference key = the machine-independent part of a reference identity (kind, url, ref, commit,
   sdist sha256, version: no paths, no times);
+* verifier fingerprint = sha256 of a verifier config's architecture for a DFlash drafter
+  (:func:`verifier_architecture`: width-independent, so the proxy an audit builds from a
+  user's config.json covers that real verifier);
 * report fingerprint = sha256({"verdict", "reference": reference key, "candidate": candidate
-  fp, "profile": profile fp}).
+  fp, "profile": profile fp, "verifiers": sorted verifier fps covered by the audit}).
 
 A gate that wants to train candidate C under profile P against reference R recomputes
 C's fingerprint for P and accepts a ``report.json`` whose verdict is ``pass``, whose
@@ -90,8 +93,46 @@ def reference_key(identity: dict[str, Any]) -> dict[str, Any]:
     return {k: identity.get(k) for k in REFERENCE_KEY_FIELDS}
 
 
+#: Verifier config fields that shape a DFlash drafter's behaviour (none depends on the width).
+VERIFIER_ARCH_FIELDS = ("model_type", "num_hidden_layers", "layer_types", "rms_norm_eps",
+                        "hidden_act", "hidden_activation", "tie_word_embeddings",
+                        "sliding_window", "attention_bias")
+
+
+def verifier_architecture(config: Any) -> dict[str, Any]:
+    """The architecture of a verifier (text) config for a DFlash drafter: model type, depth,
+    layer types, eps, activation, tied embeddings, sliding window, RoPE parameters (without
+    the ``mrope_section``, which a proxy rescales to its width) and whether head_dim is
+    independent of hidden_size / heads. A transformers config or a namespace of its fields."""
+    from types import SimpleNamespace
+
+    vc = getattr(config, "text_config", None) or config
+    if isinstance(vc, dict):
+        vc = SimpleNamespace(**vc)
+    rope = json.loads(json.dumps(getattr(vc, "rope_parameters", None) or {}, default=str))
+    for entry in [rope, *(v for v in rope.values() if isinstance(v, dict))]:
+        entry.pop("mrope_section", None)
+    head_dim, heads = getattr(vc, "head_dim", None), getattr(vc, "num_attention_heads", None)
+    arch = {k: getattr(vc, k, None) for k in VERIFIER_ARCH_FIELDS}
+    arch["layer_types"] = list(arch["layer_types"] or [])
+    arch["rope_parameters"] = rope
+    arch["head_dim_independent"] = bool(head_dim and heads and int(head_dim) * int(heads)
+                                        != int(vc.hidden_size))
+    return arch
+
+
+def verifier_fingerprint(config: Any) -> str:
+    """sha256 of :func:`verifier_architecture`."""
+    return canonical_sha256(verifier_architecture(config))
+
+
 def report_fingerprint(verdict: str, reference_identity: dict[str, Any],
-                       candidate_fp: str, profile_fp: str) -> str:
-    """sha256 of verdict + reference key + candidate fingerprint + profile fingerprint."""
-    return canonical_sha256({"verdict": verdict, "reference": reference_key(reference_identity),
-                             "candidate": candidate_fp, "profile": profile_fp})
+                       candidate_fp: str, profile_fp: str,
+                       verifiers: list[str] | None = None) -> str:
+    """sha256 of verdict + reference key + candidate fingerprint + profile fingerprint (+ the
+    sorted fingerprints of the verifiers the audit covered, when given)."""
+    payload = {"verdict": verdict, "reference": reference_key(reference_identity),
+               "candidate": candidate_fp, "profile": profile_fp}
+    if verifiers is not None:
+        payload["verifiers"] = sorted(verifiers)
+    return canonical_sha256(payload)

@@ -12,6 +12,9 @@
   ``module_file`` (where the reference process imported speculators from).
 - ``candidate``: ``{"name", "spec", "fingerprint", "files": {name: sha256}}``.
 - ``profile``: ``{"name", "source", "fingerprint", "fields": {every profile field}}``.
+- ``verifiers``: ``{verifier fingerprint: {"name", "architecture"}}``, every verifier the audit
+  covered (the real one and each synthetic family proxy); the gate refuses to train with
+  a verifier not listed.
 - ``inputs``: verifier identity, data identity, seq_len, rows, target_layer_ids,
   mask_token_id (+ reason), audited anchors, batch cache key / hit, synthetic case count,
   seed, number of cases.
@@ -103,6 +106,8 @@ class Report:
     timing: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     masks: list[MaskPicture] = field(default_factory=list)
+    #: verifier fingerprint -> {"name", "architecture"}: the verifiers the audit covered.
+    verifiers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     # ----------------------------------------------------------------- verdict
     @property
@@ -125,7 +130,8 @@ class Report:
     def fingerprint(self) -> str:
         return report_fingerprint(self.verdict, self.reference,
                                   self.candidate.get("fingerprint", ""),
-                                  self.profile.get("fingerprint", ""))
+                                  self.profile.get("fingerprint", ""),
+                                  sorted(self.verifiers) if self.verifiers else None)
 
     # ------------------------------------------------------------- aggregation
     def checks(self) -> list[dict[str, Any]]:
@@ -168,6 +174,7 @@ class Report:
             "reference": self.reference,
             "candidate": self.candidate,
             "profile": self.profile,
+            "verifiers": self.verifiers,
             "inputs": self.inputs,
             "checks": self.checks(),
             "diagnoses": self.diagnoses(),

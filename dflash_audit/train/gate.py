@@ -11,6 +11,9 @@ training run when all of these hold:
   training profile;
 * ``reference_key(reference)`` equals the key of the reference that ``--ref`` resolves to now
   (the lock's reference by default);
+* the training verifier's architecture fingerprint is among the report's ``verifiers``
+  (:func:`dflash_audit.report.fingerprint.verifier_fingerprint`; a proxy audited with
+  ``--verifier path/to/config.json`` covers the real model of that config);
 * ``fingerprint`` equals :func:`dflash_audit.report.fingerprint.report_fingerprint` of the
   above (a hand-edited verdict or fingerprint is refused).
 
@@ -53,6 +56,8 @@ class Expected:
     profile_fingerprint: str
     reference_key: dict[str, Any]
     compare_command: str
+    verifier_fingerprint: str | None = None  # None: the verifier is not checked
+    verifier_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class ReportFields:
     candidate_name: str = ""
     profile_name: str = ""
     created_at: str = ""
+    verifiers: dict[str, Any] | None = None  # None: a report from before verifier coverage
 
 
 @dataclass(frozen=True)
@@ -104,21 +110,24 @@ def read_report(path: Path) -> ReportFields:
             reference=dict(d["reference"]),
             candidate_name=str(d["candidate"].get("name") or d["candidate"].get("spec") or ""),
             profile_name=str(d["profile"].get("name") or ""),
-            created_at=str(d.get("created_at") or ""))
+            created_at=str(d.get("created_at") or ""), verifiers=d.get("verifiers"))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise GateError(f"cannot read audit report {path}: {type(exc).__name__}: {exc}") from None
 
 
 def compare_command(ref: str | None, profile: str, candidate: str | None,
-                    reports_dir: Path | None = None) -> str:
+                    reports_dir: Path | None = None, verifier: str | None = None) -> str:
     """The ``dflash-audit compare`` command that audits this candidate/profile/reference
-    (``--out`` only when the reports folder is not the default ``reports``)."""
+    (and ``--verifier`` unless it is the default; ``--out`` only when the reports folder is
+    not the default ``reports``)."""
     parts = ["dflash-audit", "compare"]
     if ref:
         parts += ["--ref", ref]
     parts += ["--profile", profile]
     if candidate:
         parts += ["--candidate", candidate]
+    if verifier and verifier != "smollm2-135m":
+        parts += ["--verifier", verifier]
     if reports_dir is not None and Path(reports_dir) != DEFAULT_REPORTS_DIR:
         parts += ["--out", str(reports_dir)]
     return shlex.join(parts)
@@ -126,7 +135,7 @@ def compare_command(ref: str | None, profile: str, candidate: str | None,
 
 def expected_for(candidate: Any, candidate_spec: str | None, profile: Any, ref: str | None,
                  reference_identity: dict[str, Any] | None = None,
-                 reports_dir: Path | None = None) -> Expected:
+                 reports_dir: Path | None = None, verifier: str | None = None) -> Expected:
     """Fingerprints of the run about to start.
 
     Args:
@@ -137,13 +146,17 @@ def expected_for(candidate: Any, candidate_spec: str | None, profile: Any, ref: 
         reference_identity: an already resolved identity dict; else ``ref`` is resolved
             offline from the cache (a reference never resolved means no audit ran on it).
         reports_dir: where reports are looked up (named in the compare command).
+        verifier: ``--verifier`` of the training run (a folder, ``smollm2-135m``,
+            ``family:NAME`` or a config.json); None leaves the verifier unchecked.
 
     Raises:
-        GateError: the reference cannot be resolved offline (exit code 2).
+        GateError: the reference cannot be resolved offline, or the verifier's config
+            cannot be read (exit code 2).
     """
     from dflash_audit.report.fingerprint import candidate_fingerprint, reference_key
 
-    command = compare_command(ref, profile.source or profile.name, candidate_spec, reports_dir)
+    command = compare_command(ref, profile.source or profile.name, candidate_spec, reports_dir,
+                              verifier)
     if reference_identity is None:
         from dflash_audit.reference_source import ReferenceSourceError, resolve_reference
 
@@ -156,7 +169,24 @@ def expected_for(candidate: Any, candidate_spec: str | None, profile: Any, ref: 
     profile_fp = profile.fingerprint()
     return Expected(candidate_fingerprint=candidate_fingerprint(candidate, profile_fp)[
         "fingerprint"], profile_fingerprint=profile_fp,
-        reference_key=reference_key(reference_identity), compare_command=command)
+        reference_key=reference_key(reference_identity), compare_command=command,
+        verifier_fingerprint=_verifier_fingerprint(verifier) if verifier else None,
+        verifier_name=verifier or "")
+
+
+def _verifier_fingerprint(spec: str) -> str:
+    """Architecture fingerprint of a ``--verifier`` spec's config (no weights loaded)."""
+    from dflash_audit.data.errors import VerifierError
+    from dflash_audit.data.verifier import resolve_verifier_path
+    from dflash_audit.report.fingerprint import verifier_fingerprint
+
+    try:
+        from transformers import AutoConfig
+
+        _, folder = resolve_verifier_path(spec, progress=None)
+        return verifier_fingerprint(AutoConfig.from_pretrained(folder))
+    except (VerifierError, OSError, ValueError) as exc:
+        raise GateError(f"cannot read the config of verifier {spec!r}: {exc}") from None
 
 
 def differences(report: ReportFields, expected: Expected) -> list[str]:
@@ -179,6 +209,12 @@ def differences(report: ReportFields, expected: Expected) -> list[str]:
                    if got.get(k) != v}
         detail = ", ".join(f"{k}: report {a!r} vs now {b!r}" for k, (a, b) in changed.items())
         out.append(f"reference differs: {detail}")
+    if expected.verifier_fingerprint and expected.verifier_fingerprint not in (
+            report.verifiers or {}):
+        names = sorted({str(v.get("name")) for v in (report.verifiers or {}).values()})
+        out.append(f"verifier not covered: this run trains with verifier "
+                   f"{expected.verifier_name} (architecture {expected.verifier_fingerprint[:12]})"
+                   f", the report audited {', '.join(names) if names else 'no recorded verifier'}")
     return out
 
 
@@ -187,7 +223,7 @@ def _integrity_ok(report: ReportFields) -> bool:
 
     return report.fingerprint == report_fingerprint(
         report.verdict, report.reference, report.candidate_fingerprint,
-        report.profile_fingerprint)
+        report.profile_fingerprint, sorted(report.verifiers) if report.verifiers else None)
 
 
 def find_reports(reports_dir: Path) -> list[Path]:

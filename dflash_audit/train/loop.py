@@ -199,7 +199,7 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
         candidate = load_candidate(cfg.candidate)
         if gate is None:
             expected = expected_for(candidate, cfg.candidate, profile, cfg.ref,
-                                    reference_identity, Path(cfg.reports_dir))
+                                    reference_identity, Path(cfg.reports_dir), cfg.verifier)
             gate = check_gate(expected, Path(cfg.report) if cfg.report else None,
                               Path(cfg.reports_dir))
         optim_spec = cfg.optim_spec(profile.optimizer)

@@ -9,6 +9,7 @@ them in report order; adding a check is adding a module and one line there. :fun
 runs them all:
 
 ``structure``  deepdiff of the two structure summaries, plus the candidate against the profile
+``derivation`` the drafter config each side derives from the case's verifier, field by field
 ``defaults``   each side's default gamma / loss / weighting / block_size / max_anchors
                (never fails)
 ``mask``       exact boolean equality, one result per layer type
@@ -44,6 +45,7 @@ from dflash_audit.audit.checks import (
     anchors,
     context,
     defaults,
+    derivation,
     gradients,
     logits,
     loss,
@@ -68,6 +70,8 @@ class RegisteredCheck(NamedTuple):
 REGISTRY: tuple[RegisteredCheck, ...] = (
     RegisteredCheck("structure", structure, structure.check_structure,
                     structure.diagnose_structure),
+    RegisteredCheck("derivation", derivation, derivation.check_derivation,
+                    derivation.diagnose_derivation),
     RegisteredCheck("defaults", defaults, defaults.check_defaults, defaults.diagnose_defaults),
     RegisteredCheck("mask", mask, mask.check_masks, mask.diagnose_mask),
     RegisteredCheck("context", context, context.check_context, context.diagnose_context),

@@ -18,7 +18,12 @@ max_anchors, block_size[, generator]) -> (anchor_positions [A], anchor_valid [A]
 reference adapter calls the reference's ``select_anchors`` (speculators
 ``models/dflash/utils.py``).
 
-Hypotheses name (the comparison names them itself): anchors outside the packed row, anchors
+A sampler whose signature names ``document_ids`` gets the case's packed-document ids, so
+"per document" sampling (``max_anchors`` per packed document, the direction of speculators PR
+1071) is named against the reference's "per row" sampling (and the other way round).
+
+Hypotheses name (the comparison names them itself): per document vs per row sampling, anchors
+outside the packed row, anchors
 drawn from the last block_size positions of the row or where loss_mask is 0, more than the last
 block_size positions excluded, positions the reference draws never drawn, another number of
 anchors per draw, anchors drawn with replacement, and per-position frequencies that differ.
@@ -41,25 +46,68 @@ Z_LIMIT = 6.0
 KEYS = ("anchor_draws", "anchor_draws_valid")
 
 
+def _sampler_arguments(select: Callable) -> tuple[bool, bool]:
+    """(takes a generator, takes ``document_ids``) of a sampler, from its signature: a 4th
+    positional parameter other than ``document_ids`` is the generator; ``document_ids`` is
+    passed by name when the sampler names it (or takes ``**kwargs``)."""
+    try:
+        params = inspect.signature(select).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): pass a generator
+        return True, False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [n for n, p in params.items() if p.kind in kinds and n != "document_ids"]
+    var_positional = any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params.values())
+    takes_docs = "document_ids" in params or any(
+        p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return len(positional) >= 4 or var_positional, takes_docs
+
+
 def draw_anchors(select: Callable, case: Case, draws: int = ANCHOR_DRAWS, seed: int = 0
                  ) -> dict[str, torch.Tensor]:
-    """``draws`` anchor selections of ``select(loss_mask, max_anchors, block_size, generator)``
-    on the case's loss_mask, from one seeded generator: {``anchor_draws`` [K,A] int64,
-    ``anchor_draws_valid`` [K,A] bool}. A sampler with the reference's signature (no
-    generator: it uses the global RNG) is called without one, after ``torch.manual_seed``."""
+    """``draws`` anchor selections of ``select(loss_mask, max_anchors, block_size[, generator]
+    [, document_ids=])`` on the case's loss_mask (and packed-document ids, when the sampler
+    names ``document_ids``), from one seeded generator: {``anchor_draws`` [K,A'] int64,
+    ``anchor_draws_valid`` [K,A'] bool}, A' the most slots one draw returned (shorter draws
+    padded with invalid slots). A sampler with the reference's signature (no generator: it
+    uses the global RNG) is called without one, after ``torch.manual_seed``."""
     A = case.inputs["anchor_positions"].numel()
     args = (case.inputs["loss_mask"], A, case.config.block_size)
-    try:
-        takes_generator = len(inspect.signature(select).parameters) >= 4
-    except (TypeError, ValueError):  # no signature to read (a builtin): pass one
-        takes_generator = True
+    takes_generator, takes_docs = _sampler_arguments(select)
+    kwargs = {"document_ids": case.inputs["document_ids"].clone()} if takes_docs else {}
     g = torch.Generator().manual_seed(seed)
     if not takes_generator:
         torch.manual_seed(seed)
-    out = [select(args[0].clone(), *args[1:], *([g] if takes_generator else []))
+    out = [select(args[0].clone(), *args[1:], *([g] if takes_generator else []), **kwargs)
            for _ in range(draws)]
-    return {"anchor_draws": torch.stack([a.long().reshape(-1) for a, _ in out]),
-            "anchor_draws_valid": torch.stack([v.bool().reshape(-1) for _, v in out])}
+    width = max(int(a.numel()) for a, _ in out)
+
+    def pad(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        t = t.reshape(-1).to(dtype)
+        return torch.cat([t, torch.zeros(width - t.numel(), dtype=dtype)])
+
+    return {"anchor_draws": torch.stack([pad(a, torch.long) for a, _ in out]),
+            "anchor_draws_valid": torch.stack([pad(v, torch.bool) for _, v in out])}
+
+
+def sampling_unit(case: Case, draws: torch.Tensor, valid: torch.Tensor, max_anchors: int
+                  ) -> str | None:
+    """``"per row"`` when every draw holds min(max_anchors, valid positions of the row)
+    anchors, ``"per document"`` when every draw holds min(max_anchors, valid positions of the
+    document) anchors in each packed document (speculators PR 1071's direction), None when
+    neither or both fit (e.g. a row of one document)."""
+    from dflash_audit.model.anchors import valid_anchor_mask
+
+    allowed = valid_anchor_mask(case.inputs["loss_mask"], case.config.block_size)
+    docs = case.inputs["document_ids"][0]
+    ids = sorted(set(docs[allowed].tolist()))
+    per_row = min(max_anchors, int(allowed.sum()))
+    want_docs = [min(max_anchors, int((allowed & (docs == d)).sum())) for d in ids]
+    row_fits = bool((valid.sum(1) == per_row).all())
+    doc_fits = all([int(((docs[row[ok]]) == d).sum()) for d in ids] == want_docs
+                   for row, ok in zip(draws, valid))
+    if row_fits == doc_fits:
+        return None
+    return "per row" if row_fits else "per document"
 
 
 def _positions(ps: list[int], limit: int = 8) -> str:
@@ -108,6 +156,18 @@ def check_anchor_draws(case: Case, cand: SideOutputs, ref: SideOutputs) -> Check
                            "select_anchors(loss_mask, max_anchors, block_size[, generator])")
     c, cv = cand.tensors["anchor_draws"], cand.tensors["anchor_draws_valid"].bool()
     r, rv = ref.tensors["anchor_draws"], ref.tensors["anchor_draws_valid"].bool()
+    A = case.inputs["anchor_positions"].numel()
+    units = (sampling_unit(case, c, cv, A), sampling_unit(case, r, rv, A))
+    if None not in units and units[0] != units[1]:
+        cause = (f"anchors sampled {units[0]} (max_anchors={A} per "
+                 f"{'packed document' if units[0] == 'per document' else 'packed row'}) where "
+                 f"the reference samples {units[1]}")
+        return CheckResult("anchors", case.name, FAIL,
+                           f"{cause} ({len(set(case.inputs['document_ids'][0].tolist()) - {-1})}"
+                           f" documents; anchors per draw {sorted(set(cv.sum(1).tolist()))}, "
+                           f"reference {sorted(set(rv.sum(1).tolist()))})",
+                           details={"causes": [cause], "sampling": {"candidate": units[0],
+                                                                    "reference": units[1]}})
     if c.shape != r.shape or cv.shape != c.shape:
         return CheckResult("anchors", case.name, FAIL, f"anchor draws of shape "
                            f"{list(c.shape)}, reference {list(r.shape)} ([draws, max_anchors])")

@@ -1,0 +1,157 @@
+"""The ``derivation`` check: the drafter config each side derives from the case's verifier
+config, field by field.
+
+The reference's side is its own derivation, run in the reference's process on the case's
+verifier folder with the case's draft layout (``reference/adapter.py: derive``: the training
+CLI's ``create_transformer_layer_config``, the model's ``flatten_rope_parameters``, rotary
+embedding and ``resolve_verifier_norm_class``); the candidate's is its optional
+``derive_config(verifier_config, config)`` (ours: :func:`dflash_audit.model.derivation.
+derivation_fields`). Compared: rope theta / type / partial factor / scaling, the rotary
+dimension and attention scaling, head geometry, eps, activation, norm convention, vocab sizes,
+layer types, sliding window, the mask token (where the reference resolves one from a
+tokenizer), the default target layer ids (where the profile asks for the speculators default)
+and ``saved.<key>``: what each side writes into a checkpoint's ``config.json``. Exact
+comparison, floats to a relative tolerance of 1e-9; a differing mask token only warns (it is
+saved in ``config.json``, a choice rather than a conformance failure). A field the
+candidate does not report is not compared; a candidate without ``derive_config`` gets
+``warn`` "not provided". A verifier the
+reference's own code cannot derive (e.g. Olmo3: its config has no ``head_dim``) is a reference
+limitation (``warn``), not a candidate failure.
+
+Hypotheses name: a RoPE base taken from the wrong place (a 1e6 fallback where a nested
+per-layer-type ``rope_parameters`` gives the ``sliding_attention`` entry), a saved
+``partial_rotary_factor`` the draft layers do not apply, a norm convention, head_dim or eps
+not taken from the verifier, and any other field as "<field> X where the reference derives Y".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from dflash_audit.audit.case import Case, SideOutputs
+from dflash_audit.audit.evidence import Evidence
+from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
+
+#: Relative tolerance of float fields (eps, rope theta, scaling factors).
+FLOAT_RTOL = 1e-9
+#: Keys of a derivation dict that are not fields.
+META_KEYS = {"error", "traceback"}
+#: Fields whose difference is a documented choice, not a conformance failure: the mask token
+#: is saved in the checkpoint's config.json, so training and inference agree on it either way
+#: (our data pipeline prefers an unused reserved special token over the reference CLI's
+#: pad / eos / unk fallback, a token real text contains).
+WARN_KEYS = {"mask_token_id"}
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Equality of two derivation values: floats to :data:`FLOAT_RTOL`, dicts and lists
+    element by element, ``1`` equal to ``1.0``."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(float(a), float(b), rel_tol=FLOAT_RTOL, abs_tol=0.0)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _verifier_rope(case: Case) -> dict[str, Any]:
+    vc = case.verifier.config
+    vc = getattr(vc, "text_config", None) or vc
+    rope = getattr(vc, "rope_parameters", None)
+    return dict(rope) if isinstance(rope, dict) else {}
+
+
+def name_difference(key: str, c: Any, r: Any, case: Case) -> str:
+    """One differing field in words, with where the reference's value comes from."""
+    rope = _verifier_rope(case)
+    if key == "rope_theta":
+        nested = next((t for t in ("sliding_attention", "full_attention")
+                       if isinstance(rope.get(t), dict)), None)
+        source = (f"the verifier's {nested} rope_parameters give {r:g}" if nested else
+                  f"the verifier's rope_parameters give {r:g}")
+        return f"rope theta {c:g} where {source}"
+    if key == "saved.rope_parameters":
+        extra = ""
+        if isinstance(c, dict) and "partial_rotary_factor" in c and (
+                not isinstance(r, dict) or "partial_rotary_factor" not in r):
+            extra = (f" (a saved partial_rotary_factor {c['partial_rotary_factor']} the draft "
+                     "layers do not apply: an engine that honours it runs another RoPE than "
+                     "was trained)")
+        elif isinstance(c, dict) and any(isinstance(v, dict) for v in c.values()):
+            extra = (" (nested per-layer-type rope_parameters in a draft config whose layers "
+                     "all use one RoPE)")
+        return f"the saved config.json's rope_parameters {c} where the reference writes {r}{extra}"
+    if key == "verifier_norm":
+        return f"verifier norm convention {c} where the reference uses {r} for this verifier"
+    if key == "rotary_dim":
+        return f"the draft layers rotate {c} features per head where the reference rotates {r}"
+    if key == "mask_token_id":
+        return (f"mask_token_id {c} where the reference's training CLI resolves {r} from the "
+                "verifier's tokenizer (both are saved in config.json; a choice, not a "
+                "conformance failure)")
+    if key.startswith("saved."):
+        return f"the saved config.json's {key[6:]} {c!r} where the reference writes {r!r}"
+    return f"{key} {c!r} where the reference derives {r!r}"
+
+
+def _compared_keys(case: Case, cand: dict[str, Any], ref: dict[str, Any]) -> list[str]:
+    keys = [k for k in ref if k not in META_KEYS and k in cand]
+    if ref.get("mask_token_id") is None:  # no tokenizer: the reference resolves none
+        keys = [k for k in keys if k != "mask_token_id"]
+    if case.verifier.target_layers != "speculators":
+        keys = [k for k in keys if k != "default_target_layer_ids"]
+    return keys
+
+
+def check_derivation(case: Case, cand: SideOutputs, ref: SideOutputs) -> list[CheckResult]:
+    """The candidate's derivation against the reference's, field by field (``[]`` for a case
+    without a verifier)."""
+    if case.verifier is None:
+        return []
+    name = case.verifier.name
+
+    def result(status: str, summary: str, **kw: Any) -> list[CheckResult]:
+        return [CheckResult("derivation", case.name, status, summary,
+                            details={"verifier": name, **kw.pop("details", {})}, **kw)]
+
+    r = ref.derivation
+    if r is None:
+        return result(WARN, f"the reference wrote no derivation of verifier {name}")
+    if "error" in r:
+        return result(WARN, f"reference limitation: the reference's own code cannot derive a "
+                      f"drafter config from verifier {name}: {r['error']}",
+                      details={"reference_error": r["error"]})
+    c = cand.derivation
+    if c is None:
+        return result(WARN, "not provided: the candidate has no derive_config(verifier_config, "
+                      "config)")
+    if "error" in c:
+        return result(FAIL, f"the candidate's derive_config failed: {c['error']}")
+    keys = _compared_keys(case, c, r)
+    differing = {k: {"candidate": c[k], "reference": r[k]} for k in keys
+                 if not same_value(c[k], r[k])}
+    details = {"compared": keys, "not_reported": sorted(set(r) - set(c) - META_KEYS),
+               "differing": differing}
+    if differing:
+        words = [name_difference(k, v["candidate"], v["reference"], case)
+                 for k, v in differing.items()]
+        status = WARN if set(differing) <= WARN_KEYS else FAIL
+        return result(status, f"{len(differing)} of {len(keys)} derived fields differ for "
+                      f"verifier {name}: " + "; ".join(words),
+                      candidate={k: v["candidate"] for k, v in differing.items()},
+                      reference={k: v["reference"] for k, v in differing.items()},
+                      details=details)
+    return result(PASS, f"{len(keys)} derived fields equal for verifier {name}",
+                  details=details)
+
+
+def diagnose_derivation(ev: Evidence, result: CheckResult) -> list[str]:
+    """Each differing field, named (rope base source, saved partial factor, norm
+    convention, ...)."""
+    case = ev.case
+    return [name_difference(k, v["candidate"], v["reference"], case)
+            for k, v in result.details.get("differing", {}).items()]

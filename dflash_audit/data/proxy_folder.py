@@ -1,0 +1,90 @@
+"""A verifier proxy as a Hugging Face folder, so the data pipeline and the reference take it
+like any verifier folder: ``--verifier family:NAME`` or ``--verifier path/to/config.json``.
+
+The proxy (:mod:`dflash_audit.data.families`: real depth and layer types, rope, norm
+convention, head_dim, eps, activation; width shrunk) is built on demand and cached by the hash
+of its config under ``<cache>/verifiers/proxy-<hash>/`` (``config.json``, seeded random
+weights, tokenizer).
+
+Tokenizer: a proxy reuses the built-in verifier's (SmolLM2-135M-Instruct) tokenizer and chat
+template, and its vocabulary is widened to that tokenizer's 49152 ids (bos / eos / pad taken
+from it), so real conversations tokenize, pack and capture exactly as with a real verifier.
+The user's own tokenizer is not needed (and usually not available offline); the drafter's
+behaviour under test does not depend on which text the token ids spell.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dflash_audit.atomic import atomic_folder
+from dflash_audit.data.errors import VerifierError
+
+#: Bumped when the folder layout or the weight init changes (invalidates cached proxies).
+PROXY_FORMAT = 1
+PROXY_SEED = 0
+#: Verifier depth of a ``family:NAME`` proxy (the synthetic spread's N).
+FAMILY_LAYERS = 12
+
+
+def is_proxy_spec(spec: str) -> bool:
+    """Whether a ``--verifier`` spec names a proxy: ``family:NAME`` or a ``.json`` file."""
+    return spec.startswith("family:") or (spec.endswith(".json") and Path(spec).is_file())
+
+
+def proxy_name(spec: str) -> str:
+    """The verifier name of a proxy spec in reports: ``family:gemma3_text`` or
+    ``proxy:<config file name's folder>/<file>``."""
+    if spec.startswith("family:"):
+        return spec
+    path = Path(spec).expanduser().resolve()
+    return f"proxy:{path.parent.name}/{path.name}"
+
+
+def _proxy_config(spec: str, tokenizer: Any) -> Any:
+    from dflash_audit.data.families import FamilyError, resolve_verifier_spec
+
+    try:
+        config = resolve_verifier_spec(spec, num_hidden_layers=FAMILY_LAYERS)
+    except (FamilyError, TypeError, ValueError) as exc:
+        raise VerifierError(f"verifier {spec!r}: {exc}") from None
+    config.vocab_size = len(tokenizer)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, key, None)
+        if hasattr(config, key) and value is not None:
+            setattr(config, key, int(value))
+    return config
+
+
+def proxy_verifier_dir(spec: str, progress: Callable[[str], None] | None = None
+                       ) -> tuple[str, Path]:
+    """``(name, folder)`` of the proxy verifier for ``spec``, built on first use.
+
+    Raises:
+        VerifierError: unknown family, unreadable or unknown config, or the built-in
+            verifier's tokenizer unavailable (its install command).
+    """
+    from transformers import AutoTokenizer
+
+    from dflash_audit.data.families import build_proxy
+    from dflash_audit.data.verifier import SMOLLM2_NAME, cache_dir, resolve_verifier_path
+
+    _, smollm2 = resolve_verifier_path(SMOLLM2_NAME, progress=progress)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    config = _proxy_config(spec, tokenizer)
+    key = hashlib.sha256(json.dumps({"format": PROXY_FORMAT, "seed": PROXY_SEED,
+                                     "config": config.to_dict()}, sort_keys=True,
+                                    default=str).encode()).hexdigest()[:16]
+    folder = cache_dir() / "verifiers" / f"proxy-{key}"
+    if not (folder / "config.json").is_file():
+        if progress:
+            progress(f"dflash-audit: building the proxy verifier of {spec} into {folder}")
+        with atomic_folder(folder, keep_existing=True) as tmp:
+            build_proxy(config, seed=PROXY_SEED).save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "proxy.json").write_text(json.dumps({"spec": spec, "name": proxy_name(spec)}))
+    return proxy_name(spec), folder

@@ -1,0 +1,80 @@
+"""``--weights DIR`` (a user's drafter checkpoint in the real cases) and ``--profile
+config.json`` together: the checkpoint's own config is the profile, its weights replace the
+seeded ones, a checkpoint that does not fit is a named exit-2 error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_audit.audit.user_weights import (
+    UserWeightsError,
+    apply_user_weights,
+    load_user_weights,
+)
+from dflash_audit.data.verifier import resolve_verifier_path
+from dflash_audit.model.checkpoint import save_pretrained
+from dflash_audit.model.drafter import DFlashDrafter
+from dflash_audit.profile import Profile
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A drafter checkpoint (speculators format) for the built-in SmolLM2 verifier."""
+    from transformers import AutoConfig
+
+    _, folder = resolve_verifier_path("smollm2-135m", progress=None)
+    profile = Profile.load("reference-model")
+    config = profile.to_drafter_config(AutoConfig.from_pretrained(folder), 16)
+    torch.manual_seed(11)
+    out = tmp_path_factory.mktemp("ckpt") / "my-drafter"
+    save_pretrained(DFlashDrafter(config), out, verifier_name_or_path=str(folder))
+    return out
+
+
+def _compare(*args, timeout=900):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "dflash_audit.cli", "compare", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, check=False)
+
+
+def test_keys_map_from_a_prefixed_layout_and_mismatches_are_named(checkpoint, tmp_path):
+    state = load_file(checkpoint / "model.safetensors")
+    zlab = tmp_path / "zlab"
+    zlab.mkdir()
+    save_file({f"model.{k}": v for k, v in state.items()}, zlab / "model.safetensors")
+    assert load_user_weights(zlab).keys() == state.keys()
+    weights = {**{k: torch.zeros_like(v) for k, v in state.items()},
+               "embed_tokens.weight": torch.zeros(4, 2)}  # verifier-owned: never required
+    bad = {k: v for k, v in state.items() if k != "norm.weight"}
+    bad["fc.weight"] = bad["fc.weight"][:, :10]
+    bad["layers.1.mlp.up_proj.weight"] = torch.zeros(1)
+    with pytest.raises(UserWeightsError) as err:
+        apply_user_weights(weights, bad, "ckpt")
+    msg = str(err.value)
+    assert "keys the reference's drafter does not have: layers.1.mlp.up_proj.weight" in msg
+    assert "trained weights missing: norm.weight" in msg
+    assert "shapes differ: fc.weight [576, 10] (reference [576, 1728])" in msg
+    with pytest.raises(UserWeightsError, match="no \\*.safetensors file"):
+        load_user_weights(tmp_path / "nothing")
+
+
+def test_compare_with_the_checkpoint_config_and_weights(checkpoint, tmp_path):
+    proc = _compare("--profile", str(checkpoint / "config.json"), "--weights", str(checkpoint),
+                    "--cases", "0", "--out", str(tmp_path / "reports"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    report = json.loads(next((tmp_path / "reports").glob("*/report.json")).read_text())
+    assert report["inputs"]["weights"] == str(checkpoint.resolve())
+    assert report["profile"]["fields"]["loss"] == "ce"  # the train-cli recipe
+    # a checkpoint that does not fit the profile's drafter: exit 2, keys named
+    proc = _compare("--weights", str(checkpoint), "--cases", "0", "--out", str(tmp_path / "r2"),
+                    "--profile", "reference-train-cli")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "trained weights missing: layers.1." in proc.stderr
+    assert "Traceback" not in proc.stderr
