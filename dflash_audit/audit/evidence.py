@@ -22,6 +22,8 @@ from dflash_audit.model.drafter import block_indices
 #: vocabulary columns), then confirms a match on up to CONFIRM_SAMPLE slots, every column:
 #: cheap on real verifiers (V = 49152) and still exact where it matters.
 SEARCH_SAMPLE, SEARCH_VOCAB, CONFIRM_SAMPLE = 8, 256, 512
+#: The most hypotheses one check's search tries (the budget of a failing audit's diagnosis).
+MAX_HYPOTHESES = 96
 #: Which checks a check's values depend on.
 UPSTREAM: dict[str, tuple[str, ...]] = {
     "logits": ("structure", "context", "mask"),
@@ -96,11 +98,35 @@ def follows_from(check: str, ev: Evidence) -> str | None:
 
 def search_hypotheses(ev: Evidence, hypotheses,
                       predict: Callable[[Any, Any], torch.Tensor],
-                      observed: Callable[[Any], torch.Tensor], stages: list) -> list:
+                      observed: Callable[[Any], torch.Tensor], stages: list,
+                      first: bool = True, cap: int = MAX_HYPOTHESES) -> list:
     """Hypotheses whose prediction ``predict(h, selection)`` matches ``observed(selection)``
-    within tolerance at every stage (cheap selections first)."""
-    return [h for h in hypotheses
-            if all(ev.close(observed(sel), predict(h, sel)) for sel in stages)]
+    within tolerance at every stage (cheap selections first). The search is budgeted: it stops
+    at the first match (``first``) and after ``cap`` hypotheses (hypothesis families list the
+    likeliest members first), so a failing audit stays within a small factor of a passing one."""
+    found = []
+    for i, h in enumerate(hypotheses):
+        if i >= cap:
+            break
+        if all(ev.close(observed(sel), predict(h, sel)) for sel in stages):
+            found.append(h)
+            if first:
+                break
+    return found
+
+
+def shifted(x: torch.Tensor, d: int, dim: int = 1) -> torch.Tensor:
+    """``x`` with ``out[:, p] = x[:, p + d]`` along ``dim`` (zeros where p + d is outside):
+    ``d = 1`` is an EAGLE-3-style left shift."""
+    out = torch.zeros_like(x)
+    n = x.shape[dim]
+    if abs(d) >= n:
+        return out
+    if d >= 0:
+        out.narrow(dim, 0, n - d).copy_(x.narrow(dim, d, n - d))
+    else:
+        out.narrow(dim, -d, n + d).copy_(x.narrow(dim, 0, n + d))
+    return out
 
 
 def vocab_sample(size: int, k: int = SEARCH_VOCAB) -> torch.Tensor | None:
