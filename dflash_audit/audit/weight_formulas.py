@@ -107,8 +107,8 @@ def weight_formula_causes(per_slot: dict[int, float], gamma_fit: float | None,
         if (g is None and d) or not _matches(f, per_slot):
             continue
         named = tuple(deviations(f, ref, sample_from_anchor))
-        if named:
-            found[named] = len(named)
+        if named:  # a constant other than 1 is no decay and a scale: two deviations
+            found[named] = len(named) + (g is None and abs(f.scale - 1.0) > WEIGHT_RTOL)
     decaying = [s for s in per_slot if s >= 1 or sample_from_anchor]
     if len(decaying) == 1 and not found.get(()):  # one slot: a common scale also fits
         s = decaying[0]

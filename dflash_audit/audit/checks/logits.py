@@ -105,10 +105,10 @@ def logit_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
     yield from architecture_hypotheses(c, ev.case.weights, inputs["input_ids"].shape[-1])
 
 
-#: Inputs an EAGLE-3-style pipeline shifts (hidden_states and input_ids, possibly the verifier's
-#: last hidden states), never loss_mask / position_ids / document_ids.
-SHIFTED_INPUTS = (("hidden_states", "input_ids"),
-                  ("hidden_states", "input_ids", "verifier_last_hidden_states"))
+#: Inputs an EAGLE-3-style pipeline shifts, never loss_mask / position_ids / document_ids (a
+#: shift of verifier_last_hidden_states too cannot change the draft logits: the targets check
+#: names it).
+SHIFTED_INPUTS = (("hidden_states", "input_ids"),)
 
 
 def shift_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
