@@ -26,6 +26,7 @@ from dflash_audit.audit.raised import name_raise
 from dflash_audit.audit.run_sides import run_candidate
 from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.audit.weight_formulas import weight_formula_causes
+from dflash_audit.audit.weights import fit_to_targets
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter
@@ -691,3 +692,15 @@ def test_losses_that_coincide_are_one_cause_not_several(ours):
     assert cause.startswith("loss computed as 'kl_div' where the profile says 'ce' or loss "
                             "computed as 'rkl'"), cause
     assert "cannot be told apart here (one cause, not several)" in cause
+
+
+def test_fit_to_targets_moves_only_trainable_weights_and_is_seeded():
+    """Issue 11 kind 6: real cases use briefly fitted weights (seeded, frozen part kept)."""
+    a = fit_to_targets(CASE.config, CASE.weights, CASE.inputs, steps=2, seed=3)
+    b = fit_to_targets(CASE.config, CASE.weights, CASE.inputs, steps=2, seed=3)
+    assert a.keys() == CASE.weights.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert a["embed_tokens.weight"] is CASE.weights["embed_tokens.weight"]
+    assert torch.equal(a["lm_head.weight"], CASE.weights["lm_head.weight"])
+    assert not torch.equal(a["fc.weight"], CASE.weights["fc.weight"])
+    assert not torch.equal(a["norm.weight"], CASE.weights["norm.weight"])

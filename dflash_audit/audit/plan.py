@@ -32,7 +32,7 @@ import torch
 from dflash_audit.audit.architecture import COMMON_NORM_EPS, COMMON_ROPE_THETAS
 from dflash_audit.audit.case import Case
 from dflash_audit.audit.synthetic import synthetic_case
-from dflash_audit.audit.weights import real_case_weights
+from dflash_audit.audit.weights import fit_to_targets, real_case_weights
 from dflash_audit.data.families import FAMILIES, family_config
 from dflash_audit.model.anchors import select_anchors
 from dflash_audit.model.config import SLIDING_ATTENTION
@@ -139,13 +139,17 @@ def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0
     weights = real_case_weights(base, inputs.frozen, seed,
                                 rows=[(b.input_ids, b.loss_mask) for b in inputs.batches])
     n_anchors = max(1, min(anchors, profile.max_anchors))
-    planned = []
+    rows = []
     for i, batch in enumerate(inputs.batches):
         g = torch.Generator().manual_seed(seed * 7919 + i)
         anchor_positions, anchor_valid = select_anchors(batch.loss_mask, n_anchors,
                                                         profile.block_size, g)
-        tensors = {**batch.tensors(), "anchor_positions": anchor_positions,
-                   "anchor_valid": anchor_valid}
+        rows.append({**batch.tensors(), "anchor_positions": anchor_positions,
+                     "anchor_valid": anchor_valid})
+    # fitted briefly so that loss terms which coincide at random init differ on real data
+    weights = fit_to_targets(base, weights, rows[0], seed=seed)
+    planned = []
+    for i, (batch, tensors) in enumerate(zip(inputs.batches, rows)):
         for variant in layout_variants(profile):
             config = variant.to_drafter_config(inputs.verifier_config, batch.mask_token_id,
                                                target_layer_ids=batch.target_layer_ids)
