@@ -152,9 +152,10 @@ def fit_to_targets(config: DFlashConfig, weights: dict[str, torch.Tensor],
 
     keys = ("hidden_states", "input_ids", "loss_mask", "verifier_last_hidden_states",
             "document_ids", "position_ids")
-    row = {k: inputs[k] for k in keys}
-    row["anchor_positions"] = inputs["anchor_positions"][:FIT_ANCHORS]
-    row["anchor_valid"] = inputs["anchor_valid"][:FIT_ANCHORS]
+    # clones: captured batches may be inference tensors, which autograd cannot save
+    row = {k: inputs[k].clone() for k in keys}
+    row["anchor_positions"] = inputs["anchor_positions"][:FIT_ANCHORS].clone()
+    row["anchor_valid"] = inputs["anchor_valid"][:FIT_ANCHORS].clone()
     if not bool(row["anchor_valid"].any()):
         return dict(weights)
     with torch.random.fork_rng():
