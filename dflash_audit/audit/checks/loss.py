@@ -3,10 +3,14 @@ loss mask (exact: which slots are trained) and each loss term's per-slot weights
 slots, with the decay gamma each side's weights imply (:func:`fit_decay`).
 
 Hypotheses name: slot 0 (the anchor) not masked out, padding anchors not masked out, a
-misaligned loss mask, a wrong decay gamma or decay formula, weights normalised per block,
-D-PACE vs fixed-exp-decay weighting, another loss (e.g. hard-label CE instead of a soft
-divergence) and the loss normalised by the sum of weights or averaged over all Q slots; among
-several loss formulas that reproduce the total, only those with the fewest deviations.
+misaligned loss mask, the fixed per-slot weight formula (:mod:`dflash_audit.audit.weight_formulas`:
+a wrong decay gamma or decay formula, no position decay, slot 0's weight under
+sample_from_anchor, weights normalised per block; on a case that cannot separate two formulas,
+both in one cause with the slots a separating case needs), D-PACE vs fixed-exp-decay weighting
+(only on a case whose reference weights vary between blocks), D-PACE weights that follow from
+an upstream difference, another loss (e.g. hard-label CE instead of a soft divergence) and the
+loss normalised by the sum of weights or averaged over all Q slots; among several loss formulas
+that reproduce the total, only those with the fewest deviations, named as one cause.
 """
 
 from __future__ import annotations
