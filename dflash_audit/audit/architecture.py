@@ -4,9 +4,10 @@ A candidate's context, masks and targets can all conform while its draft layers 
 something else: a hard-coded RoPE theta or norm eps, another activation, the attention scale,
 grouped-query heads tiled instead of interleaved, a norm or a residual left out, the context
 normed again per layer, a correct boolean mask misused by the attention (added to the scores
-as numbers, not passed, wrong sign, transposed, broadcast over the wrong dimension). Each hypothesis here is one such slip, expressed as an edit of our own
-drafter (:class:`dflash_audit.model.drafter.DFlashDrafter`, whose layers mirror the reference's
-Qwen3 draft layer, speculators ``models/dflash/model_definitions.py``). The diagnosis replays our
+as numbers, not passed, wrong sign, transposed, broadcast over the wrong dimension). Each
+hypothesis here is one such slip, expressed as an edit of our own drafter
+(:class:`dflash_audit.model.drafter.DFlashDrafter`, whose layers mirror the reference's Qwen3
+draft layer, speculators ``models/dflash/model_definitions.py``). The diagnosis replays our
 drafter with the edit and names the slip when the replay reproduces the candidate's logits.
 
 A hypothesis is ``(label, kwargs)``; kwargs are those of :func:`dflash_audit.audit.replay.replay`:
