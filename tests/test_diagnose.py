@@ -21,7 +21,7 @@ from dflash_audit.audit.checks import run_checks
 from dflash_audit.audit.checks.loss import diagnose_loss_total, recompute_loss
 from dflash_audit.audit.checks.targets import TargetHypothesis, predict_targets
 from dflash_audit.audit.diagnose import diagnose
-from dflash_audit.audit.evidence import Evidence
+from dflash_audit.audit.evidence import Evidence, SearchMemo
 from dflash_audit.audit.raised import name_raise
 from dflash_audit.audit.run_sides import run_candidate
 from dflash_audit.audit.synthetic import synthetic_case
@@ -364,6 +364,34 @@ def test_unexplained_difference_reports_numbers(reference):
     assert r.status == "fail" and len(r.diagnosis) == 1
     assert r.diagnosis[0].startswith("unexplained difference in logits: no tested hypothesis "
                                      "reproduces the candidate (max abs")
+
+
+@pytest.mark.reference
+def test_search_memo_does_not_repeat_a_fruitless_full_search(reference):
+    """A failing audit stays fast: the second case of a layout whose full replay search found
+    nothing tries only what reproduced elsewhere, and says so."""
+    out = DrafterCandidate().run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    noise = torch.randn(out.tensors["logits"].shape, generator=torch.Generator().manual_seed(1))
+    out.tensors["logits"] = out.tensors["logits"] + 1e-2 * noise
+    memo = SearchMemo()
+    first, second = (run_checks(CASE, out, reference) for _ in range(2))
+    diagnose(CASE, out, reference, first, memo)
+    diagnose(CASE, out, reference, second, memo)
+    a, b = (results_by_key(r)["logits"] for r in (first, second))
+    assert len(a.diagnosis) == 1 and a.diagnosis[0].startswith("unexplained difference")
+    assert b.diagnosis[0] == a.diagnosis[0]
+    assert b.diagnosis[1] == ("the full hypothesis search was not repeated on this case: it "
+                              "reproduced nothing on diag (same layer layout)")
+
+
+def test_search_memo_tries_what_reproduced_first():
+    memo = SearchMemo()
+    key = ("logits", ("full_attention",))
+    memo.record(key, "a", "b-label", full=True)
+    assert [h[0] for h in memo.order(key, [("a-label", 1), ("b-label", 2)])] == [
+        "b-label", "a-label"]
+    memo.record(key, "c", None, full=True)  # exhausted: only what reproduced somewhere
+    assert memo.order(key, [("a-label", 1), ("b-label", 2)]) == [("b-label", 2)]
 
 
 # ------------------------------------------------------------ hand-perturbed (no reference)

@@ -196,10 +196,20 @@ def diagnose_logits(ev: Evidence, result: CheckResult) -> list[str]:
     if given and matches(given):
         return [f"follows from the {and_list(upstream)} difference: our drafter fed the "
                 f"candidate's own {parts} reproduces the candidate's logits"]
-    found = next((label for label, kw in itertools.islice(logit_hypotheses(ev), MAX_HYPOTHESES)
-                  if matches(kw)), None)  # budgeted: the first that reproduces, a cap
+    # budgeted: a cap, the first that reproduces, what reproduced on earlier cases first
+    hypotheses = list(itertools.islice(logit_hypotheses(ev), MAX_HYPOTHESES))
+    key = ("logits", tuple(sorted(set(ev.config.effective_layer_types))))
+    skipped = ev.memo.exhausted(key) if ev.memo else []
+    if ev.memo:
+        hypotheses = ev.memo.order(key, hypotheses)
+    found = next((label for label, kw in hypotheses if matches(kw)), None)
+    if ev.memo:
+        ev.memo.record(key, ev.case.name, found, full=not skipped)
     if found:
         return [found]
+    if skipped:
+        return [unexplained(result), f"the full hypothesis search was not repeated on this case: "
+                f"it reproduced nothing on {and_list(skipped)} (same layer layout)"]
     if given:  # the upstream difference is real but does not account for the logits
         return [unexplained(result), f"not only the {and_list(upstream)} difference: our drafter "
                 f"fed the candidate's own {parts} does not reproduce the candidate's logits, "
