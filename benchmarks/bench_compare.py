@@ -1,15 +1,20 @@
-"""Wall time of the main job, ``dflash-audit compare`` (the README's command), cold then warm.
+"""Wall time of the main job, ``dflash-audit compare`` (the README's command): cold, warm
+(a passing audit) and failing (a shipped buggy candidate), side by side.
 
 Run 1 uses an empty cache (``$DFLASH_AUDIT_CACHE`` in a temporary folder): it downloads the
 pinned reference release from the package index, converts the SmolLM2 verifier, captures the
 real batch and checks that the reference imports. Run 2 reuses that cache, as every later
-audit does. Both runs write their reports into a temporary folder. Prints each run's wall
-time, its stages (from report.json) and the warm time against the target, then the cost of
-each verifier family (:func:`family_costs`).
+audit does, with our conformant drafter (a pass). Run 3 reuses it with a shipped buggy
+candidate (``--fail-candidate``, default ``examples/candidates/bool_mask_added.py``: its logits
+difference is found by the replay hypothesis search, the costly part of a failing audit's
+diagnosis). All runs write their reports into a temporary folder. Prints each run's wall time
+and stages (from report.json), the warm time against the target and the failing / passing
+ratio against the budget (a failing audit costs at most ``--fail-ratio`` x a passing one),
+then the cost of each verifier family (:func:`family_costs`, skipped with ``--no-families``).
 
-Usage: ``python benchmarks/bench_compare.py [--cache DIR] [--target-s 60] [--no-families]
-[-- extra args]``
-(``--cache DIR`` keeps / reuses a cache folder; extra args go to ``dflash-audit compare``).
+Usage: ``python benchmarks/bench_compare.py [--cache DIR] [--skip-cold] [--target-s 60]
+[--fail-candidate FILE.py:ATTR] [-- extra args]`` (``--cache DIR`` keeps / reuses a cache
+folder, ``--skip-cold`` then measures warm and failing only; extra args go to every run).
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from pathlib import Path
 
 COMMAND = ["dflash-audit", "compare"]  # the README's main job
 TARGET_S = 60.0
+FAIL_RATIO = 2.0
+ROOT = Path(__file__).resolve().parents[1]
+FAIL_CANDIDATE = f"{ROOT / 'examples' / 'candidates' / 'bool_mask_added.py'}:candidate"
 
 
 def run(cache: Path, out: Path, extra: list[str]) -> dict:
@@ -98,6 +106,11 @@ def main() -> int:
     parser.add_argument("--target-s", type=float, default=TARGET_S)
     parser.add_argument("--no-families", action="store_true",
                         help="skip the per-family cost table")
+    parser.add_argument("--skip-cold", action="store_true",
+                        help="with --cache: no cold run (the cache is already filled)")
+    parser.add_argument("--fail-candidate", default=FAIL_CANDIDATE,
+                        help="the buggy candidate of the failing run")
+    parser.add_argument("--fail-ratio", type=float, default=FAIL_RATIO)
     parser.add_argument("extra", nargs="*", help="extra arguments for dflash-audit compare")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-compare-"))
@@ -106,19 +119,31 @@ def main() -> int:
     print(f"cpus: {os.cpu_count()}  load average before: {os.getloadavg()[0]:.2f}")
     try:
         results = {}
-        for label in ("cold", "warm"):
-            r = results[label] = run(cache, tmp / f"reports-{label}", args.extra)
+        runs = {"cold": args.extra, "warm": args.extra,
+                "failing": ["--candidate", args.fail_candidate, *args.extra]}
+        if args.skip_cold and args.cache:
+            runs.pop("cold")
+        for label, extra in runs.items():
+            r = results[label] = run(cache, tmp / f"reports-{label}", extra)
             stages = ", ".join(f"{k} {v:.1f}" for k, v in r["timing"].items() if k != "total")
             print(f"{label}: {r['wall_s']:6.1f} s wall, {r['cpu_s']:6.1f} s cpu, exit "
                   f"{r['exit_code']}, verdict {r['verdict']}, {r['cases']} cases, batch cache "
                   f"{'hit' if r['cache_hit'] else 'miss'}; stages (s): {stages}")
-        warm = results["warm"]["wall_s"]
-        print(f"warm / target: {warm:.1f} s / {args.target_s:.0f} s -> "
-              f"{'OK' if warm <= args.target_s else 'OVER'} "
+        warm, failing = results["warm"], results["failing"]
+        print(f"warm / target: {warm['wall_s']:.1f} s / {args.target_s:.0f} s -> "
+              f"{'OK' if warm['wall_s'] <= args.target_s else 'OVER'} "
               f"(load average after: {os.getloadavg()[0]:.2f})")
+        ratio = failing["wall_s"] / warm["wall_s"]
+        print(f"pass vs fail: {warm['wall_s']:.1f} s (exit {warm['exit_code']}) vs "
+              f"{failing['wall_s']:.1f} s (exit {failing['exit_code']}): x{ratio:.2f} / "
+              f"x{args.fail_ratio:g} -> {'OK' if ratio <= args.fail_ratio else 'OVER'}; "
+              f"checks stage {warm['timing'].get('checks', 0):.1f} s vs "
+              f"{failing['timing'].get('checks', 0):.1f} s")
         if not args.no_families:
             print_family_costs(family_costs())
-        return 0 if all(r["exit_code"] == 0 for r in results.values()) else 1
+        ok = (all(r["exit_code"] == 0 for k, r in results.items() if k != "failing")
+              and failing["exit_code"] == 1)
+        return 0 if ok else 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # a --cache folder lives outside tmp
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -17,12 +18,15 @@ import torch
 import dflash_audit.model.loss as loss_module
 from dflash_audit.audit.case import SideOutputs
 from dflash_audit.audit.checks import run_checks
-from dflash_audit.audit.checks.loss import recompute_loss
+from dflash_audit.audit.checks.loss import diagnose_loss_total, recompute_loss
 from dflash_audit.audit.checks.targets import TargetHypothesis, predict_targets
 from dflash_audit.audit.diagnose import diagnose
-from dflash_audit.audit.evidence import Evidence
+from dflash_audit.audit.evidence import Evidence, SearchMemo
+from dflash_audit.audit.raised import name_raise
 from dflash_audit.audit.run_sides import run_candidate
 from dflash_audit.audit.synthetic import synthetic_case
+from dflash_audit.audit.weight_formulas import weight_formula_causes
+from dflash_audit.audit.weights import fit_to_targets
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter
@@ -193,6 +197,47 @@ class ContextRuleLe(DFlashDrafter):
         return masks
 
 
+def shifted_inputs(d, names):
+    """Inputs ``names`` shifted by d (x[:, p] <- x[:, p + d], zeros in), loss_mask /
+    position_ids / document_ids not (issue 11 kind 1)."""
+
+    class Shifted(DrafterCandidate):
+        def run_case(self, cfg, spec, weights, inputs):
+            out = dict(inputs)
+            for k in names:
+                v, z = inputs[k], torch.zeros_like(inputs[k][:, :abs(d)])
+                out[k] = torch.cat([v[:, d:], z], 1) if d > 0 else torch.cat([z, v[:, :d]], 1)
+            return super().run_case(cfg, spec, weights, out)
+
+    return Shifted()
+
+
+def attention_given(use):
+    """A drafter whose draft attention is handed ``use(mask)`` instead of its correct boolean
+    mask (issue 11 kind 2)."""
+
+    class Attention(DraftAttention):
+        def forward(self, x, context, cos, sin, mask):
+            return super().forward(x, context, cos, sin, use(mask))
+
+    class Drafter(DFlashDrafter):
+        def __init__(self, config):
+            super().__init__(config)
+            for layer in self.layers:
+                layer.self_attn.__class__ = Attention
+
+    return candidate(Drafter)
+
+
+class ContextHidden(DFlashDrafter):
+    """Masks that hide every context position (issue 11 item 8: fc then gets no gradient)."""
+
+    def attention_masks(self, document_ids, anchor_positions):
+        masks = super().attention_masks(document_ids, anchor_positions)
+        T = document_ids.shape[-1]
+        return {k: torch.cat([torch.zeros_like(m[:, :T]), m[:, T:]], 1) for k, m in masks.items()}
+
+
 # (id, candidate, {check[.layer type]: expected start of the first diagnosis}, checks that pass)
 UPSTREAM_OK = ("structure", "context", "mask", "logits")
 BUGS = [
@@ -247,6 +292,27 @@ BUGS = [
     ("le-rule-masks-not-returned", candidate(ContextRuleLe, drop_masks=True),
      {"logits": "full_attention and sliding_attention mask: context rule kv <= anchor"},
      ("structure", "context", "targets")),
+    ("inputs-shifted-right", shifted_inputs(-1, ("hidden_states", "input_ids")),
+     {"context": "hidden_states shifted right by 1 relative to loss_mask / position_ids",
+      "logits": "hidden_states and input_ids shifted right by 1 relative to loss_mask / "
+                "position_ids"}, ("structure", "mask", "targets")),
+    ("inputs-shifted-left-with-verifier", shifted_inputs(1, (
+        "hidden_states", "input_ids", "verifier_last_hidden_states")),
+     {"logits": "hidden_states and input_ids shifted left by 1 relative to loss_mask",
+      "targets": "targets not shifted"}, ("structure", "mask")),
+    ("bool-mask-added", attention_given(lambda m: m.float()),
+     {"logits": "attention ignores the mask: the boolean mask is added to the scores"},
+     ("structure", "mask", "context", "targets")),
+    ("no-mask", attention_given(lambda m: torch.ones_like(m)),
+     {"logits": "attention ignores the mask: no mask is passed"},
+     ("structure", "mask", "context", "targets")),
+    ("mask-wrong-sign", attention_given(lambda m: torch.where(m, -1e9, 0.0)),
+     {"logits": "attention mask with the wrong sign"}, ("structure", "mask", "context")),
+    ("mask-row-broadcast", attention_given(lambda m: m[:1].expand_as(m)),
+     {"logits": "attention mask broadcast over the wrong dimension"},
+     ("structure", "mask", "context")),
+    ("masks-hide-context", candidate(ContextHidden),
+     {"gradients": "follows from the mask"}, ("structure", "context", "targets")),
 ]
 
 
@@ -298,6 +364,34 @@ def test_unexplained_difference_reports_numbers(reference):
     assert r.status == "fail" and len(r.diagnosis) == 1
     assert r.diagnosis[0].startswith("unexplained difference in logits: no tested hypothesis "
                                      "reproduces the candidate (max abs")
+
+
+@pytest.mark.reference
+def test_search_memo_does_not_repeat_a_fruitless_full_search(reference):
+    """A failing audit stays fast: the second case of a layout whose full replay search found
+    nothing tries only what reproduced elsewhere, and says so."""
+    out = DrafterCandidate().run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    noise = torch.randn(out.tensors["logits"].shape, generator=torch.Generator().manual_seed(1))
+    out.tensors["logits"] = out.tensors["logits"] + 1e-2 * noise
+    memo = SearchMemo()
+    first, second = (run_checks(CASE, out, reference) for _ in range(2))
+    diagnose(CASE, out, reference, first, memo)
+    diagnose(CASE, out, reference, second, memo)
+    a, b = (results_by_key(r)["logits"] for r in (first, second))
+    assert len(a.diagnosis) == 1 and a.diagnosis[0].startswith("unexplained difference")
+    assert b.diagnosis[0] == a.diagnosis[0]
+    assert b.diagnosis[1] == ("the full hypothesis search was not repeated on this case: it "
+                              "reproduced nothing on diag (same layer layout)")
+
+
+def test_search_memo_tries_what_reproduced_first():
+    memo = SearchMemo()
+    key = ("logits", ("full_attention",))
+    memo.record(key, "a", "b-label", full=True)
+    assert [h[0] for h in memo.order(key, [("a-label", 1), ("b-label", 2)])] == [
+        "b-label", "a-label"]
+    memo.record(key, "c", None, full=True)  # exhausted: only what reproduced somewhere
+    assert memo.order(key, [("a-label", 1), ("b-label", 2)]) == [("b-label", 2)]
 
 
 # ------------------------------------------------------------ hand-perturbed (no reference)
@@ -575,3 +669,66 @@ def test_unexplained_logits_behind_a_real_context_difference_are_not_blamed_on_i
     assert r.diagnosis[0].startswith("unexplained difference in logits")
     assert r.diagnosis[1].startswith("not only the context difference: our drafter fed the "
                                      "candidate's own context does not reproduce")
+
+
+# ------------------------------------------------ issue 11: weight formulas, raises, ties
+@pytest.mark.parametrize("per_slot,gamma_fit,sfa,cause", [
+    ({1: 1.0, 2: 1.0, 3: 1.0}, None, False, "no position decay (w_s = 1); reference "
+                                            "exp(-(s-1)/4)"),
+    ({0: 0.0, 1: 1.0, 2: math.exp(-1 / 4), 3: math.exp(-2 / 4)}, 4.0, True,
+     "slot 0 weighted 0 where sample_from_anchor trains it with weight 1 (fit 0 vs 1); decay "
+     "formula exp(-(s-1)/gamma) instead of exp(-s/gamma)"),
+    ({1: 1.0, 2: math.exp(-1 / 7), 3: math.exp(-2 / 7)}, 7.0, False, "decay gamma 7 (fitted"),
+    ({0: 0.5, 1: 1.0, 2: math.exp(-1 / 4), 3: math.exp(-2 / 4)}, 4.0, False,
+     "slot 0 weighted (w_0 = 0.5; reference 0)"),
+])
+def test_weight_formula_names_the_class(per_slot, gamma_fit, sfa, cause):
+    causes = weight_formula_causes(per_slot, gamma_fit, 4.0, sfa, 4)
+    assert len(causes) == 1 and causes[0].startswith(cause), causes
+
+
+def test_one_supervised_slot_says_which_cases_separate_the_formulas():
+    """Issue 11 item 9: slot 1 weighs exp(-1/4) = 0.7788 where the reference gives 1."""
+    (cause,) = weight_formula_causes({1: math.exp(-1 / 4)}, None, 4.0, False, 4)
+    assert cause.startswith("decay formula exp(-s/gamma) instead of exp(-(s-1)/gamma) or "
+                            "per-slot weights scaled by 0.7788"), cause
+    assert "supervises only slot(s) [1] of each block and cannot tell them apart" in cause
+
+
+@pytest.mark.parametrize("text", [
+    "ValueError: hidden_states has 1152 features, fc expects 1728",
+    "RuntimeError: mat1 and mat2 shapes cannot be multiplied (64x1152 and 1728x576)",
+])
+def test_raise_names_the_dropped_slice(text):
+    config = CONFIG.replace(hidden_size=576)  # n = 3 target layers
+    assert name_raise(text, config) == [
+        "fc expects 3 target layers (1728 = 3*H features, H = 576), the candidate passed 2 "
+        "(1152 features): 1 target-layer slice(s) dropped before fc (e.g. the last one, "
+        "hidden_states[..., :2*H]); the reference concatenates all 3 target layers [1, 3, 4]"]
+
+
+def test_raise_without_feature_counts_names_nothing():
+    assert name_raise("KeyError: 'fc.weight'", CONFIG) == []
+    assert name_raise("ValueError: expected 7 features, got 5", CONFIG) == []  # not H units
+
+
+def test_losses_that_coincide_are_one_cause_not_several(ours):
+    """Issue 11 item 9: identical logits and targets make every divergence 0."""
+    case = dataclasses.replace(CASE, loss=LossSpec("ce"))
+    cand = edited(ours, logits=ours.tensors["targets"].clone(), loss=torch.tensor(0.0))
+    (cause,) = diagnose_loss_total(Evidence(case, cand, ours))
+    assert cause.startswith("loss computed as 'kl_div' where the profile says 'ce' or loss "
+                            "computed as 'rkl'"), cause
+    assert "cannot be told apart here (one cause, not several)" in cause
+
+
+def test_fit_to_targets_moves_only_trainable_weights_and_is_seeded():
+    """Issue 11 kind 6: real cases use briefly fitted weights (seeded, frozen part kept)."""
+    a = fit_to_targets(CASE.config, CASE.weights, CASE.inputs, steps=2, seed=3)
+    b = fit_to_targets(CASE.config, CASE.weights, CASE.inputs, steps=2, seed=3)
+    assert a.keys() == CASE.weights.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert a["embed_tokens.weight"] is CASE.weights["embed_tokens.weight"]
+    assert torch.equal(a["lm_head.weight"], CASE.weights["lm_head.weight"])
+    assert not torch.equal(a["fc.weight"], CASE.weights["fc.weight"])
+    assert not torch.equal(a["norm.weight"], CASE.weights["norm.weight"])

@@ -65,6 +65,17 @@ EXPECTED = {
                                              "block)",
                       "logits": "follows from the mask difference"},
                      ("structure", "context", "targets")),
+    "shifted_inputs": ({"context": "hidden_states shifted left by 1 relative to loss_mask / "
+                                   "position_ids",
+                        "logits": "hidden_states and input_ids shifted left by 1 relative to "
+                                  "loss_mask / position_ids"},
+                       ("structure", "mask", "targets")),
+    "bool_mask_added": ({"logits": "attention ignores the mask: the boolean mask is added to "
+                                   "the scores"},
+                        ("structure", "mask", "context", "targets")),
+    "no_decay": ({"loss": "no position decay (w_s = 1); reference exp(-(s-1)/4)",
+                  "gradients": "follows from the loss difference"},
+                 ("structure", "mask", "context", "targets", "logits")),
 }
 
 
@@ -138,3 +149,84 @@ def test_minimal_user_model_passes_every_check(reference):
         [(k, r.summary) for k, r in results.items() if r.status != "pass"]
     with pytest.raises(RuntimeError, match="raised NotImplementedError: TinyDFlash: full"):
         audit(user, CASES[0], reference)  # a sliding layer: outside what TinyDFlash supports
+
+
+# ------------------------------------------------ cases that need another profile or config
+SPECIAL = [
+    synthetic_case("sample-from-anchor", DFlashConfig(**BASE, block_size=4,
+                                                      sample_from_anchor=True),
+                   LossSpec(), seed=9, seq_len=48, num_documents=2, pad=2, max_anchors=4),
+    # reference-train-cli's weighting: ce with D-PACE; one supervised block (B=2, one anchor)
+    synthetic_case("dpace-one-block", DFlashConfig(**BASE, block_size=2), LossSpec("ce", "dpace"),
+                   seed=10, seq_len=32, num_documents=1, pad=0, max_anchors=1),
+    synthetic_case("dpace", DFlashConfig(**BASE, block_size=4), LossSpec("ce", "dpace"),
+                   seed=11, seq_len=64, num_documents=2, pad=2, max_anchors=6),
+]
+SPECIAL_BY_NAME = {c.name: c for c in SPECIAL}
+
+
+@pytest.fixture(scope="module")
+def special(run_reference_cases):
+    return run_reference_cases(SPECIAL)
+
+
+def test_raising_candidate_is_a_failure_that_names_the_dropped_slice():
+    cand, failed = run_candidate(
+        load_candidate(f"{EXAMPLES}/candidates/fc_drops_last_slice.py:candidate"), CASES[1])
+    assert cand is None and failed.status == "fail"
+    assert failed.summary.startswith("the candidate raised RuntimeError: mat1 and mat2 shapes")
+    assert failed.diagnosis[0].startswith(
+        "fc expects 5 target layers (160 = 5*H features, H = 32), the candidate passed 4 (128 "
+        "features): 1 target-layer slice(s) dropped before fc"), failed.diagnosis
+
+
+def test_no_decay_defaults_warn_on_gamma_none(reference):
+    r = audit(load_candidate(f"{EXAMPLES}/candidates/no_decay.py:candidate"), CASES[1],
+              reference)["defaults"]
+    assert r.status == "warn" and r.details["fields"]["gamma"]["candidate_reports_none"]
+    assert r.diagnosis[0].startswith("the candidate's default gamma is None (no position decay")
+
+
+def test_sample_from_anchor_slot_zero_weight_is_named(special):
+    case = SPECIAL_BY_NAME["sample-from-anchor"]
+    r = audit(load_candidate(f"{EXAMPLES}/candidates/anchor_slot_zero.py:candidate"), case,
+              special)["loss"]
+    assert r.status == "fail"
+    assert r.diagnosis[0] == ("slot 0 weighted 0 where sample_from_anchor trains it with weight 1 "
+                              "(fit 0 vs 1); decay formula exp(-(s-1)/gamma) instead of "
+                              "exp(-s/gamma)"), r.diagnosis
+
+
+def test_dpace_on_one_block_names_no_fixed_weights_and_follows_the_mask(special):
+    """Issue 11 items 7/8: one supervised block makes "constant weight per slot" trivially
+    true; the D-PACE weight shift follows from the mask difference."""
+    case = SPECIAL_BY_NAME["dpace-one-block"]
+    results = audit(load_candidate(f"{EXAMPLES}/candidates/context_rule_le.py:candidate"), case,
+                    special)
+    loss = results["loss"]
+    assert loss.status == "fail"
+    assert not any("fixed per-slot weights" in d for d in loss.diagnosis), loss.diagnosis
+    assert loss.diagnosis[0].startswith("follows from the mask"), loss.diagnosis
+    assert not any("unexplained" in d for r in results.values() for d in r.diagnosis), \
+        [(k, r.diagnosis) for k, r in results.items() if r.diagnosis]
+
+
+def test_fixed_weights_under_dpace_named_where_the_case_separates_them(special):
+    class FixedDecay(DrafterCandidate):
+        def run_case(self, config, loss, weights, inputs):
+            fixed = LossSpec(loss.loss, "fixed-exp-decay", loss.gamma, loss.dpace_alpha)
+            return super().run_case(config, fixed, weights, inputs)
+
+    case = SPECIAL_BY_NAME["dpace"]
+    assert audit(FixedDecay(), case, special)["loss"].diagnosis[0] == \
+        "fixed per-slot weights where the profile says D-PACE"
+    one = SPECIAL_BY_NAME["dpace-one-block"]
+    assert not any("fixed per-slot" in d for d in audit(FixedDecay(), one, special)[
+        "loss"].diagnosis)
+
+
+@pytest.mark.parametrize("case", SPECIAL, ids=lambda c: c.name)
+def test_our_drafter_passes_the_special_cases(case, special):
+    results = audit(DrafterCandidate(), case, special)
+    assert {r.status for r in results.values()} == {"pass"}, \
+        [(k, r.summary) for k, r in results.items() if r.status != "pass"]

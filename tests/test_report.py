@@ -96,6 +96,26 @@ def test_verdict_and_aggregation(failing):
     assert make_report({}).verdict == "fail"  # nothing checked is not a pass
 
 
+def test_one_cause_one_bullet_with_the_cases_it_covers():
+    """Issue 11: the same unexplained difference on three cases is one bullet listing them,
+    its per-case numbers kept in report.json."""
+    def unexplained(i):
+        return (f"unexplained difference in logits: no tested hypothesis reproduces the "
+                f"candidate (max abs {0.1 * (i + 1):.3g}; first at anchor {i}, slot 1)")
+
+    report = make_report({f"c{i}": [result("logits", f"c{i}", FAIL, 0.1, [unexplained(i)])]
+                          for i in range(3)})
+    (entry,) = report.diagnoses()
+    assert entry["cause"] == ("unexplained difference in logits: no tested hypothesis "
+                              "reproduces the candidate")
+    assert entry["cases"] == ["c0", "c1", "c2"]
+    assert entry["per_case"]["c2"] == unexplained(2)
+    md = render_markdown(report)
+    assert md.count("unexplained difference in logits") == 1
+    assert "cases: `c0`, `c1`, `c2`; numbers per case in report.json" in md
+    assert render_html(report).count("<li>") == 1 + 3  # one bullet, three folded per-case lines
+
+
 def test_write_report_files(failing, tmp_path):
     folder = write_report(failing, tmp_path / "reports")
     assert re.fullmatch(r"20260801T100005Z-ad5e21eedc89", folder.name)

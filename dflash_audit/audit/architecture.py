@@ -3,9 +3,11 @@
 A candidate's context, masks and targets can all conform while its draft layers compute
 something else: a hard-coded RoPE theta or norm eps, another activation, the attention scale,
 grouped-query heads tiled instead of interleaved, a norm or a residual left out, the context
-normed again per layer. Each hypothesis here is one such slip, expressed as an edit of our own
-drafter (:class:`dflash_audit.model.drafter.DFlashDrafter`, whose layers mirror the reference's
-Qwen3 draft layer, speculators ``models/dflash/model_definitions.py``). The diagnosis replays our
+normed again per layer, a correct boolean mask misused by the attention (added to the scores
+as numbers, not passed, wrong sign, transposed, broadcast over the wrong dimension). Each
+hypothesis here is one such slip, expressed as an edit of our own drafter
+(:class:`dflash_audit.model.drafter.DFlashDrafter`, whose layers mirror the reference's Qwen3
+draft layer, speculators ``models/dflash/model_definitions.py``). The diagnosis replays our
 drafter with the edit and names the slip when the replay reproduces the candidate's logits.
 
 A hypothesis is ``(label, kwargs)``; kwargs are those of :func:`dflash_audit.audit.replay.replay`:
@@ -179,6 +181,47 @@ def layer_hypotheses() -> Iterator[Hypothesis]:
     for attention, mlp, label in ((False, True, "attention"), (True, False, "MLP")):
         yield (f"residual connection around the {label} missing in the draft layers",
                {"edit": _each_layer(lambda la, a=attention, m=mlp: Residuals(la, a, m))})
+
+
+class MaskMisuse(nn.Module):
+    """A draft attention given the correct boolean mask [Q, T+Q] but passing ``use(mask)`` to
+    its scaled-dot-product attention (a float mask there is added to the scores)."""
+
+    def __init__(self, attention: nn.Module, use: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.attention, self.use = attention, use
+
+    def forward(self, x, context, cos, sin, mask):
+        return self.attention(x, context, cos, sin, self.use(mask))
+
+
+def _noise_transposed(mask: torch.Tensor) -> torch.Tensor:
+    T = mask.shape[1] - mask.shape[0]
+    return torch.cat([mask[:, :T], mask[:, T:].T], 1)
+
+
+#: (label, what the attention is given instead of the boolean mask): a boolean mask used as
+#: numbers, no mask, an additive mask of the wrong sign, the noise block's part transposed,
+#: the first query's row broadcast to every query.
+MASK_MISUSES: tuple[tuple[str, Callable[[torch.Tensor], torch.Tensor]], ...] = (
+    ("attention ignores the mask: the boolean mask is added to the scores (True becomes +1, "
+     "nothing is masked)", lambda m: m.float()),
+    ("attention ignores the mask: no mask is passed to the draft attention",
+     lambda m: torch.ones_like(m)),
+    ("attention mask with the wrong sign: the allowed positions get the large negative bias, "
+     "the masked ones 0", lambda m: m.float() * -1e9),
+    ("attention mask transposed: the noise-block part read as [kv, q] instead of [q, kv]",
+     _noise_transposed),
+    ("attention mask broadcast over the wrong dimension: every query uses the first query's "
+     "mask row", lambda m: m[:1].expand_as(m)),
+)
+
+
+def mask_misuse_hypotheses() -> Iterator[Hypothesis]:
+    """The draft attention misusing a correct mask (:data:`MASK_MISUSES`)."""
+    for label, use in MASK_MISUSES:
+        yield label, {"edit": _replace(lambda old, layer, use=use: MaskMisuse(old, use),
+                                       "self_attn")}
 
 
 def architecture_hypotheses(c: DFlashConfig, weights: dict[str, torch.Tensor],

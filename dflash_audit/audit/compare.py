@@ -110,15 +110,16 @@ def _mask_pictures(name: str, case: Any, cand: Any, ref: Any) -> list[Any]:
     return pictures
 
 
-def _check_case(case: Any, cand: Any, ref: Any) -> list[Any]:
-    """run_checks + diagnose (in place) on one case; a crash of the engine on this case's
-    outputs is a failing "checks" result (the outputs could not be compared)."""
+def _check_case(case: Any, cand: Any, ref: Any, memo: Any = None) -> list[Any]:
+    """run_checks + diagnose (in place) on one case (``memo``: the audit's SearchMemo); a
+    crash of the engine on this case's outputs is a failing "checks" result (the outputs
+    could not be compared)."""
     from dflash_audit.audit.checks import run_checks
     from dflash_audit.audit.diagnose import diagnose
 
     try:
         results = list(run_checks(case, cand, ref))
-        diagnose(case, cand, ref, results)
+        diagnose(case, cand, ref, results, memo)
     except Exception as exc:  # noqa: BLE001 - reported with the traceback in the report
         return [failed_run("checks", case.name,
                            f"the outputs could not be compared: {type(exc).__name__}: {exc}",
@@ -214,9 +215,10 @@ def check_all(planned: list[Any], outputs: dict[str, Any], cases_dir: Path, st: 
         CompareSetupError: the reference wrote no outputs for a case.
     """
     from dflash_audit.audit.case import SideOutputs
+    from dflash_audit.audit.evidence import SearchMemo
     from dflash_audit.report import CaseRecord
 
-    records, differing, examples = [], [], []
+    records, differing, examples, memo = [], [], [], SearchMemo()
     with st.stage("checks", "checks + diagnosis", total=len(planned)) as advance:
         for p in planned:
             name = p.case.name
@@ -226,7 +228,8 @@ def check_all(planned: list[Any], outputs: dict[str, Any], cases_dir: Path, st: 
                 raise CompareSetupError(f"the reference wrote no usable outputs for case "
                                         f"{name}: {exc}") from None
             cand, failure = outputs.pop(name)
-            results = [failure] if failure is not None else _check_case(p.case, cand, ref)
+            results = [failure] if failure is not None else _check_case(p.case, cand, ref,
+                                                                           memo)
             records.append(CaseRecord(name=name, kind=p.kind, description=p.case.description,
                                       layout=p.layout, results=results))
             for pic in _mask_pictures(name, p.case, cand, ref):

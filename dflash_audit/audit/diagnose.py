@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.checks import REGISTRY
-from dflash_audit.audit.evidence import Evidence, unexplained
+from dflash_audit.audit.evidence import Evidence, SearchMemo, unexplained
 from dflash_audit.audit.result import FAIL, PASS, CheckResult
 
 #: Check name -> its diagnosis.
@@ -34,12 +34,13 @@ DIAGNOSERS: dict[str, Callable[[Evidence, CheckResult], list[str]]] = {
 
 
 def diagnose(case: Case, cand: SideOutputs, ref: SideOutputs,
-             results: list[CheckResult]) -> None:
+             results: list[CheckResult], memo: SearchMemo | None = None) -> None:
     """Fill ``diagnosis`` of every failing or warning result of one case (in place).
 
     Results marked "not provided" get none. A diagnoser that raises records that it could not
-    run instead of hiding the result."""
-    ev = Evidence(case, cand, ref, {r.name for r in results if r.status == FAIL})
+    run instead of hiding the result. ``memo`` (one per audit, shared by its cases) budgets the
+    costly replay searches across cases (:class:`dflash_audit.audit.evidence.SearchMemo`)."""
+    ev = Evidence(case, cand, ref, {r.name for r in results if r.status == FAIL}, memo)
     for result in results:
         if result.status == PASS or result.summary.startswith("not provided"):
             continue

@@ -22,6 +22,11 @@ from dflash_audit.model.drafter import block_indices
 #: vocabulary columns), then confirms a match on up to CONFIRM_SAMPLE slots, every column:
 #: cheap on real verifiers (V = 49152) and still exact where it matters.
 SEARCH_SAMPLE, SEARCH_VOCAB, CONFIRM_SAMPLE = 8, 256, 512
+#: The most hypotheses one check's search tries (the budget of a failing audit's diagnosis).
+MAX_HYPOTHESES = 96
+#: Full replay searches per (check, layer layout) that may end unexplained before later cases
+#: of that layout only try what reproduced elsewhere (:class:`SearchMemo`).
+FULL_SEARCHES = 1
 #: Which checks a check's values depend on.
 UPSTREAM: dict[str, tuple[str, ...]] = {
     "logits": ("structure", "context", "mask"),
@@ -32,13 +37,50 @@ UPSTREAM: dict[str, tuple[str, ...]] = {
 
 
 @dataclass
+class SearchMemo:
+    """What the costly hypothesis searches (replays of the drafter) found on one audit's
+    earlier cases, so that a failing audit stays within a small factor of a passing one.
+
+    Labels that reproduced a case are tried first on later cases; once a check's full search
+    left FULL_SEARCHES cases of one layer layout unexplained, later cases of that layout try
+    only the labels that reproduced somewhere (deterministic: it depends on the case order
+    only). Keys are ``(check, layer types)``.
+    """
+
+    found: dict[tuple, dict[str, int]] = field(default_factory=dict)
+    unexplained: dict[tuple, list[str]] = field(default_factory=dict)
+
+    def order(self, key: tuple, hypotheses: list) -> list:
+        """``(label, ...)`` hypotheses, those that reproduced before first (most often first);
+        only those once the search of ``key`` is exhausted (:meth:`exhausted`)."""
+        seen = self.found.get(key[0], {})
+        ranked = sorted(hypotheses, key=lambda h: -seen.get(h[0], 0))
+        return [h for h in ranked if h[0] in seen] if self.exhausted(key) else ranked
+
+    def exhausted(self, key: tuple) -> list[str]:
+        """The cases whose full search found nothing, once there are FULL_SEARCHES of them."""
+        cases = self.unexplained.get(key, [])
+        return cases if len(cases) >= FULL_SEARCHES else []
+
+    def record(self, key: tuple, case: str, label: str | None, full: bool) -> None:
+        """One search's outcome: the label that reproduced, or none after a full search."""
+        if label is not None:
+            counts = self.found.setdefault(key[0], {})
+            counts[label] = counts.get(label, 0) + 1
+        elif full:
+            self.unexplained.setdefault(key, []).append(case)
+
+
+@dataclass
 class Evidence:
-    """One case's inputs and both sides' outputs, with the derived quantities diagnoses share."""
+    """One case's inputs and both sides' outputs, with the derived quantities diagnoses share
+    (and the audit's :class:`SearchMemo`, when it shares one across cases)."""
 
     case: Case
     cand: SideOutputs
     ref: SideOutputs
     failing: set[str] = field(default_factory=set)
+    memo: SearchMemo | None = None
 
     @cached_property
     def tol(self) -> dict[str, float]:
@@ -96,11 +138,35 @@ def follows_from(check: str, ev: Evidence) -> str | None:
 
 def search_hypotheses(ev: Evidence, hypotheses,
                       predict: Callable[[Any, Any], torch.Tensor],
-                      observed: Callable[[Any], torch.Tensor], stages: list) -> list:
+                      observed: Callable[[Any], torch.Tensor], stages: list,
+                      first: bool = True, cap: int = MAX_HYPOTHESES) -> list:
     """Hypotheses whose prediction ``predict(h, selection)`` matches ``observed(selection)``
-    within tolerance at every stage (cheap selections first)."""
-    return [h for h in hypotheses
-            if all(ev.close(observed(sel), predict(h, sel)) for sel in stages)]
+    within tolerance at every stage (cheap selections first). The search is budgeted: it stops
+    at the first match (``first``) and after ``cap`` hypotheses (hypothesis families list the
+    likeliest members first), so a failing audit stays within a small factor of a passing one."""
+    found = []
+    for i, h in enumerate(hypotheses):
+        if i >= cap:
+            break
+        if all(ev.close(observed(sel), predict(h, sel)) for sel in stages):
+            found.append(h)
+            if first:
+                break
+    return found
+
+
+def shifted(x: torch.Tensor, d: int, dim: int = 1) -> torch.Tensor:
+    """``x`` with ``out[:, p] = x[:, p + d]`` along ``dim`` (zeros where p + d is outside):
+    ``d = 1`` is an EAGLE-3-style left shift."""
+    out = torch.zeros_like(x)
+    n = x.shape[dim]
+    if abs(d) >= n:
+        return out
+    if d >= 0:
+        out.narrow(dim, 0, n - d).copy_(x.narrow(dim, d, n - d))
+    else:
+        out.narrow(dim, -d, n + d).copy_(x.narrow(dim, 0, n + d))
+    return out
 
 
 def vocab_sample(size: int, k: int = SEARCH_VOCAB) -> torch.Tensor | None:

@@ -32,7 +32,7 @@ import torch
 from dflash_audit.audit.architecture import COMMON_NORM_EPS, COMMON_ROPE_THETAS
 from dflash_audit.audit.case import Case, CaseVerifier
 from dflash_audit.audit.synthetic import synthetic_case
-from dflash_audit.audit.weights import real_case_weights
+from dflash_audit.audit.weights import fit_to_targets, real_case_weights
 from dflash_audit.data.families import FAMILIES, family_config
 from dflash_audit.model.anchors import select_anchors
 from dflash_audit.model.config import SLIDING_ATTENTION
@@ -143,22 +143,26 @@ def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0,
                                      target_layer_ids=first.target_layer_ids)
     weights = real_case_weights(base, inputs.frozen, seed,
                                 rows=[(b.input_ids, b.loss_mask) for b in inputs.batches])
-    if user_weights is not None:
-        from dflash_audit.audit.user_weights import apply_user_weights
-
-        weights = apply_user_weights(weights, user_weights, weights_source,
-                                     inputs.frozen["verifier_lm_head.weight"])
     n_anchors = max(1, min(anchors, profile.max_anchors))
     verifier = CaseVerifier(name=str(inputs.verifier.get("name")), config=inputs.verifier_config,
                             folder=str(inputs.verifier_dir) if inputs.verifier_dir else None,
                             target_layers=profile.target_layers)
-    planned = []
+    rows = []
     for i, batch in enumerate(inputs.batches):
         g = torch.Generator().manual_seed(seed * 7919 + i)
         anchor_positions, anchor_valid = select_anchors(batch.loss_mask, n_anchors,
                                                         profile.block_size, g)
-        tensors = {**batch.tensors(), "anchor_positions": anchor_positions,
-                   "anchor_valid": anchor_valid}
+        rows.append({**batch.tensors(), "anchor_positions": anchor_positions,
+                     "anchor_valid": anchor_valid})
+    if user_weights is not None:  # the user's checkpoint is audited as it is
+        from dflash_audit.audit.user_weights import apply_user_weights
+
+        weights = apply_user_weights(weights, user_weights, weights_source,
+                                     inputs.frozen["verifier_lm_head.weight"])
+    else:  # fitted briefly so that loss terms which coincide at random init differ on real data
+        weights = fit_to_targets(base, weights, rows[0], seed=seed)
+    planned = []
+    for i, (batch, tensors) in enumerate(zip(inputs.batches, rows)):
         for variant in layout_variants(profile):
             config = variant.to_drafter_config(inputs.verifier_config, batch.mask_token_id,
                                                target_layer_ids=batch.target_layer_ids)

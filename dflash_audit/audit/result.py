@@ -18,6 +18,18 @@ def is_downstream(cause: str) -> bool:
     return DOWNSTREAM.search(cause) is not None
 
 
+#: The per-case numbers a cause may end with: an unexplained difference's "(max abs ...)", the
+#: weights a weight fallback lists (": candidate {...}").
+PER_CASE_TAIL = re.compile(r"(?<=reproduces the candidate) \(.*\)$|(?<=reproduces them): "
+                           r"candidate \{.*$")
+
+
+def cause_key(cause: str) -> str:
+    """A cause without its per-case numbers: the same unexplained difference on several cases
+    is one cause (one bullet listing its cases), not one per case."""
+    return PER_CASE_TAIL.sub("", cause)
+
+
 @dataclass
 class CheckResult:
     """One check (``structure``, ``defaults``, ``mask``, ``context``, ``targets``, ``logits``,

@@ -182,6 +182,7 @@ def run_candidate(candidate: Any, case: Any) -> tuple[Any, Any]:
 
     from dflash_audit.audit.case import SideOutputs
     from dflash_audit.audit.checks.anchors import draw_anchors
+    from dflash_audit.audit.raised import name_raise
 
     inputs = {k: v.clone() for k, v in case.inputs.items()}
     torch.manual_seed(0)
@@ -194,6 +195,7 @@ def run_candidate(candidate: Any, case: Any) -> tuple[Any, Any]:
             hint = ["the candidate's parameters do not match the reference's state dict "
                     "(names or shapes): compare fc in/out features, layer count and head "
                     "sizes with the reference"]
+        hint += name_raise(f"{type(exc).__name__}: {exc}", case.config)
         return None, failed_run("run", case.name, summary, traceback.format_exc(), hint)
     if not isinstance(out, SideOutputs):
         return None, failed_run(

@@ -7,7 +7,9 @@ the rows of the draft vocabulary, ``verifier_norm``). The draft vocabulary, when
 has one, is the most frequent supervised tokens of the audited rows
 (:mod:`dflash_audit.train.vocab`). The trainable part (fc, hidden_norm, layers, norm) is drawn
 from a seeded generator with norm gains spread around their identity, so a norm applied twice
-or not at all changes the numbers (:func:`dflash_audit.audit.synthetic.synthetic_weights`).
+or not at all changes the numbers (:func:`dflash_audit.audit.synthetic.synthetic_weights`),
+then briefly fitted to the verifier's targets (:func:`fit_to_targets`) so that loss terms that
+coincide at random initialisation (lk_hybrid and kl_div at overlap 0) differ on real data.
 
 The frozen weights are cached with the captured batches (:mod:`.real_inputs`), so a warm
 audit does not load the verifier: :func:`save_frozen` / :func:`load_frozen` store the full
@@ -114,3 +116,62 @@ def real_case_weights(config: DFlashConfig, frozen: dict[str, torch.Tensor], see
     weights["verifier_lm_head.weight"] = verifier_head.clone()
     weights["verifier_norm.weight"] = frozen["verifier_norm.weight"].clone()
     return weights
+
+
+#: The brief fit of a real case's trainable weights (:func:`fit_to_targets`): Adam steps,
+#: learning rate, anchors of the first row used (a few blocks keep it cheap on a real
+#: vocabulary). Measured on the default real case (SmolLM2, V = 49152, T = 256, B = 8): the
+#: overlap goes from 0.000 to 0.07 and lk_hybrid differs from kl_div by 10 % (4.9e-6 before).
+FIT_STEPS, FIT_LR, FIT_ANCHORS = 2, 3e-2, 2
+#: The loss the fit minimises: the reference's own default divergence.
+FIT_LOSS = "kl_div"
+
+
+def fit_to_targets(config: DFlashConfig, weights: dict[str, torch.Tensor],
+                   inputs: dict[str, torch.Tensor], steps: int = FIT_STEPS, lr: float = FIT_LR,
+                   seed: int = 0) -> dict[str, torch.Tensor]:
+    """The weights after a brief, seeded fit of our drafter's trainable part to the verifier's
+    targets on one row, so that the drafter's and the verifier's distributions overlap.
+
+    At random initialisation the overlap ``sum_v min(p_v, q_v)`` is about 0, where loss terms
+    built on it coincide (``lk_hybrid`` = ``kl_div`` exactly at overlap 0, ``tv`` = 1): a real
+    case could not tell them apart. Fitted, each loss term gives its own value.
+
+    Args:
+        config: the drafter config; weights: a full state dict (reference keys), not changed.
+        inputs: one case's inputs (``input_ids`` [1,T], ``hidden_states`` [1,T,n*H], ...,
+            ``anchor_positions`` [A], ``anchor_valid`` [A]); the first FIT_ANCHORS anchors are
+            used.
+        steps, lr: Adam steps and learning rate; seed: seeds torch during the fit.
+
+    Returns:
+        A new state dict: the fitted trainable tensors, the frozen ones shared with ``weights``.
+    """
+    from dflash_audit.model.drafter import DFlashDrafter
+    from dflash_audit.model.loss import LossSpec, dflash_loss
+
+    keys = ("hidden_states", "input_ids", "loss_mask", "verifier_last_hidden_states",
+            "document_ids", "position_ids")
+    # clones: captured batches may be inference tensors, which autograd cannot save
+    row = {k: inputs[k].clone() for k in keys}
+    row["anchor_positions"] = inputs["anchor_positions"][:FIT_ANCHORS].clone()
+    row["anchor_valid"] = inputs["anchor_valid"][:FIT_ANCHORS].clone()
+    if not bool(row["anchor_valid"].any()):
+        return dict(weights)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = DFlashDrafter(config).float()
+        model.load_state_dict(weights, strict=True)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.Adam(trainable, lr=lr)
+        for _ in range(steps):
+            out = model(**row)
+            loss = dflash_loss(out.logits, out.targets, out.aligned_loss_mask, config.block_size,
+                               LossSpec(FIT_LOSS), config.sample_from_anchor).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    fitted = {k: v.detach().clone().to(weights[k].dtype) for k, v in model.state_dict().items()
+              if k in names}
+    return {**weights, **fitted}

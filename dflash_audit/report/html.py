@@ -162,6 +162,15 @@ def _e(x: Any) -> str:
     return html.escape(str(x))
 
 
+def _per_case(diagnosis: dict) -> str:
+    """A merged cause's per-case numbers, folded (one cause, one bullet)."""
+    per_case = diagnosis.get("per_case") or {}
+    if not per_case:
+        return ""
+    items = "".join(f"<li><code>{_e(c)}</code>: {_e(text)}</li>" for c, text in per_case.items())
+    return f"<details><summary>per case</summary><ul>{items}</ul></details>"
+
+
 def render_html(report: Report) -> str:
     """The text of ``report.html``."""
     v = report.verdict
@@ -187,8 +196,8 @@ def render_html(report: Report) -> str:
     if diagnoses:
         parts.append("<h2>Diagnoses</h2><ul>" + "".join(
             f"<li>{_status(d['status'])} {_e(d['cause'])} — checks {_e(', '.join(d['checks']))}; "
-            f"cases {_e(', '.join(d['cases'][:6]))}{' …' if len(d['cases']) > 6 else ''}</li>"
-            for d in diagnoses) + "</ul>")
+            f"cases {_e(', '.join(d['cases'][:6]))}{' …' if len(d['cases']) > 6 else ''}"
+            f"{_per_case(d)}</li>" for d in diagnoses) + "</ul>")
     pictures = [p for p in report.masks if p.differs][:MAX_PICTURES]
     parts.append("<h2>Attention masks</h2>")
     if pictures:

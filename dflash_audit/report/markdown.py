@@ -105,8 +105,9 @@ def render_markdown(report: Report) -> str:
         for d in diagnoses[:MAX_DIAGNOSES]:
             cases = ", ".join(f"`{c}`" for c in d["cases"][:4])
             more = f" (+{len(d['cases']) - 4} more)" if len(d["cases"]) > 4 else ""
+            numbers = "; numbers per case in report.json" if d.get("per_case") else ""
             out.append(f"- {ICON.get(d['status'], '')} {_cell(d['cause'], 300)} — checks: "
-                       f"{', '.join(d['checks'])}; cases: {cases}{more}")
+                       f"{', '.join(d['checks'])}; cases: {cases}{more}{numbers}")
         if len(diagnoses) > MAX_DIAGNOSES:
             out.append(f"- … {len(diagnoses) - MAX_DIAGNOSES} more in report.json")
         out.append("")

@@ -28,7 +28,8 @@
   :class:`~dflash_audit.audit.result.CheckResult` as a dict).
 - ``diagnoses``: distinct likely causes over all non-passing results, failures first, root
   causes before consequences ("follows from ..."), then by frequency: ``cause``, ``status``,
-  ``checks``, ``cases``.
+  ``checks``, ``cases``, and ``per_case`` (case -> the cause with that case's numbers) where a
+  cause carries per-case numbers (the same unexplained difference is one entry).
 - ``timing``: seconds per stage (resolve_reference, batches, cases, write_cases,
   import_check, candidate, reference_wait, reference, checks) and ``total``.
 - ``notes``: remarks (e.g. version-dependent metric definitions).
@@ -44,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_audit import __version__
-from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult, is_downstream
+from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult, cause_key, is_downstream
 from dflash_audit.report.fingerprint import report_fingerprint
 
 SCHEMA_VERSION = 1
@@ -149,13 +150,16 @@ class Report:
         for r in self.results:
             if r.status == PASS:
                 continue
-            for cause in r.diagnosis:
+            for full in r.diagnosis:
+                cause = cause_key(full)  # one cause, one entry, whatever its per-case numbers
                 entry = seen.setdefault(cause, {"cause": cause, "checks": [], "cases": [],
                                                 "status": r.status})
                 if r.name not in entry["checks"]:
                     entry["checks"].append(r.name)
                 if r.case not in entry["cases"]:
                     entry["cases"].append(r.case)
+                if full != cause:
+                    entry.setdefault("per_case", {}).setdefault(r.case, full)
                 if r.status == FAIL:
                     entry["status"] = FAIL
                 counts[cause] += 1

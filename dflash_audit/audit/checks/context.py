@@ -2,7 +2,8 @@
 supervised block may attend (reference masks), at the dtype's assert_close tolerance
 (:data:`dflash_audit.audit.tolerance.TOLERANCES`).
 
-Hypotheses name: fc fed a subset of the target layers (and which fc.weight columns it kept),
+Hypotheses name: hidden_states shifted against the loss mask / positions (EAGLE-3-style,
+either direction), fc fed a subset of the target layers (and which fc.weight columns it kept),
 target layers concatenated in descending order, hidden_norm missing or applied twice, and a
 hard-coded hidden_norm eps.
 """
@@ -18,7 +19,7 @@ import torch
 from dflash_audit.audit.architecture import COMMON_NORM_EPS
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import tensor_result
-from dflash_audit.audit.evidence import Evidence, sample, search_hypotheses
+from dflash_audit.audit.evidence import Evidence, sample, search_hypotheses, shifted
 from dflash_audit.audit.result import CheckResult
 from dflash_audit.audit.slots import attended_positions
 from dflash_audit.model.layers import RMSNorm
@@ -47,6 +48,7 @@ class ContextHypothesis:
     columns: tuple[int, ...]  # fc.weight column blocks used (in H units)
     norms: int = 1
     eps: float | None = None  # hidden_norm's eps when not the verifier's
+    shift: int = 0  # context position p reads hidden_states[p + shift] (zeros past the end)
 
 
 def context_hypotheses(ev: Evidence) -> Iterator[ContextHypothesis]:
@@ -55,6 +57,8 @@ def context_hypotheses(ev: Evidence) -> Iterator[ContextHypothesis]:
     a commonly hard-coded eps."""
     n = ev.config.num_target_layers
     all_ = tuple(range(n))
+    for shift in (1, -1):  # EAGLE-3-style shifted inputs against the loss mask / positions
+        yield ContextHypothesis(all_, all_, 1, shift=shift)
     yield ContextHypothesis(all_, all_, 0)
     yield ContextHypothesis(all_, all_, 2)
     yield ContextHypothesis(all_[::-1], all_, 1)
@@ -74,7 +78,7 @@ def context_hypotheses(ev: Evidence) -> Iterator[ContextHypothesis]:
 def predict_context(case: Case, h: ContextHypothesis, positions: torch.Tensor) -> torch.Tensor:
     """[1, len(positions), H] context of hypothesis h."""
     c, H = case.config, case.config.hidden_size
-    hs = case.inputs["hidden_states"][:, positions].float()
+    hs = shifted(case.inputs["hidden_states"], h.shift)[:, positions].float()
     w = case.weights["fc.weight"].float()
     x = torch.cat([hs[..., i * H:(i + 1) * H] for i in h.slices], -1)
     cols = torch.cat([torch.arange(i * H, (i + 1) * H) for i in h.columns])
@@ -91,6 +95,10 @@ def describe_context_hypothesis(case: Case, h: ContextHypothesis) -> str:
     """The named deviation of h from the reference's context formula."""
     c = case.config
     n, ids = c.num_target_layers, c.target_layer_ids
+    if h.shift:
+        return (f"hidden_states shifted {'left' if h.shift > 0 else 'right'} by {abs(h.shift)} "
+                f"relative to loss_mask / position_ids: context position p reads "
+                f"hidden_states[p{h.shift:+d}]")
     if h.eps is not None:
         return f"hidden_norm eps {h.eps:g}, not the verifier's rms_norm_eps"
     if h.norms == 0:

@@ -3,7 +3,8 @@ max_anchors / dpace_alpha next to the profile's explicit value.
 
 Never fails (both sides run the profile's explicit values); exact comparison, loss names by
 their first word. Hypotheses name: a candidate default that differs from the reference's (a
-run without an explicit profile would train differently).
+run without an explicit profile would train differently), and a candidate that reports
+``gamma = None`` (no position decay by default).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def profile_defaults(case: Case) -> dict[str, Any]:
             "dpace_alpha": case.loss.dpace_alpha}
 
 
+def _reports_none(defaults: dict[str, Any], field: str) -> bool:
+    """The side names the field with the value None (e.g. ``gamma = None``: no decay)."""
+    return any(k in defaults and defaults[k] is None for k in DEFAULT_ALIASES[field])
+
+
 def _same_default(a: Any, b: Any) -> bool:
     if isinstance(a, str) and isinstance(b, str):  # "kl_div (fused)" names the loss kl_div
         return a.split()[0] == b.split()[0]
@@ -55,6 +61,9 @@ def check_defaults(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResu
         fields[field] = {"profile": value, "candidate_default": c, "reference_default": r}
         if c is not None and r is not None and not _same_default(c, r):
             differing.append(f"{field}: candidate {c!r}, reference {r!r}")
+        elif field == "gamma" and _reports_none(cand.defaults, field) and r is not None:
+            fields[field]["candidate_reports_none"] = True
+            differing.append(f"gamma: candidate None (no position decay), reference {r!r}")
     status = WARN if differing else PASS
     reported = "" if cand.defaults else "; the candidate reports no defaults"
     summary = ("defaults differ (both sides ran the profile's explicit values): "
@@ -70,6 +79,10 @@ def diagnose_defaults(ev: Evidence, result: CheckResult) -> list[str]:
     out = []
     for name, v in result.details.get("fields", {}).items():
         c, r = v["candidate_default"], v["reference_default"]
+        if v.get("candidate_reports_none"):
+            out.append(f"the candidate's default {name} is None (no position decay, w_s = 1); "
+                       f"the reference's is {r!r}: a run without an explicit gamma would not "
+                       "decay the loss over the block")
         if c is not None and r is not None and str(c).split()[0] != str(r).split()[0]:
             out.append(f"the candidate's default {name} {c!r} differs from the reference's "
                        f"{r!r}: a run without an explicit profile would train differently")

@@ -2,8 +2,9 @@
 one backward, at a tolerance of ``atol * max(1, max|g_ref|)`` and the dtype's ``rtol``.
 
 Hypotheses name: frozen weights being trained (gradients where the reference freezes),
-parameters no gradient reaches (detached or frozen on the candidate side), and differences
-that follow from an upstream check's difference.
+parameters no gradient reaches (detached or frozen on the candidate side; a consequence, not
+a cause, when the candidate's masks hide all context), and differences that follow from an
+upstream check's difference.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import not_provided
 from dflash_audit.audit.evidence import Evidence, comma_list, follows_from
 from dflash_audit.audit.result import FAIL, PASS, CheckResult
+from dflash_audit.audit.slots import as_bool_mask
 from dflash_audit.audit.tolerance import closeness, fmt_diff, tolerance
 from dflash_audit.model.drafter import FROZEN_PARAMETERS
 
@@ -100,6 +102,14 @@ def check_gradients(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckRes
         details={"parameters": per_param, "failing": [p[0] for p in problems]})
 
 
+def masks_hide_context(ev: Evidence) -> bool:
+    """Whether every mask the candidate returned lets no supervised row attend any context
+    position (then fc and hidden_norm get no gradient through attention)."""
+    masks = [as_bool_mask(v) for k, v in ev.cand.tensors.items() if k.startswith("mask.")]
+    T = ev.inputs["input_ids"].shape[-1]
+    return bool(masks) and all(m.shape[-1] > T and not m[ev.rows][:, :T].any() for m in masks)
+
+
 def diagnose_gradients(ev: Evidence, result: CheckResult) -> list[str]:
     """Frozen weights trained, parameters no gradient reaches, or an upstream difference."""
     params = result.details.get("parameters", {})
@@ -111,10 +121,16 @@ def diagnose_gradients(ev: Evidence, result: CheckResult) -> list[str]:
     cg = {k[5:]: v for k, v in ev.cand.tensors.items() if k.startswith("grad.")}
     no_grad = [n for n, p in params.items() if n not in frozen and p["status"] == FAIL and (
         n not in cg or not cg[n].abs().max() > 0)]
-    if no_grad:
+    upstream = follows_from("gradients", ev)
+    if no_grad and upstream and masks_hide_context(ev):
+        causes.append(f"{upstream}: the candidate's masks hide all context, so no gradient "
+                      f"reaches {comma_list(no_grad)} (a consequence, not a detached or frozen "
+                      "parameter)")
+        no_grad = []
+        upstream = None
+    elif no_grad:
         causes.append(f"no gradient reaches {comma_list(no_grad)} on the candidate side (detached "
                       "or frozen; the reference trains them)")
-    upstream = follows_from("gradients", ev)
     rest = [n for n in result.details.get("failing", []) if n not in frozen + no_grad]
     if rest and upstream:
         causes.append(upstream)

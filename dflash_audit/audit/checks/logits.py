@@ -3,7 +3,9 @@ dtype's assert_close tolerance (:data:`dflash_audit.audit.tolerance.TOLERANCES`)
 
 Hypotheses replay our drafter (:mod:`dflash_audit.audit.replay`) and name: a context / mask
 difference the logits follow from (replayed with the candidate's own context and masks),
-mixed position conventions, the noise block's slot 0 holding mask_token_id or a neighbour
+hidden_states and input_ids shifted against loss_mask / position_ids (EAGLE-3-style), a
+correct mask misused by the attention (a boolean mask added to the scores, ...), mixed
+position conventions, the noise block's slot 0 holding mask_token_id or a neighbour
 instead of the anchor token, mask_token_id falling back to another token, RoPE
 partial_rotary_factor applied or ignored, mask variants (when the candidate returned no
 masks), draft-layer slips (:mod:`dflash_audit.audit.architecture`), and a draft-vocabulary
@@ -18,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from dflash_audit.audit.architecture import architecture_hypotheses
+from dflash_audit.audit.architecture import architecture_hypotheses, mask_misuse_hypotheses
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.checks.mask import (
     build_mask,
@@ -29,10 +31,12 @@ from dflash_audit.audit.checks.targets import diagnose_vocab
 from dflash_audit.audit.compare_tensors import slot_check
 from dflash_audit.audit.evidence import (
     CONFIRM_SAMPLE,
+    MAX_HYPOTHESES,
     Evidence,
     and_list,
     follows_from,
     sample,
+    shifted,
     unexplained,
 )
 from dflash_audit.audit.replay import replay
@@ -75,6 +79,8 @@ def logit_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
     partial factor, (when the candidate returned no masks) mask variants, then the draft
     layers' internals (:func:`dflash_audit.audit.architecture.architecture_hypotheses`)."""
     c, inputs = ev.config, ev.inputs
+    yield from shift_hypotheses(ev)
+    yield from mask_misuse_hypotheses()
     for label, transform in position_hypotheses(ev):
         yield label, {"positions": transform}
     anchors = inputs["anchor_positions"].long()
@@ -97,6 +103,23 @@ def logit_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
     if not any(k.startswith("mask.") for k in ev.cand.tensors):
         yield from mask_replay_hypotheses(ev)
     yield from architecture_hypotheses(c, ev.case.weights, inputs["input_ids"].shape[-1])
+
+
+#: Inputs an EAGLE-3-style pipeline shifts, never loss_mask / position_ids / document_ids (a
+#: shift of verifier_last_hidden_states too cannot change the draft logits: the targets check
+#: names it).
+SHIFTED_INPUTS = (("hidden_states", "input_ids"),)
+
+
+def shift_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
+    """Inputs shifted by one position (left: position p holds what the reference has at p+1,
+    and right) relative to loss_mask / position_ids / document_ids, zeros shifted in."""
+    for d, names in itertools.product((1, -1), SHIFTED_INPUTS):
+        side = "left" if d > 0 else "right"
+        yield (f"{and_list(names)} shifted {side} by 1 relative to loss_mask / position_ids "
+               f"(position p reads the reference's p{d:+d}; loss_mask, position_ids and "
+               "document_ids unshifted)",
+               {"inputs": {n: shifted(ev.inputs[n], d) for n in names}})
 
 
 def rotary_inv_freq(config, rotary_dim: int) -> torch.Tensor:
@@ -173,9 +196,20 @@ def diagnose_logits(ev: Evidence, result: CheckResult) -> list[str]:
     if given and matches(given):
         return [f"follows from the {and_list(upstream)} difference: our drafter fed the "
                 f"candidate's own {parts} reproduces the candidate's logits"]
-    found = [label for label, kw in logit_hypotheses(ev) if matches(kw)]
+    # budgeted: a cap, the first that reproduces, what reproduced on earlier cases first
+    hypotheses = list(itertools.islice(logit_hypotheses(ev), MAX_HYPOTHESES))
+    key = ("logits", tuple(sorted(set(ev.config.effective_layer_types))))
+    skipped = ev.memo.exhausted(key) if ev.memo else []
+    if ev.memo:
+        hypotheses = ev.memo.order(key, hypotheses)
+    found = next((label for label, kw in hypotheses if matches(kw)), None)
+    if ev.memo:
+        ev.memo.record(key, ev.case.name, found, full=not skipped)
     if found:
-        return found
+        return [found]
+    if skipped:
+        return [unexplained(result), f"the full hypothesis search was not repeated on this case: "
+                f"it reproduced nothing on {and_list(skipped)} (same layer layout)"]
     if given:  # the upstream difference is real but does not account for the logits
         return [unexplained(result), f"not only the {and_list(upstream)} difference: our drafter "
                 f"fed the candidate's own {parts} does not reproduce the candidate's logits, "

@@ -3,10 +3,14 @@ loss mask (exact: which slots are trained) and each loss term's per-slot weights
 slots, with the decay gamma each side's weights imply (:func:`fit_decay`).
 
 Hypotheses name: slot 0 (the anchor) not masked out, padding anchors not masked out, a
-misaligned loss mask, a wrong decay gamma or decay formula, weights normalised per block,
-D-PACE vs fixed-exp-decay weighting, another loss (e.g. hard-label CE instead of a soft
-divergence) and the loss normalised by the sum of weights or averaged over all Q slots; among
-several loss formulas that reproduce the total, only those with the fewest deviations.
+misaligned loss mask, the fixed per-slot weight formula (:mod:`dflash_audit.audit.weight_formulas`:
+a wrong decay gamma or decay formula, no position decay, slot 0's weight under
+sample_from_anchor, weights normalised per block; on a case that cannot separate two formulas,
+both in one cause with the slots a separating case needs), D-PACE vs fixed-exp-decay weighting
+(only on a case whose reference weights vary between blocks), D-PACE weights that follow from
+an upstream difference, another loss (e.g. hard-label CE instead of a soft divergence) and the
+loss normalised by the sum of weights or averaged over all Q slots; among several loss formulas
+that reproduce the total, only those with the fewest deviations, named as one cause.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dflash_audit.audit.evidence import Evidence, follows_from
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.slots import slot_coordinates, supervised_slots
 from dflash_audit.audit.tolerance import closeness, fmt_diff, tolerance, worst
+from dflash_audit.audit.weight_formulas import weight_formula_causes
 from dflash_audit.model.loss import LOSS_REDUCTION_EPS, LOSSES, LossSpec, parse_loss, slot_weights
 
 
@@ -179,40 +184,52 @@ def aligned_mask_hypotheses(ev: Evidence) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def diagnose_weights(ev: Evidence, part: dict[str, Any]) -> list[str]:
-    """Name a per-slot weight difference from the fitted decay of the candidate's weights."""
+    """Name a per-slot weight difference: the fixed-decay formula the candidate's weights follow
+    (:func:`dflash_audit.audit.weight_formulas.weight_formula_causes`), or for D-PACE whether
+    the candidate's own per-slot loss reproduces its weights (then the difference follows from
+    upstream). "Fixed per-slot weights where the profile says D-PACE" is named only on a case
+    whose reference weights vary between blocks (one supervised block cannot tell them apart)."""
     spec = ev.case.loss
-    fit = part.get("candidate_fit")
+    fit, ref_fit = part.get("candidate_fit"), part.get("reference_fit") or {}
     if not fit:
         return []
     if spec.weighting == "fixed-exp-decay" and not fit["constant_per_slot"]:
         return ["per-slot weights vary between blocks (D-PACE-like) where the profile says "
                 "fixed-exp-decay"]
     if spec.weighting == "dpace":
-        return (["fixed per-slot weights where the profile says D-PACE"]
-                if fit["constant_per_slot"] else [])
-    out = []
-    s0_ref = 0.0 if ev.config.sample_from_anchor else 1.0
-    w0 = fit.get("w0")
-    if not ev.config.sample_from_anchor and w0 is not None and w0 > 0:
-        out.append(f"slot 0 weighted (w_0 = {w0:.3g}; reference 0): the anchor slot is not "
-                   "masked out of the loss")
-    g, s0 = fit.get("gamma"), fit.get("offset")
-    if g is None:
-        return out
-    if abs(g - spec.gamma) > 1e-3 * spec.gamma:
-        out.append(f"decay gamma {g:.4g} (fitted from the weights: w_(s+1)/w_s = exp(-1/gamma)), "
-                   f"reference {spec.gamma:g}")
-    if abs(s0 - s0_ref) > 1e-3:
-        if abs(s0 - (s0_ref - 1)) <= 1e-3:
-            out.append(f"decay formula exp(-s/gamma) instead of exp(-(s-{s0_ref:g})/gamma)"
-                       if s0_ref else "decay formula exp(-(s+1)/gamma)")
-        elif abs(s0 - (s0_ref + 1)) <= 1e-3:
-            out.append(f"decay formula exp(-(s-{s0_ref + 1:g})/gamma) instead of "
-                       f"exp(-(s-{s0_ref:g})/gamma)")
-        else:
-            scale = math.exp((s0 - s0_ref) / g)
-            out.append(f"per-slot weights scaled by {scale:.4g} (e.g. normalised per block)")
-    return out
+        if own_dpace_weights_match(ev, part["term"]):
+            upstream = follows_from("loss", ev)
+            return [f"{upstream}: D-PACE weights depend on the per-slot loss, and the "
+                    "reference's D-PACE formula on the candidate's own logits and targets "
+                    "reproduces its weights"] if upstream else []
+        if fit["constant_per_slot"] and not ref_fit.get("constant_per_slot", True):
+            return ["fixed per-slot weights where the profile says D-PACE"]
+        return []
+    causes = weight_formula_causes(fit["per_slot"], fit.get("gamma"), spec.gamma,
+                                   ev.config.sample_from_anchor, ev.config.block_size)
+    if causes:
+        return causes
+    s0_ref, g, s0 = (0.0 if ev.config.sample_from_anchor else 1.0), fit.get("gamma"), fit.get(
+        "offset")
+    if g is None or s0 is None or abs(s0 - s0_ref) <= 1e-3:
+        return []
+    return [f"per-slot weights scaled by {math.exp((s0 - s0_ref) / g):.4g} (e.g. normalised per "
+            "block)"]
+
+
+def own_dpace_weights_match(ev: Evidence, term: str) -> bool:
+    """Whether D-PACE on the candidate's own logits / targets / aligned mask reproduces its
+    weights of ``term`` (then a weight difference follows from those inputs)."""
+    t = ev.cand.tensors
+    key = f"loss_weights.{term}"
+    if term not in LOSSES or key not in t or "logits" not in t or "targets" not in t or \
+            t["logits"].shape != t["targets"].shape:
+        return False
+    m = t.get("aligned_loss_mask", ev.ref.tensors.get("aligned_loss_mask")).reshape(1, -1).float()
+    el = LOSSES[term](t["logits"].float(), t["targets"].float()) * m
+    w = slot_weights(ev.case.loss, el, m, ev.config.block_size, ev.config.sample_from_anchor)
+    sup = ev.sup
+    return bool(closeness(t[key].reshape(-1)[sup].float(), w.reshape(-1)[sup], **ev.tol).ok)
 
 
 def loss_formula_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict[str, float], str]]:
@@ -286,7 +303,12 @@ def diagnose_loss_total(ev: Evidence) -> list[str]:
     # the fewest deviations that reproduce the loss: two losses can agree numerically on a
     # case (rkl ~ kl_div near uniform targets), a second deviation is then not evidence
     fewest = min(map(len, found), default=0)
-    return ["; ".join(causes) for causes in found if len(causes) == fewest]
+    best = ["; ".join(causes) for causes in found if len(causes) == fewest]
+    if len(best) <= 1:
+        return best
+    return [f"{' or '.join(best)}: these give the same total on this case and cannot be told "
+            "apart here (one cause, not several); a case where the drafter's and the verifier's "
+            "distributions differ more (fitted weights, real data) separates them"]
 
 
 def diagnose_loss(ev: Evidence, result: CheckResult) -> list[str]:
@@ -298,7 +320,14 @@ def diagnose_loss(ev: Evidence, result: CheckResult) -> list[str]:
         causes += [label for label, m in aligned_mask_hypotheses(ev) if torch.equal(m, c)][:1]
     for key, part in parts.items():
         if key.startswith("loss_weights.") and part.get("status") == FAIL:
-            causes += diagnose_weights(ev, part)
+            named = diagnose_weights(ev, part)
+            if not named and part.get("candidate_fit"):
+                cw = {s: round(w, 4) for s, w in part["candidate_fit"]["per_slot"].items()}
+                rw = {s: round(w, 4) for s, w in
+                      (part.get("reference_fit") or {}).get("per_slot", {}).items()}
+                named = [f"per-slot weights of {part['term']!r} differ and no tested weight "
+                         f"formula reproduces them: candidate {cw}, reference {rw} (slot: weight)"]
+            causes += named
     if parts.get("total", {}).get("status") == FAIL:
         total = diagnose_loss_total(ev)
         if causes and total and total[0].startswith("the candidate's loss formula conforms"):

@@ -164,6 +164,6 @@ def diagnose_targets(ev: Evidence, result: CheckResult) -> list[str]:
                               lambda h, sel: predict_targets(ev.case, h, *sel),
                               lambda sel: (c[:, sel[0]] if sel[1] is None
                                            else c[:, sel[0]][..., sel[1]]),
-                              stages)
+                              stages, cap=256)  # cheap: an lm_head on sampled columns
     causes = [d for h in found for d in describe_target_hypothesis(ev.case, h)]
     return list(dict.fromkeys(causes))
