@@ -121,7 +121,7 @@ class DrafterCandidate:
         return select_anchors(loss_mask, max_anchors, block_size, generator)
 
     def run_case(self, config, loss, weights, inputs) -> SideOutputs:
-        model = self.build(config).float()
+        model = self.build(config).float().to(inputs["input_ids"].device)
         model.load_state_dict(weights, strict=True)
         model.train()
         out = model(**{k: inputs[k] for k in (

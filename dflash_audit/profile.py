@@ -22,6 +22,8 @@ File format (flat TOML, every key below; unknown keys are errors)::
     sample_from_anchor = false
     draft_vocab_size = 32000          # optional; absent = the verifier's vocabulary
     optimizer = "muon"                # optional, informational (training): adamw | muon
+    dtype = "bf16"                    # optional: fp32 (default) | bf16, the compute dtype of
+                                      # training (bf16: fp32 master weights + bf16 autocast)
 
 Built-in profiles live in ``dflash_audit/profiles/*.toml``; ``Profile.load`` takes a built-in
 name or a file path.
@@ -51,6 +53,10 @@ from dflash_audit.model.loss import WEIGHTINGS, LossSpec, parse_loss
 TARGET_LAYER_STYLES = ("zlab", "speculators")
 LAYOUTS = ("full", "sliding")
 OPTIMIZERS = ("adamw", "muon")
+#: Compute dtypes a profile may name (``dtype``); bf16 = fp32 master weights under bf16
+#: autocast, as the reference trains (speculators train/trainer.py, config/schema.py
+#: ``hidden_states_dtype``).
+DTYPES = ("fp32", "bf16")
 _LAYER_TYPE = {"full": FULL_ATTENTION, "sliding": SLIDING_ATTENTION,
                FULL_ATTENTION: FULL_ATTENTION, SLIDING_ATTENTION: SLIDING_ATTENTION}
 #: Fields that are not part of the profile's semantics (excluded from the fingerprint).
@@ -87,6 +93,7 @@ class Profile:
     sample_from_anchor: bool = False
     draft_vocab_size: int | None = None
     optimizer: str | None = None
+    dtype: str = "fp32"
     description: str = ""
     source: str = ""  # built-in name or file path it was read from
 
@@ -206,6 +213,7 @@ class Profile:
                  "draft_vocab_size", "must be a positive integer (or absent for the verifier's)")
         if self.optimizer is not None:
             want(self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {list(OPTIMIZERS)}")
+        want(self.dtype in DTYPES, "dtype", f"must be one of {list(DTYPES)}")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -288,6 +296,8 @@ class Profile:
         d = {k: v for k, v in self.to_dict().items() if k not in INFORMATIONAL}
         d["layer_layout"] = list(self.layer_types)
         d["gamma"], d["dpace_alpha"] = float(self.gamma), float(self.dpace_alpha)
+        if d["dtype"] == "fp32":  # the default: fingerprints of fp32 profiles stay unchanged
+            del d["dtype"]
         return d
 
     def fingerprint(self) -> str:

@@ -3,8 +3,10 @@
 A case is a folder (the exchange format with the reference process, ``reference/adapter.py``):
 ``inputs.safetensors`` (batch tensors + ``anchor_positions`` [A] + ``anchor_valid`` [A]),
 ``weights.safetensors`` (one state dict, reference key names) and ``profile.json``
-(``{"drafter": DFlashConfig.to_dict(), "loss": LossSpec fields}``); the reference writes
-``outputs.safetensors`` + ``outputs.json`` beside them.
+(``{"drafter": DFlashConfig.to_dict(), "loss": LossSpec fields, "dtype": "fp32" | "bf16",
+"device": "cpu" | "cuda"}``); the reference writes ``outputs.safetensors`` + ``outputs.json``
+beside them (with ``noise``, its own bf16-vs-fp32 differences, when the dtype is not fp32:
+:mod:`dflash_audit.audit.precision`).
 
 Output tensor keys (both sides): ``context`` [1,T,H], ``mask.<layer type>`` [Q,T+Q] bool,
 ``targets`` / ``logits`` [1,Q,V_d], ``aligned_loss_mask`` [1,Q], ``loss`` [],
@@ -43,6 +45,10 @@ class Case:
     inputs: dict[str, torch.Tensor]  # BATCH_KEYS + anchor_positions [A] + anchor_valid [A]
     weights: dict[str, torch.Tensor]  # reference state-dict keys
     description: str = ""
+    dtype: str = "fp32"  # compute dtype (dflash_audit.audit.precision.DTYPES)
+    device: str = "cpu"
+    #: per-quantity {"atol", "rtol"} derived from measured noise (None: the dtype's table)
+    tolerances: dict[str, dict[str, float]] | None = None
 
     def write(self, folder: Path) -> Path:
         """Write the case into ``folder/<name>`` and return that path."""
@@ -53,7 +59,8 @@ class Case:
                   path / "weights.safetensors")
         (path / "profile.json").write_text(json.dumps(
             {"drafter": self.config.to_dict(), "loss": dataclasses.asdict(self.loss),
-             "description": self.description, "anchor_draws": ANCHOR_DRAWS}, indent=1))
+             "description": self.description, "anchor_draws": ANCHOR_DRAWS,
+             "dtype": self.dtype, "device": self.device}, indent=1))
         return path
 
 
@@ -66,6 +73,8 @@ class SideOutputs:
     structure: dict[str, Any]
     defaults: dict[str, Any] = field(default_factory=dict)
     trainable: list[str] = field(default_factory=list)
+    #: the reference's own low-precision noise per quantity (dflash_audit.audit.precision)
+    noise: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def read(cls, case_dir: Path) -> SideOutputs:
@@ -77,4 +86,4 @@ class SideOutputs:
         meta = json.loads((case_dir / "outputs.json").read_text())
         return cls(tensors=load_file(case_dir / "outputs.safetensors"), metrics=meta["metrics"],
                    structure=meta["structure"], defaults=meta.get("defaults", {}),
-                   trainable=meta.get("trainable", []))
+                   trainable=meta.get("trainable", []), noise=meta.get("noise", {}))

@@ -60,6 +60,13 @@ def compare_command(
                    ] = Path("reports"),
     offline: Annotated[bool, typer.Option(
         help="Never contact a git remote or the package index (use caches).")] = False,
+    dtype: Annotated[Optional[str], typer.Option(  # noqa: UP007
+        help="fp32 | bf16: both sides run in this dtype (bf16: fp32 master weights under bf16 "
+             "autocast, as the reference trains; tolerances from the reference's measured "
+             "bf16-vs-fp32 noise). Default: the profile's dtype (fp32).")] = None,
+    device: Annotated[str, typer.Option(
+        help="cpu | cuda: cuda runs both sides on the GPU with their flex-attention paths.")
+    ] = "cpu",
 ) -> None:
     """Audit a DFlash drafter against the real reference; write reports/<time>-<ref>/.
 
@@ -67,7 +74,8 @@ def compare_command(
     """
     opts = CompareOptions(ref=ref, ref_url=ref_url, candidate=candidate, profile=profile,
                           cases=cases, verifier=verifier, data=data, seq_len=seq_len,
-                          rows=rows, anchors=anchors, seed=seed, out=out, offline=offline)
+                          rows=rows, anchors=anchors, seed=seed, out=out, offline=offline,
+                          dtype=dtype, device=device)
     raise typer.Exit(main(opts))
 
 

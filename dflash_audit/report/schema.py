@@ -103,6 +103,8 @@ class Report:
     timing: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     masks: list[MaskPicture] = field(default_factory=list)
+    #: dtype, measured noise and derived tolerances (dflash_audit.audit.precision); {} in fp32
+    tolerance: dict[str, Any] = field(default_factory=dict)
 
     # ----------------------------------------------------------------- verdict
     @property
@@ -174,6 +176,7 @@ class Report:
             "cases": [c.to_dict() for c in self.cases],
             "timing": {k: round(v, 3) for k, v in self.timing.items()},
             "notes": self.notes,
+            "tolerance": self.tolerance,
         }
 
 
