@@ -41,6 +41,8 @@ import tempfile
 import traceback
 from pathlib import Path
 
+from adapter_numerics import dense_mask_of, measure_noise  # noqa: E402 (beside this script)
+
 SOURCE = os.environ.get("DFLASH_AUDIT_REFERENCE_SOURCE")
 
 
@@ -163,32 +165,6 @@ def api_defaults(core) -> dict:
     return defaults
 
 
-def dense_mask_of(mask):
-    """[Q, KV] bool of an additive mask [1,1,Q,KV] (eager) or a flex ``BlockMask`` (CUDA):
-    a key is visible in a full block, or in a partial block where mask_mod allows it."""
-    import torch
-
-    if not hasattr(mask, "mask_mod"):
-        return (mask == 0).reshape(mask.shape[-2], mask.shape[-1])
-    from torch.nn.attention.flex_attention import create_mask
-
-    Q, KV = mask.seq_lengths
-    qb, kb = mask.BLOCK_SIZE
-
-    def blocks(num, idx):
-        out = torch.zeros(idx.shape[-2], idx.shape[-1] + 1, dtype=torch.bool, device=idx.device)
-        cols = torch.where(torch.arange(idx.shape[-1], device=idx.device) < num[0, 0, :, None],
-                           idx[0, 0], idx.shape[-1])
-        out.scatter_(1, cols.long(), True)
-        return out[:, :-1].repeat_interleave(qb, 0).repeat_interleave(kb, 1)[:Q, :KV]
-
-    partial = blocks(mask.kv_num_blocks, mask.kv_indices)
-    full = (blocks(mask.full_kv_num_blocks, mask.full_kv_indices)
-            if mask.full_kv_num_blocks is not None else torch.zeros_like(partial))
-    mod = create_mask(mask.mask_mod, 1, 1, Q, KV, device=partial.device)[0, 0]
-    return (full | (partial & mod)).cpu()
-
-
 def train_step(case: Path, profile: dict, inputs: dict, weights: dict, core,
                resolve_loss_config, low_dtype, device: str):
     """One forward + backward of the reference on a case, under ``torch.autocast(device,
@@ -202,7 +178,8 @@ def train_step(case: Path, profile: dict, inputs: dict, weights: dict, core,
     torch.manual_seed(0)
     config = build_config(drafter, case)
     if device != "cpu":  # the reference's own flex-attention path (its default)
-        config.transformer_layer_config._attn_implementation = "simple_flex_attention"  # noqa: SLF001
+        config.transformer_layer_config._attn_implementation = (  # noqa: SLF001
+            "simple_flex_attention")
     model = core.DFlashDraftModel(config).float()
     missing, unexpected = model.load_state_dict(weights, strict=False)
     model.to(device).train()
@@ -279,23 +256,6 @@ def train_step(case: Path, profile: dict, inputs: dict, weights: dict, core,
             tensors[f"grad.{name}"] = p.grad.detach().clone()
     tensors = {k: v.cpu() for k, v in tensors.items()}
     return tensors, {k: float(v) for k, v in metrics.items()}, model, missing, unexpected
-
-
-def measure_noise(low: dict, exact: dict, low_metrics: dict, exact_metrics: dict) -> dict:
-    """Largest |low - exact| per quantity (context, targets, logits, loss, loss_weights,
-    grad scaled by max(1, max|g|), metrics): the reference against itself."""
-    out: dict = {}
-    for key, e in exact.items():
-        if key in low and e.is_floating_point() and low[key].shape == e.shape and e.numel():
-            d = float((low[key].double() - e.double()).abs().max())
-            quantity = key.split(".", 1)[0]
-            if quantity == "grad":
-                d /= max(1.0, float(e.abs().max()))
-            if quantity != "aligned_loss_mask":
-                out[quantity] = max(out.get(quantity, 0.0), d)
-    for k in set(low_metrics) & set(exact_metrics):
-        out["metrics"] = max(out.get("metrics", 0.0), abs(low_metrics[k] - exact_metrics[k]))
-    return out
 
 
 def run_case(case: Path, core, resolve_loss_config) -> None:

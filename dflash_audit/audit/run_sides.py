@@ -182,7 +182,6 @@ def run_candidate(candidate: Any, case: Any) -> tuple[Any, Any]:
 
     from dflash_audit.audit.case import SideOutputs
     from dflash_audit.audit.checks.anchors import draw_anchors
-
     from dflash_audit.audit.precision import autocast, outputs_on_cpu
 
     inputs = {k: v.clone().to(case.device) for k, v in case.inputs.items()}
