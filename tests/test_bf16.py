@@ -88,6 +88,18 @@ def test_the_example_equals_our_drafter_in_fp32():
     assert torch.equal(ours.tensors["loss"], bug.tensors["loss"])
 
 
+def test_diagnosis_replays_a_bf16_case_in_bf16():
+    """The replay of our drafter (logits diagnoses) runs under the case's autocast: bf16
+    hidden states with fp32 weights do not raise, and stay within bf16 noise of fp32."""
+    from dflash_audit.audit.replay import replay
+
+    case = synthetic_case("c", CONFIG, LossSpec(), seed=4, seq_len=32)
+    exact, low = replay(case), replay(in_dtype(case, "bf16"))
+    assert low.dtype == torch.bfloat16 and exact.dtype == torch.float32
+    diff = float((low.float() - exact).abs().max())
+    assert 0 < diff < 0.05 * float(exact.abs().max())
+
+
 @pytest.mark.parametrize("device,dtype,message", [("tpu", None, "--device 'tpu'"),
                                                   ("cpu", "fp16", "--dtype 'fp16'")])
 def test_bad_dtype_or_device_exits_2(tmp_path, capsys, device, dtype, message):
