@@ -108,10 +108,16 @@ def test_bad_dtype_or_device_exits_2(tmp_path, capsys, device, dtype, message):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_device_cuda_without_a_gpu_exits_2(tmp_path, capsys):
-    assert main(CompareOptions(device="cuda", out=tmp_path, progress=False)) == 2
-    err = capsys.readouterr().err
-    assert "--device cuda: torch sees no CUDA GPU" in err and "--device cpu" in err
+def test_device_cuda_without_a_gpu_exits_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from dflash_audit.cli import app
+
+    result = CliRunner().invoke(app, ["compare", "--device", "cuda", "--dtype", "bf16",
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "--device cuda: torch sees no CUDA GPU" in result.output
+    assert "--device cpu" in result.output and not list(tmp_path.iterdir())
 
 
 # --------------------------------------------------------------------- flex BlockMask (CPU)
