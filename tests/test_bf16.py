@@ -31,13 +31,17 @@ CONFIG = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=
                       block_size=4)
 
 
-def test_tolerances_are_k_times_the_measured_noise_with_the_fp32_floor():
-    section = derive_tolerances("bf16", [{"logits": 0.002, "loss": 1e-8}, {"logits": 0.003}],
-                                FP32)
+def test_tolerances_are_k_times_the_worst_relative_noise_at_each_cases_scale():
+    noises = [{"logits": 0.2, "loss": 1e-9}, {"logits": 0.003}]
+    scales = [{"logits": 20.0, "loss": 5.0}, {"logits": 0.1, "loss": 0.01}]
+    section, per_case = derive_tolerances("bf16", noises, scales, FP32)
     q = section["quantities"]
-    assert q["logits"]["measured_max_abs"] == 0.003  # the largest over the cases
-    assert q["logits"]["atol"] == pytest.approx(NOISE_FACTOR * 0.003)
-    assert q["loss"]["atol"] == FP32["atol"]  # never tighter than fp32
+    assert q["logits"]["measured_max_abs"] == 0.2
+    assert q["logits"]["measured_max_rel"] == pytest.approx(0.03)  # 0.003 / 0.1 > 0.2 / 20
+    assert per_case[0]["logits"]["atol"] == pytest.approx(NOISE_FACTOR * 0.03 * 20.0)
+    assert per_case[1]["logits"]["atol"] == pytest.approx(NOISE_FACTOR * 0.03 * 0.1)
+    assert per_case[1]["loss"]["atol"] == FP32["atol"]  # never tighter than fp32
+    assert q["logits"]["atol_min"] == per_case[1]["logits"]["atol"]
     assert section["dtype"] == "bf16" and section["k"] == NOISE_FACTOR
 
 
@@ -185,7 +189,8 @@ def test_compare_bf16(tmp_path, reference_identity, candidate, exit_code):
     assert tol["dtype"] == "bf16"
     logits = tol["quantities"]["logits"]
     assert 0 < logits["measured_max_abs"] < 0.1  # bf16 noise: real, and not garbage
-    assert logits["atol"] == pytest.approx(NOISE_FACTOR * logits["measured_max_abs"])
+    assert 0 < logits["measured_max_rel"] < 0.05
+    assert FP32["atol"] <= logits["atol_min"] <= logits["atol_max"]
     failing = {r.name for r in outcome.report.results if r.status == "fail"}
     if exit_code == 0:
         assert not failing

@@ -9,16 +9,16 @@ reference asks for it (``losses/eager.py``: ``log_softmax(..., dtype=torch.float
 Tolerances for a dtype other than fp32 are not guessed: the reference process runs every
 case twice, in the audited dtype and in fp32 on the same (already rounded) inputs, and
 reports the largest difference per quantity (``noise`` in its ``outputs.json``).
-:func:`derive_tolerances` turns the largest noise over all cases into
-``atol = max(K * noise, fp32 atol)`` per quantity; the report records both
-(its ``tolerance`` section).
+:func:`derive_tolerances` measures it relative to each case's magnitude (bf16 rounding is
+relative), takes the largest relative noise over all cases and gives each case
+``atol = max(K * relative noise * its magnitude, fp32 atol)`` per quantity; the report records
+the measured noise and the derived tolerances (its ``tolerance`` section).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -68,30 +68,60 @@ def autocast(case: Case) -> contextlib.AbstractContextManager:
     return torch.autocast(case.device, dtype=DTYPES[case.dtype])
 
 
-def derive_tolerances(dtype: str, noises: Iterable[dict[str, float]],
-                      floor: dict[str, float]) -> dict[str, Any]:
-    """The report's ``tolerance`` section and the per-quantity tolerances of a dtype.
+def magnitudes(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The scale of each noise quantity in one side's outputs: max |value| of context, targets,
+    logits and the loss weights, |loss| for loss and loss_from_logits; 1 for grad (already
+    scaled by its magnitude) and metrics (counts and ratios)."""
+    def top(t: torch.Tensor) -> float:
+        return float(t.detach().abs().max()) if t.numel() else 0.0
+
+    out = {q: top(tensors[q]) for q in ("context", "targets", "logits") if q in tensors}
+    if "loss" in tensors:
+        out["loss"] = out["loss_from_logits"] = abs(float(tensors["loss"]))
+    weights = [top(v) for k, v in tensors.items() if k.startswith("loss_weights.")]
+    if weights:
+        out["loss_weights"] = max(weights)
+    return {**out, "grad": 1.0, "metrics": 1.0}
+
+
+def derive_tolerances(dtype: str, noises: list[dict[str, float]],
+                      scales: list[dict[str, float]], floor: dict[str, float]
+                      ) -> tuple[dict[str, Any], list[dict[str, dict[str, float]]]]:
+    """Per-case, per-quantity tolerances of a low-precision audit from measured noise.
+
+    bf16 rounding is relative, so the noise is measured relative to each case's magnitude
+    (:func:`magnitudes`): ``rel_q = max over cases of noise_q / scale_q``, and a case gets
+    ``atol_q = max(k * rel_q * its scale_q, fp32 atol)``, ``rtol`` = fp32's. A tiny synthetic
+    case is then not judged with the absolute noise of a real one, and every case gets at
+    least k times the worst relative noise seen on any case.
 
     Args:
         dtype: the audit dtype.
-        noises: :func:`noise` of every case (the reference against itself).
+        noises: per case, ``{quantity: max |low - fp32|}`` of the reference against itself.
+        scales: per case, :func:`magnitudes` of the reference's outputs.
         floor: the fp32 ``{"atol", "rtol"}`` (no tolerance is tighter than fp32's).
 
     Returns:
-        ``{"dtype", "k", "source", "quantities": {q: {"measured_max_abs", "atol", "rtol"}}}``;
-        ``atol = max(k * measured, floor atol)``, ``rtol`` = the floor's. Empty
-        ``quantities`` in fp32 (the fixed fp32 table applies).
+        (the report's ``tolerance`` section ``{"dtype", "k", "source", "quantities": {q:
+        {"measured_max_abs", "measured_max_rel", "atol_min", "atol_max", "rtol"}}}``, one
+        ``{quantity: {"atol", "rtol"}}`` per case).
     """
-    measured: dict[str, float] = {}
-    for n in noises:
-        for q, v in n.items():
-            measured[q] = max(measured.get(q, 0.0), float(v))
-    quantities = {q: {"measured_max_abs": v, "atol": max(NOISE_FACTOR * v, floor["atol"]),
-                      "rtol": floor["rtol"]} for q, v in sorted(measured.items())}
-    return {"dtype": dtype, "k": NOISE_FACTOR,
-            "source": ("the reference against itself: the same cases in fp32 and in "
-                       f"{dtype}, largest difference over all cases"),
-            "quantities": quantities}
+    rel: dict[str, float] = {}
+    for noise, scale in zip(noises, scales, strict=True):
+        for q, v in noise.items():
+            rel[q] = max(rel.get(q, 0.0), float(v) / max(scale.get(q, 1.0), 1e-30))
+    per_case = [{q: {"atol": max(NOISE_FACTOR * r * scale.get(q, 1.0), floor["atol"]),
+                     "rtol": floor["rtol"]} for q, r in rel.items()} for scale in scales]
+    quantities = {q: {"measured_max_abs": max(n.get(q, 0.0) for n in noises),
+                      "measured_max_rel": rel[q],
+                      "atol_min": min(c[q]["atol"] for c in per_case),
+                      "atol_max": max(c[q]["atol"] for c in per_case),
+                      "rtol": floor["rtol"]} for q in sorted(rel)}
+    section = {"dtype": dtype, "k": NOISE_FACTOR,
+               "source": (f"the reference against itself: every case in fp32 and in {dtype}; "
+                          "relative to the case's magnitude, largest over all cases"),
+               "quantities": quantities}
+    return section, per_case
 
 
 def outputs_on_cpu(tensors: dict[str, Any]) -> dict[str, Any]:
@@ -144,7 +174,7 @@ def measured_tolerances(planned: list[Any], cases_dir: Path) -> dict[str, Any]:
     low = [p for p in planned if p.case.dtype != "fp32"]
     if not low:
         return {}
-    noises = []
+    noises, scales = [], []
     for p in low:
         try:
             ref = SideOutputs.read(cases_dir / p.case.name)
@@ -155,8 +185,9 @@ def measured_tolerances(planned: list[Any], cases_dir: Path) -> dict[str, Any]:
         if own is not None:
             n["loss_from_logits"] = own
         noises.append(n)
-    section = derive_tolerances(low[0].case.dtype, noises, TOLERANCES[torch.float32])
-    table = {q: {"atol": v["atol"], "rtol": v["rtol"]} for q, v in section["quantities"].items()}
-    for p in low:
+        scales.append(magnitudes(ref.tensors))
+    section, per_case = derive_tolerances(low[0].case.dtype, noises, scales,
+                                          TOLERANCES[torch.float32])
+    for p, table in zip(low, per_case, strict=True):
         p.case.tolerances = table
     return section
