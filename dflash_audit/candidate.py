@@ -138,7 +138,7 @@ class DrafterCandidate:
         return derivation_fields(rederive(verifier_config, config))
 
     def run_case(self, config, loss, weights, inputs) -> SideOutputs:
-        model = self.build(config).float()
+        model = self.build(config).float().to(inputs["input_ids"].device)
         model.load_state_dict(weights, strict=True)
         model.train()
         out = model(**{k: inputs[k] for k in (

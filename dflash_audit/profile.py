@@ -23,6 +23,8 @@ File format (flat TOML, every key below; unknown keys are errors)::
     draft_vocab_size = 32000          # optional; absent = the verifier's vocabulary
     optimizer = "muon"                # optional, informational (training): adamw | muon
     mask_token_id = 151669            # optional; absent = chosen from the verifier's tokenizer
+    dtype = "bf16"                    # optional: fp32 (default) | bf16, the compute dtype of
+                                      # training (bf16: fp32 master weights + bf16 autocast)
 
 Built-in profiles live in ``dflash_audit/profiles/*.toml``; ``Profile.load`` takes a built-in
 name, a TOML file, or a drafter's ``config.json`` (a speculators DFlash checkpoint config or
@@ -53,6 +55,10 @@ from dflash_audit.model.loss import WEIGHTINGS, LossSpec, parse_loss
 TARGET_LAYER_STYLES = ("zlab", "speculators")
 LAYOUTS = ("full", "sliding")
 OPTIMIZERS = ("adamw", "muon")
+#: Compute dtypes a profile may name (``dtype``); bf16 = fp32 master weights under bf16
+#: autocast, as the reference trains (speculators train/trainer.py, config/schema.py
+#: ``hidden_states_dtype``).
+DTYPES = ("fp32", "bf16")
 _LAYER_TYPE = {"full": FULL_ATTENTION, "sliding": SLIDING_ATTENTION,
                FULL_ATTENTION: FULL_ATTENTION, SLIDING_ATTENTION: SLIDING_ATTENTION}
 #: Fields that are not part of the profile's semantics (excluded from the fingerprint).
@@ -90,6 +96,7 @@ class Profile:
     draft_vocab_size: int | None = None
     optimizer: str | None = None
     mask_token_id: int | None = None
+    dtype: str = "fp32"
     description: str = ""
     source: str = ""  # built-in name or file path it was read from
 
@@ -237,6 +244,7 @@ class Profile:
         if self.mask_token_id is not None:
             want(is_int(self.mask_token_id) and self.mask_token_id >= 0, "mask_token_id",
                  "must be a non-negative integer (or absent)")
+        want(self.dtype in DTYPES, "dtype", f"must be one of {list(DTYPES)}")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -326,6 +334,8 @@ class Profile:
             del d["mask_token_id"]
         d["layer_layout"] = list(self.layer_types)
         d["gamma"], d["dpace_alpha"] = float(self.gamma), float(self.dpace_alpha)
+        if d["dtype"] == "fp32":  # the default: fingerprints of fp32 profiles stay unchanged
+            del d["dtype"]
         return d
 
     def fingerprint(self) -> str:

@@ -45,6 +45,8 @@ import tempfile
 import traceback
 from pathlib import Path
 
+from adapter_numerics import dense_mask_of, measure_noise  # noqa: E402 (beside this script)
+
 SOURCE = os.environ.get("DFLASH_AUDIT_REFERENCE_SOURCE")
 
 
@@ -167,18 +169,25 @@ def api_defaults(core) -> dict:
     return defaults
 
 
-def run_case(case: Path, core, resolve_loss_config) -> None:
-    import torch
-    from safetensors.torch import load_file, save_file
+def train_step(case: Path, profile: dict, inputs: dict, weights: dict, core,
+               resolve_loss_config, low_dtype, device: str):
+    """One forward + backward of the reference on a case, under ``torch.autocast(device,
+    low_dtype)`` when ``low_dtype`` is set (fp32 master weights, as its trainer runs bf16).
+    Returns (output tensors on CPU, metrics, model, missing keys, unexpected keys)."""
+    import contextlib
 
-    profile = json.loads((case / "profile.json").read_text())
-    inputs = load_file(case / "inputs.safetensors")
-    weights = load_file(case / "weights.safetensors")
+    import torch
+
     drafter, loss_spec = profile["drafter"], profile["loss"]
     torch.manual_seed(0)
-    model = core.DFlashDraftModel(build_config(drafter, case)).float()
+    config = build_config(drafter, case)
+    if device != "cpu":  # the reference's own flex-attention path (its default)
+        config.transformer_layer_config._attn_implementation = (  # noqa: SLF001
+            "simple_flex_attention")
+    model = core.DFlashDraftModel(config).float()
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    model.train()
+    model.to(device).train()
+    inputs = {k: v.to(device) for k, v in inputs.items()}
 
     anchors, valid = inputs["anchor_positions"], inputs["anchor_valid"].bool()
     select = core.select_anchors
@@ -191,7 +200,7 @@ def run_case(case: Path, core, resolve_loss_config) -> None:
     def record_mask(*args, **kwargs):
         mask = create(*args, **kwargs)
         kind = "full_attention" if kwargs.get("sliding_window") is None else "sliding_attention"
-        captured["masks"][kind] = (mask == 0).reshape(mask.shape[-2], mask.shape[-1])
+        captured["masks"][kind] = dense_mask_of(mask)
         return mask
 
     model._create_attention_mask = record_mask  # noqa: SLF001
@@ -216,23 +225,27 @@ def run_case(case: Path, core, resolve_loss_config) -> None:
 
     ref_metrics.compound_loss = record_compound
     loss_config = resolve_loss_config(loss_spec["loss"], "eager")
+    amp = (torch.autocast(device, dtype=low_dtype) if low_dtype is not None
+           else contextlib.nullcontext())
     try:
-        _, loss, metrics = model(
-            hidden_states=inputs["hidden_states"], input_ids=inputs["input_ids"],
-            loss_mask=inputs["loss_mask"],
-            verifier_last_hidden_states=inputs["verifier_last_hidden_states"],
-            document_ids=inputs["document_ids"], position_ids=inputs["position_ids"],
-            loss_config=loss_config, gamma=loss_spec["gamma"], max_anchors=anchors.numel(),
-            per_position_loss_weight=loss_spec["weighting"],
-            dpace_alpha=loss_spec["dpace_alpha"],
-        )
+        with amp:
+            _, loss, metrics = model(
+                hidden_states=inputs["hidden_states"], input_ids=inputs["input_ids"],
+                loss_mask=inputs["loss_mask"],
+                verifier_last_hidden_states=inputs["verifier_last_hidden_states"],
+                document_ids=inputs["document_ids"], position_ids=inputs["position_ids"],
+                loss_config=loss_config, gamma=loss_spec["gamma"], max_anchors=anchors.numel(),
+                per_position_loss_weight=loss_spec["weighting"],
+                dpace_alpha=loss_spec["dpace_alpha"],
+            )
         loss.backward()
     finally:
         ref_metrics.compound_loss = compound
+        core.select_anchors = select
     _, logits, targets, aligned, _ = captured["backbone"]
 
     tensors = {
-        "context": captured["context"].detach(),
+        "context": captured["context"].detach().float(),
         "targets": targets.detach().float(),
         "logits": logits.detach().float(),
         "aligned_loss_mask": aligned.detach().float(),
@@ -242,12 +255,34 @@ def run_case(case: Path, core, resolve_loss_config) -> None:
         tensors[f"mask.{kind}"] = mask.contiguous()
     for name, w in zip(loss_config, captured["decay"]):
         tensors[f"loss_weights.{name}"] = w
-    trainable = []
     for name, p in model.named_parameters():
-        if p.requires_grad:
-            trainable.append(name)
-            if p.grad is not None:
-                tensors[f"grad.{name}"] = p.grad.detach().clone()
+        if p.requires_grad and p.grad is not None:
+            tensors[f"grad.{name}"] = p.grad.detach().clone()
+    tensors = {k: v.cpu() for k, v in tensors.items()}
+    return tensors, {k: float(v) for k, v in metrics.items()}, model, missing, unexpected
+
+
+def run_case(case: Path, core, resolve_loss_config) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    profile = json.loads((case / "profile.json").read_text())
+    inputs = load_file(case / "inputs.safetensors")
+    weights = load_file(case / "weights.safetensors")
+    drafter = profile["drafter"]
+    device = profile.get("device", "cpu")
+    low = {"fp32": None, "bf16": torch.bfloat16}[profile.get("dtype", "fp32")]
+    tensors, metrics, model, missing, unexpected = train_step(
+        case, profile, inputs, weights, core, resolve_loss_config, low, device)
+    noise = {}
+    if low is not None:  # the same case in fp32 on the same (rounded) inputs
+        exact_inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
+        exact, exact_metrics, *_ = train_step(case, profile, exact_inputs, weights, core,
+                                              resolve_loss_config, None, device)
+        noise = measure_noise(tensors, exact, metrics, exact_metrics)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    anchors = inputs["anchor_positions"]
+    select = core.select_anchors
     # the reference's own anchor sampler, drawn K times (it uses the global RNG); a ref whose
     # sampler takes other arguments leaves the anchors check without draws, not the case
     torch.manual_seed(1)
@@ -257,9 +292,8 @@ def run_case(case: Path, core, resolve_loss_config) -> None:
     except TypeError:
         draws = []
     if draws:
-        tensors["anchor_draws"] = torch.stack([a.long() for a, _ in draws])
-        tensors["anchor_draws_valid"] = torch.stack([v.bool() for _, v in draws])
-    core.select_anchors = select
+        tensors["anchor_draws"] = torch.stack([a.long().cpu() for a, _ in draws])
+        tensors["anchor_draws_valid"] = torch.stack([v.bool().cpu() for _, v in draws])
     save_file({k: v.contiguous() for k, v in tensors.items()}, case / "outputs.safetensors")
 
     state = model.state_dict()
@@ -283,7 +317,8 @@ def run_case(case: Path, core, resolve_loss_config) -> None:
         "load_unexpected_keys": list(unexpected),
     }
     (case / "outputs.json").write_text(json.dumps({
-        "metrics": {k: float(v) for k, v in metrics.items()},
+        "metrics": metrics,
+        "noise": noise,
         "trainable": trainable,
         "structure": structure,
         "defaults": api_defaults(core),

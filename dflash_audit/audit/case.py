@@ -3,8 +3,10 @@
 A case is a folder (the exchange format with the reference process, ``reference/adapter.py``):
 ``inputs.safetensors`` (batch tensors + ``anchor_positions`` [A] + ``anchor_valid`` [A]),
 ``weights.safetensors`` (one state dict, reference key names) and ``profile.json``
-(``{"drafter": DFlashConfig.to_dict(), "loss": LossSpec fields}``); the reference writes
-``outputs.safetensors`` + ``outputs.json`` beside them.
+(``{"drafter": DFlashConfig.to_dict(), "loss": LossSpec fields, "dtype": "fp32" | "bf16",
+"device": "cpu" | "cuda"}``); the reference writes ``outputs.safetensors`` + ``outputs.json``
+beside them (with ``noise``, its own bf16-vs-fp32 differences, when the dtype is not fp32:
+:mod:`dflash_audit.audit.precision`).
 
 Output tensor keys (both sides): ``context`` [1,T,H], ``mask.<layer type>`` [Q,T+Q] bool,
 ``targets`` / ``logits`` [1,Q,V_d], ``aligned_loss_mask`` [1,Q], ``loss`` [],
@@ -84,6 +86,10 @@ class Case:
     #: The verifier ``config`` was derived from, for the ``derivation`` check: a
     #: :class:`CaseVerifier`, or None (no derivation compared).
     verifier: CaseVerifier | None = None
+    dtype: str = "fp32"  # compute dtype (dflash_audit.audit.precision.DTYPES)
+    device: str = "cpu"
+    #: per-quantity {"atol", "rtol"} derived from measured noise (None: the dtype's table)
+    tolerances: dict[str, dict[str, float]] | None = None
 
     def write(self, folder: Path) -> Path:
         """Write the case into ``folder/<name>`` and return that path."""
@@ -94,7 +100,8 @@ class Case:
                   path / "weights.safetensors")
         (path / "profile.json").write_text(json.dumps(
             {"drafter": self.config.to_dict(), "loss": dataclasses.asdict(self.loss),
-             "description": self.description, "anchor_draws": ANCHOR_DRAWS}, indent=1))
+             "description": self.description, "anchor_draws": ANCHOR_DRAWS,
+             "dtype": self.dtype, "device": self.device}, indent=1))
         if self.verifier is not None:
             self.verifier.write_derive_request(path, self.config)
         return path
@@ -114,7 +121,8 @@ class Case:
                    loss=LossSpec(**profile["loss"]),
                    inputs=load_file(path / "inputs.safetensors"),
                    weights=load_file(path / "weights.safetensors"),
-                   description=profile.get("description", ""))
+                   description=profile.get("description", ""),
+                   dtype=profile.get("dtype", "fp32"), device=profile.get("device", "cpu"))
 
 
 @dataclass
@@ -129,6 +137,8 @@ class SideOutputs:
     #: The side's drafter-config derivation from the case's verifier (flat dict of
     #: :func:`dflash_audit.model.derivation.derivation_fields` keys), None when not provided.
     derivation: dict[str, Any] | None = None
+    #: the reference's own low-precision noise per quantity (dflash_audit.audit.precision)
+    noise: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def read(cls, case_dir: Path) -> SideOutputs:
@@ -141,7 +151,7 @@ class SideOutputs:
         derived = case_dir / "derivation.json"
         return cls(tensors=load_file(case_dir / "outputs.safetensors"), metrics=meta["metrics"],
                    structure=meta["structure"], defaults=meta.get("defaults", {}),
-                   trainable=meta.get("trainable", []),
+                   trainable=meta.get("trainable", []), noise=meta.get("noise", {}),
                    derivation=json.loads(derived.read_text()) if derived.is_file() else None)
 
     def write(self, case_dir: Path) -> None:

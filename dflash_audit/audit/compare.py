@@ -24,6 +24,7 @@ data or verifier) -- reported as one clear message, never a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import tempfile
 import time
@@ -33,6 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from dflash_audit.audit.precision import measured_tolerances
 from dflash_audit.audit.progress import Stages
 from dflash_audit.audit.run_sides import (
     ImportCheck,
@@ -79,6 +81,8 @@ class CompareOptions:
     cache_dir: Path | None = None  # batch cache + import marker (default: the user cache)
     reference_timeout_s: float = REFERENCE_TIMEOUT_S
     weights: Path | None = None  # a user's drafter checkpoint folder for the real cases
+    dtype: str | None = None  # fp32 | bf16; None: the profile's dtype
+    device: str = "cpu"  # cpu | cuda (both sides on the GPU, their flex-attention paths)
 
 
 @dataclass
@@ -151,6 +155,12 @@ def _check_options(opts: CompareOptions) -> None:
             raise CompareSetupError(f"{name} must be >= {low}, got {value}")
     if opts.rows == 0 and opts.cases == 0:
         raise CompareSetupError("nothing to audit: --rows 0 and --cases 0")
+    from dflash_audit.audit.precision import check_device_and_dtype
+
+    try:
+        check_device_and_dtype(opts.device, opts.dtype)
+    except ValueError as exc:
+        raise CompareSetupError(str(exc)) from None
 
 
 def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: ImportCheck
@@ -162,7 +172,12 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: Imp
         CompareSetupError: bad verifier, data, layer ids, mask token, or a profile that does
             not fit the verifier.
     """
-    from dflash_audit.audit.plan import plan_real_cases, plan_synthetic_cases
+    from dflash_audit.audit.plan import (
+        plan_flex_padding_case,
+        plan_real_cases,
+        plan_synthetic_cases,
+    )
+    from dflash_audit.audit.precision import in_dtype
     from dflash_audit.audit.real_inputs import load_real_inputs
     from dflash_audit.audit.user_weights import UserWeightsError, load_user_weights
     from dflash_audit.data.errors import DataError
@@ -195,6 +210,10 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: Imp
                 planned += plan_real_cases(profile, real, opts.anchors, seed=opts.seed,
                                            user_weights=user, weights_source=str(opts.weights))
             planned += plan_synthetic_cases(profile, opts.cases, seed=opts.seed)
+            if opts.device == "cuda":  # Q and T+Q past and off the flex block size
+                planned.append(plan_flex_padding_case(profile, seed=opts.seed))
+            planned = [dataclasses.replace(p, case=in_dtype(p.case, opts.dtype or profile.dtype,
+                                                            opts.device)) for p in planned]
     except UserWeightsError as exc:
         raise CompareSetupError(str(exc)) from None
     except (DataError, ProfileError, ConfigError, ValueError) as exc:
@@ -272,11 +291,13 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
         with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-") as tmp:
             outputs = run_both_sides(opts, identity, candidate, planned, Path(tmp), st,
                                      import_check)
+            tolerance = measured_tolerances(planned, Path(tmp))
             records, pictures = check_all(planned, outputs, Path(tmp), st)
             ref_info = _reference_info(identity, Path(tmp))
         st.timing["total"] = time.perf_counter() - started
         report = _build_report(opts, profile, ref_info, candidate, records, pictures,
                                inputs_info, created_at, st.timing, covered_verifiers(planned))
+        report.tolerance = tolerance
         try:
             folder = write_report(report, opts.out)
         except OSError as exc:

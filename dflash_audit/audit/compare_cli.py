@@ -67,6 +67,13 @@ def compare_command(
     weights: Annotated[Optional[Path], typer.Option(  # noqa: UP007
         help="Folder of your drafter checkpoint (*.safetensors, speculators or z-lab keys): "
              "the real cases run on its weights instead of seeded random ones.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(  # noqa: UP007
+        help="fp32 | bf16: both sides run in this dtype (bf16: fp32 master weights under bf16 "
+             "autocast, as the reference trains; tolerances from the reference's measured "
+             "bf16-vs-fp32 noise). Default: the profile's dtype (fp32).")] = None,
+    device: Annotated[str, typer.Option(
+        help="cpu | cuda: cuda runs both sides on the GPU with their flex-attention paths.")
+    ] = "cpu",
 ) -> None:
     """Audit a DFlash drafter against the real reference; write reports/<time>-<ref>/.
 
@@ -75,7 +82,7 @@ def compare_command(
     opts = CompareOptions(ref=ref, ref_url=ref_url, candidate=candidate, profile=profile,
                           cases=cases, verifier=verifier, data=data, seq_len=seq_len,
                           rows=rows, anchors=anchors, seed=seed, out=out, offline=offline,
-                          weights=weights)
+                          weights=weights, dtype=dtype, device=device)
     raise typer.Exit(main(opts))
 
 

@@ -32,7 +32,7 @@ def tensor_result(name: str, case: Case, cand: SideOutputs, ref: SideOutputs,
     if name not in cand.tensors:
         return not_provided(name, case, name)
     c, r = cand.tensors[name], ref.tensors[name]
-    tol = tolerance(case)
+    tol = tolerance(case, name)
     if c.shape != r.shape:
         return CheckResult(name, case.name, FAIL,
                            f"{name} shape {list(c.shape)} != reference {list(r.shape)}",

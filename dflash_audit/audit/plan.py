@@ -223,3 +223,26 @@ def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[Pl
                                      target_layers=profile.target_layers)
         planned.append(PlannedCase(case, "synthetic", layout_facts(case)))
     return planned
+
+
+#: The flex-attention block size (torch.nn.attention.flex_attention _DEFAULT_SPARSE_BLOCK_SIZE).
+FLEX_BLOCK_SIZE = 128
+
+
+def plan_flex_padding_case(profile: Profile, seed: int = 0) -> PlannedCase:
+    """A synthetic case whose query count Q = A * B and key count T + Q are past and not
+    multiples of the flex block size, so flex attention pads both (SpecForge PR 511: a
+    BlockMask that indexes past the anchors for padded queries). Added on ``--device cuda``."""
+    block = profile.block_size
+    anchors = FLEX_BLOCK_SIZE // block + 3  # Q = 128 + 3 B (B >= 2: never a multiple of 128)
+    seq_len = FLEX_BLOCK_SIZE + 77
+    family = FAMILIES[0]
+    ids = _synthetic_target_layers(profile, SYNTHETIC_VERIFIER["num_hidden_layers"])
+    variant = profile.replace(draft_vocab_size=SYNTHETIC_VERIFIER["vocab_size"] // 2
+                              if profile.draft_vocab_size is not None else None)
+    config = variant.to_drafter_config(synthetic_verifier_config(family), mask_token_id=(
+        SYNTHETIC_VERIFIER["vocab_size"] - 1), target_layer_ids=ids)
+    case = synthetic_case(f"syn-flexpad-{family}-{variant.layout_name}", config,
+                          profile.loss_spec(), seed=seed * 1_000_003 + 999_983, seq_len=seq_len,
+                          num_documents=3, pad=5, max_anchors=anchors)
+    return PlannedCase(case, "synthetic", layout_facts(case))

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from dflash_audit.audit.case import Case
+from dflash_audit.audit.precision import autocast
 from dflash_audit.model.drafter import DFlashDrafter
 from dflash_audit.model.layers import RotaryEmbedding
 
@@ -64,6 +65,6 @@ def replay(case: Case, *, config=None, weights: dict | None = None, inputs: dict
     if positions is not None:
         rope = model.rotary_emb.forward
         model.rotary_emb.forward = lambda pos, dtype: rope(positions(pos), dtype)
-    with torch.no_grad():
+    with torch.no_grad(), autocast(case):  # in the case's dtype, as both sides ran
         out = model(**{**case.inputs, **(inputs or {})})
     return out.logits

@@ -182,12 +182,16 @@ def run_candidate(candidate: Any, case: Any) -> tuple[Any, Any]:
 
     from dflash_audit.audit.case import SideOutputs
     from dflash_audit.audit.checks.anchors import draw_anchors
+    from dflash_audit.audit.precision import autocast, outputs_on_cpu
     from dflash_audit.audit.raised import name_raise
 
-    inputs = {k: v.clone() for k, v in case.inputs.items()}
+    inputs = {k: v.clone().to(case.device) for k, v in case.inputs.items()}
+    weights = case.weights if case.device == "cpu" else {
+        k: v.to(case.device) for k, v in case.weights.items()}
     torch.manual_seed(0)
     try:
-        out = candidate.run_case(case.config, case.loss, case.weights, inputs)
+        with autocast(case):  # bf16: fp32 master weights under bf16 autocast, as in training
+            out = candidate.run_case(case.config, case.loss, weights, inputs)
     except Exception as exc:  # noqa: BLE001 - user code: a conformance failure, reported
         summary = f"the candidate raised {type(exc).__name__}: {str(exc).strip()[:600]}"
         hint = []
@@ -201,6 +205,7 @@ def run_candidate(candidate: Any, case: Any) -> tuple[Any, Any]:
         return None, failed_run(
             "run", case.name, f"run_case returned {type(out).__name__}, not SideOutputs", "",
             ["the candidate does not follow the protocol of dflash_audit.candidate"])
+    out.tensors = outputs_on_cpu(out.tensors)
     if callable(getattr(candidate, "select_anchors", None)):
         try:
             out.tensors.update(draw_anchors(candidate.select_anchors, case))

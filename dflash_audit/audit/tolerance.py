@@ -1,8 +1,9 @@
 """Tolerances and closeness: how two float tensors are compared.
 
 ``|c - r| <= atol + rtol * |r|`` (``torch.testing.assert_close``-style) with ``atol`` / ``rtol``
-from :data:`TOLERANCES`, keyed by the dtype the case runs in; plus the severity order of
-statuses.
+from :data:`TOLERANCES`, keyed by the dtype the case runs in, or, when the case carries them,
+per quantity from the reference's measured noise (:mod:`dflash_audit.audit.precision`);
+plus the severity order of statuses.
 """
 
 from __future__ import annotations
@@ -31,14 +32,26 @@ def worst(statuses) -> str:
     return max(statuses, key=STATUS_ORDER.__getitem__, default=PASS)
 
 
+_CASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def run_dtype(case: Case) -> torch.dtype:
-    """The dtype the case runs in: that of ``fc.weight`` (else of ``hidden_states``)."""
+    """The dtype the case computes in: its ``dtype`` (bf16 = fp32 weights under bf16
+    autocast); for an fp32 case with lower-precision weights, that of ``fc.weight``."""
+    if case.dtype != "fp32":
+        return _CASE_DTYPES.get(case.dtype, torch.float32)
     t = case.weights.get("fc.weight", case.inputs.get("hidden_states"))
     return t.dtype if t is not None else torch.float32
 
 
-def tolerance(case: Case) -> dict[str, float]:
-    """``{"atol", "rtol"}`` for the case's dtype (fp32's when the dtype is not in the table)."""
+def tolerance(case: Case, quantity: str | None = None) -> dict[str, float]:
+    """``{"atol", "rtol"}`` for a quantity of the case (``context``, ``targets``, ``logits``,
+    ``loss``, ``loss_weights``, ``grad``, ``metrics``, ``loss_from_logits``): the one derived
+    from measured noise when the case carries it, else the table's for the case's dtype (fp32's
+    when the dtype is not in the table)."""
+    derived = (case.tolerances or {}).get(quantity) if quantity else None
+    if derived is not None:
+        return {"atol": float(derived["atol"]), "rtol": float(derived["rtol"])}
     return dict(TOLERANCES.get(run_dtype(case), TOLERANCES[torch.float32]))
 
 

@@ -14,9 +14,10 @@ Per-slot weights:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,27 @@ LK_HYBRID_ETA = 3.0
 WEIGHTINGS = ("fixed-exp-decay", "dpace")
 
 
+#: dtype the divergences' softmaxes run in: float32, as the reference (speculators
+#: losses/eager.py ``log_softmax(..., dtype=torch.float32)``); :func:`softmax_dtype` changes it
+#: to reproduce an implementation that computes them in bf16 (speculators PR 788).
+_SOFTMAX_DTYPE: list[torch.dtype] = [torch.float32]
+
+
+@contextlib.contextmanager
+def softmax_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Inside the block the divergences compute their softmaxes (and what follows) in
+    ``dtype`` instead of float32: the audit's model of a low-precision loss softmax."""
+    _SOFTMAX_DTYPE.append(dtype)
+    try:
+        yield
+    finally:
+        _SOFTMAX_DTYPE.pop()
+
+
 def _log_probs(logits: torch.Tensor, targets: torch.Tensor):
+    dtype = _SOFTMAX_DTYPE[-1]
+    if dtype != torch.float32:
+        return (F.log_softmax(logits.to(dtype), dim=-1), F.log_softmax(targets.to(dtype), dim=-1))
     return (F.log_softmax(logits, dim=-1, dtype=torch.float32),
             F.log_softmax(targets, dim=-1, dtype=torch.float32))
 

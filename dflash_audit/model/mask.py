@@ -71,6 +71,11 @@ def flex_block_mask(
 ):
     """The same rule as :func:`dense_mask` as a flex-attention ``BlockMask`` (CUDA path).
 
+    flex attention evaluates ``mask_mod`` on query / key indices padded up to its block size
+    (128): a query index q >= Q has no anchor, so it is clamped before indexing the anchors and
+    masked out (an unclamped ``q_anchor[q_idx]`` reads past the anchors: SpecForge PR 511);
+    key indices past T + Q are clamped the same way.
+
     Returns:
         ``torch.nn.attention.flex_attention.BlockMask`` of shape [1, 1, Q, T+Q].
     """
@@ -80,19 +85,50 @@ def flex_block_mask(
     T = doc.numel()
     anchors = anchor_positions.to(device=doc.device, dtype=torch.long)
     q_anchor = anchors.repeat_interleave(block_size)
+    Q = q_anchor.numel()
     causal = block_is_causal(sliding_window, sliding_window_non_causal)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        a = q_anchor[q_idx]
+        q_ok = q_idx < Q
+        a = q_anchor[torch.clamp(q_idx, max=Q - 1)]
         kv_pos = torch.clamp(kv_idx, max=T - 1)
         base = (kv_idx < T) & (doc[kv_pos] == doc[a]) & (doc[a] != -1) & (kv_pos < a)
         if sliding_window is not None:
             base = base & (kv_pos >= a - sliding_window)
         k = kv_idx - T
-        block = (kv_idx >= T) & (k // block_size == q_idx // block_size)
+        block = (kv_idx >= T) & (kv_idx < T + Q) & (k // block_size == q_idx // block_size)
         if causal:
             block = block & (k <= q_idx)
-        return base | block
+        return q_ok & (base | block)
 
-    Q = q_anchor.numel()
     return create_block_mask(mask_mod, None, None, Q, T + Q, device=doc.device)
+
+
+def materialise_block_mask(block_mask) -> torch.Tensor:
+    """A flex ``BlockMask`` [1, 1, Q, KV] as the dense bool [Q, KV] attention it applies: a key
+    is visible when its (query block, key block) tile is a full block, or a partial block
+    whose ``mask_mod`` allows it; tiles in neither list are skipped by flex attention.
+
+    Returns:
+        [Q, KV] bool on the BlockMask's device.
+    """
+    from torch.nn.attention.flex_attention import create_mask
+
+    Q, KV = block_mask.seq_lengths
+    qb, kb = block_mask.BLOCK_SIZE
+
+    def tiles(num: torch.Tensor | None, idx: torch.Tensor | None) -> torch.Tensor:
+        if num is None or idx is None:
+            return torch.zeros(Q, KV, dtype=torch.bool, device=block_mask.kv_indices.device)
+        n_kb = idx.shape[-1]
+        slot = torch.arange(n_kb, device=idx.device)
+        cols = torch.where(slot < num[0, 0, :, None], idx[0, 0].long(), n_kb)  # n_kb: unused
+        grid = torch.zeros(idx.shape[-2], n_kb + 1, dtype=torch.bool, device=idx.device)
+        grid.scatter_(1, cols, True)
+        dense = grid[:, :n_kb].repeat_interleave(qb, 0).repeat_interleave(kb, 1)
+        return dense[:Q, :KV]
+
+    partial = tiles(block_mask.kv_num_blocks, block_mask.kv_indices)
+    full = tiles(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    allowed = create_mask(block_mask.mask_mod, 1, 1, Q, KV, device=partial.device)[0, 0]
+    return full | (partial & allowed)

@@ -92,13 +92,29 @@ def checks_table(report: Report) -> list[str]:
     return lines
 
 
+def tolerance_table(report: Report) -> list[str]:
+    """The measured-noise tolerances of a non-fp32 audit (empty in fp32)."""
+    tol = report.tolerance
+    if not tol.get("quantities"):
+        return []
+    lines = [f"### Tolerances ({tol['dtype']}, from measured noise)", "",
+             f"Per case, atol = max({tol['k']:g} × measured relative noise × the case's "
+             f"magnitude, fp32 atol); measured: {tol['source']}.", "",
+             "| quantity | measured max abs | measured max rel | atol (cases) | rtol |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {q} | {fmt_num(v['measured_max_abs'])} | {fmt_num(v['measured_max_rel'])} | "
+              f"{fmt_num(v['atol_min'])} – {fmt_num(v['atol_max'])} | {fmt_num(v['rtol'])} |"
+              for q, v in tol["quantities"].items()]
+    return [*lines, ""]
+
+
 def render_markdown(report: Report) -> str:
     """The text of ``report.md``."""
     out = [verdict_line(report), "", *_what(report), "", "### Checks", "",
            *checks_table(report), "",
            "One result per case (per case and layer type for mask). A check passes when "
            "|c - r| <= atol + rtol·|r| everywhere, so a large relative diff on values near "
-           "zero can pass.", ""]
+           "zero can pass.", "", *tolerance_table(report)]
     diagnoses = report.diagnoses()
     if diagnoses:
         out += ["### Diagnoses", ""]

@@ -109,6 +109,8 @@ class Report:
     masks: list[MaskPicture] = field(default_factory=list)
     #: verifier fingerprint -> {"name", "architecture"}: the verifiers the audit covered.
     verifiers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: dtype, measured noise and derived tolerances (dflash_audit.audit.precision); {} in fp32
+    tolerance: dict[str, Any] = field(default_factory=dict)
 
     # ----------------------------------------------------------------- verdict
     @property
@@ -185,6 +187,7 @@ class Report:
             "cases": [c.to_dict() for c in self.cases],
             "timing": {k: round(v, 3) for k, v in self.timing.items()},
             "notes": self.notes,
+            "tolerance": self.tolerance,
         }
 
 

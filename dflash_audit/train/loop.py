@@ -265,8 +265,8 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
                 if not prompts:
                     tracker.message("warning: no held-out prompt found; skipping evaluation")
             if env.is_main and cfg.eval_untrained and start_step == 0 and prompts:
-                summary.eval["untrained"] = evaluate_drafter(model, verifier, prompts, cfg, tracker, 0,
-                                                      "untrained")
+                summary.eval["untrained"] = evaluate_drafter(model, verifier, prompts, cfg,
+                                                             tracker, 0, "untrained")
             if env.distributed:
                 dist.barrier()
             tracker.message(f"training {config.num_hidden_layers}-layer drafter "
@@ -321,8 +321,8 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
                         break
                 summary.step = step
             if env.is_main and summary.stopped_by is None and cfg.eval_at_end and prompts:
-                summary.eval["trained"] = evaluate_drafter(model, verifier, prompts, cfg, tracker, step,
-                                                    "trained")
+                summary.eval["trained"] = evaluate_drafter(model, verifier, prompts, cfg,
+                                                           tracker, step, "trained")
             summary.wall_s = time.perf_counter() - start_wall
             if env.is_main:
                 summary.loss_curve = loss_curve(out / "metrics.jsonl")

@@ -43,7 +43,7 @@ def check_gradients(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckRes
     rg = {k[5:]: v for k, v in ref.tensors.items() if k.startswith("grad.")}
     if not cg and not cand.trainable:
         return not_provided("gradients", case, "gradients")
-    tol = tolerance(case)
+    tol = tolerance(case, "grad")
     names = list(dict.fromkeys([*ref.trainable, *rg]))
     per_param: dict[str, dict[str, Any]] = {}
     problems: list[tuple[str, str, dict | None]] = []  # (parameter, reason, first_diff)

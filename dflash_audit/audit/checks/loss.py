@@ -11,6 +11,11 @@ both in one cause with the slots a separating case needs), D-PACE vs fixed-exp-d
 an upstream difference, another loss (e.g. hard-label CE instead of a soft divergence) and the
 loss normalised by the sum of weights or averaged over all Q slots; among several loss formulas
 that reproduce the total, only those with the fewest deviations, named as one cause.
+
+In a low-precision audit (``--dtype bf16``) the loss must also follow from the candidate's own
+logits and targets by the reference's formula in float32 (part ``loss_from_logits``, tolerance
+from the reference's own noise on the same quantity); a loss that instead follows with its
+softmax in bfloat16 is named (speculators PR 788).
 """
 
 from __future__ import annotations
@@ -29,7 +34,16 @@ from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.slots import slot_coordinates, supervised_slots
 from dflash_audit.audit.tolerance import closeness, fmt_diff, tolerance, worst
 from dflash_audit.audit.weight_formulas import weight_formula_causes
-from dflash_audit.model.loss import LOSS_REDUCTION_EPS, LOSSES, LossSpec, parse_loss, slot_weights
+from dflash_audit.model.loss import (
+    LOSS_REDUCTION_EPS,
+    LOSSES,
+    LossSpec,
+    parse_loss,
+    slot_weights,
+    softmax_dtype,
+)
+
+SOFTMAX_BF16 = "loss softmax computed in bfloat16; the reference computes it in float32"
 
 
 def fit_decay(weights: torch.Tensor, supervised: torch.Tensor, block_size: int
@@ -104,7 +118,7 @@ def _compare_weights(case: Case, cand: SideOutputs, ref: SideOutputs, key: str,
         return {**out, "status": FAIL, "reason": f"loss weights of {term!r} shape "
                                                  f"{list(c.shape)} != reference {list(r.shape)}"}
     out["candidate_fit"] = fit_decay(c, sup, B)
-    res = closeness(c[sup], r[sup], **tolerance(case))
+    res = closeness(c[sup], r[sup], **tolerance(case, "loss_weights"))
     out.update(max_abs=res.max_abs, max_rel=res.max_rel)
     if res.ok:
         return {**out, "status": PASS}
@@ -126,7 +140,7 @@ def check_loss(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResult:
     decay gamma each side's weights imply (:func:`fit_decay`)."""
     if "loss" not in ref.tensors:
         return not_provided("loss", case, "loss", side="reference")
-    tol = tolerance(case)
+    tol = tolerance(case, "loss")
     sup = supervised_slots(case, ref)
     parts: dict[str, Any] = {"aligned_loss_mask": _compare_mask(case, cand, ref)}
     for key in sorted(k for k in ref.tensors if k.startswith("loss_weights.")):
@@ -141,6 +155,8 @@ def check_loss(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResult:
         max_abs, max_rel = res.max_abs, res.max_rel
         parts["total"] = {"status": PASS if res.ok else FAIL, "candidate": cl, "reference": rl,
                           "reason": f"total loss {cl:.6g} vs reference {rl:.6g}"}
+    if case.dtype != "fp32" and cl is not None:
+        parts["loss_from_logits"] = _loss_from_logits(case, cand, cl)
     status = worst(p["status"] for p in parts.values())
     bad = [p for p in parts.values() if p["status"] == status and status != PASS]
     fits = {k.split(".", 1)[1]: {"candidate": (p.get("candidate_fit") or {}).get("gamma"),
@@ -155,6 +171,38 @@ def check_loss(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResult:
     return CheckResult("loss", case.name, status, summary, candidate=cl, reference=rl,
                        tolerance=tol, max_abs_diff=max_abs, max_rel_diff=max_rel,
                        first_diff=first, details={"parts": parts, "implied_gamma": fits})
+
+
+def own_loss(case: Case, side: SideOutputs) -> float | None:
+    """The reference's loss formula (profile mix, fp32 softmax, supervised-token denominator) on
+    one side's own logits, targets, aligned mask and weights; None without logits/targets."""
+    return recompute_loss(Evidence(case, side, side), parse_loss(case.loss.loss), "tokens")
+
+
+def _loss_from_logits(case: Case, cand: SideOutputs, cl: float) -> dict[str, Any]:
+    value = own_loss(case, cand)
+    if value is None:
+        return {"status": WARN, "reason": "logits / targets not provided: cannot tell whether "
+                                          "the loss follows from them in float32"}
+    tol = tolerance(case, "loss_from_logits")
+    ok = abs(cl - value) <= tol["atol"] + tol["rtol"] * abs(value)
+    return {"status": PASS if ok else FAIL, "candidate": cl, "recomputed": value,
+            "tolerance": tol,
+            "reason": f"the candidate's loss {cl:.6g} does not follow from its own logits and "
+                      f"targets by the reference's float32 formula ({value:.6g}; |diff| "
+                      f"{fmt_diff(abs(cl - value))} > atol {fmt_diff(tol['atol'])}, the "
+                      f"reference's own {case.dtype} noise x k)"}
+
+
+def diagnose_loss_precision(ev: Evidence, part: dict[str, Any]) -> list[str]:
+    """A loss that follows from the candidate's own tensors with the softmax in bfloat16 (at
+    least 10x closer than in float32): :data:`SOFTMAX_BF16`."""
+    with softmax_dtype(torch.bfloat16):
+        low = own_loss(ev.case, ev.cand)
+    cl, exact = part["candidate"], part["recomputed"]
+    if low is not None and abs(cl - low) * 10 <= abs(cl - exact):
+        return [SOFTMAX_BF16]
+    return []
 
 
 def aligned_mask_hypotheses(ev: Evidence) -> Iterator[tuple[str, torch.Tensor]]:
@@ -328,6 +376,8 @@ def diagnose_loss(ev: Evidence, result: CheckResult) -> list[str]:
                 named = [f"per-slot weights of {part['term']!r} differ and no tested weight "
                          f"formula reproduces them: candidate {cw}, reference {rw} (slot: weight)"]
             causes += named
+    if parts.get("loss_from_logits", {}).get("status") == FAIL:
+        causes += diagnose_loss_precision(ev, parts["loss_from_logits"])
     if parts.get("total", {}).get("status") == FAIL:
         total = diagnose_loss_total(ev)
         if causes and total and total[0].startswith("the candidate's loss formula conforms"):

@@ -114,10 +114,9 @@ def _near_ties_only(case: Case, cand: SideOutputs, ref: SideOutputs) -> bool:
     if not all(k in cand.tensors and k in ref.tensors for k in keys):
         return False
     sup = supervised_slots(case, ref)
-    tol = tolerance(case)
     for k in ("logits", "targets"):
         c, r = cand.tensors[k], ref.tensors[k]
-        if c.shape != r.shape or not closeness(c[:, sup], r[:, sup], **tol).ok:
+        if c.shape != r.shape or not closeness(c[:, sup], r[:, sup], **tolerance(case, k)).ok:
             return False
     own = dflash_metrics(cand.tensors["logits"], cand.tensors["targets"],
                          cand.tensors["aligned_loss_mask"], case.config.block_size,

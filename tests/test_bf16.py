@@ -1,0 +1,200 @@
+"""The audit in bf16 (``compare --dtype bf16``) and the flex-attention mask on CPU: tolerances
+derived from the reference's measured noise, our drafter passing, a loss softmax computed in
+bf16 failing and named; ``flex_block_mask`` defined on padded query indices and equal to the
+dense mask."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_audit.audit.compare import CompareOptions, run_compare
+from dflash_audit.audit.compare_cli import main
+from dflash_audit.audit.precision import NOISE_FACTOR, derive_tolerances, in_dtype
+from dflash_audit.audit.synthetic import synthetic_case
+from dflash_audit.audit.tolerance import TOLERANCES, tolerance
+from dflash_audit.candidate import DrafterCandidate, load_candidate
+from dflash_audit.model.config import DFlashConfig
+from dflash_audit.model.loss import LossSpec, kl_div, softmax_dtype
+from dflash_audit.model.mask import dense_mask, flex_block_mask, materialise_block_mask
+from dflash_audit.profile import Profile, ProfileError
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "candidates" / "loss_softmax_bf16.py"
+SOFTMAX_BF16 = "loss softmax computed in bfloat16; the reference computes it in float32"
+FP32 = TOLERANCES[torch.float32]
+CONFIG = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, num_hidden_layers=1, vocab_size=96,
+                      num_verifier_layers=12, target_layer_ids=(2, 6, 9), mask_token_id=95,
+                      block_size=4)
+
+
+def test_tolerances_are_k_times_the_worst_relative_noise_at_each_cases_scale():
+    noises = [{"logits": 0.2, "loss": 1e-9}, {"logits": 0.003}]
+    scales = [{"logits": 20.0, "loss": 5.0}, {"logits": 0.1, "loss": 0.01}]
+    section, per_case = derive_tolerances("bf16", noises, scales, FP32)
+    q = section["quantities"]
+    assert q["logits"]["measured_max_abs"] == 0.2
+    assert q["logits"]["measured_max_rel"] == pytest.approx(0.03)  # 0.003 / 0.1 > 0.2 / 20
+    assert per_case[0]["logits"]["atol"] == pytest.approx(NOISE_FACTOR * 0.03 * 20.0)
+    assert per_case[1]["logits"]["atol"] == pytest.approx(NOISE_FACTOR * 0.03 * 0.1)
+    assert per_case[1]["loss"]["atol"] == FP32["atol"]  # never tighter than fp32
+    assert q["logits"]["atol_min"] == per_case[1]["logits"]["atol"]
+    assert section["dtype"] == "bf16" and section["k"] == NOISE_FACTOR
+
+
+def test_a_bf16_case_casts_the_hidden_states_and_keeps_fp32_master_weights():
+    case = synthetic_case("c", CONFIG, LossSpec(), seed=1, seq_len=32)
+    low = in_dtype(case, "bf16")
+    assert low.inputs["hidden_states"].dtype == torch.bfloat16
+    assert low.inputs["verifier_last_hidden_states"].dtype == torch.bfloat16
+    assert low.inputs["input_ids"].dtype == torch.long
+    assert low.weights["fc.weight"].dtype == torch.float32
+    assert torch.equal(low.inputs["hidden_states"],
+                       case.inputs["hidden_states"].to(torch.bfloat16))
+    assert tolerance(low) == TOLERANCES[torch.bfloat16]  # before noise is measured
+    low.tolerances = {"logits": {"atol": 0.5, "rtol": 0.0}}
+    assert tolerance(low, "logits") == {"atol": 0.5, "rtol": 0.0}
+    assert tolerance(case, "logits") == FP32
+    with pytest.raises(ValueError, match="fp16"):
+        in_dtype(case, "fp16")
+
+
+def test_profile_names_its_dtype():
+    p = Profile.load("reference-model")
+    assert p.dtype == "fp32"
+    bf16 = p.replace(dtype="bf16")
+    assert bf16.fingerprint() != p.fingerprint()
+    assert p.replace(dtype="fp32").fingerprint() == p.fingerprint()
+    assert "dtype" not in p.semantic_dict()  # fp32 fingerprints stay what they were
+    with pytest.raises(ProfileError, match="'dtype'"):
+        p.replace(dtype="fp16")
+
+
+def test_softmax_dtype_rounds_the_divergence_and_restores_fp32():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 8, 500, generator=g).bfloat16()
+    targets = torch.randn(1, 8, 500, generator=g).bfloat16()
+    exact = kl_div(logits, targets)
+    with softmax_dtype(torch.bfloat16):
+        low = kl_div(logits, targets)
+    assert float((low.float() - exact).abs().max()) > 1e-3
+    assert torch.equal(kl_div(logits, targets), exact)
+
+
+def test_the_example_equals_our_drafter_in_fp32():
+    case = synthetic_case("c", CONFIG, LossSpec(), seed=2, seq_len=32)
+    ours = DrafterCandidate().run_case(case.config, case.loss, case.weights, dict(case.inputs))
+    bug = load_candidate(f"{EXAMPLE}:candidate").run_case(case.config, case.loss, case.weights,
+                                                          dict(case.inputs))
+    assert torch.equal(ours.tensors["loss"], bug.tensors["loss"])
+
+
+def test_diagnosis_replays_a_bf16_case_in_bf16():
+    """The replay of our drafter (logits diagnoses) runs under the case's autocast: bf16
+    hidden states with fp32 weights do not raise, and stay within bf16 noise of fp32."""
+    from dflash_audit.audit.replay import replay
+
+    case = synthetic_case("c", CONFIG, LossSpec(), seed=4, seq_len=32)
+    exact, low = replay(case), replay(in_dtype(case, "bf16"))
+    assert low.dtype == torch.bfloat16 and exact.dtype == torch.float32
+    diff = float((low.float() - exact).abs().max())
+    assert 0 < diff < 0.05 * float(exact.abs().max())
+
+
+@pytest.mark.parametrize("device,dtype,message", [("tpu", None, "--device 'tpu'"),
+                                                  ("cpu", "fp16", "--dtype 'fp16'")])
+def test_bad_dtype_or_device_exits_2(tmp_path, capsys, device, dtype, message):
+    assert main(CompareOptions(device=device, dtype=dtype, out=tmp_path, progress=False)) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_device_cuda_without_a_gpu_exits_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from dflash_audit.cli import app
+
+    result = CliRunner().invoke(app, ["compare", "--device", "cuda", "--dtype", "bf16",
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "--device cuda: torch sees no CUDA GPU" in result.output
+    assert "--device cpu" in result.output and not list(tmp_path.iterdir())
+
+
+# --------------------------------------------------------------------- flex BlockMask (CPU)
+FLEX_SHAPES = [  # (T, documents split, anchors, B, window, non-causal)
+    (100, (50, 40), [5, 20, 60, 70, 80], 4, None, False),  # Q = 20 < 128
+    (100, (50, 40), list(range(3, 95, 3)), 5, 7, False),  # Q = 155, T+Q = 255
+    (100, (50, 40), list(range(3, 95, 3)), 5, 7, True),
+    (140, (60, 70), list(range(1, 130, 4)), 8, None, False),  # Q = 264
+]
+
+
+def _doc(T: int, split: tuple[int, int]) -> torch.Tensor:
+    a, b = split
+    return torch.tensor([[0] * a + [1] * b + [-1] * (T - a - b)])
+
+
+@pytest.mark.parametrize("T,split,anchors,B,W,nc", FLEX_SHAPES)
+def test_flex_block_mask_is_the_dense_rule(T, split, anchors, B, W, nc):
+    doc, anchors = _doc(T, split), torch.tensor(anchors)
+    bm = flex_block_mask(doc, anchors, B, W, nc)
+    assert torch.equal(materialise_block_mask(bm), dense_mask(doc, anchors, B, W, nc))
+
+
+@pytest.mark.parametrize("T,split,anchors,B,W,nc", FLEX_SHAPES)
+def test_flex_mask_mod_is_defined_on_padded_queries(T, split, anchors, B, W, nc):
+    """flex attention evaluates mask_mod up to the next multiple of its block size (128): on
+    padded query indices it must not index past the anchors (SpecForge PR 511) and must mask
+    everything out. Evaluated eagerly, an out-of-range index raises IndexError."""
+    doc, anchors = _doc(T, split), torch.tensor(anchors)
+    bm = flex_block_mask(doc, anchors, B, W, nc)
+    Q, KV = bm.seq_lengths
+    pad_q, pad_kv = 128 * math.ceil(Q / 128), 128 * math.ceil(KV / 128)
+    q = torch.arange(pad_q)[:, None]
+    kv = torch.arange(pad_kv)[None, :]
+    allowed = bm.mask_mod(torch.tensor(0), torch.tensor(0), q, kv)
+    assert allowed.shape == (pad_q, pad_kv)
+    assert not allowed[Q:].any() and not allowed[:, KV:].any()
+    assert torch.equal(allowed[:Q, :KV], dense_mask(doc, anchors, B, W, nc))
+
+
+def test_flex_attention_on_cpu_matches_dense_sdpa():
+    doc, anchors = _doc(100, (50, 40)), torch.arange(3, 95, 3)
+    bm = flex_block_mask(doc, anchors, 5, 7)
+    dense = dense_mask(doc, anchors, 5, 7)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, dense.shape[0], 8, generator=g)
+    k, v = (torch.randn(1, 2, dense.shape[1], 8, generator=g) for _ in range(2))
+    out = flex_attention(q, k, v, block_mask=bm)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    rows = dense.any(-1)  # a query with no visible key is undefined in SDPA
+    torch.testing.assert_close(out[:, :, rows], ref[:, :, rows])
+
+
+# ------------------------------------------------------------ end to end, real reference
+@pytest.mark.reference
+@pytest.mark.parametrize("candidate,exit_code", [(None, 0), (f"{EXAMPLE}:candidate", 1)])
+def test_compare_bf16(tmp_path, reference_identity, candidate, exit_code):
+    outcome = run_compare(CompareOptions(ref="speculators==0.9.0", candidate=candidate,
+                                         rows=0, cases=3, dtype="bf16", out=tmp_path,
+                                         cache_dir=tmp_path / "cache", progress=False))
+    assert outcome.exit_code == exit_code
+    tol = outcome.report.tolerance
+    assert tol["dtype"] == "bf16"
+    logits = tol["quantities"]["logits"]
+    assert 0 < logits["measured_max_abs"] < 0.1  # bf16 noise: real, and not garbage
+    assert 0 < logits["measured_max_rel"] < 0.05
+    assert FP32["atol"] <= logits["atol_min"] <= logits["atol_max"]
+    failing = {r.name for r in outcome.report.results if r.status == "fail"}
+    if exit_code == 0:
+        assert not failing
+    else:
+        assert "loss" in failing and not failing & {"mask", "context", "targets", "logits"}
+        causes = {c["cause"] for c in outcome.report.diagnoses() if "loss" in c["checks"]}
+        assert SOFTMAX_BF16 in causes
