@@ -48,8 +48,10 @@ def softmax_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def _log_probs(logits: torch.Tensor, targets: torch.Tensor):
     dtype = _SOFTMAX_DTYPE[-1]
-    if dtype != torch.float32:
-        return (F.log_softmax(logits.to(dtype), dim=-1), F.log_softmax(targets.to(dtype), dim=-1))
+    if dtype != torch.float32:  # CUDA autocast would run log_softmax in fp32: switch it off
+        with torch.autocast(logits.device.type, enabled=False):
+            return (F.log_softmax(logits.to(dtype), dim=-1),
+                    F.log_softmax(targets.to(dtype), dim=-1))
     return (F.log_softmax(logits, dim=-1, dtype=torch.float32),
             F.log_softmax(targets, dim=-1, dtype=torch.float32))
 
