@@ -24,8 +24,8 @@ from dflash_audit.model.drafter import block_indices
 SEARCH_SAMPLE, SEARCH_VOCAB, CONFIRM_SAMPLE = 8, 256, 512
 #: The most hypotheses one check's search tries (the budget of a failing audit's diagnosis).
 MAX_HYPOTHESES = 96
-#: Full replay searches per (check, layer layout) that may end unexplained before later cases
-#: of that layout only try what reproduced elsewhere (:class:`SearchMemo`).
+#: Full replay searches per check that may end unexplained before later cases only try what
+#: reproduced elsewhere (:class:`SearchMemo`).
 FULL_SEARCHES = 1
 #: Which checks a check's values depend on.
 UPSTREAM: dict[str, tuple[str, ...]] = {
@@ -42,9 +42,9 @@ class SearchMemo:
     earlier cases, so that a failing audit stays within a small factor of a passing one.
 
     Labels that reproduced a case are tried first on later cases; once a check's full search
-    left FULL_SEARCHES cases of one layer layout unexplained, later cases of that layout try
-    only the labels that reproduced somewhere (deterministic: it depends on the case order
-    only). Keys are ``(check, layer types)``.
+    left FULL_SEARCHES cases unexplained, later cases try only the labels that reproduced
+    somewhere (deterministic: it depends on the case order only). Keys are ``(check, ...)``:
+    a check may key by more (e.g. the layer layout) to search each kind of case in full.
     """
 
     found: dict[tuple, dict[str, int]] = field(default_factory=dict)
