@@ -4,7 +4,9 @@ A case is a folder (the exchange format with the reference process, ``reference/
 ``inputs.safetensors`` (batch tensors + ``anchor_positions`` [A] + ``anchor_valid`` [A]),
 ``weights.safetensors`` (one state dict, reference key names) and ``profile.json``
 (``{"drafter": DFlashConfig.to_dict(), "loss": LossSpec fields}``); the reference writes
-``outputs.safetensors`` + ``outputs.json`` beside them.
+``outputs.safetensors`` + ``outputs.json`` beside them. A case that knows its verifier
+(:class:`CaseVerifier`) also writes ``derive.json`` (and ``verifier/config.json`` for a proxy),
+and the reference answers with ``derivation.json``: its own drafter-config derivation.
 
 Output tensor keys (both sides): ``context`` [1,T,H], ``mask.<layer type>`` [Q,T+Q] bool,
 ``targets`` / ``logits`` [1,Q,V_d], ``aligned_loss_mask`` [1,Q], ``loss`` [],
