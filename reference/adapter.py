@@ -37,6 +37,7 @@ fields (see :func:`derive`), or {"error", "traceback"} where the reference's cod
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -325,6 +326,22 @@ def run_case(case: Path, core, resolve_loss_config) -> None:
     }, indent=1, sort_keys=True))
 
 
+@functools.lru_cache(maxsize=8)
+def resolved_mask_token_id(verifier_dir: str, vocab_size: int) -> int | None:
+    """The training CLI's ``resolve_mask_token_id`` with no explicit id (None for a folder
+    without a tokenizer); cached per folder, since loading a tokenizer takes ~0.5 s."""
+    import warnings
+
+    from speculators.train import cli
+
+    if not any((Path(verifier_dir) / n).exists()
+               for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cli.resolve_mask_token_id(verifier_dir, vocab_size)
+
+
 def derive(verifier_dir: str, num_layers: int = 1, sliding_window: int = 2048,
            full_attention_indices: tuple[int, ...] = (0,)) -> dict:
     """The drafter config the reference derives from a verifier config, as a flat dict.
@@ -365,12 +382,7 @@ def derive(verifier_dir: str, num_layers: int = 1, sliding_window: int = 2048,
                if k not in ("rope_theta", "rope_type", "partial_rotary_factor")}
     norm_cls = resolve_verifier_norm_class(SimpleNamespace(speculators_config=SimpleNamespace(
         verifier=SimpleNamespace(name_or_path=verifier_dir))))
-    mask = None  # a config-only folder has no tokenizer to resolve it from
-    if any((Path(verifier_dir) / n).exists()
-           for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mask = cli.resolve_mask_token_id(verifier_dir, tl.vocab_size)
+    mask = resolved_mask_token_id(verifier_dir, tl.vocab_size)
     uses_sliding = "sliding_attention" in (tl.layer_types or [])
     out = {
         "hidden_size": tl.hidden_size, "intermediate_size": tl.intermediate_size,

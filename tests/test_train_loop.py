@@ -115,7 +115,8 @@ def test_gate_refuses_before_any_work(paths, tmp_path):
     with pytest.raises(GateError) as err:
         train(cfg, reference_identity=tt.REFERENCE)
     assert err.value.exit_code == 2
-    assert f"dflash-audit compare --profile {paths['profile']} --out " in str(err.value)
+    assert (f"dflash-audit compare --profile {paths['profile']} --verifier {paths['verifier']}"
+            " --out ") in str(err.value)
     assert not (tmp_path / "out").exists()
     other = tt.write_profile(tmp_path / "other.toml", block_size=5)
     cfg = tt.tiny_config(paths, tmp_path / "out", profile=str(other))

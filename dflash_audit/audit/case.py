@@ -6,7 +6,9 @@ A case is a folder (the exchange format with the reference process, ``reference/
 (``{"drafter": DFlashConfig.to_dict(), "loss": LossSpec fields, "dtype": "fp32" | "bf16",
 "device": "cpu" | "cuda"}``); the reference writes ``outputs.safetensors`` + ``outputs.json``
 beside them (with ``noise``, its own bf16-vs-fp32 differences, when the dtype is not fp32:
-:mod:`dflash_audit.audit.precision`).
+:mod:`dflash_audit.audit.precision`). A case that knows its verifier (:class:`CaseVerifier`)
+also writes ``derive.json`` (and ``verifier/config.json`` for a proxy), and the reference answers
+with ``derivation.json``: its own drafter-config derivation.
 
 Output tensor keys (both sides): ``context`` [1,T,H], ``mask.<layer type>`` [Q,T+Q] bool,
 ``targets`` / ``logits`` [1,Q,V_d], ``aligned_loss_mask`` [1,Q], ``loss`` [],

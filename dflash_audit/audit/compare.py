@@ -9,10 +9,13 @@ Order of work (cheap and likely-to-fail steps first, so a setup error costs seco
 2. a check that the reference imports from its source tree, in the background, awaited
    before anything expensive (a verifier capture, the runs); skipped when it passed before
    for the same source, interpreter and site-packages;
-3. real batches through the data pipeline (cached, :mod:`.real_inputs`) and the cases
-   (:mod:`.plan`): real rows under both layouts + ``--cases N`` synthetic ones;
-4. the reference runs ALL cases in one subprocess (``reference/adapter.py``) while the
-   candidate runs them in this process; anchors and weights are the same on both sides;
+3. real batches through the data pipeline (cached, :mod:`.real_inputs`; ``--verifier
+   family:NAME`` or ``path/to/config.json`` captures them through a proxy verifier) and the
+   cases (:mod:`.plan`): real rows under both layouts (on ``--weights DIR``'s checkpoint when
+   given) + ``--cases N`` synthetic ones over the verifier families;
+4. the reference runs ALL cases in one subprocess (``reference/adapter.py``), with its own
+   drafter-config derivation of each case's verifier, while the candidate runs them in this
+   process; anchors and weights are the same on both sides;
 5. checks + diagnosis (:mod:`dflash_audit.audit.checks`, :mod:`dflash_audit.audit.diagnose`)
    per case, the report (:mod:`dflash_audit.report`) and the exit code.
 
