@@ -12,12 +12,14 @@ Order of work (cheap and likely-to-fail steps first, so a setup error costs seco
 3. real batches through the data pipeline (cached, :mod:`.real_inputs`) and the cases
    (:mod:`.plan`): real rows under both layouts + ``--cases N`` synthetic ones;
 4. the reference runs ALL cases in one subprocess (``reference/adapter.py``) while the
-   candidate runs them in this process; anchors and weights are the same on both sides;
+   candidate runs them in its own process (:mod:`.candidate_process`: its exit, crash, kill
+   or a case over ``--candidate-timeout`` fails that case); anchors and weights are the
+   same on both sides;
 5. checks + diagnosis (:mod:`dflash_audit.audit.checks`, :mod:`dflash_audit.audit.diagnose`)
    per case, the report (:mod:`dflash_audit.report`) and the exit code.
 
 Exit codes: 0 every check passed (warnings allowed), 1 a conformance failure (a failing check
-or a candidate that crashed on a case), 2 a usage or setup error (bad profile, unknown ref,
+or a candidate that raised, exited, crashed, was killed or timed out on a case), 2 a usage or setup error (bad profile, unknown ref,
 unreachable remote, missing reference dependencies, a candidate that cannot be loaded, bad
 data or verifier) -- reported as one clear message, never a traceback.
 """
@@ -33,6 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from dflash_audit.audit.candidate_process import DEFAULT_CANDIDATE_TIMEOUT_S
 from dflash_audit.audit.progress import Stages
 from dflash_audit.audit.run_sides import (
     ImportCheck,
@@ -78,6 +81,7 @@ class CompareOptions:
     progress: bool | None = None  # None: a progress bar when stderr is a terminal
     cache_dir: Path | None = None  # batch cache + import marker (default: the user cache)
     reference_timeout_s: float = REFERENCE_TIMEOUT_S
+    candidate_timeout_s: float = DEFAULT_CANDIDATE_TIMEOUT_S  # per case, candidate process
 
 
 @dataclass
@@ -125,10 +129,6 @@ def _check_case(case: Any, cand: Any, ref: Any) -> list[Any]:
                            ["the candidate's outputs do not have the shapes / keys of the "
                             "reference's (see the protocol in dflash_audit.candidate)"])]
     return results
-
-
-def _candidate_name(candidate: Any, spec: str | None) -> str:
-    return str(getattr(candidate, "name", None) or spec or type(candidate).__name__)
 
 
 def _notes(reference: dict[str, Any]) -> list[str]:
@@ -234,7 +234,10 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
     Raises:
         CompareSetupError: any usage or setup error (exit code 2).
     """
-    from dflash_audit.candidate import CandidateError, load_candidate
+    from dflash_audit.audit.candidate_process import (
+        CandidateLoadError,
+        load_candidate_identity,
+    )
     from dflash_audit.profile import Profile, ProfileError
     from dflash_audit.report import write_report
 
@@ -249,15 +252,15 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
             raise CompareSetupError(str(exc)) from None
         with st.stage("resolve_reference", "resolving the reference"):
             identity = resolve_reference(opts.ref, opts.ref_url, opts.offline)
-        try:
-            candidate = load_candidate(opts.candidate)
-        except CandidateError as exc:
-            raise CompareSetupError(f"candidate: {exc}") from None
         import_check = ImportCheck(identity, import_ok_marker(identity, opts.cache_dir))
-        planned, inputs_info = plan_cases(opts, profile, st, import_check)
         with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-") as tmp:
-            outputs = run_both_sides(opts, identity, candidate, planned, Path(tmp), st,
-                                     import_check)
+            with st.stage("load_candidate", "loading the candidate (own process)"):
+                try:  # never imported here: its import may exit, crash or print
+                    candidate = load_candidate_identity(opts.candidate, Path(tmp) / ".load")
+                except CandidateLoadError as exc:
+                    raise CompareSetupError(f"candidate: {exc}") from None
+            planned, inputs_info = plan_cases(opts, profile, st, import_check)
+            outputs = run_both_sides(opts, identity, planned, Path(tmp), st, import_check)
             records, pictures = check_all(planned, outputs, Path(tmp), st)
             ref_info = _reference_info(identity, Path(tmp))
         st.timing["total"] = time.perf_counter() - started
@@ -284,17 +287,18 @@ def _reference_info(identity: Any, cases_dir: Path) -> dict[str, Any]:
     return info
 
 
-def _build_report(opts: CompareOptions, profile: Any, ref_info: dict[str, Any], candidate: Any,
+def _build_report(opts: CompareOptions, profile: Any, ref_info: dict[str, Any],
+                  candidate: dict[str, Any],
                   records: list[Any], pictures: list[Any], inputs_info: dict[str, Any],
                   created_at: str, timing: dict[str, float]) -> Any:
     from dflash_audit.report import Report
-    from dflash_audit.report.fingerprint import candidate_fingerprint
+    from dflash_audit.report.fingerprint import files_fingerprint
 
     profile_fp = profile.fingerprint()
-    cand_fp = candidate_fingerprint(candidate, profile_fp)
+    cand_fp = files_fingerprint(candidate.get("source_files", []), profile_fp)
     return Report(
         reference=ref_info,
-        candidate={"name": _candidate_name(candidate, opts.candidate), "spec": opts.candidate,
+        candidate={"name": candidate.get("name") or opts.candidate, "spec": opts.candidate,
                    "fingerprint": cand_fp["fingerprint"], "files": cand_fp["files"]},
         profile={"name": profile.name, "source": profile.source, "fingerprint": profile_fp,
                  "fields": profile.to_dict()},

@@ -41,7 +41,7 @@ def diagnose(case: Case, cand: SideOutputs, ref: SideOutputs,
     run instead of hiding the result."""
     ev = Evidence(case, cand, ref, {r.name for r in results if r.status == FAIL})
     for result in results:
-        if result.status == PASS or result.summary.startswith("not provided"):
+        if result.status == PASS or result.summary.startswith(("not provided", "not compared")):
             continue
         try:
             causes = DIAGNOSERS.get(result.name, lambda e, r: [])(ev, result)
