@@ -58,7 +58,7 @@ def run_one(candidate: Any, case: Any) -> tuple[dict[str, Any], Any]:
     """
     import torch
 
-    from dflash_audit.audit.anchor_draws import draw_anchors
+    from dflash_audit.audit.checks.anchors import draw_anchors
     from dflash_audit.audit.case import SideOutputs
 
     inputs = {k: v.clone() for k, v in case.inputs.items()}
