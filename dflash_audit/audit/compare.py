@@ -183,6 +183,9 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: Imp
                     "batch_cache": {"key": real.cache_key, "hit": real.cache_hit,
                                     "dir": str(real.cache_dir)},
                     "data_stats": real.stats}
+        if not opts.rows:  # the same refusal as with real rows (issue 9: never depend on --rows)
+            with st.stage("verifier_config", "checking the profile against the verifier"):
+                profile_fits_verifier(profile, opts.verifier, st.say)
         with st.stage("cases", "building cases"):
             if opts.rows:
                 planned += plan_real_cases(profile, real, opts.anchors, seed=opts.seed)
@@ -192,6 +195,27 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: Imp
     info.update({"audited_anchors": min(opts.anchors, profile.max_anchors),
                  "synthetic_cases": opts.cases, "seed": opts.seed, "cases": len(planned)})
     return planned, info
+
+
+def profile_fits_verifier(profile: Any, verifier: str, say: Any = None) -> list[int]:
+    """The profile's target layer ids for the verifier, from its ``config.json`` only (no
+    weights loaded): what a real capture would refuse is refused without real rows too.
+
+    Raises:
+        ProfileError: an id the verifier does not have; VerifierError / DataError: no
+            such verifier; ValueError: its config.json is unreadable.
+    """
+    import json
+
+    from dflash_audit.data.verifier import resolve_verifier_path
+
+    _, folder = resolve_verifier_path(verifier, progress=say)
+    config = json.loads((folder / "config.json").read_text())
+    layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get(
+        "num_hidden_layers")
+    if not isinstance(layers, int):
+        raise ValueError(f"{folder / 'config.json'} has no num_hidden_layers")
+    return profile.resolve_target_layer_ids(layers)
 
 
 def check_all(planned: list[Any], outputs: dict[str, Any], cases_dir: Path, st: Stages
