@@ -35,9 +35,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from dflash_audit.audit.canary import publish_canary, stage_canary
 from dflash_audit.audit.candidate_process import DEFAULT_CANDIDATE_TIMEOUT_S
 from dflash_audit.audit.progress import Stages
 from dflash_audit.audit.run_sides import (
+    CANDIDATE_OUTPUTS,
     ImportCheck,
     failed_run,
     import_ok_marker,
@@ -287,13 +289,20 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
             outputs = run_both_sides(opts, identity, planned, Path(tmp), st, import_check)
             records, pictures = check_all(planned, outputs, Path(tmp), st)
             ref_info = _reference_info(identity, Path(tmp))
-        st.timing["total"] = time.perf_counter() - started
-        report = _build_report(opts, profile, ref_info, candidate, records, pictures,
-                               inputs_info, created_at, st.timing)
-        try:
-            folder = write_report(report, opts.out)
-        except OSError as exc:
-            raise CompareSetupError(f"cannot write the report into {opts.out}: {exc}") from None
+            staging = Path(tmp) / ".canary"
+            canary = stage_canary(planned, Path(tmp), Path(tmp) / CANDIDATE_OUTPUTS, staging)
+            st.timing["total"] = time.perf_counter() - started
+            report = _build_report(opts, profile, ref_info, candidate, records, pictures,
+                                   inputs_info, created_at, st.timing)
+            if canary is not None:
+                report.candidate["canary"] = canary
+            try:
+                folder = write_report(report, opts.out)
+                if canary is not None:
+                    publish_canary(staging, folder)
+            except OSError as exc:
+                raise CompareSetupError(f"cannot write the report into {opts.out}: {exc}"
+                                        ) from None
     return CompareOutcome(report=report, folder=folder, exit_code=report.exit_code)
 
 
