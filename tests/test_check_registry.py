@@ -22,7 +22,7 @@ HOLE = "\x00"
 
 def test_registry_lists_every_check_once_in_report_order():
     names = [c.name for c in REGISTRY]
-    assert names == ["structure", "defaults", "mask", "context", "targets", "logits", "loss",
+    assert names == ["protocol", "structure", "defaults", "mask", "context", "targets", "logits", "loss",
                      "gradients", "metrics", "anchors"]
     assert [n for n, _ in CHECKS] == names
     modules = sorted(p.stem for p in Path(REGISTRY[0].module.__file__).parent.glob("*.py"))

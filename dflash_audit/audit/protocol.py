@@ -7,6 +7,15 @@ explains nothing.
 from the case (:func:`case_dims`): ``T`` tokens of the row, ``H`` hidden size, ``A`` anchor
 slots, ``B`` block size, ``Q = A * B`` query slots, ``V_d`` draft vocabulary size, ``K``
 anchor draws (any). ``float`` means the case dtype (that of ``fc.weight``; fp32 today).
+
+Policy on non-finite values (NaN, +-inf), on either side: a non-finite value in any output
+that feeds training -- logits, loss, loss weights, gradients, context, targets -- is a FAIL;
+so is a non-finite metric (a NaN acceptance metric means the candidate's training signal is
+broken). NaN never compares as equal or "within tolerance" (:func:`dflash_audit.audit.
+tolerance.closeness`), never counts as "no gradient" and is never read as a boolean True.
+Compare reports all findings of both sides as the first check of each case (``protocol``,
+:mod:`dflash_audit.audit.checks.output_protocol`) and does not compare the keys that break
+the protocol.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ One result per case: ``pass`` when both sides follow :data:`~dflash_audit.audit.
 OUTPUT_SPEC` and every value is finite, else the worst finding's status with every finding in
 ``details["findings"]`` (the summary names the first ones). The policy (fail on any non-finite
 value that feeds training, and on a NaN metric) is stated in :mod:`dflash_audit.audit.protocol`.
+Exact: dtypes and shapes must match the protocol, no tolerance; any NaN / inf is a finding.
+Hypotheses name: a protocol violation (what was returned vs what is expected) and non-finite
+values (an overflow, a log of 0, a division by an empty count).
 
 :func:`conforming_sides` drops the keys that break the protocol (a wrong dtype, shape or a
 tensor that is not one) from each side, so the checks that follow do not compare a misread
