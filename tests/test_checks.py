@@ -114,9 +114,9 @@ def test_fit_decay_recovers_gamma_and_formula(gamma):
 # --------------------------------------------------------------------------- identical
 def test_identical_outputs_pass_every_check(ours):
     results = run_checks(CASE, ours, ours)
-    assert [r.name for r in results] == ["structure", "defaults", "mask", "mask", "context",
-                                         "targets", "logits", "loss", "gradients", "metrics",
-                                         "anchors"]
+    assert [r.name for r in results] == ["protocol", "structure", "defaults", "mask", "mask",
+                                         "context", "targets", "logits", "loss", "gradients",
+                                         "metrics", "anchors"]
     assert {r.status for r in results} == {"pass"}, [(r.name, r.summary) for r in results]
     assert [r.details["layer_type"] for r in results if r.name == "mask"] == [
         FULL_ATTENTION, SLIDING_ATTENTION]

@@ -56,7 +56,7 @@ def check_protocol(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResu
 
 def diagnose_protocol(evidence: Any, result: CheckResult) -> list[str]:
     """What to change: return what the protocol asks (its findings say what was returned)."""
-    kinds = {f["kind"] for f in result.details.get("findings", [])}
+    kinds = {f["kind"] for f in result.details.get("findings", []) if f["status"] == FAIL}
     causes = []
     if "protocol" in kinds:
         causes.append("the outputs do not follow the protocol of dflash_audit.candidate "
