@@ -1,8 +1,10 @@
 """``speculators==X.Y.Z``: the release's source distribution from the package index (pip),
 verified against the lock's sha256 and cached by sha256.
 
-Cache entry ``<root>/sdist/<sha256>/``: the archive, ``tree/`` (its extracted top folder) and
-``tree.manifest.json`` (sha256 of every file of ``tree/``, written at extraction). Each
+Cache entry ``<root>/sdist/<sha256>/``: the archive and ``tree/`` (its extracted top folder);
+beside it ``<root>/sdist/<sha256>.manifest.json`` (sha256 of every file of ``tree/``, written
+at extraction; outside the entry, so older dflash-audit versions sharing the cache still see
+one archive in it). Each
 resolve checks the tree against its manifest; a removed or edited file (or a tree without a
 manifest) is repaired by extracting the cached archive again -- offline too -- and, when that
 is impossible, named with the exact path to remove; never blamed on the release."""
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -40,11 +43,13 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-MANIFEST = "tree.manifest.json"
-
-
 def _archives(entry: Path) -> list[Path]:
-    return [p for p in entry.glob("*") if p.is_file() and p.name not in ("meta.json", MANIFEST)]
+    return [p for p in entry.glob("*") if p.is_file() and p.name != "meta.json"]
+
+
+def manifest_path(entry: Path) -> Path:
+    """``<root>/sdist/<sha256>.manifest.json`` of the entry ``<root>/sdist/<sha256>``."""
+    return entry.with_name(entry.name + ".manifest.json")
 
 
 def tree_manifest(tree: Path) -> dict[str, str]:
@@ -54,10 +59,10 @@ def tree_manifest(tree: Path) -> dict[str, str]:
 
 
 def tree_problems(entry: Path) -> list[str]:
-    """How ``entry/tree`` differs from ``entry/tree.manifest.json`` ("missing X", "changed
-    Y", "no manifest"); empty when it is intact."""
+    """How ``entry/tree`` differs from its manifest (:func:`manifest_path`): "missing X",
+    "changed Y", "no manifest"; empty when it is intact."""
     try:
-        expected = json.loads((entry / MANIFEST).read_text())
+        expected = json.loads(manifest_path(entry).read_text())
     except (OSError, ValueError):
         return ["no manifest"]
     found = tree_manifest(entry / "tree")
@@ -68,7 +73,9 @@ def tree_problems(entry: Path) -> list[str]:
 
 
 def _write_manifest(entry: Path) -> None:
-    (entry / MANIFEST).write_text(json.dumps(tree_manifest(entry / "tree"), indent=0))
+    tmp = manifest_path(entry).with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(tree_manifest(entry / "tree"), indent=0))
+    os.replace(tmp, manifest_path(entry))
 
 
 def _reextract(entry: Path, archive: Path, problems: list[str]) -> None:
@@ -220,10 +227,10 @@ def _download_sdist(version: str, root: Path, expected: str | None) -> tuple[Pat
             staging.mkdir()
             shutil.move(str(archive), staging / archive.name)
             _extract(staging / archive.name, tmp / "x").rename(staging / "tree")
-            _write_manifest(staging)
             entry.parent.mkdir(parents=True, exist_ok=True)
             try:
                 staging.rename(entry)
+                _write_manifest(entry)
             except OSError:  # made by another process meanwhile
                 pass
         return entry / "tree", sha
