@@ -626,13 +626,15 @@ MODIFIERS = {  # candidates that return changed outputs: body of a function of `
                    "if k.startswith('mask.')})",
     "float16_logits": "out.tensors['logits'] = out.tensors['logits'].half()",
     "env_scaled": "s = os.environ.get('CANARY_SCALE')\nif s:\n"
-                  "        out.tensors['logits'] = out.tensors['logits'] * float(s)",
+                  "    out.tensors['logits'] = out.tensors['logits'] * float(s)",
 }
 
 
 def _modifier(body: str) -> str:
+    import textwrap
+
     return ("class C(DrafterCandidate):\n    def run_case(self, *a):\n"
-            "        out = super().run_case(*a)\n        " + body.replace("\n", "\n") +
+            "        out = super().run_case(*a)\n" + textwrap.indent(body, " " * 8) +
             "\n        return out\ncandidate = C\n")
 
 
