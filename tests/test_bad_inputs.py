@@ -812,3 +812,6 @@ def test_train_reruns_the_canary(candidates: Path, world: World, tmp_path: Path)
     assert "no longer behaves as audited" in refused.stdout
     assert "logits:" in refused.stdout and "Traceback" not in refused.stdout
     assert not (tmp_path / "run" / "checkpoints").exists()
+    accepted = run_cli(args, tmp_path, {"CANARY_SCALE": ""})  # the audited behaviour
+    assert accepted.returncode == 0, accepted.stdout
+    assert "the candidate's outputs match the audited ones" in accepted.stdout
