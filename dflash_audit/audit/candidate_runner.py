@@ -18,7 +18,8 @@ Files written into OUT_DIR (the only channel to the parent, :mod:`.candidate_pro
   loaded (so the parent never imports the candidate: its name and the files its fingerprint
   hashes come from here). ``--load-only`` stops there (a cheap setup check).
 
-The candidate's stdout and stderr go wherever the parent points this process's (files); a
+A file candidate's folder is first on ``sys.path`` (its sibling modules import, as when the
+file runs as a script). The candidate's stdout and stderr go wherever the parent points this process's (files); a
 segfault prints the Python stack to stderr (``faulthandler``).
 """
 
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    target = (args.candidate or "").rpartition(":")[0]
+    if target.endswith(".py"):  # its sibling modules import, as when run as a script
+        sys.path.insert(0, str(Path(target).resolve().parent))
     try:
         candidate = load_candidate(args.candidate)
     except CandidateError as exc:

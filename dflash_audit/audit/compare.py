@@ -294,8 +294,10 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
             st.timing["total"] = time.perf_counter() - started
             report = _build_report(opts, profile, ref_info, candidate, records, pictures,
                                    inputs_info, created_at, st.timing)
-            if canary is not None:
+            if canary is not None and report.verdict == "pass":  # what train reruns
                 report.candidate["canary"] = canary
+            else:
+                canary = None
             try:
                 folder = write_report(report, opts.out)
                 if canary is not None:
