@@ -209,7 +209,7 @@ def test_run_checks_reports_protocol_first_and_does_not_compare_misread_keys(goo
 def test_as_bool_mask_reads_int_masks_as_0_1(good):
     from dflash_audit.audit.slots import as_bool_mask
 
-    case, out = good
+    _, out = good
     m = out.tensors["mask.full_attention"]
     assert torch.equal(as_bool_mask(m.long()), m)
     assert torch.equal(as_bool_mask(m.float()), m)  # float 0/1 with some 1: 0/1

@@ -59,8 +59,8 @@ def run_one(candidate: Any, case: Any) -> tuple[dict[str, Any], Any]:
     """
     import torch
 
-    from dflash_audit.audit.checks.anchors import draw_anchors
     from dflash_audit.audit.case import SideOutputs
+    from dflash_audit.audit.checks.anchors import draw_anchors
 
     inputs = {k: v.clone() for k, v in case.inputs.items()}
     torch.manual_seed(0)
