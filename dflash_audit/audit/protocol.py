@@ -159,6 +159,20 @@ def _expected_text(spec: OutputSpec, dtype: torch.dtype) -> str:
             "mask01": f"bool or {_dtype_name(dtype)} 0/1 (1 = trained)"}[spec.dtype]
 
 
+def misread_keys(out: SideOutputs, case: Case) -> set[str]:
+    """Keys of ``out`` a comparison would misread: not a tensor, or a dtype the protocol does
+    not allow (an int 0/1 mask read as additive, float16 logits at fp32 tolerance). Wrong
+    shapes are not listed: the checks compare and diagnose those themselves."""
+    dtype = case_dtype(case)
+    bad = set()
+    for key, t in out.tensors.items():
+        spec = spec_for(key)
+        if not isinstance(t, torch.Tensor) or (spec is not None and not _dtype_ok(spec, t,
+                                                                                dtype)):
+            bad.add(key)
+    return bad
+
+
 def _dtype_ok(spec: OutputSpec, t: torch.Tensor, dtype: torch.dtype) -> bool:
     if spec.dtype == "float":
         return t.dtype == dtype

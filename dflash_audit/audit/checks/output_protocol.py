@@ -9,8 +9,8 @@ Exact: dtypes and shapes must match the protocol, no tolerance; any NaN / inf is
 Hypotheses name: a protocol violation (what was returned vs what is expected) and non-finite
 values (an overflow, a log of 0, a division by an empty count).
 
-:func:`conforming_sides` drops the keys that break the protocol (a wrong dtype, shape or a
-tensor that is not one) from each side, so the checks that follow do not compare a misread
+:func:`conforming_sides` drops the keys a comparison would misread (a wrong dtype, a
+value that is not a tensor) from each side, so the checks that follow do not compare a misread
 output (an int 0/1 mask read as additive) and do not report the same fault twice; their
 results then say "not compared" and point here. Non-finite values are kept: the comparisons
 name them too (NaN never compares as equal).
@@ -22,7 +22,7 @@ import dataclasses
 from typing import Any
 
 from dflash_audit.audit.case import Case, SideOutputs
-from dflash_audit.audit.protocol import Finding, label, output_findings
+from dflash_audit.audit.protocol import Finding, label, misread_keys, output_findings
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 
 #: Output keys (prefixes) each comparison reads: a check all of whose keys broke the protocol
@@ -71,13 +71,16 @@ def diagnose_protocol(evidence: Any, result: CheckResult) -> list[str]:
 
 def conforming_sides(case: Case, cand: SideOutputs, ref: SideOutputs
                      ) -> tuple[SideOutputs, SideOutputs, dict[str, set[str]]]:
-    """Copies of both sides without the keys that break the protocol (failing ``protocol``
-    findings; odd metrics are dropped from ``metrics``), and ``{side: dropped keys}``."""
-    dropped: dict[str, set[str]] = {"candidate": set(), "reference": set()}
+    """Copies of both sides without the keys a comparison would misread
+    (:func:`~dflash_audit.audit.protocol.misread_keys`: a wrong dtype, not a tensor; metrics
+    that are not numbers), and ``{side: dropped keys}``. Wrong shapes stay: the checks
+    compare and diagnose them."""
     sides = {"candidate": cand, "reference": ref}
-    for f in findings_of(case, cand, ref):
-        if f.kind == "protocol" and f.status == FAIL:
-            dropped[f.side].add(f.key)
+    dropped = {side: misread_keys(out, case) for side, out in sides.items()}
+    for side, out in sides.items():
+        if any(isinstance(v, bool) or not isinstance(v, (int, float))
+               for v in out.metrics.values()):
+            dropped[side].add("metrics")
     out = []
     for side, outputs in sides.items():
         keys = dropped[side]
