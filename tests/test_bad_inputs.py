@@ -589,3 +589,229 @@ def test_damaged_verifier_cache_is_rebuilt(tmp_path: Path, world: World) -> None
 
     assert safetensors_problem(entry / "model.safetensors") is None
     assert manifest_problems(entry) == []
+
+
+# ------------------------------------------------------------------------------ compare
+# A candidate's faults are conformance failures of a case (exit 1, a written FAIL report that
+# names the cause); a candidate that cannot be loaded, a bad profile or reference is a setup
+# error (exit 2, one line, no report). Each run is --cases 1 --rows 0 against the cached
+# pinned reference (offline), ~25 s.
+CANDIDATE_HEAD = """
+import os, sys, time
+import torch
+from dflash_audit.candidate import DrafterCandidate
+"""
+CANDIDATES = {
+    "exit_in_run_case": "class C(DrafterCandidate):\n    def run_case(self, *a):\n"
+                        "        sys.exit(0)\ncandidate = C\n",
+    "os_exit_in_run_case": "class C(DrafterCandidate):\n    def run_case(self, *a):\n"
+                           "        os._exit(0)\ncandidate = C\n",
+    "exit_at_import": "sys.exit(0)\ncandidate = DrafterCandidate\n",
+    "os_exit_at_import": "os._exit(0)\ncandidate = DrafterCandidate\n",
+    "segfault": "import ctypes\nclass C(DrafterCandidate):\n    def run_case(self, *a):\n"
+                "        ctypes.string_at(0)\ncandidate = C\n",
+    "sigkill": "import signal\nclass C(DrafterCandidate):\n    def run_case(self, *a):\n"
+               "        os.kill(os.getpid(), signal.SIGKILL)\ncandidate = C\n",
+    "sleeps": "class C(DrafterCandidate):\n    def run_case(self, *a):\n"
+              "        time.sleep(10**6)\ncandidate = C\n",
+    "prints": "print('CANDIDATE-STDOUT-NOISE')\nclass C(DrafterCandidate):\n"
+              "    def run_case(self, *a):\n        print('CANDIDATE-STDOUT-NOISE')\n"
+              "        return super().run_case(*a)\ncandidate = C\n",
+}
+MODIFIERS = {  # candidates that return changed outputs: body of a function of ``out``
+    "nan_metrics": "out.metrics = {k: float('nan') for k in out.metrics}",
+    "all_nan": "out.tensors.update({k: torch.full_like(v, float('nan')) for k, v in "
+               "out.tensors.items() if v.is_floating_point() and not k.startswith('mask.')})",
+    "int64_masks": "out.tensors.update({k: v.long() for k, v in out.tensors.items() "
+                   "if k.startswith('mask.')})",
+    "float16_logits": "out.tensors['logits'] = out.tensors['logits'].half()",
+    "env_scaled": "s = os.environ.get('CANARY_SCALE')\nif s:\n"
+                  "    out.tensors['logits'] = out.tensors['logits'] * float(s)",
+}
+
+
+def _modifier(body: str) -> str:
+    import textwrap
+
+    return ("class C(DrafterCandidate):\n    def run_case(self, *a):\n"
+            "        out = super().run_case(*a)\n" + textwrap.indent(body, " " * 8) +
+            "\n        return out\ncandidate = C\n")
+
+
+@pytest.fixture(scope="module")
+def candidates(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("candidates")
+    for name, body in {**CANDIDATES, **{k: _modifier(v) for k, v in MODIFIERS.items()}
+                       }.items():
+        (folder / f"{name}.py").write_text(CANDIDATE_HEAD + body)
+    return folder
+
+
+def compare_args(candidates: Path, tmp: Path, name: str | None, *extra: str) -> list[str]:
+    return ["compare", *(["--candidate", f"{candidates / name}.py:candidate"] if name else []),
+            "--cases", "1", "--rows", "0", "--offline", "--out", str(tmp / "reports"), *extra]
+
+
+def the_report(tmp: Path) -> dict[str, Any]:
+    (folder,) = list((tmp / "reports").iterdir())
+    return json.loads((folder / "report.json").read_text())
+
+
+@dataclass
+class CompareCase:
+    """A compare fault: candidate file (or None), extra arguments, exit code, fragments of
+    the output, fragments of report.json (exit 1) and an optional ``prepare(tmp) -> env``."""
+
+    name: str
+    candidate: str | None
+    code: int
+    fragments: tuple[str, ...]
+    in_report: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+    prepare: Callable[[Path], dict[str, str]] | None = None
+
+
+NOT_SPECULATORS = "not-speculators"
+
+
+def wrong_repo(tmp: Path) -> dict[str, str]:
+    import git
+
+    repo = git.Repo.init(tmp / NOT_SPECULATORS)
+    (tmp / NOT_SPECULATORS / "README").write_text("not speculators\n")
+    repo.index.add(["README"])
+    repo.index.commit("x", author=git.Actor("a", "a@b"), committer=git.Actor("a", "a@b"))
+    repo.create_tag("v0.9.0")
+    return {}
+
+
+def bad_layers_profile(tmp: Path) -> dict[str, str]:
+    from dflash_audit.profile import Profile
+
+    text = Profile.load("reference-model").source
+    src = Path(text) if text and Path(text).is_file() else ROOT / "dflash_audit" / "profiles" \
+        / "reference-model.toml"
+    lines = [ln for ln in src.read_text().splitlines() if not ln.startswith("target_layers")]
+    (tmp / "bad.toml").write_text("\n".join(lines + ["target_layers = [2, 15, 99]"]) + "\n")
+    return {}
+
+
+COMPARE_CASES = [
+    CompareCase("compare-sys-exit-in-run-case", "exit_in_run_case", 1, ("verdict: FAIL",),
+                ("called sys.exit(0)",)),
+    CompareCase("compare-os-exit-in-run-case", "os_exit_in_run_case", 1, ("verdict: FAIL",),
+                ("exited with code 0 while running the case",)),
+    CompareCase("compare-sys-exit-at-import", "exit_at_import", 2,
+                ("before the candidate was loaded",)),
+    CompareCase("compare-os-exit-at-import", "os_exit_at_import", 2,
+                ("before the candidate was loaded",)),
+    CompareCase("compare-segfault", "segfault", 1, ("verdict: FAIL",),
+                ("crashed with SIGSEGV", "Fatal Python error: Segmentation fault")),
+    CompareCase("compare-sigkill", "sigkill", 1, ("verdict: FAIL",),
+                ("was killed by SIGKILL", "OOM killer")),
+    CompareCase("compare-hangs", "sleeps", 1, ("verdict: FAIL",),
+                ("did not finish the case within 5 s",), ("--candidate-timeout", "5")),
+    CompareCase("compare-nan-metrics", "nan_metrics", 1, ("failing: protocol",),
+                ("non-finite values", "metrics")),
+    CompareCase("compare-all-nan-outputs", "all_nan", 1, ("verdict: FAIL",),
+                ("candidate logits:", "NaN")),
+    CompareCase("compare-int64-masks", "int64_masks", 1, ("failing: protocol",),
+                ("is int64 0/1; expected bool, True = attend", "not compared")),
+    CompareCase("compare-float16-logits", "float16_logits", 1, ("failing: protocol",),
+                ("is float16; expected float32",)),
+    CompareCase("compare-profile-layers-without-rows", None, 2,
+                ("ids [99] do not exist in a verifier with 30 layers",),
+                extra=("--profile", "bad.toml"), prepare=bad_layers_profile),
+    CompareCase("compare-ref-url-not-speculators", None, 2,
+                ("is not speculators", "no src/speculators"),
+                extra=("--ref", "speculators@v0.9.0", "--ref-url", NOT_SPECULATORS),
+                prepare=wrong_repo),
+]
+
+
+@pytest.mark.parametrize("case", COMPARE_CASES, ids=[c.name for c in COMPARE_CASES])
+def test_compare_bad_input(case: CompareCase, candidates: Path, tmp_path: Path,
+                           reference_identity) -> None:
+    env = case.prepare(tmp_path) if case.prepare else {}
+    if case.name == "compare-ref-url-not-speculators":
+        extra = [a if a != NOT_SPECULATORS else str(tmp_path / a) for a in case.extra]
+        args = compare_args(candidates, tmp_path, case.candidate, *extra)
+        args.remove("--offline")
+    else:
+        args = compare_args(candidates, tmp_path, case.candidate, *case.extra)
+    result = run_cli(args, tmp_path, env)
+    out = result.stdout
+    assert result.returncode == case.code, out
+    assert "Traceback" not in out, out
+    flat = " ".join(out.split())
+    for fragment in case.fragments:
+        assert fragment in flat, f"{fragment!r} not in:\n{out}"
+    if case.code == 2:
+        assert "error:" in out and not (tmp_path / "reports").exists(), out
+    else:  # a FAIL verdict written, naming the cause
+        report = the_report(tmp_path)
+        assert report["verdict"] == "fail" and report["exit_code"] == 1
+        text = json.dumps(report)
+        for fragment in case.in_report:
+            assert fragment in text, f"{fragment!r} not in report.json"
+        if case.candidate == "int64_masks":
+            assert "entries differ" not in text and "differ at" not in text
+
+
+def test_compare_candidate_stdout_stays_out(candidates: Path, tmp_path: Path,
+                                            reference_identity) -> None:
+    """A conformant candidate that prints: PASS (exit 0, canary recorded), its stdout never
+    mixes into ours."""
+    result = run_cli(compare_args(candidates, tmp_path, "prints"), tmp_path)
+    assert result.returncode == 0, result.stdout
+    assert "CANDIDATE-STDOUT-NOISE" not in result.stdout
+    report = the_report(tmp_path)
+    assert report["verdict"] == "pass" and report["candidate"]["canary"]["case"].startswith(
+        "syn-000")
+
+
+def test_compare_repairs_a_damaged_reference_tree(candidates: Path, tmp_path: Path,
+                                                  reference_identity) -> None:
+    """A file removed from the cached sdist tree (a copy of the cache): detected by its
+    manifest, re-extracted from the cached archive (offline), never blamed on the release;
+    the archive is unchanged."""
+    src = Path(os.environ.get("DFLASH_AUDIT_CACHE", Path.home() / ".cache" / "dflash-audit"))
+    cache = tmp_path / "cache"
+    shutil.copytree(src / "reference" / "sdist", cache / "reference" / "sdist",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    entry = cache / "reference" / "sdist" / reference_identity.sdist_sha256
+    archive = entry / reference_identity.sdist_filename
+    before = hashlib.sha256(archive.read_bytes()).hexdigest()
+    from dflash_audit.reference_source.sdist import manifest_path, tree_manifest
+
+    # the shared cache may predate manifests (or be rebuilt by another version): record one
+    manifest_path(entry).write_text(json.dumps(tree_manifest(entry / "tree")))
+    (entry / "tree" / "src" / "speculators" / "models" / "dflash" / "utils.py").unlink()
+    result = run_cli(compare_args(candidates, tmp_path, None), tmp_path,
+                     {"DFLASH_AUDIT_CACHE": str(cache)})
+    assert result.returncode == 0, result.stdout
+    assert "is damaged (missing src/speculators/models/dflash/utils.py)" in result.stdout
+    assert "has no DFlash reference modules" not in result.stdout
+    assert (entry / "tree" / "src" / "speculators" / "models" / "dflash" / "utils.py").is_file()
+    assert hashlib.sha256(archive.read_bytes()).hexdigest() == before
+
+
+def test_train_reruns_the_canary(candidates: Path, world: World, tmp_path: Path) -> None:
+    """Same source, behaviour switched by an environment variable: the audit passed without
+    it; train with it refuses before step 1 (exit 2) naming the differing output."""
+    spec = f"{candidates / 'env_scaled'}.py:candidate"
+    reports = tmp_path / "reports"
+    audit = run_cli(["compare", "--candidate", spec, "--profile", str(world.paths["profile"]),
+                     "--cases", "1", "--rows", "0", "--offline", "--out", str(reports)],
+                    tmp_path)
+    assert audit.returncode == 0, audit.stdout
+    args = world.train_args(tmp_path / "run", "--candidate", spec)
+    args[args.index("--reports-dir") + 1] = str(reports)
+    refused = run_cli(args, tmp_path, {"CANARY_SCALE": "1.5"})
+    assert refused.returncode == 2, refused.stdout
+    assert "no longer behaves as audited" in refused.stdout
+    assert "logits:" in refused.stdout and "Traceback" not in refused.stdout
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    accepted = run_cli(args, tmp_path, {"CANARY_SCALE": ""})  # the audited behaviour
+    assert accepted.returncode == 0, accepted.stdout
+    assert "the candidate's outputs match the audited ones" in accepted.stdout

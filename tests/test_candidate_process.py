@@ -12,7 +12,7 @@ from dflash_audit.audit.candidate_process import (
     run_candidate_process,
 )
 from dflash_audit.audit.case import Case, SideOutputs
-from dflash_audit.audit.compare import write_cases
+from dflash_audit.audit.run_sides import write_cases
 from dflash_audit.audit.plan import plan_synthetic_cases
 from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.candidate import DrafterCandidate

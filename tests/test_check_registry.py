@@ -22,8 +22,8 @@ HOLE = "\x00"
 
 def test_registry_lists_every_check_once_in_report_order():
     names = [c.name for c in REGISTRY]
-    assert names == ["structure", "derivation", "defaults", "mask", "context", "targets",
-                     "logits", "loss", "gradients", "metrics", "anchors"]
+    assert names == ["protocol", "structure", "derivation", "defaults", "mask", "context",
+                     "targets", "logits", "loss", "gradients", "metrics", "anchors"]
     assert [n for n, _ in CHECKS] == names
     modules = sorted(p.stem for p in Path(REGISTRY[0].module.__file__).parent.glob("*.py"))
     assert sorted(c.module.__name__.rsplit(".", 1)[1] for c in REGISTRY) == [

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -30,7 +29,12 @@ from dflash_audit.audit.slots import attended_positions
 from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.audit.tolerance import TOLERANCES, closeness, tolerance
 from dflash_audit.candidate import DrafterCandidate
-from dflash_audit.model.config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, DFlashConfig
+from dflash_audit.model.config import (
+    FULL_ATTENTION,
+    LAYER_TYPES,
+    SLIDING_ATTENTION,
+    DFlashConfig,
+)
 from dflash_audit.model.loss import LOSSES, WEIGHTINGS, LossSpec, exp_decay_weights
 from dflash_audit.model.metrics import dflash_metrics
 
@@ -96,8 +100,10 @@ def test_closeness_reports_max_diffs_and_first_index():
     res = closeness(ref + torch.tensor([[0.0, 1e-6, 0.5]]), ref, atol=1e-5, rtol=1e-5)
     assert not res.ok and res.num_bad == 1 and res.first_bad == (0, 2)
     assert res.max_abs == pytest.approx(0.5) and res.max_rel == pytest.approx(0.125)
-    nan = closeness(torch.tensor([float("nan")]), torch.tensor([1.0]), atol=1, rtol=1)
-    assert not nan.ok and nan.max_abs == math.inf
+    nan = closeness(torch.tensor([float("nan"), 1.5]), torch.tensor([1.0, 1.0]), atol=1, rtol=1)
+    assert not nan.ok and nan.num_bad == 1 and nan.first_bad == (0,)
+    assert nan.num_non_finite == 1 and nan.max_abs == pytest.approx(0.5)  # finite pairs only
+    assert nan.non_finite_text() == "1 non-finite (candidate NaN 1)"
 
 
 @pytest.mark.parametrize("gamma", [2.5, 4.0, 7.0])
@@ -114,9 +120,9 @@ def test_fit_decay_recovers_gamma_and_formula(gamma):
 # --------------------------------------------------------------------------- identical
 def test_identical_outputs_pass_every_check(ours):
     results = run_checks(CASE, ours, ours)
-    assert [r.name for r in results] == ["structure", "defaults", "mask", "mask", "context",
-                                         "targets", "logits", "loss", "gradients", "metrics",
-                                         "anchors"]
+    assert [r.name for r in results] == ["protocol", "structure", "defaults", "mask", "mask",
+                                         "context", "targets", "logits", "loss", "gradients",
+                                         "metrics", "anchors"]
     assert {r.status for r in results} == {"pass"}, [(r.name, r.summary) for r in results]
     assert [r.details["layer_type"] for r in results if r.name == "mask"] == [
         FULL_ATTENTION, SLIDING_ATTENTION]

@@ -97,7 +97,11 @@ def options(tmp_path, tiny_verifier, conversations, **kw) -> CompareOptions:
 
 
 def read_report(folder: Path) -> dict:
-    assert sorted(p.name for p in folder.iterdir()) == sorted(REPORT_FILES)
+    names = sorted(p.name for p in folder.iterdir())
+    assert [n for n in names if n != "canary"] == sorted(REPORT_FILES)
+    report = json.loads((folder / "report.json").read_text())
+    assert ("canary" in names) == (report["verdict"] == "pass" and "canary" in report[
+        "candidate"])  # a passing report carries the canary train reruns
     data = json.loads((folder / "report.json").read_text())
     junit = ET.parse(folder / "junit.xml").getroot()
     testcases = junit.findall("./testsuite/testcase")
@@ -314,3 +318,18 @@ def test_real_cases_share_weights_anchors_and_a_draft_vocabulary(tiny_verifier, 
     supervised = batch.input_ids[batch.loss_mask.bool()]
     assert bool(w["t2d"][supervised].all())  # < 40 distinct supervised bytes: all kept
     assert torch.equal(torch.arange(40) + w["d2t"], w["t2d"].nonzero().squeeze(-1))
+
+
+def test_exit_0_needs_a_written_pass_verdict(tmp_path, capsys):
+    """The last guard of the gate: 0 only when report.json exists and says pass."""
+    import json
+
+    from dflash_audit.audit.compare_cli import guarded_exit_code
+
+    assert guarded_exit_code(0, tmp_path) == 2
+    assert "no PASS verdict" in capsys.readouterr().err
+    (tmp_path / "report.json").write_text(json.dumps({"verdict": "fail"}))
+    assert guarded_exit_code(0, tmp_path) == 2
+    (tmp_path / "report.json").write_text(json.dumps({"verdict": "pass"}))
+    assert guarded_exit_code(0, tmp_path) == 0
+    assert guarded_exit_code(1, tmp_path) == 1

@@ -150,8 +150,8 @@ def test_all_nan_floats_and_metrics(good):
                                                 f"non-finite values of {len(out.metrics)}, first")
 
 
-# Where NaN slips through the comparison today (dflash_audit.audit.checks); strict xfails, so
-# the fix (phase 2 of issue 9) turns them into failures that ask for the marker's removal.
+# Where NaN slipped through the comparison before issue 9 (dflash_audit.audit.checks): NaN
+# never compares as equal, within tolerance or as "no gradient".
 def _nan_variant(out, metrics=False, frozen_grad=False):
     bad = changed(out)
     if metrics:
@@ -161,15 +161,14 @@ def _nan_variant(out, metrics=False, frozen_grad=False):
     return bad
 
 
-@pytest.mark.xfail(strict=True, reason="check_metrics: abs(c - r) > tol is False for NaN")
 def test_nan_metrics_do_not_pass(good):
     from dflash_audit.audit.checks.metrics import check_metrics
 
     case, out = good
-    assert check_metrics(case, _nan_variant(out, metrics=True), out).status != "pass"
+    result = check_metrics(case, _nan_variant(out, metrics=True), out)
+    assert result.status == "fail" and "nan" in result.summary
 
 
-@pytest.mark.xfail(strict=True, reason="check_gradients: NaN.abs().max() > 0 is False")
 def test_nan_gradient_of_a_frozen_parameter_does_not_pass(good):
     from dflash_audit.audit.checks.gradients import check_gradients
 
@@ -185,3 +184,60 @@ def test_the_real_reference_conforms(run_reference_cases):
     refs = run_reference_cases(cases)
     for case in cases:
         assert output_findings(refs[case.name], case, "reference") == [], case.name
+
+
+def test_run_checks_reports_protocol_first_and_does_not_compare_misread_keys(good):
+    """An int64 0/1 mask and float16 logits: one failing ``protocol`` result (first) names
+    both; the mask and logits checks say "not compared" instead of "differ at N entries"."""
+    from dflash_audit.audit.checks import run_checks
+
+    case, out = good
+    bad = changed(out, **{"mask.full_attention": out.tensors["mask.full_attention"].long(),
+                          "logits": out.tensors["logits"].half()})
+    results = run_checks(case, bad, out)
+    assert results[0].name == "protocol" and results[0].status == "fail"
+    assert "int64 0/1" in results[0].summary and "float16" in results[0].summary
+    by_name = {r.name: r for r in results}
+    assert by_name["mask"].status == "warn" and by_name["mask"].summary.startswith(
+        "not compared: masks['full_attention']")
+    assert by_name["logits"].summary.startswith("not compared: logits")
+    assert by_name["targets"].status == "pass"
+    clean = run_checks(case, out, out)
+    assert clean[0].name == "protocol" and clean[0].status == "pass"
+
+
+def test_as_bool_mask_reads_int_masks_as_0_1(good):
+    from dflash_audit.audit.slots import as_bool_mask
+
+    _, out = good
+    m = out.tensors["mask.full_attention"]
+    assert torch.equal(as_bool_mask(m.long()), m)
+    assert torch.equal(as_bool_mask(m.float()), m)  # float 0/1 with some 1: 0/1
+    additive = torch.zeros(m.shape).masked_fill(~m, float("-inf"))
+    assert torch.equal(as_bool_mask(additive), m)
+
+
+def test_all_nan_outputs_are_named_as_nan(good):
+    """All float outputs NaN: the comparison says NaN with a count and a finite max (0 over
+    no finite pair), never "max abs inf"."""
+    from dflash_audit.audit.checks.logits import check_logits
+
+    case, out = good
+    nan = {k: torch.full_like(v, float("nan")) for k, v in out.tensors.items()
+           if v.is_floating_point() and not k.startswith("mask.")}
+    result = check_logits(case, changed(out, **nan), out)
+    assert result.status == "fail"
+    assert "non-finite (candidate NaN" in result.summary and "inf" not in result.summary.split(
+        "non-finite")[0]
+    assert result.details["num_non_finite"] == result.details["num_compared"] > 0
+    assert result.max_abs_diff == 0.0
+
+
+def test_nan_in_the_aligned_loss_mask_fails(good):
+    from dflash_audit.audit.checks.loss import check_loss
+
+    case, out = good
+    m = out.tensors["aligned_loss_mask"].float().clone()
+    m[0, 0] = float("nan")
+    result = check_loss(case, changed(out, aligned_loss_mask=m), out)
+    assert result.status == "fail" and "non-finite" in result.summary

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,8 @@ class CandidateCaseRun:
     stderr_tail: str = ""
     stdout_tail: str = ""
     seconds: float | None = None
+    #: causes named from the raise's message (:func:`dflash_audit.audit.raised.name_raise`)
+    diagnosis: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -95,7 +97,7 @@ class CandidateCaseRun:
                 "protocol": [("the candidate does not follow the protocol of "
                              "dflash_audit.candidate")]}.get(self.status, [])
         return CheckResult(name="run", case=self.case, status=FAIL, summary=self.summary,
-                           diagnosis=hint,
+                           diagnosis=[*self.diagnosis, *hint],
                            details={"cause": self.status, "traceback": self.detail,
                                     "stderr_tail": self.stderr_tail,
                                     "stdout_tail": self.stdout_tail, "seconds": self.seconds})
@@ -256,7 +258,8 @@ def _collect(out_dir: Path, remaining: list[str], results: dict[str, CandidateCa
         if status is None:
             continue
         run = CandidateCaseRun(name, status.get("status", "protocol"), status.get("summary", ""),
-                               status.get("traceback", ""))
+                               status.get("traceback", ""),
+                               diagnosis=list(status.get("diagnosis", [])))
         if not run.ok:
             run.stderr_tail, run.stdout_tail = _tail(stderr), _tail(stdout)
         _record(results, remaining, on_case, run)

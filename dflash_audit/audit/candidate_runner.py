@@ -18,8 +18,9 @@ Files written into OUT_DIR (the only channel to the parent, :mod:`.candidate_pro
   loaded (so the parent never imports the candidate: its name and the files its fingerprint
   hashes come from here). ``--load-only`` stops there (a cheap setup check).
 
-The candidate's stdout and stderr go wherever the parent points this process's (files); a
-segfault prints the Python stack to stderr (``faulthandler``).
+A file candidate's folder is first on ``sys.path`` (its sibling modules import, as when the
+file runs as a script). The candidate's stdout and stderr go wherever the parent points this
+process's (files); a segfault prints the Python stack to stderr (``faulthandler``).
 """
 
 from __future__ import annotations
@@ -48,27 +49,36 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 
 
 def run_one(candidate: Any, case: Any) -> tuple[dict[str, Any], Any]:
-    """Run the candidate on one case as the in-process path did: cloned inputs, torch seed
-    0, then K draws of its ``select_anchors`` when it has one.
+    """Run the candidate on one case: cloned inputs on the case's device, torch seed 0, the
+    case's autocast (bf16: fp32 master weights under bf16 autocast, as in training), outputs
+    moved to the CPU; then K draws of its ``select_anchors`` and its ``derive_config`` for the
+    case's verifier, when it has them.
 
     Returns:
         ``(status dict, SideOutputs | None)``; status ``"ok"``, ``"raised"`` (an exception,
-        with its traceback), ``"exit"`` (``sys.exit`` inside the candidate) or ``"protocol"``
+        with its traceback and the causes :func:`dflash_audit.audit.raised.name_raise` reads
+        from its message), ``"exit"`` (``sys.exit`` inside the candidate) or ``"protocol"``
         (run_case returned something other than SideOutputs).
     """
     import torch
 
-    from dflash_audit.audit.anchor_draws import draw_anchors
     from dflash_audit.audit.case import SideOutputs
+    from dflash_audit.audit.checks.anchors import draw_anchors
+    from dflash_audit.audit.precision import autocast, outputs_on_cpu
+    from dflash_audit.audit.raised import name_raise
 
-    inputs = {k: v.clone() for k, v in case.inputs.items()}
+    inputs = {k: v.clone().to(case.device) for k, v in case.inputs.items()}
+    weights = case.weights if case.device == "cpu" else {
+        k: v.to(case.device) for k, v in case.weights.items()}
     torch.manual_seed(0)
     stage = "run_case"
     try:
-        out = candidate.run_case(case.config, case.loss, case.weights, inputs)
+        with autocast(case):
+            out = candidate.run_case(case.config, case.loss, weights, inputs)
         if not isinstance(out, SideOutputs):
             return {"status": "protocol", "summary": f"run_case returned "
                     f"{type(out).__name__}, not SideOutputs", "traceback": ""}, None
+        out.tensors = outputs_on_cpu(out.tensors)
         if callable(getattr(candidate, "select_anchors", None)):
             stage = "select_anchors"
             out.tensors.update(draw_anchors(candidate.select_anchors, case))
@@ -76,10 +86,31 @@ def run_one(candidate: Any, case: Any) -> tuple[dict[str, Any], Any]:
         return {"status": "exit", "summary": f"the candidate's {stage} called sys.exit"
                 f"({exc.code!r})", "traceback": traceback.format_exc()}, None
     except Exception as exc:  # noqa: BLE001 - user code: a conformance failure, reported
+        causes = name_raise(f"{type(exc).__name__}: {exc}", case.config)
+        if stage == "select_anchors":
+            causes.append("select_anchors(loss_mask [1,T], max_anchors, block_size[, generator]"
+                          "[, document_ids]) must return (anchor_positions [A], anchor_valid [A])")
         return {"status": "raised", "summary": f"the candidate's {stage} raised "
                 f"{type(exc).__name__}: {str(exc).strip()[:600]}",
-                "traceback": traceback.format_exc()}, None
+                "traceback": traceback.format_exc(), "diagnosis": causes}, None
+    out.derivation = candidate_derivation(candidate, case)
     return {"status": "ok", "summary": "", "traceback": ""}, out
+
+
+def candidate_derivation(candidate: Any, case: Any) -> dict[str, Any] | None:
+    """The candidate's ``derive_config(verifier_config, config)`` for the case's verifier;
+    None when the case has no verifier or the candidate no ``derive_config``;
+    ``{"error": ...}`` when it raised or returned no dict (the ``derivation`` check fails)."""
+    derive = getattr(candidate, "derive_config", None)
+    if case.verifier is None or not callable(derive):
+        return None
+    try:
+        fields = derive(case.verifier.config, case.config)
+    except Exception as exc:  # noqa: BLE001 - user code: reported by the check
+        return {"error": f"{type(exc).__name__}: {str(exc).strip()[:600]}"}
+    if not isinstance(fields, dict):
+        return {"error": f"derive_config returned {type(fields).__name__}, not a dict"}
+    return fields
 
 
 def publish(out_dir: Path, name: str, status: dict[str, Any], outputs: Any) -> None:
@@ -131,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    target = (args.candidate or "").rpartition(":")[0]
+    if target.endswith(".py"):  # its sibling modules import, as when run as a script
+        sys.path.insert(0, str(Path(target).resolve().parent))
     try:
         candidate = load_candidate(args.candidate)
     except CandidateError as exc:

@@ -22,6 +22,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -57,6 +58,25 @@ class CaseVerifier:
         cfg = self.config
         return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
 
+    @classmethod
+    def read(cls, case_dir: Path) -> CaseVerifier | None:
+        """The verifier of a case folder from its ``derive.json`` (None without one): the
+        config from the folder it names, as a transformers config where its ``model_type`` is
+        known, else a namespace of its fields (what the candidate process derives from)."""
+        request = case_dir / "derive.json"
+        if not request.is_file():
+            return None
+        args = json.loads(request.read_text())
+        folder = Path(args["verifier_dir"])
+        try:
+            from transformers import AutoConfig
+
+            config: Any = AutoConfig.from_pretrained(folder)
+        except (OSError, ValueError, KeyError):
+            config = SimpleNamespace(**json.loads((folder / "config.json").read_text()))
+        return cls(name=args.get("name", folder.name), config=config, folder=str(folder),
+                   target_layers=args.get("target_layers"))
+
     def write_derive_request(self, case_dir: Path, config: DFlashConfig) -> None:
         """``case_dir/derive.json`` for the adapter: the verifier folder and the case's draft
         layout (layer count, sliding window, full-attention layer indices)."""
@@ -69,6 +89,7 @@ class CaseVerifier:
             folder = str(folder_path)
         types = config.effective_layer_types
         (case_dir / "derive.json").write_text(json.dumps({
+            "name": self.name, "target_layers": self.target_layers,
             "verifier_dir": folder, "num_layers": config.num_hidden_layers,
             "sliding_window": config.sliding_window or 2048,
             "full_attention_indices": [i for i, t in enumerate(types)
@@ -124,7 +145,8 @@ class Case:
                    inputs=load_file(path / "inputs.safetensors"),
                    weights=load_file(path / "weights.safetensors"),
                    description=profile.get("description", ""),
-                   dtype=profile.get("dtype", "fp32"), device=profile.get("device", "cpu"))
+                   dtype=profile.get("dtype", "fp32"), device=profile.get("device", "cpu"),
+                   verifier=CaseVerifier.read(path))
 
 
 @dataclass

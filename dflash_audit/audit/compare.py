@@ -14,15 +14,17 @@ Order of work (cheap and likely-to-fail steps first, so a setup error costs seco
    cases (:mod:`.plan`): real rows under both layouts (on ``--weights DIR``'s checkpoint when
    given) + ``--cases N`` synthetic ones over the verifier families;
 4. the reference runs ALL cases in one subprocess (``reference/adapter.py``), with its own
-   drafter-config derivation of each case's verifier, while the candidate runs them in this
-   process; anchors and weights are the same on both sides;
+   drafter-config derivation of each case's verifier, while the candidate runs them in its
+   own process (:mod:`.candidate_process`: its exit, crash, kill or a case over
+   ``--candidate-timeout`` fails that case); anchors and weights are the same on both sides;
 5. checks + diagnosis (:mod:`dflash_audit.audit.checks`, :mod:`dflash_audit.audit.diagnose`)
    per case, the report (:mod:`dflash_audit.report`) and the exit code.
 
 Exit codes: 0 every check passed (warnings allowed), 1 a conformance failure (a failing check
-or a candidate that crashed on a case), 2 a usage or setup error (bad profile, unknown ref,
-unreachable remote, missing reference dependencies, a candidate that cannot be loaded, bad
-data or verifier) -- reported as one clear message, never a traceback.
+or a candidate that raised, exited, crashed, was killed or timed out on a case), 2 a usage or
+setup error (bad profile, unknown ref, unreachable remote, missing reference dependencies, a
+candidate that cannot be loaded, bad data or verifier) -- reported as one clear message,
+never a traceback.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from dflash_audit.audit.canary import publish_canary, stage_canary
+from dflash_audit.audit.candidate_process import DEFAULT_CANDIDATE_TIMEOUT_S
 from dflash_audit.audit.precision import measured_tolerances
 from dflash_audit.audit.progress import Stages
 from dflash_audit.audit.run_sides import (
+    CANDIDATE_OUTPUTS,
     ImportCheck,
     failed_run,
     import_ok_marker,
@@ -86,6 +91,7 @@ class CompareOptions:
     weights: Path | None = None  # a user's drafter checkpoint folder for the real cases
     dtype: str | None = None  # fp32 | bf16; None: the profile's dtype
     device: str = "cpu"  # cpu | cuda (both sides on the GPU, their flex-attention paths)
+    candidate_timeout_s: float = DEFAULT_CANDIDATE_TIMEOUT_S  # per case, candidate process
 
 
 @dataclass
@@ -134,10 +140,6 @@ def _check_case(case: Any, cand: Any, ref: Any, memo: Any = None) -> list[Any]:
                            ["the candidate's outputs do not have the shapes / keys of the "
                             "reference's (see the protocol in dflash_audit.candidate)"])]
     return results
-
-
-def _candidate_name(candidate: Any, spec: str | None) -> str:
-    return str(getattr(candidate, "name", None) or spec or type(candidate).__name__)
 
 
 def _notes(reference: dict[str, Any]) -> list[str]:
@@ -208,6 +210,9 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: Imp
                     "batch_cache": {"key": real.cache_key, "hit": real.cache_hit,
                                     "dir": str(real.cache_dir)},
                     "data_stats": real.stats}
+        if not opts.rows:  # the same refusal as with real rows (issue 9: never depend on --rows)
+            with st.stage("verifier_config", "checking the profile against the verifier"):
+                profile_fits_verifier(profile, opts.verifier, st.say)
         with st.stage("cases", "building cases"):
             if opts.rows:
                 planned += plan_real_cases(profile, real, opts.anchors, seed=opts.seed,
@@ -226,6 +231,27 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: Imp
     info.update({"audited_anchors": min(opts.anchors, profile.max_anchors),
                  "synthetic_cases": opts.cases, "seed": opts.seed, "cases": len(planned)})
     return planned, info
+
+
+def profile_fits_verifier(profile: Any, verifier: str, say: Any = None) -> list[int]:
+    """The profile's target layer ids for the verifier, from its ``config.json`` only (no
+    weights loaded): what a real capture would refuse is refused without real rows too.
+
+    Raises:
+        ProfileError: an id the verifier does not have; VerifierError / DataError: no
+            such verifier; ValueError: its config.json is unreadable.
+    """
+    import json
+
+    from dflash_audit.data.verifier import resolve_verifier_path
+
+    _, folder = resolve_verifier_path(verifier, progress=say)
+    config = json.loads((folder / "config.json").read_text())
+    layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get(
+        "num_hidden_layers")
+    if not isinstance(layers, int):
+        raise ValueError(f"{folder / 'config.json'} has no num_hidden_layers")
+    return profile.resolve_target_layer_ids(layers)
 
 
 def check_all(planned: list[Any], outputs: dict[str, Any], cases_dir: Path, st: Stages
@@ -270,7 +296,10 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
     Raises:
         CompareSetupError: any usage or setup error (exit code 2).
     """
-    from dflash_audit.candidate import CandidateError, load_candidate
+    from dflash_audit.audit.candidate_process import (
+        CandidateLoadError,
+        load_candidate_identity,
+    )
     from dflash_audit.profile import Profile, ProfileError
     from dflash_audit.report import write_report
 
@@ -285,26 +314,36 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
             raise CompareSetupError(str(exc)) from None
         with st.stage("resolve_reference", "resolving the reference"):
             identity = resolve_reference(opts.ref, opts.ref_url, opts.offline)
-        try:
-            candidate = load_candidate(opts.candidate)
-        except CandidateError as exc:
-            raise CompareSetupError(f"candidate: {exc}") from None
         import_check = ImportCheck(identity, import_ok_marker(identity, opts.cache_dir))
-        planned, inputs_info = plan_cases(opts, profile, st, import_check)
         with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-") as tmp:
-            outputs = run_both_sides(opts, identity, candidate, planned, Path(tmp), st,
-                                     import_check)
+            with st.stage("load_candidate", "loading the candidate (own process)"):
+                try:  # never imported here: its import may exit, crash or print
+                    candidate = load_candidate_identity(opts.candidate, Path(tmp) / ".load")
+                except CandidateLoadError as exc:
+                    raise CompareSetupError(f"candidate: {exc}") from None
+            planned, inputs_info = plan_cases(opts, profile, st, import_check)
+            outputs = run_both_sides(opts, identity, planned, Path(tmp), st, import_check)
             tolerance = measured_tolerances(planned, Path(tmp))
             records, pictures = check_all(planned, outputs, Path(tmp), st)
             ref_info = _reference_info(identity, Path(tmp))
-        st.timing["total"] = time.perf_counter() - started
-        report = _build_report(opts, profile, ref_info, candidate, records, pictures,
-                               inputs_info, created_at, st.timing, covered_verifiers(planned))
-        report.tolerance = tolerance
-        try:
-            folder = write_report(report, opts.out)
-        except OSError as exc:
-            raise CompareSetupError(f"cannot write the report into {opts.out}: {exc}") from None
+            staging = Path(tmp) / ".canary"
+            canary = stage_canary(planned, Path(tmp), Path(tmp) / CANDIDATE_OUTPUTS, staging)
+            st.timing["total"] = time.perf_counter() - started
+            report = _build_report(opts, profile, ref_info, candidate, records, pictures,
+                                   inputs_info, created_at, st.timing,
+                                   covered_verifiers(planned))
+            report.tolerance = tolerance
+            if canary is not None and report.verdict == "pass":  # what train reruns
+                report.candidate["canary"] = canary
+            else:
+                canary = None
+            try:
+                folder = write_report(report, opts.out)
+                if canary is not None:
+                    publish_canary(staging, folder)
+            except OSError as exc:
+                raise CompareSetupError(f"cannot write the report into {opts.out}: {exc}"
+                                        ) from None
     return CompareOutcome(report=report, folder=folder, exit_code=report.exit_code)
 
 
@@ -325,7 +364,10 @@ def _reference_info(identity: Any, cases_dir: Path) -> dict[str, Any]:
 def covered_verifiers(planned: list[Any]) -> dict[str, dict[str, Any]]:
     """{verifier fingerprint: {"name", "architecture"}} of every verifier the cases derive
     from (the real one, each synthetic family proxy): what the training gate accepts."""
-    from dflash_audit.report.fingerprint import verifier_architecture, verifier_fingerprint
+    from dflash_audit.report.fingerprint import (
+        verifier_architecture,
+        verifier_fingerprint,
+    )
 
     out: dict[str, dict[str, Any]] = {}
     for p in planned:
@@ -336,18 +378,19 @@ def covered_verifiers(planned: list[Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _build_report(opts: CompareOptions, profile: Any, ref_info: dict[str, Any], candidate: Any,
+def _build_report(opts: CompareOptions, profile: Any, ref_info: dict[str, Any],
+                  candidate: dict[str, Any],
                   records: list[Any], pictures: list[Any], inputs_info: dict[str, Any],
                   created_at: str, timing: dict[str, float],
                   verifiers: dict[str, dict[str, Any]]) -> Any:
     from dflash_audit.report import Report
-    from dflash_audit.report.fingerprint import candidate_fingerprint
+    from dflash_audit.report.fingerprint import files_fingerprint
 
     profile_fp = profile.fingerprint()
-    cand_fp = candidate_fingerprint(candidate, profile_fp)
+    cand_fp = files_fingerprint(candidate.get("source_files", []), profile_fp)
     return Report(
         reference=ref_info,
-        candidate={"name": _candidate_name(candidate, opts.candidate), "spec": opts.candidate,
+        candidate={"name": candidate.get("name") or opts.candidate, "spec": opts.candidate,
                    "fingerprint": cand_fp["fingerprint"], "files": cand_fp["files"]},
         profile={"name": profile.name, "source": profile.source, "fingerprint": profile_fp,
                  "fields": profile.to_dict()},

@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from dflash_audit.audit.candidate_process import DEFAULT_CANDIDATE_TIMEOUT_S
 from dflash_audit.audit.compare import (
     DEFAULT_ANCHORS,
     DEFAULT_CASES,
@@ -74,15 +75,21 @@ def compare_command(
     device: Annotated[str, typer.Option(
         help="cpu | cuda: cuda runs both sides on the GPU with their flex-attention paths.")
     ] = "cpu",
+    candidate_timeout: Annotated[float, typer.Option(
+        "--candidate-timeout", metavar="SECONDS", min=1.0,
+        help="Seconds the candidate (in its own process) may take per case; a case over it "
+             "fails (exit 1).")] = DEFAULT_CANDIDATE_TIMEOUT_S,
 ) -> None:
     """Audit a DFlash drafter against the real reference; write reports/<time>-<ref>/.
 
-    Exit code 0: conformant; 1: a check failed; 2: a usage or setup error.
+    Exit code 0: conformant (a PASS verdict written to report.json); 1: a check failed or
+    the candidate raised, exited, crashed or timed out on a case; 2: a usage or setup error.
     """
     opts = CompareOptions(ref=ref, ref_url=ref_url, candidate=candidate, profile=profile,
                           cases=cases, verifier=verifier, data=data, seq_len=seq_len,
                           rows=rows, anchors=anchors, seed=seed, out=out, offline=offline,
-                          weights=weights, dtype=dtype, device=device)
+                          weights=weights, dtype=dtype, device=device,
+                          candidate_timeout_s=candidate_timeout)
     raise typer.Exit(main(opts))
 
 
@@ -111,4 +118,22 @@ def main(opts: CompareOptions) -> int:
             f"{report.timing.get('total', 0.0):.1f} s")
     print(line)
     print(f"report: {outcome.folder}")
-    return outcome.exit_code
+    return guarded_exit_code(outcome.exit_code, outcome.folder)
+
+
+def guarded_exit_code(code: int, folder: Path) -> int:
+    """The last guard of the gate: 0 only when ``folder/report.json`` exists and its verdict
+    is ``pass``; otherwise a 0 becomes 2 with a message (a bug: no verdict was written)."""
+    import json
+
+    if code != 0:
+        return code
+    try:
+        verdict = json.loads((Path(folder) / "report.json").read_text()).get("verdict")
+    except (OSError, ValueError, AttributeError) as exc:
+        verdict = f"unreadable ({exc})"
+    if verdict == "pass":
+        return 0
+    print(f"dflash-audit compare: error: no PASS verdict in {folder}/report.json (verdict: "
+          f"{verdict}); refusing to exit 0", file=sys.stderr)
+    return EXIT_SETUP

@@ -39,7 +39,8 @@ def tensor_result(name: str, case: Case, cand: SideOutputs, ref: SideOutputs,
                            candidate=list(c.shape), reference=list(r.shape), tolerance=tol)
     cs, rs = select(c), select(r)
     res = closeness(cs, rs, **tol)
-    details = {"compared": where, "num_compared": int(rs.numel()), "num_bad": res.num_bad}
+    details = {"compared": where, "num_compared": int(rs.numel()), "num_bad": res.num_bad,
+               "num_non_finite": res.num_non_finite}
     if res.ok:
         return CheckResult(name, case.name, PASS,
                            f"{name} match on {where} (max abs {fmt_diff(res.max_abs)}, max rel "
@@ -48,8 +49,11 @@ def tensor_result(name: str, case: Case, cand: SideOutputs, ref: SideOutputs,
     first = locate(res.first_bad)
     cv, rv = float(cs[res.first_bad]), float(rs[res.first_bad])
     return CheckResult(name, case.name, FAIL,
-                       f"{name} differ on {res.num_bad} of {rs.numel()} values ({where}); max "
-                       f"abs {fmt_diff(res.max_abs)}, max rel {fmt_diff(res.max_rel)}; first at "
+                       f"{name} differ on {res.num_bad} of {rs.numel()} values ({where}); "
+                       + (f"{res.non_finite_text()}; finite pairs: " if res.num_non_finite
+                          else "")
+                       + f"max abs {fmt_diff(res.max_abs)}, max rel {fmt_diff(res.max_rel)}; "
+                       "first at "
                        + ", ".join(f"{k} {v}" for k, v in first.items()),
                        candidate=cv, reference=rv, tolerance=tol, max_abs_diff=res.max_abs,
                        max_rel_diff=res.max_rel, first_diff=first, details=details)

@@ -42,7 +42,7 @@ def diagnose(case: Case, cand: SideOutputs, ref: SideOutputs,
     costly replay searches across cases (:class:`dflash_audit.audit.evidence.SearchMemo`)."""
     ev = Evidence(case, cand, ref, {r.name for r in results if r.status == FAIL}, memo)
     for result in results:
-        if result.status == PASS or result.summary.startswith("not provided"):
+        if result.status == PASS or result.summary.startswith(("not provided", "not compared")):
             continue
         try:
             causes = DIAGNOSERS.get(result.name, lambda e, r: [])(ev, result)

@@ -7,6 +7,15 @@ explains nothing.
 from the case (:func:`case_dims`): ``T`` tokens of the row, ``H`` hidden size, ``A`` anchor
 slots, ``B`` block size, ``Q = A * B`` query slots, ``V_d`` draft vocabulary size, ``K``
 anchor draws (any). ``float`` means the case dtype (that of ``fc.weight``; fp32 today).
+
+Policy on non-finite values (NaN, +-inf), on either side: a non-finite value in any output
+that feeds training -- logits, loss, loss weights, gradients, context, targets -- is a FAIL;
+so is a non-finite metric (a NaN acceptance metric means the candidate's training signal is
+broken). NaN never compares as equal or "within tolerance" (:func:`dflash_audit.audit.
+tolerance.closeness`), never counts as "no gradient" and is never read as a boolean True.
+Compare reports all findings of both sides as the first check of each case (``protocol``,
+:mod:`dflash_audit.audit.checks.output_protocol`) and does not compare the keys that break
+the protocol.
 """
 
 from __future__ import annotations
@@ -150,6 +159,20 @@ def _expected_text(spec: OutputSpec, dtype: torch.dtype) -> str:
             "mask01": f"bool or {_dtype_name(dtype)} 0/1 (1 = trained)"}[spec.dtype]
 
 
+def misread_keys(out: SideOutputs, case: Case) -> set[str]:
+    """Keys of ``out`` a comparison would misread: not a tensor, or a dtype the protocol does
+    not allow (an int 0/1 mask read as additive, float16 logits at fp32 tolerance). Wrong
+    shapes are not listed: the checks compare and diagnose those themselves."""
+    dtype = case_dtype(case)
+    bad = set()
+    for key, t in out.tensors.items():
+        spec = spec_for(key)
+        if not isinstance(t, torch.Tensor) or (spec is not None and not _dtype_ok(spec, t,
+                                                                                dtype)):
+            bad.add(key)
+    return bad
+
+
 def _dtype_ok(spec: OutputSpec, t: torch.Tensor, dtype: torch.dtype) -> bool:
     if spec.dtype == "float":
         return t.dtype == dtype
@@ -267,10 +290,10 @@ def coordinates_text(coords: dict[str, Any]) -> str:
 
 def _non_finite(t: torch.Tensor) -> tuple[int, int, tuple[int, ...] | None]:
     """(NaN count, inf count, first non-finite index) of a floating tensor."""
+    if bool(torch.isfinite(t).all()):  # the common case: one pass over the tensor
+        return 0, 0, None
     nan, inf = torch.isnan(t), torch.isinf(t)
     bad = nan | inf
-    if not bad.any():
-        return 0, 0, None
     first = tuple(int(i) for i in bad.nonzero()[0]) if t.ndim else ()
     return int(nan.sum()), int(inf.sum()), first
 

@@ -1,13 +1,13 @@
 """The run stage of an audit: resolve the reference, check in the background that it imports,
 write the cases, run the reference on all of them in one subprocess (``reference/adapter.py``)
-while the candidate runs them in this process, split the cores between the two.
+while the candidate runs them in its own process (:mod:`.candidate_process`, a per-case
+timeout), split the cores between the two.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +19,9 @@ from dflash_audit.audit.setup_error import CompareSetupError
 if TYPE_CHECKING:
     from dflash_audit.audit.compare import CompareOptions
 
+#: Sub-folder of the cases folder that receives the candidate process's outputs (no
+#: ``profile.json``: neither side takes it for a case).
+CANDIDATE_OUTPUTS = ".candidate-outputs"
 REF_ALTERNATIVES = ("--ref speculators==0.9.0 (the release from the package index), "
                     "--ref path:DIR (a local checkout of speculators), or --ref-url URL "
                     "(a reachable mirror or a local clone; file:// and plain paths work)")
@@ -176,63 +179,19 @@ def failed_run(name: str, case: str, summary: str, detail: str, diagnosis: list[
 
 
 def run_candidate(candidate: Any, case: Any) -> tuple[Any, Any]:
-    """Run the candidate on one case; returns ``(SideOutputs, None)`` or ``(None, failing
-    CheckResult "run")`` when it raised or broke the protocol."""
-    import torch
+    """Run an already loaded candidate on one case IN THIS PROCESS (tests and examples; an
+    audit runs it in its own process, :func:`run_both_sides`) exactly as the candidate
+    process does (:func:`dflash_audit.audit.candidate_runner.run_one`); returns
+    ``(SideOutputs, None)`` or ``(None, failing CheckResult "run")``."""
+    from dflash_audit.audit.candidate_process import CandidateCaseRun
+    from dflash_audit.audit.candidate_runner import run_one
 
-    from dflash_audit.audit.case import SideOutputs
-    from dflash_audit.audit.checks.anchors import draw_anchors
-    from dflash_audit.audit.precision import autocast, outputs_on_cpu
-    from dflash_audit.audit.raised import name_raise
-
-    inputs = {k: v.clone().to(case.device) for k, v in case.inputs.items()}
-    weights = case.weights if case.device == "cpu" else {
-        k: v.to(case.device) for k, v in case.weights.items()}
-    torch.manual_seed(0)
-    try:
-        with autocast(case):  # bf16: fp32 master weights under bf16 autocast, as in training
-            out = candidate.run_case(case.config, case.loss, weights, inputs)
-    except Exception as exc:  # noqa: BLE001 - user code: a conformance failure, reported
-        summary = f"the candidate raised {type(exc).__name__}: {str(exc).strip()[:600]}"
-        hint = []
-        if "state_dict" in str(exc) or "size mismatch" in str(exc):
-            hint = ["the candidate's parameters do not match the reference's state dict "
-                    "(names or shapes): compare fc in/out features, layer count and head "
-                    "sizes with the reference"]
-        hint += name_raise(f"{type(exc).__name__}: {exc}", case.config)
-        return None, failed_run("run", case.name, summary, traceback.format_exc(), hint)
-    if not isinstance(out, SideOutputs):
-        return None, failed_run(
-            "run", case.name, f"run_case returned {type(out).__name__}, not SideOutputs", "",
-            ["the candidate does not follow the protocol of dflash_audit.candidate"])
-    out.tensors = outputs_on_cpu(out.tensors)
-    if callable(getattr(candidate, "select_anchors", None)):
-        try:
-            out.tensors.update(draw_anchors(candidate.select_anchors, case))
-        except Exception as exc:  # noqa: BLE001 - user code
-            return None, failed_run(
-                "run", case.name, f"the candidate's select_anchors raised {type(exc).__name__}: "
-                f"{str(exc).strip()[:600]}", traceback.format_exc(),
-                ["select_anchors(loss_mask [1,T], max_anchors, block_size[, generator]"
-                 "[, document_ids]) must return (anchor_positions [A], anchor_valid [A])"])
-    out.derivation = candidate_derivation(candidate, case)
-    return out, None
-
-
-def candidate_derivation(candidate: Any, case: Any) -> dict[str, Any] | None:
-    """The candidate's ``derive_config(verifier_config, config)`` for the case's verifier;
-    None when the case has no verifier or the candidate no ``derive_config``;
-    ``{"error": ...}`` when it raised or returned no dict (the ``derivation`` check fails)."""
-    derive = getattr(candidate, "derive_config", None)
-    if case.verifier is None or not callable(derive):
-        return None
-    try:
-        fields = derive(case.verifier.config, case.config)
-    except Exception as exc:  # noqa: BLE001 - user code: reported by the check
-        return {"error": f"{type(exc).__name__}: {str(exc).strip()[:600]}"}
-    if not isinstance(fields, dict):
-        return {"error": f"derive_config returned {type(fields).__name__}, not a dict"}
-    return fields
+    status, out = run_one(candidate, case)
+    if status["status"] == "ok":
+        return out, None
+    return None, CandidateCaseRun(case.name, status["status"], status["summary"],
+                                  status["traceback"],
+                                  diagnosis=status.get("diagnosis", [])).to_check_result()
 
 
 def write_cases(cases: list[Any], folder: Path, advance: Callable[[int], None] = lambda n: None
@@ -259,26 +218,16 @@ def write_cases(cases: list[Any], folder: Path, advance: Callable[[int], None] =
         advance(1)
 
 
-@contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    """Run the block with ``n`` torch intra-op threads, then restore the previous count."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def run_both_sides(opts: CompareOptions, identity: Any, candidate: Any, planned: list[Any],
-                   cases_dir: Path, st: Stages, import_check: ImportCheck) -> dict[str, Any]:
-    """Write the cases, start the reference on all of them, run the candidate on each while
-    it runs; returns ``{case name: (SideOutputs | None, failing "run" result | None)}``.
+def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], cases_dir: Path,
+                   st: Stages, import_check: ImportCheck) -> dict[str, Any]:
+    """Write the cases, start the reference on all of them, run the candidate on each (in its
+    own process, ``opts.candidate_timeout_s`` per case) while it runs; a candidate that
+    raises, exits, crashes, is killed or times out on a case fails that case. Returns
+    ``{case name: (SideOutputs | None, failing "run" result | None)}``.
 
     Raises:
-        CompareSetupError: the reference does not import or its run failed.
+        CompareSetupError: the reference does not import or its run failed; the candidate
+            cannot be loaded in its process.
     """
     from dflash_audit.reference_source import ReferenceSourceError
 
@@ -289,12 +238,23 @@ def run_both_sides(opts: CompareOptions, identity: Any, candidate: Any, planned:
     start = time.perf_counter()
     ref_threads, cand_threads = split_cores()
     reference_job = start_reference(identity, cases_dir, opts.reference_timeout_s, ref_threads)
-    outputs = {}
-    with st.stage("candidate", f"candidate on {len(planned)} cases",
-                  total=len(planned)) as advance, _torch_threads(cand_threads):
-        for p in planned:
-            outputs[p.case.name] = run_candidate(candidate, p.case)
-            advance(1)
+    from dflash_audit.audit.candidate_process import (
+        CandidateLoadError,
+        candidate_side,
+        run_candidate_process,
+    )
+
+    out_dir = cases_dir / CANDIDATE_OUTPUTS
+    try:
+        with st.stage("candidate", f"candidate on {len(planned)} cases (own process)",
+                      total=len(planned)) as advance:
+            runs = run_candidate_process(opts.candidate, cases_dir,
+                                         [p.case.name for p in planned], out_dir,
+                                         opts.candidate_timeout_s, threads=cand_threads,
+                                         on_case=lambda run: advance(1))
+    except CandidateLoadError as exc:
+        raise CompareSetupError(f"candidate: {exc}") from None
+    outputs = candidate_side(runs, out_dir)
     with st.stage("reference_wait", "reference (speculators) on all cases"):
         try:
             reference_job.result()

@@ -53,11 +53,19 @@ def slot_coordinates(case: Case, q: int) -> dict[str, int]:
 
 
 def as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
-    """A mask as [Q, T+Q] bool (True = may attend). Float masks are read as additive masks
-    (0 = attend, -inf / large negative = blocked); leading size-1 axes are dropped."""
+    """A mask as [Q, T+Q] bool (True = may attend); leading size-1 axes are dropped.
+
+    Integer masks are read as 0/1 (1 = attend); float masks holding only 0 and 1 too; other
+    float masks as additive (0 = attend, -inf / large negative = blocked). The protocol
+    check names every mask that is not bool (:mod:`dflash_audit.audit.protocol`)."""
     while mask.ndim > 2 and mask.shape[0] == 1:
         mask = mask[0]
-    return mask if mask.dtype == torch.bool else mask == 0
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point() or bool(((mask == 0) | (mask == 1)).all()) and bool(
+            (mask == 1).any()):
+        return mask != 0
+    return mask == 0
 
 
 def reference_masks(ref: SideOutputs) -> dict[str, torch.Tensor]:

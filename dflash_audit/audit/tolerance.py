@@ -8,7 +8,6 @@ plus the severity order of statuses.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -57,13 +56,26 @@ def tolerance(case: Case, quantity: str | None = None) -> dict[str, float]:
 
 @dataclass
 class Closeness:
-    """Elementwise comparison ``|c - r| <= atol + rtol * |r|`` (non-finite values never close)."""
+    """Elementwise comparison ``|c - r| <= atol + rtol * |r|`` (non-finite values never close).
+
+    ``max_abs`` / ``max_rel`` are over the pairs where both values are finite (0 when there
+    is none); ``num_non_finite`` counts pairs where either side is NaN or +-inf (all bad),
+    ``non_finite`` says which side holds them (:meth:`non_finite_text`)."""
 
     ok: bool
     max_abs: float
     max_rel: float
     num_bad: int
     first_bad: tuple[int, ...] | None  # index into the compared tensors
+    num_non_finite: int = 0
+    non_finite: dict[str, int] | None = None  # {"candidate NaN": n, "reference inf": m, ...}
+
+    def non_finite_text(self) -> str:
+        """``12 non-finite (candidate NaN 12)`` or ``""``."""
+        if not self.num_non_finite:
+            return ""
+        parts = ", ".join(f"{k} {v}" for k, v in (self.non_finite or {}).items() if v)
+        return f"{self.num_non_finite} non-finite ({parts})"
 
 
 def closeness(cand: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> Closeness:
@@ -72,19 +84,26 @@ def closeness(cand: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -
     c, r = cand.detach().to(dtype), ref.detach().to(dtype)
     if c.numel() == 0:
         return Closeness(True, 0.0, 0.0, 0, None)
-    diff = (c - r).abs()  # NaN where either side is NaN
+    diff = (c - r).abs()
     r_abs = r.abs()
     bad = ~(diff <= atol + rtol * r_abs)  # NaN -> bad
-    max_abs = float(diff.max())
-    max_rel = float((diff / r_abs.clamp_min(torch.finfo(dtype).tiny)).max())
-    if math.isnan(max_abs) or math.isnan(max_rel):
-        max_abs = max_rel = math.inf
+    finite = torch.isfinite(diff)  # False where either side is NaN or +-inf
+    num_non_finite, counts, fd, fr = 0, None, diff, r_abs
+    if not bool(finite.all()):  # rare: count and leave the non-finite pairs out of the maxima
+        bad |= ~finite
+        num_non_finite = int((~finite).sum())
+        fd, fr = diff[finite], r_abs[finite]
+        counts = {f"{side} {kind}": int(fn(t).sum()) for side, t in (("candidate", c),
+                                                                      ("reference", r))
+                  for kind, fn in (("NaN", torch.isnan), ("inf", torch.isinf))}
+    max_abs = float(fd.max()) if fd.numel() else 0.0
+    max_rel = float((fd / fr.clamp_min(torch.finfo(dtype).tiny)).max()) if fd.numel() else 0.0
     num_bad = int(bad.sum())
     first = None
     if num_bad:
         flat = int(bad.reshape(-1).to(torch.uint8).argmax())  # first True
         first = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), bad.shape))
-    return Closeness(num_bad == 0, max_abs, max_rel, num_bad, first)
+    return Closeness(num_bad == 0, max_abs, max_rel, num_bad, first, num_non_finite, counts)
 
 
 def fmt_diff(x: float) -> str:

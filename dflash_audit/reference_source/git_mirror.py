@@ -185,7 +185,8 @@ def _resolve_git(
     sha = _rev_parse(mirror, ref)
     assert sha is not None
     commit = mirror.commit(sha)
-    _require_dflash(_missing_in_tree(commit), f"{url} at {ref} ({sha[:12]})")
+    _require_dflash(_missing_in_tree(commit), f"{url} at {ref} ({sha[:12]})",
+                    is_speculators=not _missing_in_tree(commit, ("src/speculators",)))
     checkout = _ensure_checkout(root, mirror, sha)
     return ReferenceIdentity(
         kind="git",
@@ -204,9 +205,9 @@ def _resolve_git(
     )
 
 
-def _missing_in_tree(commit: git.Commit) -> list[str]:
+def _missing_in_tree(commit: git.Commit, paths: tuple[str, ...] = REQUIRED_PATHS) -> list[str]:
     missing = []
-    for path in REQUIRED_PATHS:
+    for path in paths:
         try:
             commit.tree / path
         except KeyError:

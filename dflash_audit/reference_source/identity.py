@@ -167,7 +167,19 @@ def missing_dflash_paths(source_dir: Path) -> list[str]:
     return [p for p in REQUIRED_PATHS if not (Path(source_dir) / p).exists()]
 
 
-def _require_dflash(missing: list[str], what: str) -> None:
+def _require_dflash(missing: list[str], what: str, is_speculators: bool = True) -> None:
+    """Refuse a source without the DFlash modules: a repository or folder that is not
+    speculators at all (no ``src/speculators/``) is named as such, not sent to another ref.
+
+    Raises:
+        ReferenceResolutionError: ``missing`` is not empty.
+    """
+    if missing and not is_speculators:
+        raise ReferenceResolutionError(
+            f"{what} is not speculators: it has no src/speculators/ package. Point --ref-url "
+            "(or path:DIR) at a clone of https://github.com/vllm-project/speculators, or use "
+            "--ref speculators==0.9.0 (the release from the package index)."
+        )
     if missing:
         raise ReferenceResolutionError(
             f"{what} has no DFlash reference modules: missing {', '.join(missing)}. DFlash "

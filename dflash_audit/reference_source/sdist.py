@@ -1,10 +1,19 @@
 """``speculators==X.Y.Z``: the release's source distribution from the package index (pip),
-verified against the lock's sha256 and cached by sha256."""
+verified against the lock's sha256 and cached by sha256.
+
+Cache entry ``<root>/sdist/<sha256>/``: the archive and ``tree/`` (its extracted top folder);
+beside it ``<root>/sdist/<sha256>.manifest.json`` (sha256 of every file of ``tree/``, written
+at extraction; outside the entry, so older dflash-audit versions sharing the cache still see
+one archive in it). Each
+resolve checks the tree against its manifest; a removed or edited file (or a tree without a
+manifest) is repaired by extracting the cached archive again -- offline too -- and, when that
+is impossible, named with the exact path to remove; never blamed on the release."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -34,12 +43,81 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _archives(entry: Path) -> list[Path]:
+    return [p for p in entry.glob("*") if p.is_file() and p.name != "meta.json"]
+
+
+def manifest_path(entry: Path) -> Path:
+    """``<root>/sdist/<sha256>.manifest.json`` of the entry ``<root>/sdist/<sha256>``."""
+    return entry.with_name(entry.name + ".manifest.json")
+
+
+def tree_manifest(tree: Path) -> dict[str, str]:
+    """``{relative path: sha256}`` of every file under ``tree``."""
+    return {p.relative_to(tree).as_posix(): _sha256(p) for p in sorted(tree.rglob("*"))
+            if p.is_file()}
+
+
+def tree_problems(entry: Path) -> list[str]:
+    """How ``entry/tree`` differs from its manifest (:func:`manifest_path`): "missing X",
+    "changed Y", "no manifest"; empty when it is intact."""
+    try:
+        expected = json.loads(manifest_path(entry).read_text())
+    except (OSError, ValueError):
+        return ["no manifest"]
+    found = tree_manifest(entry / "tree")
+    problems = [f"missing {k}" for k in expected if k not in found]
+    problems += [f"changed {k}" for k in expected if k in found and found[k] != expected[k]]
+    problems += [f"extra {k}" for k in found if k not in expected and k.endswith(".py")]
+    return problems
+
+
+def _write_manifest(entry: Path) -> None:
+    tmp = manifest_path(entry).with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(tree_manifest(entry / "tree"), indent=0))
+    os.replace(tmp, manifest_path(entry))
+
+
+def _reextract(entry: Path, archive: Path, problems: list[str]) -> None:
+    """Replace ``entry/tree`` by a fresh extraction of ``archive`` (and its manifest).
+
+    Raises:
+        ReferenceResolutionError: the cache cannot be written (names the folder to remove).
+    """
+    tree = entry / "tree"
+    if problems != ["no manifest"]:
+        print(f"dflash-audit: the cached reference tree {tree} is damaged ("
+              f"{'; '.join(problems[:3])}{'; ...' if len(problems) > 3 else ''}); extracting "
+              "it again from the cached archive", file=sys.stderr)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".tree-", dir=entry))
+        try:
+            fresh = _extract(archive, tmp / "x")
+            old = entry / f".tree-damaged-{tmp.name}"
+            if tree.exists():
+                tree.rename(old)
+            fresh.rename(tree)
+            shutil.rmtree(old, ignore_errors=True)
+            _write_manifest(entry)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except (OSError, tarfile.TarError) as exc:
+        raise ReferenceResolutionError(
+            f"the cached reference tree {tree} is damaged ({'; '.join(problems[:3])}) and "
+            f"cannot be extracted again here ({exc}); remove {entry} and run again (it is "
+            "downloaded again; offline, copy a good cache there)") from None
+
+
 def _cached_sdist(root: Path, sha256: str) -> Path | None:
-    """The extracted tree of a cached sdist whose tarball still has ``sha256``, else None."""
+    """The extracted tree of a cached sdist whose archive still has ``sha256`` (repaired
+    from that archive when it differs from its manifest), else None."""
     entry = root / "sdist" / sha256
     tree = entry / "tree"
-    archives = [p for p in entry.glob("*") if p.is_file() and p.name != "meta.json"]
+    archives = _archives(entry)
     if tree.is_dir() and len(archives) == 1 and _sha256(archives[0]) == sha256:
+        problems = tree_problems(entry)
+        if problems:  # also a cache from before manifests: extracted again, then verified
+            _reextract(entry, archives[0], problems)
         return tree
     return None
 
@@ -108,8 +186,9 @@ def _resolve_sdist(
         tree, sha = _download_sdist(version, root, expected)
         index.parent.mkdir(parents=True, exist_ok=True)
         index.write_text(json.dumps({"sha256": sha, "resolved_at": _now()}))
-    _require_dflash(missing_dflash_paths(tree), f"the {spec} source distribution")
-    archive = next(p for p in tree.parent.glob("*") if p.is_file() and p.name != "meta.json")
+    _require_dflash(missing_dflash_paths(tree), f"the {spec} source distribution",
+                    is_speculators=(tree / "src" / "speculators").is_dir())
+    archive = _archives(tree.parent)[0]
     return ReferenceIdentity(
         kind="sdist",
         spec=spec,
@@ -151,6 +230,7 @@ def _download_sdist(version: str, root: Path, expected: str | None) -> tuple[Pat
             entry.parent.mkdir(parents=True, exist_ok=True)
             try:
                 staging.rename(entry)
+                _write_manifest(entry)
             except OSError:  # made by another process meanwhile
                 pass
         return entry / "tree", sha

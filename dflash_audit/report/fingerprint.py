@@ -83,7 +83,15 @@ def candidate_source_files(candidate: Any) -> list[Path]:
 
 def candidate_fingerprint(candidate: Any, profile_fingerprint: str) -> dict[str, Any]:
     """``{"fingerprint": sha256, "files": {name: sha256}}`` for a candidate under a profile."""
-    files = {_display_name(p): file_sha256(p) for p in candidate_source_files(candidate)}
+    return files_fingerprint(candidate_source_files(candidate), profile_fingerprint)
+
+
+def files_fingerprint(source_files: list[str] | list[Path], profile_fingerprint: str
+                      ) -> dict[str, Any]:
+    """:func:`candidate_fingerprint` from the candidate's source file paths (as the candidate
+    process reports them in its identity, so the candidate is never imported here)."""
+    paths = sorted(Path(f).resolve() for f in source_files)
+    files = {_display_name(p): file_sha256(p) for p in paths if p.is_file()}
     return {"fingerprint": canonical_sha256({"files": files, "profile": profile_fingerprint}),
             "files": files}
 

@@ -17,10 +17,15 @@ training run when all of these hold:
 * ``fingerprint`` equals :func:`dflash_audit.report.fingerprint.report_fingerprint` of the
   above (a hand-edited verdict or fingerprint is refused).
 
+Then ``train`` reruns the candidate on the report's canary case and refuses when its outputs
+differ from the audited ones (:func:`dflash_audit.audit.canary.verify_canary`: the gate checks
+behaviour, not only source).
+
 Exit codes of a refusal (:class:`GateError.exit_code`): **2** when no report matches (none
 found, or the newest differs in candidate / profile / reference, or it is unreadable or
-tampered with) - run the printed ``dflash-audit compare`` command; **1** when the matching
-report's verdict is ``fail`` (a conformance failure: fix the candidate first).
+tampered with, or the candidate's outputs on the canary case differ from the audited ones) -
+run the printed ``dflash-audit compare`` command; **1** when the matching report's verdict
+is ``fail`` (a conformance failure: fix the candidate first).
 
 The accepted report's ``fingerprint`` is written into every checkpoint (safetensors metadata
 ``dflash_audit_report_fingerprint`` and the training state).

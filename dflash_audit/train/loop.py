@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dflash_audit.audit.canary import verify_canary
 from dflash_audit.train import state as ckpt
 from dflash_audit.train.distributed import (
     DistEnv,
@@ -202,6 +203,9 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
                                     reference_identity, Path(cfg.reports_dir), cfg.verifier)
             gate = check_gate(expected, Path(cfg.report) if cfg.report else None,
                               Path(cfg.reports_dir))
+            note = verify_canary(candidate, gate.report_path)  # behaviour, not only source
+            if env.is_main:
+                print(f"dflash-audit: {note}", flush=True)
         optim_spec = cfg.optim_spec(profile.optimizer)
         # every rank checks (so all refuse together), only rank 0 removes for --overwrite
         ckpt.check_run_folder(out, cfg.resume, cfg.overwrite, remove=env.is_main)

@@ -111,8 +111,13 @@ class Tracker:
 
             self._tb = SummaryWriter(log_dir=str(out / "tensorboard"))
         if progress:  # a bar on a terminal, a line every ~10 s in a log
-            from rich.progress import (BarColumn, MofNCompleteColumn, TextColumn,
-                                       TimeElapsedColumn, TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             from dflash_audit.progress import progress_display
 

@@ -8,6 +8,9 @@ compares, at which tolerance and which bug classes its hypotheses name. :data:`R
 them in report order; adding a check is adding a module and one line there. :func:`run_checks`
 runs them all:
 
+``protocol``   each side's outputs against the output protocol (dtype, shape, meaning) and
+               for non-finite values, before any comparison (keys that break the protocol
+               are then not compared: "not compared", see :mod:`.output_protocol`)
 ``structure``  deepdiff of the two structure summaries, plus the candidate against the profile
 ``derivation`` the drafter config each side derives from the case's verifier, field by field
 ``defaults``   each side's default gamma / loss / weighting / block_size / max_anchors
@@ -18,7 +21,8 @@ runs them all:
 ``logits``     draft logits [1,Q,V_d] on supervised slots
 ``loss``       total loss, aligned loss mask, per-slot weights per term (+ the gamma they imply)
 ``gradients``  every trainable parameter of the reference, tolerance relative to its scale
-``metrics``    per-slot accuracy, full accuracy, acceptance length (never fails: metrics do
+``metrics``    per-slot accuracy, full accuracy, acceptance length (fails only on a NaN / inf
+               candidate metric; otherwise never fails: metrics do
                not change training; a differing EAL definition is a warning naming both)
 ``anchors``    anchor selection by distribution: support, counts, repeats, per-position z-test
 
@@ -51,6 +55,7 @@ from dflash_audit.audit.checks import (
     loss,
     mask,
     metrics,
+    output_protocol,
     structure,
     targets,
 )
@@ -68,6 +73,8 @@ class RegisteredCheck(NamedTuple):
 
 #: Every check, in report order.
 REGISTRY: tuple[RegisteredCheck, ...] = (
+    RegisteredCheck("protocol", output_protocol, output_protocol.check_protocol,
+                    output_protocol.diagnose_protocol),
     RegisteredCheck("structure", structure, structure.check_structure,
                     structure.diagnose_structure),
     RegisteredCheck("derivation", derivation, derivation.check_derivation,
@@ -89,12 +96,23 @@ CHECKS: tuple[tuple[str, Callable[..., CheckResult | list[CheckResult]]], ...] =
 
 
 def run_checks(case: Case, cand: SideOutputs, ref: SideOutputs) -> list[CheckResult]:
-    """All checks on one case, in report order. A check that raises becomes a ``fail`` result
-    naming the error (a malformed output must not hide the other checks)."""
+    """All checks on one case, in report order. ``protocol`` sees both sides as returned; the
+    comparisons see them without the keys that broke the protocol (a check reading such a
+    key is "not compared"). A check that raises becomes a ``fail`` result naming the error
+    (a malformed output must not hide the other checks)."""
     results: list[CheckResult] = []
+    try:
+        c_ok, r_ok, dropped = output_protocol.conforming_sides(case, cand, ref)
+    except Exception:  # noqa: BLE001 - the protocol check itself reports the error
+        c_ok, r_ok, dropped = cand, ref, {}
     for name, check in CHECKS:
+        skipped = None if name == "protocol" else output_protocol.not_compared(
+            name, case, dropped)
+        if skipped is not None:
+            results.append(skipped)
+            continue
         try:
-            out = check(case, cand, ref)
+            out = check(case, cand, ref) if name == "protocol" else check(case, c_ok, r_ok)
         except Exception as err:  # noqa: BLE001 - reported, not swallowed
             out = CheckResult(name, case.name, FAIL,
                               f"check could not run: {type(err).__name__}: {err}",

@@ -23,9 +23,18 @@ from dflash_audit.model.drafter import FROZEN_PARAMETERS
 
 
 def _grad_tolerance(ref_grad: torch.Tensor, tol: dict[str, float]) -> dict[str, float]:
-    """atol scaled by the gradient's magnitude: ``atol * max(1, max|g_ref|)``."""
-    scale = float(ref_grad.abs().max()) if ref_grad.numel() else 0.0
+    """atol scaled by the gradient's magnitude: ``atol * max(1, max|g_ref|)`` over the
+    reference's finite values (a NaN / inf there must not widen the tolerance)."""
+    finite = ref_grad if bool(torch.isfinite(ref_grad).all()) else ref_grad[
+        torch.isfinite(ref_grad)]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
     return {"atol": tol["atol"] * max(1.0, scale), "rtol": tol["rtol"]}
+
+
+def _nonzero(grad: torch.Tensor) -> bool:
+    """Whether a gradient carries anything: a nonzero value, or a non-finite one (NaN is
+    never "no gradient")."""
+    return bool(grad.numel()) and bool((grad != 0).any() or not torch.isfinite(grad).all())
 
 
 def _frozen_on_reference(ref: SideOutputs) -> set[str]:
@@ -51,7 +60,7 @@ def check_gradients(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckRes
         c, r = cg.get(n), rg.get(n)
         if c is None or r is None:
             present = c if c is not None else r
-            if present is None or not present.abs().max() > 0:
+            if present is None or not _nonzero(present):
                 note = "either side" if present is None else "one side, zero on the other"
                 per_param[n] = {"status": PASS, "note": f"no gradient on {note}"}
                 continue
@@ -76,7 +85,7 @@ def check_gradients(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckRes
                               "reference": float(r[res.first_bad])}))
     frozen = _frozen_on_reference(ref)
     for n in sorted(set(cg) - set(names)):
-        if n in cand.trainable or bool(cg[n].abs().max() > 0):
+        if n in cand.trainable or _nonzero(cg[n]):
             why = "frozen in the reference" if n in frozen else "not a reference parameter"
             per_param[n] = {"status": FAIL, "reason": why}
             problems.append((n, f"{n}: {why} but trained by the candidate", {"parameter": n}))
@@ -120,7 +129,7 @@ def diagnose_gradients(ev: Evidence, result: CheckResult) -> list[str]:
                       f"the candidate side (the reference freezes {comma_list(FROZEN_PARAMETERS)})")
     cg = {k[5:]: v for k, v in ev.cand.tensors.items() if k.startswith("grad.")}
     no_grad = [n for n, p in params.items() if n not in frozen and p["status"] == FAIL and (
-        n not in cg or not cg[n].abs().max() > 0)]
+        n not in cg or not _nonzero(cg[n]))]
     upstream = follows_from("gradients", ev)
     if no_grad and upstream and masks_hide_context(ev):
         causes.append(f"{upstream}: the candidate's masks hide all context, so no gradient "

@@ -20,7 +20,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from dflash_audit.audit.architecture import architecture_hypotheses, mask_misuse_hypotheses
+from dflash_audit.audit.architecture import (
+    architecture_hypotheses,
+    mask_misuse_hypotheses,
+)
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.checks.mask import (
     build_mask,

@@ -89,7 +89,15 @@ def fit_decay(weights: torch.Tensor, supervised: torch.Tensor, block_size: int
 def _compare_mask(case: Case, cand: SideOutputs, ref: SideOutputs) -> dict[str, Any]:
     if "aligned_loss_mask" not in cand.tensors or "aligned_loss_mask" not in ref.tensors:
         return {"status": WARN, "reason": "aligned_loss_mask not provided"}
-    c = cand.tensors["aligned_loss_mask"].reshape(-1).bool()
+    raw = cand.tensors["aligned_loss_mask"].reshape(-1)
+    if raw.is_floating_point() and not bool(torch.isfinite(raw).all()):  # NaN.bool() is True
+        bad = ~torch.isfinite(raw)
+        q = int(bad.nonzero()[0])
+        return {"status": FAIL, "num_bad": int(bad.sum()),
+                "first_diff": {**slot_coordinates(case, q), "candidate": float(raw[q])},
+                "reason": f"candidate aligned_loss_mask holds {int(bad.sum())} non-finite "
+                          f"values (NaN / inf), first at slot {q}"}
+    c = raw.bool()
     r = ref.tensors["aligned_loss_mask"].reshape(-1).bool()
     if c.shape != r.shape:
         return {"status": FAIL, "reason": f"aligned_loss_mask shape {list(c.shape)} != "

@@ -1,7 +1,9 @@
 """The ``metrics`` check: per-slot accuracy sums / totals, full accuracy, EAL and loss-valued
 metrics of both sides (tolerance: relative 1e-5).
 
-Never fails: metrics are logged, not trained on; it warns. Hypotheses name: acceptance-length
+Fails only on a non-finite candidate metric (a NaN acceptance metric means the training signal
+is broken, :mod:`dflash_audit.audit.protocol`); differing values warn: metrics are logged, not
+trained on. Hypotheses name: acceptance-length
 definitions that differ (leading-run vs product-of-marginals, as the reference changed between
 versions), a metric the candidate computes differently from the reference's definition on its
 own logits, and metric values that follow from an upstream difference.
@@ -9,10 +11,12 @@ own logits, and metric values that follow from an upstream difference.
 
 from __future__ import annotations
 
+import math
+
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import not_provided
 from dflash_audit.audit.evidence import Evidence, comma_list, follows_from
-from dflash_audit.audit.result import PASS, WARN, CheckResult
+from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.slots import supervised_slots
 from dflash_audit.audit.tolerance import closeness, tolerance
 from dflash_audit.model.metrics import EAL_DEFINITIONS, dflash_metrics
@@ -47,7 +51,8 @@ def _count_keys(metrics: dict[str, float]) -> list[str]:
 def check_metrics(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResult:
     """Per-slot accuracy sums/totals, full accuracy, EAL and loss-valued metrics of both sides.
 
-    Metrics are logged, not trained on, so this never fails: it warns where values differ
+    Metrics are logged, not trained on, so this fails only on a non-finite candidate metric
+    (NaN never "agrees"); it warns where values differ
     (other than argmax near-ties of logits that agree within tolerance) and where the two
     sides' EAL follows different definitions — which one each side's number matches is
     detected from its own tensors and named (version-dependent: speculators 0.9.0 reports
@@ -62,7 +67,7 @@ def check_metrics(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResul
         c, r = cand.metrics.get(k), ref.metrics[k]
         if c is None:
             missing.append(k)
-        elif abs(c - r) > 1e-5 * max(1.0, abs(r)):
+        elif not abs(c - r) <= 1e-5 * max(1.0, abs(r)):  # NaN: differs
             diffs[k] = {"candidate": c, "reference": r}
     ce, re_ = eal_value(cand.metrics), eal_value(ref.metrics)
     c_defs, r_defs = eal_definitions(cand, case, ce), eal_definitions(ref, case, re_)
@@ -74,7 +79,8 @@ def check_metrics(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResul
         reasons.append(f"EAL definitions differ: candidate {c_defs[0]!r} "
                        f"({EAL_DEFINITIONS[c_defs[0]]}) = {ce:.4g}, reference {r_defs[0]!r} "
                        f"({EAL_DEFINITIONS[r_defs[0]]}) = {re_:.4g}")
-    elif ce is not None and re_ is not None and abs(ce - re_) > 1e-5 * max(1.0, abs(re_)):
+    elif ce is not None and re_ is not None and not abs(ce - re_) <= 1e-5 * max(1.0,
+                                                                                abs(re_)):
         diffs["eal"] = {"candidate": ce, "reference": re_}
     elif re_ is not None and ce is None:
         missing.append("eal")
@@ -98,6 +104,16 @@ def check_metrics(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResul
         return CheckResult("metrics", case.name, PASS, f"metrics agree{defs}{note}",
                            candidate=ce, reference=re_, details=details)
     first_key = next(iter(diffs), "eal" if c_defs != r_defs else None)
+    non_finite = sorted(k for k, v in cand.metrics.items() if isinstance(v, (int, float))
+                        and not math.isfinite(v))
+    if non_finite:  # policy of dflash_audit.audit.protocol: the training signal is broken
+        details["non_finite"] = non_finite
+        return CheckResult("metrics", case.name, FAIL, f"candidate metrics not finite: "
+                           f"{', '.join(f'{k} = {cand.metrics[k]}' for k in non_finite[:4])}"
+                           + (f" (+{len(non_finite) - 4} more)" if len(non_finite) > 4 else "")
+                           + " (a NaN acceptance metric means the training signal is broken)",
+                           candidate=ce, reference=re_, first_diff={"metric": non_finite[0]},
+                           details=details)
     return CheckResult("metrics", case.name, WARN,
                        "; ".join(reasons) + " (metrics do not change training)",
                        candidate=ce, reference=re_,

@@ -1,0 +1,136 @@
+"""The canary: the gate checks the candidate's behaviour, not only its source.
+
+A passing source fingerprint says nothing about a candidate whose behaviour depends on an
+environment variable, a config file or a flag. So ``compare`` records, in the report folder,
+one small synthetic case the candidate ran (``canary/case/``: inputs, weights, profile.json)
+and the candidate's outputs on it (``canary/outputs/``), with their sha256 in
+``report.json`` (``candidate.canary``). Before step 1, ``train`` reruns the candidate on that
+case (:func:`verify_canary`) and compares its outputs with the recorded ones at the audit's
+tolerance (:data:`dflash_audit.audit.tolerance.TOLERANCES`; bool / int tensors exactly,
+metrics at relative 1e-5). A difference refuses training with exit code **2** (no audit
+matches what would be trained; like a changed fingerprint), naming the first differing output.
+
+A report without a canary (``--cases 0``, or one written before canaries) is accepted on its
+fingerprints alone; the gate says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+CANARY_DIR = "canary"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def stage_canary(planned: list[Any], cases_dir: Path, outputs_dir: Path, staging: Path
+                 ) -> dict[str, Any] | None:
+    """Copy the first synthetic case the candidate ran without failure, and its outputs,
+    into ``staging`` (``case/`` + ``outputs/``); returns the ``candidate.canary`` entry of the
+    report, or None when there is no such case."""
+    from dflash_audit.audit.tolerance import tolerance
+
+    for p in planned:
+        out = Path(outputs_dir) / p.case.name
+        if p.kind != "synthetic" or not (out / "outputs.safetensors").is_file():
+            continue
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(Path(cases_dir) / p.case.name, staging / "case")
+        (staging / "outputs").mkdir(parents=True)
+        for name in ("outputs.safetensors", "outputs.json"):
+            shutil.copy2(out / name, staging / "outputs" / name)
+        return {"case": p.case.name, "folder": CANARY_DIR, "tolerance": tolerance(p.case),
+                "outputs_sha256": _sha256(staging / "outputs" / "outputs.safetensors")}
+    return None
+
+
+def publish_canary(staging: Path, report_folder: Path) -> None:
+    """Move the staged canary into ``report_folder/canary``."""
+    shutil.copytree(staging, Path(report_folder) / CANARY_DIR)
+
+
+def output_differences(case: Any, now: Any, recorded: Any, tol: dict[str, float]) -> list[str]:
+    """How the candidate's outputs ``now`` differ from the ``recorded`` ones (SideOutputs), one
+    line per differing output, first difference named; empty when they agree."""
+    import torch
+
+    from dflash_audit.audit.tolerance import closeness
+
+    diffs = []
+    for key, r in recorded.tensors.items():
+        c = now.tensors.get(key)
+        if c is None:
+            diffs.append(f"{key}: no longer returned")
+        elif c.shape != r.shape or c.dtype != r.dtype:
+            diffs.append(f"{key}: now {str(c.dtype)[6:]} {list(c.shape)}, audited "
+                         f"{str(r.dtype)[6:]} {list(r.shape)}")
+        elif r.is_floating_point():
+            res = closeness(c, r, **tol)
+            if not res.ok:
+                non_finite = f", {res.non_finite_text()}" if res.num_non_finite else ""
+                diffs.append(f"{key}: {res.num_bad} of {r.numel()} values differ (max abs "
+                             f"{res.max_abs:.3g}{non_finite}"
+                             f"), first at index {list(res.first_bad)}: now "
+                             f"{float(c[res.first_bad]):.6g}, audited "
+                             f"{float(r[res.first_bad]):.6g}")
+        elif not torch.equal(c, r):
+            diffs.append(f"{key}: {int((c != r).sum())} of {r.numel()} values differ")
+    for key in sorted(set(now.tensors) - set(recorded.tensors)):
+        diffs.append(f"{key}: returned now, not in the audit")
+    for key, r in recorded.metrics.items():
+        c = now.metrics.get(key)
+        if not isinstance(r, (int, float)) or not isinstance(c, (int, float)):
+            if c != r:
+                diffs.append(f"metric {key}: now {c!r}, audited {r!r}")
+        elif not (abs(c - r) <= 1e-5 * max(1.0, abs(r)) or (math.isnan(c) and math.isnan(r))):
+            diffs.append(f"metric {key}: now {c}, audited {r}")
+    return diffs
+
+
+def verify_canary(candidate: Any, report_path: Path) -> str:
+    """Rerun ``candidate`` (loaded) on the canary of ``report_path``'s folder and compare its
+    outputs with the recorded ones; returns a one-line note for the log.
+
+    Raises:
+        GateError: the outputs differ (exit code 2; the message names the first outputs that
+            differ), the candidate fails on the canary, or the canary files are damaged.
+    """
+    import json
+
+    from dflash_audit.audit.case import Case, SideOutputs
+    from dflash_audit.audit.run_sides import run_candidate
+    from dflash_audit.train.gate import GateError
+
+    report_path = Path(report_path)
+    info = json.loads(report_path.read_text()).get("candidate", {}).get("canary")
+    if not info:
+        return (f"the report {report_path} records no canary case (audited with --cases 0 or "
+                "by an older dflash-audit): the candidate's behaviour was not re-checked")
+    folder = report_path.parent / info.get("folder", CANARY_DIR)
+    try:
+        if _sha256(folder / "outputs" / "outputs.safetensors") != info["outputs_sha256"]:
+            raise ValueError("outputs.safetensors does not match its sha256 in report.json")
+        case, recorded = Case.read(folder / "case"), SideOutputs.read(folder / "outputs")
+    except (OSError, ValueError, KeyError) as exc:
+        raise GateError(f"the canary of audit report {report_path} is damaged or missing "
+                        f"({folder}: {exc}); rerun the audit") from None
+    now, failure = run_candidate(candidate, case)
+    if failure is not None:
+        raise GateError(f"the candidate fails on the audit's canary case {case.name} now: "
+                        f"{failure.summary}; it is not the candidate that passed the audit "
+                        f"({report_path})")
+    diffs = output_differences(case, now, recorded, info.get("tolerance") or {
+        "atol": 1e-5, "rtol": 1e-5})
+    if diffs:
+        listing = "\n".join(f"  - {d}" for d in diffs[:6])
+        raise GateError(f"the candidate no longer behaves as audited: on the canary case "
+                        f"{case.name} of {report_path} its outputs differ:\n{listing}\n(same "
+                        "source, different behaviour: an environment variable, a config file "
+                        "or a flag it reads?) Rerun the audit in this environment.")
+    return f"canary {case.name}: the candidate's outputs match the audited ones"
