@@ -363,5 +363,6 @@ def _read(name_or_path: str) -> tuple[str, str]:
         close = difflib.get_close_matches(name_or_path, builtin_profiles(), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ProfileError(f"unknown profile {name_or_path!r}{hint}; built-in profiles: "
-                           f"{', '.join(builtin_profiles())}, or pass a TOML file path")
+                           f"{', '.join(builtin_profiles())}, or pass a TOML file or a drafter "
+                           "config.json (speculators or z-lab) path")
     return res.read_text(), name_or_path

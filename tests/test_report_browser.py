@@ -96,7 +96,10 @@ def test_every_check_row_is_rendered(wide, failing_report):
     assert [r[1] for r in rows] == [c["status"] for c in report["checks"]]
     assert {r[0] for r in rows if r[1] == "fail"} == {"mask", "logits", "loss", "gradients"}
     mask_row = next(r for r in rows if r[0] == "mask")
-    assert mask_row[2] == "0 / 2 / 0" and "syn-000-full" in mask_row[5]
+    first_failing = next(r["case"] for c in report["cases"] for r in c["results"]
+                         if r["name"] == "mask" and r["status"] == "fail")
+    assert mask_row[2] == "0 / 2 / 0" and first_failing.startswith("syn-000-")
+    assert first_failing in mask_row[5]
     visible = wide.evaluate(_section_js("Checks", "tr") +
                             ".every(r => r.getBoundingClientRect().height > 0)")
     assert visible is True

@@ -144,7 +144,8 @@ def _check_case(case: Any, cand: Any, ref: Any, memo: Any = None) -> list[Any]:
 
 def _notes(reference: dict[str, Any]) -> list[str]:
     notes = ["Synthetic cases use tiny dimensions (H=32, V=128); real cases use the verifier's "
-             "dimensions and real frozen weights with a seeded random trainable part."]
+             "dimensions and its frozen weights (a proxy verifier's are seeded random, at a "
+             "shrunk width) with a seeded trainable part fitted briefly to the targets."]
     version = str(reference.get("version") or "")
     if version.startswith("0.9."):
         notes.append("Reference metric definitions are version dependent: in speculators 0.9.0 "
@@ -160,6 +161,12 @@ def _check_options(opts: CompareOptions) -> None:
             raise CompareSetupError(f"{name} must be >= {low}, got {value}")
     if opts.rows == 0 and opts.cases == 0:
         raise CompareSetupError("nothing to audit: --rows 0 and --cases 0")
+    if opts.verifier.startswith("family:"):  # checked before seconds of batch work
+        from dflash_audit.data.families import FAMILIES
+
+        if opts.verifier.split(":", 1)[1] not in FAMILIES:
+            raise CompareSetupError(f"--verifier {opts.verifier}: unknown verifier family; use "
+                                    f"one of {', '.join('family:' + f for f in FAMILIES)}")
     from dflash_audit.audit.precision import check_device_and_dtype
 
     try:

@@ -117,6 +117,11 @@ def main(opts: CompareOptions) -> int:
             f"checks{', failing: ' + ', '.join(failed) if failed else ''}) in "
             f"{report.timing.get('total', 0.0):.1f} s")
     print(line)
+    causes = [d["cause"] for d in report.diagnoses() if d.get("status") == "fail"]
+    for cause in causes[:3]:  # root causes come first (report.diagnoses' order)
+        print(f"  cause: {cause}")
+    if len(causes) > 3:
+        print(f"  ... {len(causes) - 3} more in report.md")
     print(f"report: {outcome.folder}")
     return guarded_exit_code(outcome.exit_code, outcome.folder)
 

@@ -181,7 +181,8 @@ def _resolve_sdist(
     if tree is None:
         if offline:
             raise ReferenceResolutionError(
-                f"offline, and {spec} is not in the cache ({root / 'sdist'})."
+                f"offline, and {spec} is not in the cache ({root / 'sdist'}). Run once "
+                "without --offline to download it, or use a ref that is cached."
             )
         tree, sha = _download_sdist(version, root, expected)
         index.parent.mkdir(parents=True, exist_ok=True)
