@@ -76,6 +76,9 @@ EXPECTED = {
     "no_decay": ({"loss": "no position decay (w_s = 1); reference exp(-(s-1)/4)",
                   "gradients": "follows from the loss difference"},
                  ("structure", "mask", "context", "targets", "logits")),
+    "lk_hybrid_loss": ({"loss": "loss computed as 'lk_hybrid' where the profile says 'kl_div'",
+                        "gradients": "follows from the loss difference"},
+                       ("structure", "mask", "context", "targets", "logits")),
 }
 
 
