@@ -161,6 +161,15 @@ def _check_options(opts: CompareOptions) -> None:
             raise CompareSetupError(f"{name} must be >= {low}, got {value}")
     if opts.rows == 0 and opts.cases == 0:
         raise CompareSetupError("nothing to audit: --rows 0 and --cases 0")
+    if opts.rows and opts.seq_len < 16:
+        raise CompareSetupError(f"--seq-len must be an integer >= 16, got {opts.seq_len}")
+    from dflash_audit.atomic import ensure_writable_dir
+
+    try:  # before minutes of work whose report could not be written
+        ensure_writable_dir(opts.out)
+    except OSError as exc:
+        raise CompareSetupError(f"--out {opts.out}: cannot write reports there "
+                                f"({exc.strerror or exc}); choose a writable folder") from None
     if opts.verifier.startswith("family:"):  # checked before seconds of batch work
         from dflash_audit.data.families import FAMILIES
 

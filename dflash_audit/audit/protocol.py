@@ -192,18 +192,26 @@ def _expected_shape(spec: OutputSpec, key: str, case: Case) -> list[int] | None:
 
 
 def validate_outputs(out: SideOutputs, case: Case, side: str = "candidate") -> list[Finding]:
-    """Protocol findings of one side's outputs: missing required keys (warn, as the checks
-    treat an output not provided), values that are not tensors / metrics that are not
-    numbers, and per key a wrong dtype, shape or meaning (fail). Empty when all conform."""
+    """Protocol findings of one side's outputs: a missing required key (fail: an output the
+    audit cannot compare must not pass; only a missing ``loss_weights.<term>`` beside another
+    term's weights warns, as the loss check names the other loss), no metrics (fail), values
+    that are not tensors / metrics that are not numbers, and per key a wrong dtype, shape or
+    meaning (fail). Empty when all conform."""
     findings: list[Finding] = []
     dtype = case_dtype(case)
+    has_weights = any(k.startswith("loss_weights.") for k in out.tensors)
     for key in required_keys(case):
         if key not in out.tensors:
             spec = spec_for(key)
+            other_term = key.startswith("loss_weights.") and has_weights
             findings.append(Finding("protocol", side, key, f"{side} returned no {label(key)}; "
                                     f"expected {_shape_text(spec, key, case)} "
                                     f"{_expected_text(spec, dtype)}: {spec.meaning}",
-                                    status=WARN))
+                                    status=WARN if other_term else FAIL))
+    if not out.metrics:
+        findings.append(Finding("protocol", side, "metrics", f"{side} returned no metrics; "
+                                "expected the per-slot accuracies and acceptance length of the "
+                                "step (dflash_audit.model.metrics)"))
     for key, t in out.tensors.items():
         spec = spec_for(key)
         if not isinstance(t, torch.Tensor):

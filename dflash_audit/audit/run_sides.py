@@ -6,6 +6,7 @@ timeout), split the cores between the two.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
 #: Sub-folder of the cases folder that receives the candidate process's outputs (no
 #: ``profile.json``: neither side takes it for a case).
 CANDIDATE_OUTPUTS = ".candidate-outputs"
+#: The candidate's own copy of the cases: what its process reads (and may damage) is never
+#: what the reference reads.
+CANDIDATE_CASES = ".candidate-cases"
 REF_ALTERNATIVES = ("--ref speculators==0.9.0 (the release from the package index), "
                     "--ref path:DIR (a local checkout of speculators), or --ref-url URL "
                     "(a reachable mirror or a local clone; file:// and plain paths work)")
@@ -218,6 +222,50 @@ def write_cases(cases: list[Any], folder: Path, advance: Callable[[int], None] =
         advance(1)
 
 
+def private_copy(cases_dir: Path, names: list[str], dest: Path) -> Path:
+    """Copy the case folders ``names`` of ``cases_dir`` into ``dest`` (made here): byte copies,
+    never links to the originals; files hard-linked to each other in ``cases_dir`` (the real
+    cases' shared weights) are linked to each other in the copy. Returns ``dest``."""
+    import shutil
+
+    first: dict[tuple[int, int], Path] = {}
+    for name in names:
+        for src in sorted((cases_dir / name).rglob("*")):
+            target = dest / src.relative_to(cases_dir)
+            if src.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            inode = (src.stat().st_dev, src.stat().st_ino)
+            if inode in first:
+                os.link(first[inode], target)
+            else:
+                shutil.copy2(src, target)
+                first[inode] = target
+    return dest
+
+
+def case_digests(cases_dir: Path, names: list[str]) -> dict[str, str]:
+    """sha256 of every file of the case folders ``names``, hashing each hard-linked file once.
+    Taken right after the cases are written, and again after the run: every file of the first
+    (what the reference reads) must be unchanged; files the reference adds are not compared."""
+    import hashlib
+
+    seen: dict[tuple[int, int], str] = {}
+    digests = {}
+    for name in names:
+        for path in sorted(p for p in (cases_dir / name).rglob("*") if p.is_file()):
+            inode = (path.stat().st_dev, path.stat().st_ino)
+            if inode not in seen:
+                h = hashlib.sha256()
+                with path.open("rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 22), b""):
+                        h.update(chunk)
+                seen[inode] = h.hexdigest()
+            digests[str(path.relative_to(cases_dir))] = seen[inode]
+    return digests
+
+
 def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], cases_dir: Path,
                    st: Stages, import_check: ImportCheck) -> dict[str, Any]:
     """Write the cases, start the reference on all of them, run the candidate on each (in its
@@ -231,8 +279,11 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     """
     from dflash_audit.reference_source import ReferenceSourceError
 
+    names = [p.case.name for p in planned]
     with st.stage("write_cases", "writing cases", total=len(planned)) as advance:
         write_cases([p.case for p in planned], cases_dir, advance)
+        cand_cases = private_copy(cases_dir, names, cases_dir / CANDIDATE_CASES)
+        digests = case_digests(cases_dir, names)
     with st.stage("import_check", "checking that the reference imports"):
         import_check.wait()
     start = time.perf_counter()
@@ -248,8 +299,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     try:
         with st.stage("candidate", f"candidate on {len(planned)} cases (own process)",
                       total=len(planned)) as advance:
-            runs = run_candidate_process(opts.candidate, cases_dir,
-                                         [p.case.name for p in planned], out_dir,
+            runs = run_candidate_process(opts.candidate, cand_cases, names, out_dir,
                                          opts.candidate_timeout_s, threads=cand_threads,
                                          on_case=lambda run: advance(1))
     except CandidateLoadError as exc:
@@ -261,4 +311,11 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
         except ReferenceSourceError as exc:
             raise CompareSetupError(f"the reference run failed: {exc}") from None
     st.timing["reference"] = time.perf_counter() - start
+    after = case_digests(cases_dir, names)
+    changed = sorted(k for k in digests if digests[k] != after.get(k))  # new files: the reference's
+    if changed:
+        raise CompareSetupError(
+            f"the audit's case files changed while the two sides ran ({', '.join(changed[:3])}"
+            "): the candidate's process wrote outside its own copy of the cases, so no verdict "
+            "can be given. Make the candidate read its inputs only from run_case's arguments.")
     return outputs

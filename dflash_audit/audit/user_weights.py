@@ -44,8 +44,15 @@ def load_user_weights(folder: str | Path) -> dict[str, torch.Tensor]:
         raise UserWeightsError(f"--weights {folder}: no *.safetensors file there (give the "
                                "folder of a speculators or z-lab DFlash checkpoint)")
     out: dict[str, torch.Tensor] = {}
+    from safetensors import SafetensorError
+
     for file in files:
-        for key, tensor in load_file(file).items():
+        try:
+            tensors = load_file(file)
+        except (SafetensorError, OSError) as exc:
+            raise UserWeightsError(f"--weights {folder}: {file.name} is not a readable "
+                                   f"safetensors file (truncated or corrupt? {exc})") from None
+        for key, tensor in tensors.items():
             name = next((key[len(p):] for p in PREFIXES if key.startswith(p)), key)
             if name in out:
                 raise UserWeightsError(f"--weights {folder}: key {name} appears twice")

@@ -35,8 +35,16 @@ MAX_NAMED = 3
 
 
 def findings_of(case: Case, cand: SideOutputs, ref: SideOutputs) -> list[Finding]:
-    """Protocol and non-finite findings of the reference, then of the candidate."""
-    return output_findings(ref, case, "reference") + output_findings(cand, case, "candidate")
+    """Protocol and non-finite findings of the reference, then of the candidate, then no
+    gradient at all where the reference trains parameters (whatever the candidate's own
+    ``trainable`` list claims: an empty list must not excuse a missing backward; a gradient
+    missing beside others is the gradients check's to name)."""
+    ref_grads = [k for k in ref.tensors if k.startswith("grad.")]
+    grads = [] if any(k.startswith("grad.") for k in cand.tensors) or not ref_grads else [
+        Finding("protocol", "candidate", "grad.*", f"candidate returned no gradients; the "
+                f"reference trains {len(ref_grads)} parameters (e.g. {label(ref_grads[0])})")]
+    return (output_findings(ref, case, "reference") + output_findings(cand, case, "candidate")
+            + grads)
 
 
 def check_protocol(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResult:
