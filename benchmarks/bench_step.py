@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from step_sides import build_side
 
 T, A = 2048, 128
 
@@ -55,39 +56,8 @@ def worker(side: str, layout: str, steps: int, out: Path) -> None:
     case = synthetic_case("bench", config(layout), LossSpec(), seed=0, seq_len=T,
                           num_documents=4, pad=16, max_anchors=A)
     inputs = case.inputs
-    if side == "ours":
-        from dflash_audit.model.drafter import DFlashDrafter
-        from dflash_audit.model.loss import dflash_loss
-
-        model = DFlashDrafter(case.config)
-        model.load_state_dict(case.weights)
-        keys = ("hidden_states", "input_ids", "loss_mask", "verifier_last_hidden_states",
-                "document_ids", "position_ids", "anchor_positions", "anchor_valid")
-
-        def loss_fn():
-            o = model(**{k: inputs[k] for k in keys})
-            return dflash_loss(o.logits, o.targets, o.aligned_loss_mask, 8, case.loss).loss
-    else:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
-        import adapter
-
-        adapter.ensure_distribution_metadata(Path(adapter.SOURCE))
-        from speculators.losses import resolve_loss_config
-        from speculators.models.dflash import core
-
-        model = core.DFlashDraftModel(adapter.build_config(case.config.to_dict(), out.parent))
-        model.load_state_dict(case.weights, strict=False)
-        anchors, valid = inputs["anchor_positions"], inputs["anchor_valid"]
-        core.select_anchors = lambda lm, n, b: (anchors, valid)
-        loss_config = resolve_loss_config("kl_div", "eager")
-
-        def loss_fn():
-            return model(hidden_states=inputs["hidden_states"], input_ids=inputs["input_ids"],
-                         loss_mask=inputs["loss_mask"],
-                         verifier_last_hidden_states=inputs["verifier_last_hidden_states"],
-                         document_ids=inputs["document_ids"],
-                         position_ids=inputs["position_ids"], loss_config=loss_config,
-                         max_anchors=A)[1]
+    model, loss_fn = build_side(side, case, inputs, block_size=8, max_anchors=A,
+                                workdir=out.parent)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
