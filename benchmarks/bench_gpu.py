@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-from step_sides import build_side
+from step_sides import build_side, run_sides
 
 H, HEADS, KV_HEADS, HEAD_DIM, INTER = 4096, 32, 8, 128, 14336
 V, V_DRAFT, TARGET_LAYERS = 128256, 32000, (1, 9, 17, 25, 29)
@@ -123,20 +122,8 @@ def main() -> int:
         worker(args.worker, args.draft_layers, args.steps, Path(args.out))
         return 0
 
-    import tempfile
-
-    from dflash_audit.reference_source import reference_env, resolve_reference
-
-    identity = resolve_reference(args.ref)
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for side in ("ours", "reference"):
-            out = Path(tmp) / f"{side}.json"
-            env = reference_env(identity) if side == "reference" else None
-            subprocess.run([sys.executable, __file__, "--worker", side, "--steps",
-                            str(args.steps), "--draft-layers", str(args.draft_layers),
-                            "--out", str(out)], env=env, check=True)
-            results[side] = json.loads(out.read_text())
+    identity, results = run_sides(
+        __file__, args.ref, ["--steps", str(args.steps), "--draft-layers", str(args.draft_layers)])
     peak, gpu = peak_flops(args.peak_tflops)
     print(f"one bf16 training step on {gpu}: H={H}, {len(TARGET_LAYERS)} target layers, "
           f"{args.draft_layers} draft layer(s), T={T}, A={A}, B={B}, V_d={V_DRAFT}; "

@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
-from step_sides import build_side
+from step_sides import build_side, run_sides
 
 T, A = 2048, 128
 
@@ -92,20 +90,8 @@ def main() -> None:
         worker(args.worker, args.layout, args.steps, Path(args.out))
         return
 
-    import tempfile
-
-    from dflash_audit.reference_source import reference_env, resolve_reference
-
-    identity = resolve_reference(args.ref)
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for side in ("ours", "reference"):
-            out = Path(tmp) / f"{side}.json"
-            env = reference_env(identity) if side == "reference" else None
-            subprocess.run([sys.executable, __file__, "--worker", side, "--steps",
-                            str(args.steps), "--layout", args.layout, "--out", str(out)],
-                           env=env, check=True)
-            results[side] = json.loads(out.read_text())
+    identity, results = run_sides(__file__, args.ref,
+                                  ["--steps", str(args.steps), "--layout", args.layout])
     o, r = results["ours"], results["reference"]
     print(f"one training step, CPU fp32, H=576, 2 draft layers ({args.layout}), T={T}, A={A}, "
           f"B=8, V=49152; reference {identity.spec} ({identity.short_id})")

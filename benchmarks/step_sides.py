@@ -7,7 +7,10 @@ reference side runs in a process whose environment imports the resolved speculat
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -78,3 +81,28 @@ def build_side(side: str, case, inputs: dict[str, torch.Tensor], *, block_size: 
                      position_ids=inputs["position_ids"], loss_config=loss_config,
                      max_anchors=max_anchors)[1]
     return model, loss_fn
+
+
+def run_sides(script: str, ref: str | None, worker_args: list[str]):
+    """Run ``script --worker <side> <worker_args> --out <file>`` for "ours" then "reference"
+    (the latter in the resolved reference's environment), each in its own process.
+
+    Returns:
+        (identity, results): the resolved ``ReferenceIdentity`` and, per side, the JSON
+        object its worker wrote.
+
+    Raises:
+        subprocess.CalledProcessError: a worker failed (its output went to the terminal).
+    """
+    from dflash_audit.reference_source import reference_env, resolve_reference
+
+    identity = resolve_reference(ref)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for side in ("ours", "reference"):
+            out = Path(tmp) / f"{side}.json"
+            env = reference_env(identity) if side == "reference" else None
+            subprocess.run([sys.executable, script, "--worker", side, *worker_args,
+                            "--out", str(out)], env=env, check=True)
+            results[side] = json.loads(out.read_text())
+    return identity, results
