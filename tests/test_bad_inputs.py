@@ -164,6 +164,14 @@ def set_option(args: list[str], flag: str, value: str) -> list[str]:
     return args
 
 
+def truncated_copy(w: World, tmp: Path, name: str, file: str) -> str:
+    """Copy the world's input ``name`` (a folder) into ``tmp``, truncate ``file`` in the copy;
+    returns the copy's path."""
+    shutil.copytree(w.paths[name], tmp / name)
+    truncate(tmp / name / file)
+    return str(tmp / name)
+
+
 # --- train ---------------------------------------------------------------------------
 def existing_run(w, tmp):
     out = copy_run(w, tmp / "run")
@@ -267,9 +275,8 @@ def batches_missing(w, tmp):
 
 
 def batch_truncated(w, tmp):
-    shutil.copytree(w.paths["batches"], tmp / "batches")
-    truncate(tmp / "batches" / "batch_00001.safetensors")
-    return set_option(w.train_args(tmp / "run"), "--batches", str(tmp / "batches"))
+    return set_option(w.train_args(tmp / "run"), "--batches",
+                      truncated_copy(w, tmp, "batches", "batch_00001.safetensors"))
 
 
 def profile_missing(w, tmp):
@@ -430,9 +437,8 @@ def data_verifier_missing(w, tmp):
 
 
 def data_verifier_truncated(w, tmp):
-    shutil.copytree(w.paths["verifier"], tmp / "verifier")
-    truncate(tmp / "verifier" / "model.safetensors")
-    return set_option(w.data_args(tmp / "b"), "--verifier", str(tmp / "verifier"))
+    return set_option(w.data_args(tmp / "b"), "--verifier",
+                      truncated_copy(w, tmp, "verifier", "model.safetensors"))
 
 
 def data_progress(w, tmp):
