@@ -158,6 +158,13 @@ def _file(tmp: Path, name: str = "a-file", text: str = "keep me\n") -> Path:
     return tmp / name
 
 
+def _kept_file(tmp: Path) -> Path:
+    """A file in ``tmp`` whose content :func:`unchanged` checks after the run."""
+    f = _file(tmp)
+    remember(f, tmp)
+    return f
+
+
 def set_option(args: list[str], flag: str, value: str) -> list[str]:
     """``args`` with the value after ``flag`` replaced by ``value`` (in place; returned)."""
     args[args.index(flag) + 1] = value
@@ -180,15 +187,11 @@ def existing_run(w, tmp):
 
 
 def out_is_file(w, tmp):
-    f = _file(tmp)
-    remember(f, tmp)
-    return w.train_args(f)
+    return w.train_args(_kept_file(tmp))
 
 
 def out_under_file(w, tmp):
-    f = _file(tmp)
-    remember(f, tmp)
-    return w.train_args(f / "run")
+    return w.train_args(_kept_file(tmp) / "run")
 
 
 def resume_and_overwrite(w, tmp):
@@ -390,9 +393,7 @@ def eval_out_is_dir(w, tmp):
 
 
 def eval_out_under_file(w, tmp):
-    f = _file(tmp)
-    remember(f, tmp)
-    return w.eval_args(w.run, "--out", str(f / "eval.json"))
+    return w.eval_args(w.run, "--out", str(_kept_file(tmp) / "eval.json"))
 
 
 def eval_both(w, tmp):
@@ -401,15 +402,11 @@ def eval_both(w, tmp):
 
 # --- data ----------------------------------------------------------------------------
 def data_out_is_file(w, tmp):
-    f = _file(tmp)
-    remember(f, tmp)
-    return w.data_args(f)
+    return w.data_args(_kept_file(tmp))
 
 
 def data_out_under_file(w, tmp):
-    f = _file(tmp)
-    remember(f, tmp)
-    return w.data_args(f / "batches")
+    return w.data_args(_kept_file(tmp) / "batches")
 
 
 def data_layer(ids):
