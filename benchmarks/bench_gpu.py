@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from step_sides import build_side, run_sides
 
 H, HEADS, KV_HEADS, HEAD_DIM, INTER = 4096, 32, 8, 128, 14336
 V, V_DRAFT, TARGET_LAYERS = 128256, 32000, (1, 9, 17, 25, 29)
@@ -68,41 +68,9 @@ def worker(side: str, draft_layers: int, steps: int, out: Path) -> None:
     inputs = {k: v.cuda() for k, v in case.inputs.items()}
     for k in ("hidden_states", "verifier_last_hidden_states"):  # the dataloader's dtype
         inputs[k] = inputs[k].to(torch.bfloat16)
-    if side == "ours":
-        from dflash_audit.model.drafter import DFlashDrafter
-        from dflash_audit.model.loss import dflash_loss
-
-        model = DFlashDrafter(case.config)
-        model.load_state_dict(case.weights)
-        keys = ("hidden_states", "input_ids", "loss_mask", "verifier_last_hidden_states",
-                "document_ids", "position_ids", "anchor_positions", "anchor_valid")
-
-        def loss_fn():
-            o = model(**{k: inputs[k] for k in keys})
-            return dflash_loss(o.logits, o.targets, o.aligned_loss_mask, B, case.loss).loss
-    else:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
-        import adapter
-
-        adapter.ensure_distribution_metadata(Path(adapter.SOURCE))
-        from speculators.losses import resolve_loss_config
-        from speculators.models.dflash import core
-
-        cfg = adapter.build_config(case.config.to_dict(), out.parent)
-        cfg.transformer_layer_config._attn_implementation = "simple_flex_attention"  # noqa: SLF001
-        model = core.DFlashDraftModel(cfg)
-        model.load_state_dict(case.weights, strict=False)
-        anchors, valid = inputs["anchor_positions"], inputs["anchor_valid"]
-        core.select_anchors = lambda lm, n, b: (anchors, valid)
-        loss_config = resolve_loss_config("kl_div", "eager")
-
-        def loss_fn():
-            return model(hidden_states=inputs["hidden_states"], input_ids=inputs["input_ids"],
-                         loss_mask=inputs["loss_mask"],
-                         verifier_last_hidden_states=inputs["verifier_last_hidden_states"],
-                         document_ids=inputs["document_ids"],
-                         position_ids=inputs["position_ids"], loss_config=loss_config,
-                         max_anchors=A)[1]
+    model, loss_fn = build_side(side, case, inputs, block_size=B, max_anchors=A,
+                                workdir=out.parent,
+                                attn_implementation="simple_flex_attention")
     model.float().cuda().train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
@@ -154,20 +122,8 @@ def main() -> int:
         worker(args.worker, args.draft_layers, args.steps, Path(args.out))
         return 0
 
-    import tempfile
-
-    from dflash_audit.reference_source import reference_env, resolve_reference
-
-    identity = resolve_reference(args.ref)
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for side in ("ours", "reference"):
-            out = Path(tmp) / f"{side}.json"
-            env = reference_env(identity) if side == "reference" else None
-            subprocess.run([sys.executable, __file__, "--worker", side, "--steps",
-                            str(args.steps), "--draft-layers", str(args.draft_layers),
-                            "--out", str(out)], env=env, check=True)
-            results[side] = json.loads(out.read_text())
+    identity, results = run_sides(
+        __file__, args.ref, ["--steps", str(args.steps), "--draft-layers", str(args.draft_layers)])
     peak, gpu = peak_flops(args.peak_tflops)
     print(f"one bf16 training step on {gpu}: H={H}, {len(TARGET_LAYERS)} target layers, "
           f"{args.draft_layers} draft layer(s), T={T}, A={A}, B={B}, V_d={V_DRAFT}; "

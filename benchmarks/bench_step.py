@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
+from step_sides import build_side, run_sides
 
 T, A = 2048, 128
 
@@ -55,39 +54,8 @@ def worker(side: str, layout: str, steps: int, out: Path) -> None:
     case = synthetic_case("bench", config(layout), LossSpec(), seed=0, seq_len=T,
                           num_documents=4, pad=16, max_anchors=A)
     inputs = case.inputs
-    if side == "ours":
-        from dflash_audit.model.drafter import DFlashDrafter
-        from dflash_audit.model.loss import dflash_loss
-
-        model = DFlashDrafter(case.config)
-        model.load_state_dict(case.weights)
-        keys = ("hidden_states", "input_ids", "loss_mask", "verifier_last_hidden_states",
-                "document_ids", "position_ids", "anchor_positions", "anchor_valid")
-
-        def loss_fn():
-            o = model(**{k: inputs[k] for k in keys})
-            return dflash_loss(o.logits, o.targets, o.aligned_loss_mask, 8, case.loss).loss
-    else:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reference"))
-        import adapter
-
-        adapter.ensure_distribution_metadata(Path(adapter.SOURCE))
-        from speculators.losses import resolve_loss_config
-        from speculators.models.dflash import core
-
-        model = core.DFlashDraftModel(adapter.build_config(case.config.to_dict(), out.parent))
-        model.load_state_dict(case.weights, strict=False)
-        anchors, valid = inputs["anchor_positions"], inputs["anchor_valid"]
-        core.select_anchors = lambda lm, n, b: (anchors, valid)
-        loss_config = resolve_loss_config("kl_div", "eager")
-
-        def loss_fn():
-            return model(hidden_states=inputs["hidden_states"], input_ids=inputs["input_ids"],
-                         loss_mask=inputs["loss_mask"],
-                         verifier_last_hidden_states=inputs["verifier_last_hidden_states"],
-                         document_ids=inputs["document_ids"],
-                         position_ids=inputs["position_ids"], loss_config=loss_config,
-                         max_anchors=A)[1]
+    model, loss_fn = build_side(side, case, inputs, block_size=8, max_anchors=A,
+                                workdir=out.parent)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
@@ -122,20 +90,8 @@ def main() -> None:
         worker(args.worker, args.layout, args.steps, Path(args.out))
         return
 
-    import tempfile
-
-    from dflash_audit.reference_source import reference_env, resolve_reference
-
-    identity = resolve_reference(args.ref)
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for side in ("ours", "reference"):
-            out = Path(tmp) / f"{side}.json"
-            env = reference_env(identity) if side == "reference" else None
-            subprocess.run([sys.executable, __file__, "--worker", side, "--steps",
-                            str(args.steps), "--layout", args.layout, "--out", str(out)],
-                           env=env, check=True)
-            results[side] = json.loads(out.read_text())
+    identity, results = run_sides(__file__, args.ref,
+                                  ["--steps", str(args.steps), "--layout", args.layout])
     o, r = results["ours"], results["reference"]
     print(f"one training step, CPU fp32, H=576, 2 draft layers ({args.layout}), T={T}, A={A}, "
           f"B=8, V=49152; reference {identity.spec} ({identity.short_id})")

@@ -158,6 +158,27 @@ def _file(tmp: Path, name: str = "a-file", text: str = "keep me\n") -> Path:
     return tmp / name
 
 
+def _kept_file(tmp: Path) -> Path:
+    """A file in ``tmp`` whose content :func:`unchanged` checks after the run."""
+    f = _file(tmp)
+    remember(f, tmp)
+    return f
+
+
+def set_option(args: list[str], flag: str, value: str) -> list[str]:
+    """``args`` with the value after ``flag`` replaced by ``value`` (in place; returned)."""
+    args[args.index(flag) + 1] = value
+    return args
+
+
+def truncated_copy(w: World, tmp: Path, name: str, file: str) -> str:
+    """Copy the world's input ``name`` (a folder) into ``tmp``, truncate ``file`` in the copy;
+    returns the copy's path."""
+    shutil.copytree(w.paths[name], tmp / name)
+    truncate(tmp / name / file)
+    return str(tmp / name)
+
+
 # --- train ---------------------------------------------------------------------------
 def existing_run(w, tmp):
     out = copy_run(w, tmp / "run")
@@ -166,15 +187,11 @@ def existing_run(w, tmp):
 
 
 def out_is_file(w, tmp):
-    f = _file(tmp)
-    remember(f, tmp)
-    return w.train_args(f)
+    return w.train_args(_kept_file(tmp))
 
 
 def out_under_file(w, tmp):
-    f = _file(tmp)
-    remember(f, tmp)
-    return w.train_args(f / "run")
+    return w.train_args(_kept_file(tmp) / "run")
 
 
 def resume_and_overwrite(w, tmp):
@@ -257,29 +274,20 @@ def bad_steps(w, tmp):
 
 
 def batches_missing(w, tmp):
-    args = w.train_args(tmp / "run")
-    args[args.index("--batches") + 1] = str(tmp / "nope")
-    return args
+    return set_option(w.train_args(tmp / "run"), "--batches", str(tmp / "nope"))
 
 
 def batch_truncated(w, tmp):
-    shutil.copytree(w.paths["batches"], tmp / "batches")
-    truncate(tmp / "batches" / "batch_00001.safetensors")
-    args = w.train_args(tmp / "run")
-    args[args.index("--batches") + 1] = str(tmp / "batches")
-    return args
+    return set_option(w.train_args(tmp / "run"), "--batches",
+                      truncated_copy(w, tmp, "batches", "batch_00001.safetensors"))
 
 
 def profile_missing(w, tmp):
-    args = w.train_args(tmp / "run")
-    args[args.index("--profile") + 1] = str(tmp / "missing.toml")
-    return args
+    return set_option(w.train_args(tmp / "run"), "--profile", str(tmp / "missing.toml"))
 
 
 def no_report(w, tmp):
-    args = w.train_args(tmp / "run")
-    args[args.index("--reports-dir") + 1] = str(tmp / "no-reports")
-    return args
+    return set_option(w.train_args(tmp / "run"), "--reports-dir", str(tmp / "no-reports"))
 
 
 def checkpoint_disk_full(w, tmp):
@@ -385,9 +393,7 @@ def eval_out_is_dir(w, tmp):
 
 
 def eval_out_under_file(w, tmp):
-    f = _file(tmp)
-    remember(f, tmp)
-    return w.eval_args(w.run, "--out", str(f / "eval.json"))
+    return w.eval_args(w.run, "--out", str(_kept_file(tmp) / "eval.json"))
 
 
 def eval_both(w, tmp):
@@ -396,22 +402,16 @@ def eval_both(w, tmp):
 
 # --- data ----------------------------------------------------------------------------
 def data_out_is_file(w, tmp):
-    f = _file(tmp)
-    remember(f, tmp)
-    return w.data_args(f)
+    return w.data_args(_kept_file(tmp))
 
 
 def data_out_under_file(w, tmp):
-    f = _file(tmp)
-    remember(f, tmp)
-    return w.data_args(f / "batches")
+    return w.data_args(_kept_file(tmp) / "batches")
 
 
 def data_layer(ids):
     def prepare(w, tmp):
-        args = w.data_args(tmp / "b")
-        args[args.index("--target-layers") + 1] = ids
-        return args
+        return set_option(w.data_args(tmp / "b"), "--target-layers", ids)
     return prepare
 
 
@@ -421,29 +421,21 @@ def data_conversations(text: str | None):
         path = tmp / "convs.jsonl"
         if text is not None:
             path.write_text(text)
-        args[args.index("--data") + 1] = str(path)
-        return args
+        return set_option(args, "--data", str(path))
     return prepare
 
 
 def data_seq_len(w, tmp):
-    args = w.data_args(tmp / "b")
-    args[args.index("--seq-len") + 1] = "4"
-    return args
+    return set_option(w.data_args(tmp / "b"), "--seq-len", "4")
 
 
 def data_verifier_missing(w, tmp):
-    args = w.data_args(tmp / "b")
-    args[args.index("--verifier") + 1] = str(tmp / "no-verifier")
-    return args
+    return set_option(w.data_args(tmp / "b"), "--verifier", str(tmp / "no-verifier"))
 
 
 def data_verifier_truncated(w, tmp):
-    shutil.copytree(w.paths["verifier"], tmp / "verifier")
-    truncate(tmp / "verifier" / "model.safetensors")
-    args = w.data_args(tmp / "b")
-    args[args.index("--verifier") + 1] = str(tmp / "verifier")
-    return args
+    return set_option(w.data_args(tmp / "b"), "--verifier",
+                      truncated_copy(w, tmp, "verifier", "model.safetensors"))
 
 
 def data_progress(w, tmp):
@@ -579,8 +571,8 @@ def test_damaged_verifier_cache_is_rebuilt(tmp_path: Path, world: World) -> None
         (entry / "config.json").write_text("{}")
         (entry / "model.safetensors").write_bytes(b"\x10\x00")
     args = world.data_args(tmp_path / "b")
-    args[args.index("--verifier") + 1] = "smollm2-135m"
-    args[args.index("--target-layers") + 1] = "zlab"
+    set_option(args, "--verifier", "smollm2-135m")
+    set_option(args, "--target-layers", "zlab")
     result = run_cli(args, tmp_path, {"DFLASH_AUDIT_CACHE": str(cache)})
     assert result.returncode == 0, result.stdout
     assert "is damaged" in result.stdout and "rebuilding" in result.stdout
@@ -805,8 +797,8 @@ def test_train_reruns_the_canary(candidates: Path, world: World, tmp_path: Path)
                      "--cases", "1", "--rows", "0", "--offline", "--out", str(reports)],
                     tmp_path)
     assert audit.returncode == 0, audit.stdout
-    args = world.train_args(tmp_path / "run", "--candidate", spec)
-    args[args.index("--reports-dir") + 1] = str(reports)
+    args = set_option(world.train_args(tmp_path / "run", "--candidate", spec), "--reports-dir",
+                      str(reports))
     refused = run_cli(args, tmp_path, {"CANARY_SCALE": "1.5"})
     assert refused.returncode == 2, refused.stdout
     assert "no longer behaves as audited" in refused.stdout

@@ -14,8 +14,8 @@ from dflash_audit.reference_source.runner import (
     ReferenceRunError,
     ReferenceTimeoutError,
     ReferenceWrongSourceError,
+    _crash_error,
     _missing_dependency_error,
-    _missing_modules,
     _tail,
     reference_env,
 )
@@ -85,13 +85,10 @@ def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 1
         None,
     )
     if probe is None:  # crashed: an ImportError, a SyntaxError, ...
-        missing = _missing_modules(proc.stderr)
-        if missing:
-            raise _missing_dependency_error(identity, missing, proc.returncode, proc.stderr)
-        raise ReferenceRunError(
+        raise _crash_error(
+            identity, proc,
             f"importing the reference ({identity.spec}) failed (exit {proc.returncode}):\n"
             f"{_tail(proc.stderr)}",
-            returncode=proc.returncode, stderr_tail=_tail(proc.stderr),
         )
     if not probe["ok"] and "import_error" in probe:
         own = (probe.get("name") or "").startswith(PACKAGE)

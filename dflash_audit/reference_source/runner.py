@@ -148,6 +148,18 @@ def _missing_dependency_error(
     )
 
 
+def _crash_error(
+    identity: ReferenceIdentity, proc: subprocess.CompletedProcess, message: str
+) -> ReferenceRunError:
+    """The error for a reference process that died without a structured report: the
+    missing-dependency error when its stderr names a missing module, else a
+    ReferenceRunError with ``message`` (which should include the stderr tail)."""
+    missing = _missing_modules(proc.stderr)
+    if missing:
+        return _missing_dependency_error(identity, missing, proc.returncode, proc.stderr)
+    return ReferenceRunError(message, returncode=proc.returncode, stderr_tail=_tail(proc.stderr))
+
+
 def _error_from_json(
     identity: ReferenceIdentity, err: dict[str, Any], returncode: int, stderr: str
 ) -> ReferenceRunError:
@@ -250,11 +262,8 @@ def run_reference(
                 returncode=proc.returncode, stderr_tail=_tail(proc.stderr),
             ) from exc
         raise _error_from_json(identity, err, proc.returncode, proc.stderr)
-    missing = _missing_modules(proc.stderr)
-    if missing:
-        raise _missing_dependency_error(identity, missing, proc.returncode, proc.stderr)
-    raise ReferenceRunError(
+    raise _crash_error(
+        identity, proc,
         f"the reference process failed (exit {proc.returncode}) without writing error.json."
         f"\n--- stderr (tail) ---\n{_tail(proc.stderr)}",
-        returncode=proc.returncode, stderr_tail=_tail(proc.stderr),
     )
