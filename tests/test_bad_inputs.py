@@ -794,8 +794,9 @@ def test_train_reruns_the_canary(candidates: Path, world: World, tmp_path: Path)
     spec = f"{candidates / 'env_scaled'}.py:candidate"
     reports = tmp_path / "reports"
     audit = run_cli(["compare", "--candidate", spec, "--profile", str(world.paths["profile"]),
-                     "--cases", "1", "--rows", "0", "--offline", "--out", str(reports)],
-                    tmp_path)
+                     "--verifier", str(world.paths["verifier"]), "--data",
+                     str(world.paths["conversations"]), "--seq-len", "64", "--cases", "1",
+                     "--offline", "--out", str(reports)], tmp_path)  # covers train's verifier
     assert audit.returncode == 0, audit.stdout
     args = set_option(world.train_args(tmp_path / "run", "--candidate", spec), "--reports-dir",
                       str(reports))
