@@ -343,7 +343,7 @@ def test_metric_value_difference_warns_and_missing_metrics(ours):
     assert check_metrics(CASE, none, ours).summary.startswith("not provided")
 
 
-def test_a_candidate_with_almost_no_outputs_gets_warnings_not_crashes(ours):
+def test_a_candidate_with_almost_no_outputs_fails_the_protocol_not_crashes(ours):
     from dflash_audit.audit.diagnose import diagnose
 
     cand = SideOutputs({"logits": ours.tensors["logits"]}, {"eal": 1.0},
@@ -351,10 +351,15 @@ def test_a_candidate_with_almost_no_outputs_gets_warnings_not_crashes(ours):
     results = run_checks(CASE, cand, ours)
     diagnose(CASE, cand, ours, results)
     status = {(r.name, r.details.get("layer_type")): r.status for r in results}
+    # the outputs it left out cannot be compared: that fails the gate (protocol), once
+    protocol = next(r for r in results if r.name == "protocol")
+    assert status.pop(("protocol", None)) == "fail"
+    assert "candidate returned no context" in protocol.summary
+    assert "no gradients" in " ".join(f["message"] for f in protocol.details["findings"])
     assert status.pop(("logits", None)) == "pass" and status.pop(("defaults", None)) == "pass"
     assert set(status.values()) == {"warn"}, status
     assert all("could not run" not in r.summary and not r.diagnosis for r in results
-               if r.name != "metrics")
+               if r.name not in ("metrics", "protocol"))
     metrics = next(r for r in results if r.name == "metrics")
     assert "not provided by the candidate: full_acc_sum" in metrics.summary
 

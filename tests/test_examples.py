@@ -177,7 +177,8 @@ def test_raising_candidate_is_a_failure_that_names_the_dropped_slice():
     cand, failed = run_candidate(
         load_candidate(f"{EXAMPLES}/candidates/fc_drops_last_slice.py:candidate"), CASES[1])
     assert cand is None and failed.status == "fail"
-    assert failed.summary.startswith("the candidate raised RuntimeError: mat1 and mat2 shapes")
+    assert failed.summary.startswith("the candidate's run_case raised RuntimeError: mat1 and "
+                                     "mat2 shapes")
     assert failed.diagnosis[0].startswith(
         "fc expects 5 target layers (160 = 5*H features, H = 32), the candidate passed 4 (128 "
         "features): 1 target-layer slice(s) dropped before fc"), failed.diagnosis
