@@ -99,7 +99,20 @@ def test_missing_keys_and_non_tensors(good):
         "candidate context is a list; expected a torch.Tensor",
         ("candidate metrics: 1 value(s) are not numbers (first 'eal_sum' = 'tensor(3.)'); "
         "expected float")]
-    assert [x.status for x in f] == ["warn", "warn", "fail", "fail"]
+    assert [x.status for x in f] == ["fail", "fail", "fail", "fail"]  # missing cannot pass
+
+
+def test_missing_loss_weights_of_another_term_warns_and_no_metrics_fail(good):
+    case, out = good
+    other = changed(out)
+    other.tensors["loss_weights.rkl"] = other.tensors.pop("loss_weights.kl_div")
+    assert [(x.key, x.status) for x in validate_outputs(other, case)] == [
+        ("loss_weights.kl_div", "warn")]  # the loss check names the other loss
+    none = changed(out)
+    del none.tensors["loss_weights.kl_div"]
+    none.metrics = {}
+    assert [(x.key, x.status) for x in validate_outputs(none, case)] == [
+        ("loss_weights.kl_div", "fail"), ("metrics", "fail")]
 
 
 def test_aligned_loss_mask_values(good):
