@@ -30,6 +30,7 @@ never a traceback.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import tempfile
 import time
@@ -163,13 +164,13 @@ def _check_options(opts: CompareOptions) -> None:
         raise CompareSetupError("nothing to audit: --rows 0 and --cases 0")
     if opts.rows and opts.seq_len < 16:
         raise CompareSetupError(f"--seq-len must be an integer >= 16, got {opts.seq_len}")
-    from dflash_audit.atomic import ensure_writable_dir
-
-    try:  # before minutes of work whose report could not be written
-        ensure_writable_dir(opts.out)
-    except OSError as exc:
-        raise CompareSetupError(f"--out {opts.out}: cannot write reports there "
-                                f"({exc.strerror or exc}); choose a writable folder") from None
+    existing = Path(opts.out).expanduser().absolute()
+    while not existing.exists():  # nothing is created before the run: only checked
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise CompareSetupError(f"--out {opts.out}: cannot write reports there ({existing} is "
+                                f"{'a file' if not existing.is_dir() else 'not writable'}); "
+                                "choose a writable folder")
     if opts.verifier.startswith("family:"):  # checked before seconds of batch work
         from dflash_audit.data.families import FAMILIES
 
