@@ -16,17 +16,14 @@ fingerprints alone; the gate says so.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import shutil
 from pathlib import Path
 from typing import Any
 
+from dflash_audit.atomic import file_sha256
+
 CANARY_DIR = "canary"
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def stage_canary(planned: list[Any], cases_dir: Path, outputs_dir: Path, staging: Path
@@ -46,7 +43,7 @@ def stage_canary(planned: list[Any], cases_dir: Path, outputs_dir: Path, staging
         for name in ("outputs.safetensors", "outputs.json"):
             shutil.copy2(out / name, staging / "outputs" / name)
         return {"case": p.case.name, "folder": CANARY_DIR, "tolerance": tolerance(p.case),
-                "outputs_sha256": _sha256(staging / "outputs" / "outputs.safetensors")}
+                "outputs_sha256": file_sha256(staging / "outputs" / "outputs.safetensors")}
     return None
 
 
@@ -114,7 +111,7 @@ def verify_canary(candidate: Any, report_path: Path) -> str:
                 "by an older dflash-audit): the candidate's behaviour was not re-checked")
     folder = report_path.parent / info.get("folder", CANARY_DIR)
     try:
-        if _sha256(folder / "outputs" / "outputs.safetensors") != info["outputs_sha256"]:
+        if file_sha256(folder / "outputs" / "outputs.safetensors") != info["outputs_sha256"]:
             raise ValueError("outputs.safetensors does not match its sha256 in report.json")
         case, recorded = Case.read(folder / "case"), SideOutputs.read(folder / "outputs")
     except (OSError, ValueError, KeyError) as exc:

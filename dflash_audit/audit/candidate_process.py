@@ -81,6 +81,12 @@ class CandidateCaseRun:
     def ok(self) -> bool:
         return self.status == "ok"
 
+    @classmethod
+    def from_status(cls, case: str, status: dict[str, Any]) -> CandidateCaseRun:
+        """The run recorded by a ``status.json`` of :mod:`.candidate_runner`."""
+        return cls(case, status.get("status", "protocol"), status.get("summary", ""),
+                   status.get("traceback", ""), diagnosis=list(status.get("diagnosis", [])))
+
     def to_check_result(self) -> Any:
         """The failing ``run`` CheckResult of a failed case (cause, traceback, stderr tail)."""
         from dflash_audit.audit.result import FAIL, CheckResult
@@ -257,9 +263,7 @@ def _collect(out_dir: Path, remaining: list[str], results: dict[str, CandidateCa
         status = _read_status(out_dir / name)
         if status is None:
             continue
-        run = CandidateCaseRun(name, status.get("status", "protocol"), status.get("summary", ""),
-                               status.get("traceback", ""),
-                               diagnosis=list(status.get("diagnosis", [])))
+        run = CandidateCaseRun.from_status(name, status)
         if not run.ok:
             run.stderr_tail, run.stdout_tail = _tail(stderr), _tail(stdout)
         _record(results, remaining, on_case, run)

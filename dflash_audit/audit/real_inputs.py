@@ -26,7 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from dflash_audit.atomic import atomic_folder
+from dflash_audit.atomic import atomic_folder, file_sha256
 from dflash_audit.audit.weights import load_frozen, save_frozen, verifier_frozen_weights
 
 FORMAT_VERSION = 3
@@ -52,14 +52,6 @@ class RealInputs:
     verifier_dir: Path | None = None
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def data_identity(data: str) -> dict[str, Any]:
     """``{"source", "sha256"}`` of a conversation source (``chitchat`` or a file).
 
@@ -73,17 +65,17 @@ def data_identity(data: str) -> dict[str, Any]:
     )
 
     if data == CHITCHAT:
-        return {"source": data, "sha256": _file_sha256(chitchat_path())}
+        return {"source": data, "sha256": file_sha256(chitchat_path())}
     path = Path(data).expanduser()
     if not path.is_file():
         load_conversations(data)  # raises the pipeline's error for an unknown source
-    return {"source": str(path.resolve()), "sha256": _file_sha256(path)}
+    return {"source": str(path.resolve()), "sha256": file_sha256(path)}
 
 
 def cache_key(verifier_folder: Path, weights_sha256: str, data: dict[str, Any], seq_len: int,
               rows: int, target_layers: Any, seed: int) -> str:
     """sha256 hex of everything that determines the captured batches."""
-    config_sha = _file_sha256(Path(verifier_folder) / "config.json")
+    config_sha = file_sha256(Path(verifier_folder) / "config.json")
     fields = {"format": FORMAT_VERSION, "verifier_config": config_sha,
               "verifier_weights": weights_sha256, "data": data["sha256"],
               "seq_len": seq_len, "rows": rows, "target_layers": target_layers, "seed": seed}

@@ -193,9 +193,7 @@ def run_candidate(candidate: Any, case: Any) -> tuple[Any, Any]:
     status, out = run_one(candidate, case)
     if status["status"] == "ok":
         return out, None
-    return None, CandidateCaseRun(case.name, status["status"], status["summary"],
-                                  status["traceback"],
-                                  diagnosis=status.get("diagnosis", [])).to_check_result()
+    return None, CandidateCaseRun.from_status(case.name, status).to_check_result()
 
 
 def write_cases(cases: list[Any], folder: Path, advance: Callable[[int], None] = lambda n: None
@@ -249,7 +247,7 @@ def case_digests(cases_dir: Path, names: list[str]) -> dict[str, str]:
     """sha256 of every file of the case folders ``names``, hashing each hard-linked file once.
     Taken right after the cases are written, and again after the run: every file of the first
     (what the reference reads) must be unchanged; files the reference adds are not compared."""
-    import hashlib
+    from dflash_audit.atomic import file_sha256
 
     seen: dict[tuple[int, int], str] = {}
     digests = {}
@@ -257,11 +255,7 @@ def case_digests(cases_dir: Path, names: list[str]) -> dict[str, str]:
         for path in sorted(p for p in (cases_dir / name).rglob("*") if p.is_file()):
             inode = (path.stat().st_dev, path.stat().st_ino)
             if inode not in seen:
-                h = hashlib.sha256()
-                with path.open("rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 22), b""):
-                        h.update(chunk)
-                seen[inode] = h.hexdigest()
+                seen[inode] = file_sha256(path)
             digests[str(path.relative_to(cases_dir))] = seen[inode]
     return digests
 
