@@ -15,6 +15,7 @@ from dflash_audit.audit.protocol import (
     required_keys,
     validate_outputs,
 )
+from dflash_audit.audit.case import SideOutputs
 from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.profile import Profile
@@ -254,3 +255,23 @@ def test_nan_in_the_aligned_loss_mask_fails(good):
     m[0, 0] = float("nan")
     result = check_loss(case, changed(out, aligned_loss_mask=m), out)
     assert result.status == "fail" and "non-finite" in result.summary
+
+
+@pytest.mark.parametrize("value, shown", [("0.0068", "\"'0.0068'\""), (True, "'True'"),
+                                          (torch.tensor([0.5, 0.5]), "'tensor([0.5000, 0.5000])'")])
+def test_metrics_that_are_not_numbers_survive_the_file_round_trip(good, tmp_path, value, shown):
+    """A metric written as a string, a bool or a 2-element tensor is not turned into a float by
+    ``SideOutputs.write``: it reaches the protocol check as its repr and fails there."""
+    case, out = good
+    bad = changed(out)
+    bad.metrics["acc_0"] = value
+    bad.write(tmp_path)
+    loaded = SideOutputs.read(tmp_path)
+    assert loaded.metrics["acc_0"] == eval(shown)  # the repr, a str
+    assert messages(f for f in validate_outputs(loaded, case) if f.key == "metrics") == [
+        f"candidate metrics: 1 value(s) are not numbers (first 'acc_0' = {shown}); "
+        "expected float"]
+    good_copy = changed(out)
+    good_copy.metrics["acc_0"] = torch.tensor(0.25, dtype=torch.float64)
+    good_copy.write(tmp_path)
+    assert SideOutputs.read(tmp_path).metrics["acc_0"] == 0.25

@@ -208,7 +208,19 @@ class SideOutputs:
 
 
 def _metric_value(value: Any) -> float | str:
-    """A metric as a float (a 0-d tensor or number), else its ``repr``."""
+    """A metric as a float when it is a number: an int or float (not a bool), or a one-element
+    floating / integer tensor or numpy scalar. Anything else (a string such as ``"0.0068"``, a
+    bool, a list) is kept as its ``repr``, so the protocol check names it instead of a silent
+    ``float()`` conversion passing it."""
+    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+        return repr(value)
+    if isinstance(value, torch.Tensor) and (value.numel() != 1 or value.dtype == torch.bool
+                                            or value.is_complex()):
+        return repr(value)
+    dtype = getattr(value, "dtype", None)  # numpy scalars and arrays
+    if dtype is not None and not isinstance(value, torch.Tensor) and getattr(
+            dtype, "kind", "f") not in "fiu":
+        return repr(value)
     try:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
