@@ -343,6 +343,31 @@ def test_metric_value_difference_warns_and_missing_metrics(ours):
     assert check_metrics(CASE, none, ours).summary.startswith("not provided")
 
 
+@pytest.mark.parametrize("sample_from_anchor", [True, False])
+def test_metrics_over_the_other_slot_range_are_named(ours, sample_from_anchor):
+    """speculators PR 760 review: accuracy / EAL that skip slot 0 under sample_from_anchor (or
+    count it without) warn, naming the slot range, not "computed differently"."""
+    from dflash_audit.audit.diagnose import diagnose
+
+    case = dataclasses.replace(CASE, config=CONFIG.replace(sample_from_anchor=sample_from_anchor))
+    mask = ours.tensors["aligned_loss_mask"].clone()
+    mask.view(-1, B)[:, 0] = 1.0  # slot 0 supervised, as the anchor slot under sample_from_anchor
+    ref, cand = edited(ours, aligned_loss_mask=mask), edited(ours, aligned_loss_mask=mask)
+    t = ref.tensors
+    ref.metrics = dflash_metrics(t["logits"], t["targets"], t["aligned_loss_mask"], B,
+                                 sample_from_anchor)
+    cand.metrics = dflash_metrics(t["logits"], t["targets"], t["aligned_loss_mask"], B,
+                                  not sample_from_anchor)
+    res = check_metrics(case, cand, ref)
+    diagnose(case, cand, ref, [res])
+    assert res.status == "warn"
+    skipped, counted = ("1", "0") if sample_from_anchor else ("0", "1")
+    assert res.diagnosis == [
+        f"accuracy and acceptance metrics computed over slots {skipped}..B-1 where the reference "
+        f"counts slots {counted}..B-1 (sample_from_anchor={sample_from_anchor}: the anchor slot "
+        f"is {'' if sample_from_anchor else 'not '}a draft prediction; speculators PR 760)"]
+
+
 def test_a_candidate_with_almost_no_outputs_fails_the_protocol_not_crashes(ours):
     from dflash_audit.audit.diagnose import diagnose
 

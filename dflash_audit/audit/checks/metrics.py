@@ -5,8 +5,9 @@ Fails only on a non-finite candidate metric (a NaN acceptance metric means the t
 is broken, :mod:`dflash_audit.audit.protocol`); differing values warn: metrics are logged, not
 trained on. Hypotheses name: acceptance-length
 definitions that differ (leading-run vs product-of-marginals, as the reference changed between
-versions), a metric the candidate computes differently from the reference's definition on its
-own logits, and metric values that follow from an upstream difference.
+versions), accuracy over the other slot range (slot 0 counted or skipped against
+``sample_from_anchor``), a metric the candidate computes differently from the reference's
+definition on its own logits, and metric values that follow from an upstream difference.
 """
 
 from __future__ import annotations
@@ -157,7 +158,13 @@ def diagnose_metrics(ev: Evidence, result: CheckResult) -> list[str]:
                              ev.config.block_size, ev.config.sample_from_anchor)
         odd = [k for k in result.details.get("differences", {})
                if k in own and k in ev.cand.metrics and abs(own[k] - ev.cand.metrics[k]) > 1e-6]
-        if odd:
+        if odd and _slot_range_flipped(ev, odd):
+            sfa = ev.config.sample_from_anchor
+            out.append(f"accuracy and acceptance metrics computed over slots "
+                       f"{'1' if sfa else '0'}..B-1 where the reference counts slots "
+                       f"{'0' if sfa else '1'}..B-1 (sample_from_anchor={sfa}: the anchor slot "
+                       f"is {'' if sfa else 'not '}a draft prediction; speculators PR 760)")
+        elif odd:
             out.append(f"the candidate computes {comma_list(odd)} differently: the reference's "
                        f"definition on its own logits gives "
                        + ", ".join(f"{k}={own[k]:g} (reported {ev.cand.metrics[k]:g})"
@@ -166,3 +173,12 @@ def diagnose_metrics(ev: Evidence, result: CheckResult) -> list[str]:
     if upstream and result.details.get("differences"):
         out.append(f"metric values {upstream.replace('follows', 'follow')}")
     return out
+
+
+def _slot_range_flipped(ev: Evidence, keys: list[str]) -> bool:
+    """Whether the candidate's differing metrics ``keys`` are the reference's definition on its
+    own tensors with the other ``sample_from_anchor`` slot range (slot 0 counted or skipped)."""
+    t = ev.cand.tensors
+    other = dflash_metrics(t["logits"], t["targets"], t["aligned_loss_mask"],
+                           ev.config.block_size, not ev.config.sample_from_anchor)
+    return all(k in other and abs(other[k] - ev.cand.metrics[k]) <= 1e-6 for k in keys)
