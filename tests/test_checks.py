@@ -154,6 +154,32 @@ def test_mask_difference_on_an_untrained_block_passes(ours):
     assert sliding.details["differing"] > 0 and sliding.details["differing_on_supervised_rows"] == 0
 
 
+@pytest.mark.parametrize("change, cause", [
+    ({"offset": B}, f"context rule kv < anchor + {B} (reference: kv < anchor): queries see the "
+                    f"verifier states of positions anchor..anchor+{B - 1}, the tokens their "
+                    "block predicts (a leak that never occurs at inference)"),
+    ({"offset": -3}, "context rule kv < anchor - 3 (reference: kv < anchor): the 3 positions "
+                     "before the anchor are hidden"),
+    ({"blocks": "earlier"}, "queries also see the noise tokens of earlier blocks (a mask over all "
+                            "Q noise positions, not per block; reference: own block only)"),
+])
+def test_mask_leaks_are_named(ours, change, cause):
+    """Any context offset kv < anchor + k is fitted from the candidate's mask and named (SpecForge
+    issue 470: a block seeing its own positions' verifier states); noise tokens of other blocks
+    visible are named."""
+    from dflash_audit.audit.checks.mask import build_mask, expected_mask_hypothesis
+    from dflash_audit.audit.diagnose import diagnose
+
+    h = dataclasses.replace(expected_mask_hypothesis(CASE, FULL_ATTENTION), **change)
+    cand = edited(ours, **{"mask.full_attention": build_mask(CASE, h)})
+    results = check_masks(CASE, cand, ours)
+    diagnose(CASE, cand, ours, results)
+    assert [r.status for r in results] == ["fail", "pass"]
+    assert results[0].diagnosis == [cause]
+    expected = build_mask(CASE, expected_mask_hypothesis(CASE, FULL_ATTENTION))
+    assert torch.equal(expected, ours.tensors["mask.full_attention"])  # the rebuild is exact
+
+
 def test_missing_or_float_masks(ours):
     missing = check_masks(CASE, edited(ours, drop=("mask.full_attention",)), ours)
     assert [r.status for r in missing] == ["warn", "pass"]

@@ -150,13 +150,15 @@ def rope_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
 
 
 def mask_replay_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
-    """Single deviations from each layer type's expected mask (context offset, documents
-    ignored, block rule flipped, window none / W-1 / W+1), applied to every layer type at once
-    and, with several layer types, to each alone."""
+    """Single deviations from each layer type's expected mask (context offset <=, < a-1 or
+    < a+B, documents ignored, block rule flipped, noise of earlier blocks visible, window
+    none / W-1 / W+1), applied to every layer type at once and, with several layer types, to
+    each alone."""
     types = list(dict.fromkeys(ev.config.effective_layer_types))
     W = ev.config.sliding_window
     deviations = [{"offset": 1}, {"offset": -1}, {"documents": False}, {"causal_block": None},
-                  {"window": None}] + ([{"window": W - 1}, {"window": W + 1}] if W else [])
+                  {"window": None}] + ([{"window": W - 1}, {"window": W + 1}] if W else []) + [
+                  {"offset": ev.config.block_size}, {"blocks": "earlier"}]
     scopes = [types] + ([[t] for t in types] if len(types) > 1 else [])
     for change, scope in itertools.product(deviations, scopes):
         masks, labels = {}, []

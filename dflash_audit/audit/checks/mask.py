@@ -3,10 +3,12 @@ type, by exact equality on the rows of blocks with a supervised slot (other rows
 trained logit).
 
 Hypotheses (the expected mask rebuilt with one rule changed, via ``dense_mask``) name: causal
-attention inside the block where the reference is bidirectional (or the reverse), the context
-rule kv <= anchor or kv < anchor - 1 instead of kv < anchor, the sliding window missing,
-applied in a full-attention layer or off by one, and cross-document leakage (document_ids not
-applied).
+attention inside the block where the reference is bidirectional (or the reverse), noise tokens
+of other blocks visible (a causal mask over all Q noise positions, or no block rule), the
+context rule kv <= anchor, kv < anchor - 1 or any other offset kv < anchor + k fitted from the
+candidate's mask (k >= 2: the block's own verifier states leak, as in SpecForge issue 470), the
+sliding window missing, applied in a full-attention layer or off by one, and cross-document
+leakage (document_ids not applied).
 """
 
 from __future__ import annotations
@@ -107,12 +109,14 @@ def check_masks(case: Case, cand: SideOutputs, ref: SideOutputs) -> list[CheckRe
 @dataclass(frozen=True)
 class MaskHypothesis:
     """Context part: kv < anchor + offset, window bound W (None: none), documents respected or
-    not. Block part: causal or bidirectional."""
+    not. Block part: causal or bidirectional, over the query's own block (``blocks="own"``),
+    its own and every earlier block (``"earlier"``) or all blocks (``"all"``)."""
 
     offset: int = 0
     window: int | None = None
     documents: bool = True
     causal_block: bool = False
+    blocks: str = "own"
 
 
 def expected_mask_hypothesis(case: Case, layer_type: str) -> MaskHypothesis:
@@ -133,26 +137,49 @@ def build_mask(case: Case, h: MaskHypothesis) -> torch.Tensor:
     docs = doc if h.documents else torch.where(doc != -1, 0, -1)
     base = dense_mask(docs, a, B, h.window)[:, :T]
     block = dense_mask(docs, a, B, NO_WINDOW if h.causal_block else None)[:, T:]
-    q = torch.arange(base.shape[0])
-    qa = a.repeat_interleave(B)
-    if h.offset == 1:  # kv <= anchor
-        base[q, qa] |= docs[qa] != -1
-    elif h.offset == -1:  # kv < anchor - 1
-        keep = qa >= 1
-        base[q[keep], qa[keep] - 1] = False
+    qa = a.repeat_interleave(B)[:, None]  # [Q, 1]
+    kv = torch.arange(T)[None, :]  # [1, T]
+    if h.offset > 0:  # kv < anchor + offset: positions at and after the anchor become visible
+        base |= ((kv >= qa) & (kv < qa + h.offset) & (docs[None, :] == docs[qa])
+                 & (docs[qa] != -1))
+    elif h.offset < 0:  # kv < anchor + offset: positions just before the anchor are hidden
+        base &= kv < qa + h.offset
+    if h.blocks != "own":
+        q, k = torch.arange(block.shape[0])[:, None], torch.arange(block.shape[1])[None, :]
+        block = (k <= q if h.causal_block else k // B <= q // B) if h.blocks == "earlier" else (
+            torch.ones_like(block) if not h.causal_block else k <= q)
     return torch.cat([base, block], 1)
 
 
-def mask_hypotheses(case: Case, layer_type: str) -> Iterator[MaskHypothesis]:
-    """Block rule (causal / bidirectional) x context offset (<, <=, < a-1) x window (expected,
-    none, W-1, W+1, W) x documents (respected, ignored)."""
+def fitted_context_offset(case: Case, mask: torch.Tensor, rows: torch.Tensor) -> int | None:
+    """The offset k of a context rule ``kv < anchor + k`` read off a [Q, T+Q] bool ``mask``: the
+    most common ``last visible context position - anchor + 1`` over the ``rows`` (bool [Q]) that
+    see any context; None when no such row."""
+    B, T = case.config.block_size, case.inputs["document_ids"].numel()
+    qa = case.inputs["anchor_positions"].long().repeat_interleave(B)
+    ctx = mask[:, :T]
+    seen = rows & ctx.any(1)
+    if not seen.any():
+        return None
+    last = T - 1 - ctx[seen].flip(1).int().argmax(1)
+    return int(torch.mode(last - qa[seen] + 1).values)
+
+
+def mask_hypotheses(case: Case, layer_type: str,
+                    fitted_offset: int | None = None) -> Iterator[MaskHypothesis]:
+    """Block scope (own, earlier, all) x block rule (causal / bidirectional) x context offset
+    (<, <=, < a-1, and ``fitted_offset``) x window (expected, none, W-1, W+1, W) x documents
+    (respected, ignored)."""
     exp = expected_mask_hypothesis(case, layer_type)
     W = case.config.sliding_window
     windows = list(dict.fromkeys([exp.window, None] + ([W, W - 1, W + 1] if W else [])))
     windows = [w for w in windows if w is None or w >= 0]
-    for causal, offset, window, docs in itertools.product(
-            (exp.causal_block, not exp.causal_block), (0, 1, -1), windows, (True, False)):
-        yield MaskHypothesis(offset, window, docs, causal)
+    offsets = list(dict.fromkeys([0, 1, -1] + ([fitted_offset] if fitted_offset is not None
+                                               else [])))
+    for blocks, causal, offset, window, docs in itertools.product(
+            ("own", "earlier", "all"), (exp.causal_block, not exp.causal_block), offsets,
+            windows, (True, False)):
+        yield MaskHypothesis(offset, window, docs, causal, blocks)
 
 
 def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> list[str]:
@@ -168,12 +195,25 @@ def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> 
         else:
             out.append("bidirectional attention inside the block in a sliding layer (reference: "
                        "causal, sliding_window_non_causal=False)")
+    if h.blocks == "earlier":
+        out.append("queries also see the noise tokens of earlier blocks (a mask over all Q noise "
+                   "positions, not per block; reference: own block only)")
+    elif h.blocks == "all":
+        out.append("queries see the noise tokens of every block (no block rule; reference: own "
+                   "block only)")
     if h.offset == 1:
         out.append("context rule kv <= anchor (reference: kv < anchor): queries also see the "
                    "context at their own anchor position")
     elif h.offset == -1:
         out.append("context rule kv < anchor - 1 (reference: kv < anchor): the position just "
                    "before the anchor is hidden")
+    elif h.offset > 1:
+        out.append(f"context rule kv < anchor + {h.offset} (reference: kv < anchor): queries see "
+                   f"the verifier states of positions anchor..anchor+{h.offset - 1}, the tokens "
+                   "their block predicts (a leak that never occurs at inference)")
+    elif h.offset < -1:
+        out.append(f"context rule kv < anchor - {-h.offset} (reference: kv < anchor): the "
+                   f"{-h.offset} positions before the anchor are hidden")
     if h.window != exp.window:
         if h.window is None:
             out.append(f"sliding window missing (reference: kv >= anchor - {exp.window})")
@@ -200,7 +240,7 @@ def diagnose_mask(ev: Evidence, result: CheckResult) -> list[str]:
         return [f"mask shape {list(c.shape)} (Q x T+Q expected {list(ev.ref.tensors[key].shape)})"]
     rows = ev.rows
     expected = expected_mask_hypothesis(ev.case, layer_type)
-    for h in mask_hypotheses(ev.case, layer_type):
+    for h in mask_hypotheses(ev.case, layer_type, fitted_context_offset(ev.case, c, rows)):
         if h != expected and torch.equal(build_mask(ev.case, h)[rows], c[rows]):
             return describe_mask_hypothesis(ev.case, layer_type, h)
     return []
