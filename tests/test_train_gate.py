@@ -134,6 +134,27 @@ def test_unreadable_report(setup):
     assert "cannot read audit report" in str(err.value) and err.value.exit_code == 2
 
 
+def test_check_batches_and_broken_reports_in_the_folder_are_skipped(setup):
+    """A check-batches report (or a truncated report.json) beside the compare reports does not
+    block training; given explicitly, it is refused and named."""
+    tmp, profile_path, expected = setup
+    other = tmp / "reports" / "z-check-batches" / "report.json"
+    other.parent.mkdir(parents=True)
+    other.write_text(json.dumps({"kind": "dflash-audit check-batches", "verdict": "pass"}))
+    with pytest.raises(GateError) as err:  # only other tools' reports: none to admit
+        check_gate(expected, reports_dir=tmp / "reports")
+    assert err.value.exit_code == 2
+    assert "no `dflash-audit compare` report in" in str(err.value)
+    assert "'dflash-audit check-batches' report" in str(err.value)
+    good = tt.write_report(tmp / "reports", profile_path, name="a-good")
+    old = time.time() - 100
+    os.utime(good, (old, old))  # the newer check-batches report is skipped
+    assert check_gate(expected, reports_dir=tmp / "reports").report_path == good
+    with pytest.raises(GateError) as err:
+        check_gate(expected, report=other)
+    assert "not a `dflash-audit compare` report" in str(err.value)
+
+
 def test_compare_command_quotes_and_defaults():
     assert compare_command(None, "reference-model", None) == \
         "dflash-audit compare --profile reference-model"

@@ -195,7 +195,9 @@ def open_batch_folder(directory: str | Path) -> BatchFolder:
     """
     d = Path(directory)
     if not d.is_dir():
-        raise BatchFileError(f"{d}: batch folder not found")
+        raise BatchFileError(f"{d}: batch folder not found; pass a folder written by "
+                             "`dflash-audit data --out DIR` (or `--reference-format`), or the "
+                             "reference's offline data folder")
     files = sorted(d.glob(BATCH_GLOB))
     if files:
         return _open_ours(d, files)

@@ -82,7 +82,7 @@ def proxy_verifier_dir(spec: str, progress: Callable[[str], None] | None = None
     folder = cache_dir() / "verifiers" / f"proxy-{key}"
     if not (folder / "config.json").is_file():
         if progress:
-            progress(f"dflash-audit: building the proxy verifier of {spec} into {folder}")
+            progress(f"building the proxy verifier of {spec} into {folder}")
         with atomic_folder(folder, keep_existing=True) as tmp:
             build_proxy(config, seed=PROXY_SEED).save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)

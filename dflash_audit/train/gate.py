@@ -108,6 +108,9 @@ def read_report(path: Path) -> ReportFields:
     """
     try:
         d = json.loads(Path(path).read_text())
+        if isinstance(d, dict) and "kind" in d and "schema_version" not in d:
+            raise GateError(f"{path} is a {d['kind']!r} report, not a `dflash-audit compare` "
+                            "report; pass the compare report's path to --report")
         return ReportFields(
             path=Path(path), verdict=str(d["verdict"]), fingerprint=str(d["fingerprint"]),
             candidate_fingerprint=str(d["candidate"]["fingerprint"]),
@@ -253,12 +256,21 @@ def check_gate(expected: Expected, report: Path | None = None,
         paths = [Path(report) / REPORT_FILE]
     if not paths:
         raise GateError(f"no audit report found in {reports_dir}/: training starts only after "
-                        f"the candidate passed the audit.\n{how}")
+                        f"the candidate passed the audit (a report written with `compare --out "
+                        f"DIR` is found with `train --reports-dir DIR` or `--report "
+                        f"DIR/<run>/report.json`).\n{how}")
     first_mismatch: tuple[ReportFields, list[str]] | None = None
+    skipped: list[str] = []  # while searching a folder: other tools' or unreadable reports
     for path in paths:
         if not path.is_file():
             raise GateError(f"audit report {path} does not exist.\n{how}")
-        fields = read_report(path)
+        try:
+            fields = read_report(path)
+        except GateError as exc:
+            if report is not None:
+                raise
+            skipped.append(str(exc))
+            continue
         diffs = differences(fields, expected)
         if diffs:
             first_mismatch = first_mismatch or (fields, diffs)
@@ -275,7 +287,11 @@ def check_gate(expected: Expected, report: Path | None = None,
                           candidate_fingerprint=fields.candidate_fingerprint,
                           profile_fingerprint=fields.profile_fingerprint,
                           reference=fields.reference)
-    fields, diffs = first_mismatch  # type: ignore[misc]
+    if first_mismatch is None:
+        shown = "\n".join(f"  - {m}" for m in skipped[:3])
+        raise GateError(f"no `dflash-audit compare` report in {reports_dir}/ ({len(skipped)} "
+                        f"other or unreadable report(s) skipped):\n{shown}\n{how}")
+    fields, diffs = first_mismatch
     which = "the given report" if report is not None else f"the newest report ({fields.path})"
     listing = "\n".join(f"  - {d}" for d in diffs)
     raise GateError(f"no audit report matches this training run; {which} differs:\n{listing}\n"
