@@ -155,9 +155,12 @@ def test_mask_difference_on_an_untrained_block_passes(ours):
 
 
 @pytest.mark.parametrize("change, cause", [
-    ({"offset": B}, f"context rule kv < anchor + {B} (reference: kv < anchor): queries see the "
-                    f"verifier states of positions anchor..anchor+{B - 1}, the tokens their "
-                    "block predicts (a leak that never occurs at inference)"),
+    ({"offset": B}, "context rule kv < anchor + block_size (reference: kv < anchor): each "
+                    "block sees the verifier states of its own positions, the tokens it predicts "
+                    "(a leak that never occurs at inference)"),
+    ({"offset": 2}, "context rule kv < anchor + 2 (reference: kv < anchor): queries see the "
+                    "verifier states of positions anchor..anchor+1, the tokens their block "
+                    "predicts (a leak that never occurs at inference)"),
     ({"offset": -3}, "context rule kv < anchor - 3 (reference: kv < anchor): the 3 positions "
                      "before the anchor are hidden"),
     ({"blocks": "earlier"}, "queries also see the noise tokens of earlier blocks (a mask over all "

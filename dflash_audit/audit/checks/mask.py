@@ -207,6 +207,10 @@ def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> 
     elif h.offset == -1:
         out.append("context rule kv < anchor - 1 (reference: kv < anchor): the position just "
                    "before the anchor is hidden")
+    elif h.offset == case.config.block_size:
+        out.append("context rule kv < anchor + block_size (reference: kv < anchor): each block "
+                   "sees the verifier states of its own positions, the tokens it predicts (a "
+                   "leak that never occurs at inference)")
     elif h.offset > 1:
         out.append(f"context rule kv < anchor + {h.offset} (reference: kv < anchor): queries see "
                    f"the verifier states of positions anchor..anchor+{h.offset - 1}, the tokens "
