@@ -214,3 +214,22 @@ def test_fingerprints():
     buggy = candidate_fingerprint(_Buggy(), "p" * 64)
     assert "test_report.py" in buggy["files"] and buggy["fingerprint"] != ours["fingerprint"]
     assert all(p.suffix == ".py" for p in candidate_source_files(_Buggy()))
+
+
+def test_markdown_names_the_recipe_and_the_checkpoint_weights():
+    """A reader of the PR comment sees which loss recipe was audited and that --weights was
+    used (a checkpoint config.json carries no loss: the recipe comes from a built-in profile)."""
+    report = make_report({"real-00-full": [result("loss", "real-00-full", PASS, 0.0)]})
+    report.profile["fields"] = {"loss": "ce", "weighting": "dpace", "gamma": 4.0,
+                                "block_size": 8, "layer_layout": ["full"],
+                                "sample_from_anchor": False,
+                                "description": "speculators drafter config c/config.json "
+                                               "(recipe: reference-train-cli)"}
+    report.inputs["weights"] = "/runs/ckpt"
+    md = render_markdown(report)
+    assert ("Recipe audited: loss `ce`, weighting `dpace`, gamma 4, block_size 8, layers "
+            "['full'], sample_from_anchor False (speculators drafter config c/config.json "
+            "(recipe: reference-train-cli)).") in md
+    assert ("Real cases ran on the checkpoint weights in `/runs/ckpt` (`--weights`); synthetic "
+            "cases on seeded random weights.") in md
+    assert "Recipe audited" not in render_markdown(make_report({"c": [result("loss", "c", PASS)]}))

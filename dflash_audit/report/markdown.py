@@ -75,6 +75,19 @@ def _what(report: Report) -> list[str]:
         + f"and {synth} synthetic; layer layouts audited: "
         f"{', '.join(sorted({c.layout.get('layout', '?') for c in report.cases}))}.",
     ]
+    fields = prof.get("fields") or {}
+    if fields:
+        gamma = f", gamma {fields['gamma']:g}" if isinstance(fields.get("gamma"), (int, float)) \
+            else ""
+        lines += ["", f"Recipe audited: loss `{fields.get('loss')}`, weighting "
+                  f"`{fields.get('weighting')}`{gamma}, block_size {fields.get('block_size')}, "
+                  f"layers {fields.get('layer_layout')}, sample_from_anchor "
+                  f"{fields.get('sample_from_anchor')}"
+                  + (f" ({_cell(fields['description'], 200)})" if fields.get("description")
+                     else "") + "."]
+    if inp.get("weights"):
+        lines += ["", f"Real cases ran on the checkpoint weights in `{inp['weights']}` "
+                  "(`--weights`); synthetic cases on seeded random weights."]
     return lines
 
 
