@@ -113,8 +113,10 @@ def main(opts: CompareOptions) -> int:
     report = outcome.report
     checks = report.checks()
     failed = [c["name"] for c in checks if c["status"] == "fail"]
+    warned = [c["name"] for c in checks if c["status"] == "warn"]
     line = (f"verdict: {report.verdict.upper()} ({len(report.cases)} cases, {len(checks)} "
-            f"checks{', failing: ' + ', '.join(failed) if failed else ''}) in "
+            f"checks{', failing: ' + ', '.join(failed) if failed else ''}"
+            f"{', warnings: ' + ', '.join(warned) if warned else ''}) in "
             f"{report.timing.get('total', 0.0):.1f} s")
     print(line)
     causes = [d["cause"] for d in report.diagnoses() if d.get("status") == "fail"]
