@@ -8,6 +8,13 @@ Exit codes: 0 success / audit pass, 1 conformance failure, 2 usage or setup erro
 
 from __future__ import annotations
 
+import os
+import sys
+
+if not sys.stderr.isatty():  # a CI log: no third-party carriage-return bars (ours print lines)
+    os.environ.setdefault("TQDM_DISABLE", "1")  # read when tqdm is imported, hence here
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
 import typer
 
 from dflash_audit.command_errors import EXIT_CODES_HELP, command_boundary
