@@ -38,6 +38,7 @@ fields (see :func:`derive`), or {"error", "traceback"} where the reference's cod
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import json
 import os
@@ -456,6 +457,19 @@ def derive_main(argv: list[str]) -> int:
     return 0
 
 
+#: The files of a case that the harness reads back as the reference's outputs.
+OUTPUT_FILES = ("outputs.safetensors", "outputs.json", "derivation.json")
+
+
+def report_outputs(case: Path) -> None:
+    """Print ``{"dflash_audit_outputs": CASE, "sha256": {file: digest}}`` on stdout, a pipe only
+    the harness reads: it checks that the files it compares are the ones written here, not
+    files another process (the candidate's) replaced or added in this case folder."""
+    digests = {n: hashlib.sha256((case / n).read_bytes()).hexdigest() for n in OUTPUT_FILES
+               if (case / n).is_file()}
+    print(json.dumps({"dflash_audit_outputs": case.name, "sha256": digests}), flush=True)
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "--derive":
         return derive_main(argv[1:])
@@ -470,6 +484,7 @@ def main(argv: list[str]) -> int:
             run_case(case, core, resolve_loss_config)
             if (case / "derive.json").exists():
                 derive_case(case)
+            report_outputs(case)
     except AttributeError as err:
         fail(cases_dir, "api_mismatch", f"the reference lacks an attribute the adapter uses: {err}")
     except Exception as err:  # noqa: BLE001 - reported to the harness, with traceback

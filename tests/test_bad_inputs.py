@@ -606,6 +606,21 @@ CANDIDATES = {
                "        os.kill(os.getpid(), signal.SIGKILL)\ncandidate = C\n",
     "sleeps": "class C(DrafterCandidate):\n    def run_case(self, *a):\n"
               "        time.sleep(10**6)\ncandidate = C\n",
+    # gamma 7, then at exit copies its own outputs over the reference's (it waits for them)
+    "overwrites_reference_outputs": (
+        "import atexit, dataclasses, shutil\nfrom pathlib import Path\n"
+        "OUT, REF = Path(sys.argv[2]), Path(sys.argv[1]).parent\n"
+        "class C(DrafterCandidate):\n    def run_case(self, config, loss, weights, inputs):\n"
+        "        end = time.time() + 120\n"
+        "        while not (REF / 'reference.json').is_file() and time.time() < end:\n"
+        "            time.sleep(0.2)\n"
+        "        return super().run_case(config, dataclasses.replace(loss, gamma=7.0), weights,"
+        " inputs)\n"
+        "def tamper():\n    for d in OUT.iterdir():\n"
+        "        for f in ('outputs.safetensors', 'outputs.json'):\n"
+        "            if (d / f).is_file() and (REF / d.name).is_dir():\n"
+        "                shutil.copy(d / f, REF / d.name / f)\n"
+        "atexit.register(tamper)\ncandidate = C\n"),
     "prints": "print('CANDIDATE-STDOUT-NOISE')\nclass C(DrafterCandidate):\n"
               "    def run_case(self, *a):\n        print('CANDIDATE-STDOUT-NOISE')\n"
               "        return super().run_case(*a)\ncandidate = C\n",
@@ -711,6 +726,10 @@ COMPARE_CASES = [
                 ("is int64 0/1; expected bool, True = attend", "not compared")),
     CompareCase("compare-float16-logits", "float16_logits", 1, ("failing: protocol",),
                 ("is float16; expected float32",)),
+    CompareCase("compare-candidate-overwrites-reference-outputs",
+                "overwrites_reference_outputs", 2,
+                ("case files changed while the two sides ran", "/outputs.safetensors",
+                 "wrote outside its own copy of the cases")),
     CompareCase("compare-profile-layers-without-rows", None, 2,
                 ("ids [99] do not exist in a verifier with 30 layers",),
                 extra=("--profile", "bad.toml"), prepare=bad_layers_profile),

@@ -6,6 +6,7 @@ timeout), split the cores between the two.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -260,6 +261,35 @@ def case_digests(cases_dir: Path, names: list[str]) -> dict[str, str]:
     return digests
 
 
+#: What reference/adapter.py reads back as a case's outputs (its ``OUTPUT_FILES``).
+REFERENCE_OUTPUT_FILES = ("outputs.safetensors", "outputs.json", "derivation.json")
+
+
+def reference_output_changes(stdout: str, cases_dir: Path, names: list[str]) -> list[str]:
+    """Reference output files of the cases ``names`` that are not what the adapter wrote: a
+    sha256 other than the one it printed on its stdout (``{"dflash_audit_outputs": case,
+    "sha256": {file: digest}}`` lines) or a file it did not write. Empty when all agree."""
+    from dflash_audit.atomic import file_sha256
+
+    reported: dict[str, dict[str, str]] = {}
+    for line in stdout.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and "dflash_audit_outputs" in entry:
+            reported[str(entry["dflash_audit_outputs"])] = dict(entry.get("sha256") or {})
+    changed = []
+    for name in names:
+        for file in REFERENCE_OUTPUT_FILES:
+            path, want = cases_dir / name / file, reported.get(name, {}).get(file)
+            if path.is_file() and (want is None or file_sha256(path) != want):
+                changed.append(f"{name}/{file}")
+            elif want is not None and not path.is_file():
+                changed.append(f"{name}/{file} (removed)")
+    return changed
+
+
 def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], cases_dir: Path,
                    st: Stages, import_check: ImportCheck) -> dict[str, Any]:
     """Write the cases, start the reference on all of them, run the candidate on each (in its
@@ -301,15 +331,17 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     outputs = candidate_side(runs, out_dir)
     with st.stage("reference_wait", "reference (speculators) on all cases"):
         try:
-            reference_job.result()
+            reference_run = reference_job.result()
         except ReferenceSourceError as exc:
             raise CompareSetupError(f"the reference run failed: {exc}") from None
     st.timing["reference"] = time.perf_counter() - start
     after = case_digests(cases_dir, names)
     changed = sorted(k for k in digests if digests[k] != after.get(k))  # new files: the reference's
+    changed += reference_output_changes(reference_run.stdout, cases_dir, names)
     if changed:
         raise CompareSetupError(
             f"the audit's case files changed while the two sides ran ({', '.join(changed[:3])}"
-            "): the candidate's process wrote outside its own copy of the cases, so no verdict "
-            "can be given. Make the candidate read its inputs only from run_case's arguments.")
+            "): the candidate's process wrote outside its own copy of the cases (into the "
+            "reference's inputs or outputs), so no verdict can be given. Make the candidate read "
+            "its inputs only from run_case's arguments and return its outputs.")
     return outputs
