@@ -472,6 +472,39 @@ def test_loss_denominator_named_alone(ours, denom, cause):
     assert r.status == "fail" and r.diagnosis == [cause]
 
 
+def _grads_scaled(side: SideOutputs, k: float) -> dict[str, torch.Tensor]:
+    return {n: k * g for n, g in side.tensors.items() if n.startswith("grad.")}
+
+
+def test_gradients_scaled_while_the_loss_matches(ours):
+    """backward on 2 x loss, the loss reported unscaled: only the gradients differ."""
+    r = audit(edited(ours, **_grads_scaled(ours, 2.0)), ours)
+    assert r["loss"].status == "pass" and r["gradients"].status == "fail"
+    assert r["gradients"].diagnosis == [
+        "gradients scaled by 2: every parameter's gradient is 2 x the reference's while the "
+        "reported loss matches, so the backward ran on 2 x the loss (a loss multiplied by a "
+        "constant, or summed where the reference averages, before backward)"]
+
+
+def test_loss_scaled_by_a_constant(ours):
+    """loss x 2 (e.g. summed over two terms where the reference averages): loss and every
+    gradient scaled. (x 0.25 is not used: near uniform distributions jsd ~ kl_div / 4, and a
+    case on untrained weights names that loss instead.)"""
+    cand = edited(ours, loss=2.0 * ours.tensors["loss"], **_grads_scaled(ours, 2.0))
+    r = audit(cand, ours)
+    assert r["loss"].diagnosis == [
+        "loss scaled by 2: the candidate's loss and every gradient are 2 x the "
+        "reference's formula on its own logits, targets, mask and weights (a constant factor, "
+        "e.g. a sum where the reference averages, or a loss multiplied before backward)"]
+    assert r["gradients"].diagnosis == ["follows from the loss difference"]
+
+
+def test_a_loss_ratio_alone_is_not_named_as_a_scale(ours):
+    """A scalar always has a ratio: without scaled gradients it is no evidence."""
+    r = audit(edited(ours, loss=2.0 * ours.tensors["loss"]), ours)["loss"]
+    assert r.status == "fail" and r.diagnosis[0].startswith("unexplained difference in loss")
+
+
 class PartialRotary(DFlashDrafter):
     """Honours partial_rotary_factor 0.5: rotates 4 of the 8 head dimensions."""
 

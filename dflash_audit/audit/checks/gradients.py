@@ -3,8 +3,9 @@ one backward, at a tolerance of ``atol * max(1, max|g_ref|)`` and the dtype's ``
 
 Hypotheses name: frozen weights being trained (gradients where the reference freezes),
 parameters no gradient reaches (detached or frozen on the candidate side; a consequence, not
-a cause, when the candidate's masks hide all context), and differences that follow from an
-upstream check's difference.
+a cause, when the candidate's masks hide all context), gradients of every parameter scaled by
+one constant while the reported loss is not (the backward ran on k x the loss:
+:func:`gradient_scale`), and differences that follow from an upstream check's difference.
 """
 
 from __future__ import annotations
@@ -111,6 +112,31 @@ def check_gradients(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckRes
         details={"parameters": per_param, "failing": [p[0] for p in problems]})
 
 
+def gradient_scale(ev: Evidence) -> float | None:
+    """The one factor k with ``g_cand = k * g_ref`` for every parameter both sides give a
+    gradient of (least squares over all of them, then each parameter within its tolerance),
+    or None when no single factor reproduces them, k is 1, or a gradient is not finite.
+
+    A uniform factor is what a backward on ``k * loss`` gives (a loss multiplied by a
+    constant, or summed where the reference averages): Adam-style optimisers undo part of it,
+    but SGD, gradient clipping and weight decay see it."""
+    cg = {k[5:]: v for k, v in ev.cand.tensors.items() if k.startswith("grad.")}
+    rg = {k[5:]: v for k, v in ev.ref.tensors.items() if k.startswith("grad.")}
+    pairs = [(cg[n].double(), rg[n].double()) for n in rg if n in cg
+             and cg[n].shape == rg[n].shape and _nonzero(rg[n])]
+    if not pairs or not all(bool(torch.isfinite(c).all() and torch.isfinite(r).all())
+                            for c, r in pairs):
+        return None
+    num = sum(float((c * r).sum()) for c, r in pairs)
+    den = sum(float((r * r).sum()) for _, r in pairs)
+    k = num / den if den else 0.0
+    tol = tolerance(ev.case, "grad")
+    if k == 0.0 or abs(k - 1.0) <= tol["rtol"] or not all(
+            closeness(c, k * r, **_grad_tolerance(r.float(), tol)).ok for c, r in pairs):
+        return None
+    return k
+
+
 def masks_hide_context(ev: Evidence) -> bool:
     """Whether every mask the candidate returned lets no supervised row attend any context
     position (then fc and hidden_norm get no gradient through attention)."""
@@ -143,4 +169,9 @@ def diagnose_gradients(ev: Evidence, result: CheckResult) -> list[str]:
     rest = [n for n in result.details.get("failing", []) if n not in frozen + no_grad]
     if rest and upstream:
         causes.append(upstream)
+    elif rest and (k := gradient_scale(ev)) is not None:
+        causes.append(f"gradients scaled by {k:.4g}: every parameter's gradient is {k:.4g} x "
+                      "the reference's while the reported loss matches, so the backward ran on "
+                      f"{k:.4g} x the loss (a loss multiplied by a constant, or summed where the "
+                      "reference averages, before backward)")
     return causes

@@ -9,8 +9,10 @@ sample_from_anchor, weights normalised per block; on a case that cannot separate
 both in one cause with the slots a separating case needs), D-PACE vs fixed-exp-decay weighting
 (only on a case whose reference weights vary between blocks), D-PACE weights that follow from
 an upstream difference, another loss (e.g. hard-label CE instead of a soft divergence) and the
-loss normalised by the sum of weights or averaged over all Q slots; among several loss formulas
-that reproduce the total, only those with the fewest deviations, named as one cause.
+loss normalised by the sum of weights or averaged over all Q slots, and a loss scaled by a
+constant (told from any other difference by the gradients: all scaled by the same factor);
+among several loss formulas that reproduce the total, only those with the fewest deviations,
+named as one cause.
 
 In a low-precision audit (``--dtype bf16``) the loss must also follow from the candidate's own
 logits and targets by the reference's formula in float32 (part ``loss_from_logits``, tolerance
@@ -29,6 +31,7 @@ import torch
 
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import not_provided
+from dflash_audit.audit.checks.gradients import gradient_scale
 from dflash_audit.audit.evidence import Evidence, follows_from
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.slots import slot_coordinates, supervised_slots
@@ -356,6 +359,8 @@ def diagnose_loss_total(ev: Evidence) -> list[str]:
             elif denom == "slots":
                 causes.append("loss averaged over all Q slots instead of the supervised tokens")
             found.append(causes)
+    if not found:
+        return loss_scale_cause(ev, cl)
     # the fewest deviations that reproduce the loss: two losses can agree numerically on a
     # case (rkl ~ kl_div near uniform targets), a second deviation is then not evidence
     fewest = min(map(len, found), default=0)
@@ -365,6 +370,20 @@ def diagnose_loss_total(ev: Evidence) -> list[str]:
     return [f"{' or '.join(best)}: these give the same total on this case and cannot be told "
             "apart here (one cause, not several); a case where the drafter's and the verifier's "
             "distributions differ more (fitted weights, real data) separates them"]
+
+
+def loss_scale_cause(ev: Evidence, cl: float) -> list[str]:
+    """"loss scaled by k" when the candidate's loss is k x the reference's formula on its own
+    tensors AND every gradient is k x the reference's (a ratio of two scalars alone is no
+    evidence; the gradients make it one)."""
+    own = recompute_loss(ev, parse_loss(ev.case.loss.loss), "tokens")
+    k = gradient_scale(ev) if own else None
+    if k is None or abs(cl / own - k) > ev.tol["rtol"] * 10 * abs(k):
+        return []
+    return [f"loss scaled by {k:.4g}: the candidate's loss and every gradient are {k:.4g} x the "
+            "reference's formula on its own logits, targets, mask and weights (a constant "
+            "factor, e.g. a sum where the reference averages, or a loss multiplied before "
+            "backward)"]
 
 
 def diagnose_loss(ev: Evidence, result: CheckResult) -> list[str]:
