@@ -463,7 +463,9 @@ def test_draft_vocab_d2t_read_as_absolute_ids():
 @pytest.mark.parametrize("denom,cause", [
     ("weights", "loss normalised by the sum of weights instead of the number of supervised "
                 "tokens"),
-    ("slots", "loss averaged over all Q slots instead of the supervised tokens")])
+    ("slots", "loss averaged over all Q slots instead of the supervised tokens"),
+    ("blocks", "loss averaged per block (over its supervised tokens), then over blocks, "
+               "instead of over all supervised tokens of the row")])
 def test_loss_denominator_named_alone(ours, denom, cause):
     """Only the fewest deviations that reproduce the loss are named (another loss under the
     same denominator can agree numerically; it is not a second cause)."""

@@ -9,7 +9,7 @@ sample_from_anchor, weights normalised per block; on a case that cannot separate
 both in one cause with the slots a separating case needs), D-PACE vs fixed-exp-decay weighting
 (only on a case whose reference weights vary between blocks), D-PACE weights that follow from
 an upstream difference, another loss (e.g. hard-label CE instead of a soft divergence) and the
-loss normalised by the sum of weights or averaged over all Q slots, and a loss scaled by a
+loss normalised by the sum of weights, averaged over all Q slots or per block, a loss scaled by a
 constant (told from any other difference by the gradients: all scaled by the same factor);
 among several loss formulas that reproduce the total, only those with the fewest deviations,
 named as one cause.
@@ -293,17 +293,19 @@ def own_dpace_weights_match(ev: Evidence, term: str) -> bool:
 
 def loss_formula_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict[str, float], str]]:
     """(label, loss mix, denominator) for every single loss and the profile's mix, under the
-    token-count (reference), weight-sum and all-slot denominators; the reference first."""
+    token-count (reference), weight-sum, all-slot and per-block denominators; the reference
+    first."""
     profile = parse_loss(ev.case.loss.loss)
     mixes = [("profile", profile)] + [(n, {n: 1.0}) for n in LOSSES if {n: 1.0} != profile]
-    for (name, mix), denom in itertools.product(mixes, ("tokens", "weights", "slots")):
+    for (name, mix), denom in itertools.product(mixes, ("tokens", "weights", "slots", "blocks")):
         yield name, mix, denom
 
 
 def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str,
                    cache: dict[str, torch.Tensor] | None = None) -> float | None:
     """The loss of the candidate's own logits / targets / aligned mask / weights under a mix
-    and a denominator (tokens: sum(m) + 1e-5; weights: sum(m*w); slots: Q). ``cache`` keeps
+    and a denominator (tokens: sum(m) + 1e-5; weights: sum(m*w); slots: Q; blocks: each
+    block's sum over its own sum(m), averaged over blocks with a supervised slot). ``cache`` keeps
     each divergence's elementwise values [1,Q] between calls."""
     t = ev.cand.tensors
     if "logits" not in t or "targets" not in t or t["logits"].shape != t["targets"].shape:
@@ -324,6 +326,11 @@ def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str,
         else:
             w = slot_weights(LossSpec(name, spec.weighting, spec.gamma, spec.dpace_alpha), el, m,
                              B, ev.config.sample_from_anchor)
+        if denom == "blocks":  # each block's mean over its supervised tokens, then over blocks
+            num, cnt = (el * w).reshape(-1, B).sum(-1), m.reshape(-1, B).sum(-1)
+            total += coef * float((num[cnt > 0] / cnt[cnt > 0]).mean()) if bool(
+                (cnt > 0).any()) else 0.0
+            continue
         d = {"tokens": m.sum() + LOSS_REDUCTION_EPS, "weights": (m * w).sum() + LOSS_REDUCTION_EPS,
              "slots": torch.tensor(float(m.numel()))}[denom]
         total += coef * float((el * w).sum() / d)
@@ -358,6 +365,9 @@ def diagnose_loss_total(ev: Evidence) -> list[str]:
                               "supervised tokens")
             elif denom == "slots":
                 causes.append("loss averaged over all Q slots instead of the supervised tokens")
+            elif denom == "blocks":
+                causes.append("loss averaged per block (over its supervised tokens), then over "
+                              "blocks, instead of over all supervised tokens of the row")
             found.append(causes)
     if not found:
         return loss_scale_cause(ev, cl)
