@@ -507,6 +507,16 @@ def test_a_loss_ratio_alone_is_not_named_as_a_scale(ours):
     assert r.status == "fail" and r.diagnosis[0].startswith("unexplained difference in loss")
 
 
+def test_context_dropout_in_training_mode(ours):
+    torch.manual_seed(0)
+    ctx = torch.nn.functional.dropout(ours.tensors["context"], p=0.1, training=True)
+    r = audit(edited(ours, context=ctx), ours)["context"]
+    assert r.status == "fail" and r.diagnosis == [
+        "dropout on the context in training mode (p ~ 0.1: that share of the values is zero, "
+        "the rest scaled by 1/(1-p)); the reference trains the drafter without dropout (e.g. a "
+        "dropout probability read from the verifier config)"]
+
+
 class PartialRotary(DFlashDrafter):
     """Honours partial_rotary_factor 0.5: rotates 4 of the 8 head dimensions."""
 
