@@ -517,6 +517,24 @@ def test_context_dropout_in_training_mode(ours):
         "dropout probability read from the verifier config)"]
 
 
+class EmbeddingsScaled(DFlashDrafter):
+    """Gemma's embedding normalizer applied to the noise block: embed(ids) * sqrt(H)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed_tokens.register_forward_hook(lambda m, a, out: out * config.hidden_size**0.5)
+
+
+def test_noise_embeddings_scaled_like_gemma(ours):
+    cand = candidate(EmbeddingsScaled).run_case(CASE.config, CASE.loss, CASE.weights,
+                                                 CASE.inputs)
+    r = audit(cand, ours)
+    assert r["context"].status == "pass" and r["logits"].status == "fail"
+    assert r["logits"].diagnosis == [
+        "noise-block embeddings multiplied by sqrt(hidden_size) (Gemma's embedding normalizer); "
+        "the reference's drafter uses the verifier's embedding unscaled"]
+
+
 class PartialRotary(DFlashDrafter):
     """Honours partial_rotary_factor 0.5: rotates 4 of the 8 head dimensions."""
 
