@@ -80,6 +80,12 @@ def per_document(loss_mask, max_anchors, block_size, g, document_ids=None):
     return _pad(torch.cat(chosen).sort().values, max_anchors * docs)
 
 
+def first_k(loss_mask, max_anchors, block_size, g):
+    """The first max_anchors valid positions every time (no randomness)."""
+    pool = loss_mask[0, :-block_size].bool().nonzero().squeeze(-1)
+    return _pad(pool[:max_anchors], max_anchors)
+
+
 @pytest.fixture(scope="module")
 def ours():
     return SideOutputs(draw_anchors(DrafterCandidate().select_anchors, CASE), {}, {})
@@ -108,7 +114,9 @@ def test_what_cannot_change_training_passes(select, ours):
     (uniform(fewer=1), "another number of anchors per draw than the reference's",
      "5 per draw, reference 6"),
     (early_biased, "anchors not drawn uniformly over the valid positions", "position"),
-], ids=["tail", "loss-mask", "replacement", "tail-too-long", "fewer", "skewed"])
+    (first_k, "anchors not random: every draw returns the same anchors",
+     "512 draws, all 4, 5, 6, 7, 8, 31; the reference's 512 draws hold 512 different sets"),
+], ids=["tail", "loss-mask", "replacement", "tail-too-long", "fewer", "skewed", "first-k"])
 def test_sampler_bug_is_named(select, cause, evidence, ours):
     r = check(select, ours)
     assert r.status == "fail" and len(r.details["causes"]) == 1, r.summary

@@ -23,7 +23,7 @@ A sampler whose signature names ``document_ids`` gets the case's packed-document
 1071) is named against the reference's "per row" sampling (and the other way round).
 
 Hypotheses name (the comparison names them itself): per document vs per row sampling, anchors
-outside the packed row, anchors
+not random (every draw the same), anchors outside the packed row, anchors
 drawn from the last block_size positions of the row or where loss_mask is 0, more than the last
 block_size positions excluded, positions the reference draws never drawn, another number of
 anchors per draw, anchors drawn with replacement, and per-position frequencies that differ.
@@ -172,8 +172,15 @@ def check_anchor_draws(case: Case, cand: SideOutputs, ref: SideOutputs) -> Check
         return CheckResult("anchors", case.name, FAIL, f"anchor draws of shape "
                            f"{list(c.shape)}, reference {list(r.shape)} ([draws, max_anchors])")
     found: list[tuple[str, str]] = []  # (cause, evidence on this case)
+    c_draws, r_draws = ({tuple(sorted(row[ok].tolist())) for row, ok in zip(x, v)}
+                        for x, v in ((c, cv), (r, rv)))
+    if len(c_draws) == 1 and len(r_draws) > 1:  # support and counts then follow from it
+        found.append(("anchors not random: every draw returns the same anchors; the reference "
+                      "draws them uniformly at random each step",
+                      f"{len(c)} draws, all {_positions(sorted(next(iter(c_draws))))}; the "
+                      f"reference's {len(c)} draws hold {len(r_draws)} different sets"))
     c_set, r_set = set(c[cv].tolist()), set(r[rv].tolist())
-    found += support_findings(case, sorted(c_set - r_set), sorted(r_set - c_set))
+    found += [] if found else support_findings(case, sorted(c_set - r_set), sorted(r_set - c_set))
     c_count, r_count = sorted(set(cv.sum(1).tolist())), sorted(set(rv.sum(1).tolist()))
     if c_count != r_count and not found:  # with another support the count follows from it
         found.append(("another number of anchors per draw than the reference's "
