@@ -517,6 +517,27 @@ def test_context_dropout_in_training_mode(ours):
         "dropout probability read from the verifier config)"]
 
 
+def test_gradients_of_a_loss_the_value_cannot_tell_apart(ours):
+    """Where rkl's value equals the reported loss within tolerance (as on a case near the
+    verifier), the gradients still name it: replayed forward and backward under rkl."""
+    from dflash_audit.audit.replay import drafter_with_weights
+    from dflash_audit.model.loss import LossSpec as Spec, dflash_loss
+
+    model = drafter_with_weights(CASE.config, CASE.weights)
+    out = model(**CASE.inputs)
+    rkl = dflash_loss(out.logits, out.targets, out.aligned_loss_mask, BLOCK, Spec("rkl")).loss
+    names = [n[5:] for n in ours.tensors if n.startswith("grad.")]
+    grads = torch.autograd.grad(rkl, [dict(model.named_parameters())[n] for n in names])
+    value = torch.tensor(recompute_loss(_ev(ours), {"rkl": 1.0}, "tokens"))
+    ref = edited(ours, loss=value)  # both losses equal: only the gradients can tell
+    cand = edited(ours, loss=value, **{f"grad.{n}": g for n, g in zip(names, grads)})
+    r = audit(cand, ref)
+    assert r["loss"].status == "pass" and r["gradients"].diagnosis == [
+        "loss computed as 'rkl' where the profile says 'kl_div' (the loss values agree within "
+        "tolerance on this case, the gradients do not: our drafter's gradients under that loss "
+        "reproduce the candidate's)"]
+
+
 class EmbeddingsScaled(DFlashDrafter):
     """Gemma's embedding normalizer applied to the noise block: embed(ids) * sqrt(H)."""
 

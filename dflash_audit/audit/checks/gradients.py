@@ -5,7 +5,9 @@ Hypotheses name: frozen weights being trained (gradients where the reference fre
 parameters no gradient reaches (detached or frozen on the candidate side; a consequence, not
 a cause, when the candidate's masks hide all context), gradients of every parameter scaled by
 one constant while the reported loss is not (the backward ran on k x the loss:
-:func:`gradient_scale`), and differences that follow from an upstream check's difference.
+:func:`gradient_scale`), another loss formula whose value equals the reference's within the
+loss tolerance on this case (replayed forward and backward:
+:func:`dflash_audit.audit.loss_formulas.gradient_formula_causes`), and differences that follow from an upstream check's difference.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dflash_audit.audit.tolerance import closeness, fmt_diff, tolerance
 from dflash_audit.model.drafter import FROZEN_PARAMETERS
 
 
-def _grad_tolerance(ref_grad: torch.Tensor, tol: dict[str, float]) -> dict[str, float]:
+def grad_tolerance(ref_grad: torch.Tensor, tol: dict[str, float]) -> dict[str, float]:
     """atol scaled by the gradient's magnitude: ``atol * max(1, max|g_ref|)`` over the
     reference's finite values (a NaN / inf there must not widen the tolerance)."""
     finite = ref_grad if bool(torch.isfinite(ref_grad).all()) else ref_grad[
@@ -74,7 +76,7 @@ def check_gradients(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckRes
             problems.append((n, f"{n}: gradient shape {list(c.shape)} != reference "
                                 f"{list(r.shape)}", None))
             continue
-        ptol = _grad_tolerance(r, tol)
+        ptol = grad_tolerance(r, tol)
         res = closeness(c, r, **ptol)
         per_param[n] = {"status": PASS if res.ok else FAIL, "max_abs": res.max_abs,
                         "max_rel": res.max_rel, "atol": ptol["atol"], "num_bad": res.num_bad}
@@ -132,7 +134,7 @@ def gradient_scale(ev: Evidence) -> float | None:
     k = num / den if den else 0.0
     tol = tolerance(ev.case, "grad")
     if k == 0.0 or abs(k - 1.0) <= tol["rtol"] or not all(
-            closeness(c, k * r, **_grad_tolerance(r.float(), tol)).ok for c, r in pairs):
+            closeness(c, k * r, **grad_tolerance(r.float(), tol)).ok for c, r in pairs):
         return None
     return k
 
@@ -146,7 +148,11 @@ def masks_hide_context(ev: Evidence) -> bool:
 
 
 def diagnose_gradients(ev: Evidence, result: CheckResult) -> list[str]:
-    """Frozen weights trained, parameters no gradient reaches, or an upstream difference."""
+    """Frozen weights trained, parameters no gradient reaches, an upstream difference, a loss
+    formula whose value the loss check could not tell apart here, or a constant factor."""
+    # loss_formulas imports this module: imported here
+    from dflash_audit.audit.loss_formulas import gradient_formula_causes
+
     params = result.details.get("parameters", {})
     frozen = [n for n, p in params.items() if p.get("reason") == "frozen in the reference"]
     causes = []
@@ -169,6 +175,8 @@ def diagnose_gradients(ev: Evidence, result: CheckResult) -> list[str]:
     rest = [n for n in result.details.get("failing", []) if n not in frozen + no_grad]
     if rest and upstream:
         causes.append(upstream)
+    elif rest and "loss" not in ev.failing and (named := gradient_formula_causes(ev)):
+        causes += named
     elif rest and (k := gradient_scale(ev)) is not None:
         causes.append(f"gradients scaled by {k:.4g}: every parameter's gradient is {k:.4g} x "
                       "the reference's while the reported loss matches, so the backward ran on "

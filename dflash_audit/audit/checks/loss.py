@@ -31,16 +31,14 @@ import torch
 
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import not_provided
-from dflash_audit.audit.checks.gradients import gradient_scale
 from dflash_audit.audit.evidence import Evidence, follows_from
+from dflash_audit.audit.loss_formulas import diagnose_loss_total, recompute_loss
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.slots import slot_coordinates, supervised_slots
 from dflash_audit.audit.tolerance import closeness, fmt_diff, tolerance, worst
 from dflash_audit.audit.weight_formulas import weight_formula_causes
 from dflash_audit.model.loss import (
-    LOSS_REDUCTION_EPS,
     LOSSES,
-    LossSpec,
     parse_loss,
     slot_weights,
     softmax_dtype,
@@ -289,111 +287,6 @@ def own_dpace_weights_match(ev: Evidence, term: str) -> bool:
     w = slot_weights(ev.case.loss, el, m, ev.config.block_size, ev.config.sample_from_anchor)
     sup = ev.sup
     return bool(closeness(t[key].reshape(-1)[sup].float(), w.reshape(-1)[sup], **ev.tol).ok)
-
-
-def loss_formula_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict[str, float], str]]:
-    """(label, loss mix, denominator) for every single loss and the profile's mix, under the
-    token-count (reference), weight-sum, all-slot and per-block denominators; the reference
-    first."""
-    profile = parse_loss(ev.case.loss.loss)
-    mixes = [("profile", profile)] + [(n, {n: 1.0}) for n in LOSSES if {n: 1.0} != profile]
-    for (name, mix), denom in itertools.product(mixes, ("tokens", "weights", "slots", "blocks")):
-        yield name, mix, denom
-
-
-def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str,
-                   cache: dict[str, torch.Tensor] | None = None) -> float | None:
-    """The loss of the candidate's own logits / targets / aligned mask / weights under a mix
-    and a denominator (tokens: sum(m) + 1e-5; weights: sum(m*w); slots: Q; blocks: each
-    block's sum over its own sum(m), averaged over blocks with a supervised slot). ``cache`` keeps
-    each divergence's elementwise values [1,Q] between calls."""
-    t = ev.cand.tensors
-    if "logits" not in t or "targets" not in t or t["logits"].shape != t["targets"].shape:
-        return None
-    cache = {} if cache is None else cache
-    m = t.get("aligned_loss_mask", ev.ref.tensors.get("aligned_loss_mask")).reshape(1, -1).float()
-    B, spec = ev.config.block_size, ev.case.loss
-    total = 0.0
-    own_weights = [v for k, v in t.items() if k.startswith("loss_weights.")]
-    for name, coef in mix.items():
-        if name not in cache:
-            cache[name] = LOSSES[name](t["logits"], t["targets"]) * m
-        el = cache[name]
-        if f"loss_weights.{name}" in t:
-            w = t[f"loss_weights.{name}"].reshape(1, -1)
-        elif own_weights and spec.weighting == "fixed-exp-decay":
-            w = own_weights[0].reshape(1, -1)
-        else:
-            w = slot_weights(LossSpec(name, spec.weighting, spec.gamma, spec.dpace_alpha), el, m,
-                             B, ev.config.sample_from_anchor)
-        if denom == "blocks":  # each block's mean over its supervised tokens, then over blocks
-            num, cnt = (el * w).reshape(-1, B).sum(-1), m.reshape(-1, B).sum(-1)
-            total += coef * float((num[cnt > 0] / cnt[cnt > 0]).mean()) if bool(
-                (cnt > 0).any()) else 0.0
-            continue
-        d = {"tokens": m.sum() + LOSS_REDUCTION_EPS, "weights": (m * w).sum() + LOSS_REDUCTION_EPS,
-             "slots": torch.tensor(float(m.numel()))}[denom]
-        total += coef * float((el * w).sum() / d)
-    return total
-
-
-def diagnose_loss_total(ev: Evidence) -> list[str]:
-    """The loss formulas (:func:`loss_formula_hypotheses`) that reproduce the candidate's total
-    on its own tensors, the fewest deviations only."""
-    cl = float(ev.cand.tensors["loss"])
-    tol = ev.tol
-    found, cache = [], {}
-    for name, mix, denom in loss_formula_hypotheses(ev):
-        value = recompute_loss(ev, mix, denom, cache)
-        if value is None:
-            return []
-        if abs(value - cl) <= tol["atol"] + tol["rtol"] * abs(cl):
-            if name == "profile" and denom == "tokens":
-                upstream = follows_from("loss", ev)
-                why = f"; the difference {upstream}" if upstream else ""
-                return ["the candidate's loss formula conforms (the reference's formula on "
-                        "the candidate's own logits, targets, mask and weights reproduces its "
-                        "loss)" + why]
-            causes = []
-            if name != "profile":
-                hard = name == "ce" and "ce" not in parse_loss(ev.case.loss.loss)
-                causes.append(f"loss computed as {name!r} where the profile says "
-                              f"{ev.case.loss.loss!r}" + (" (hard-label CE instead of soft "
-                                                         "divergence)" if hard else ""))
-            if denom == "weights":
-                causes.append("loss normalised by the sum of weights instead of the number of "
-                              "supervised tokens")
-            elif denom == "slots":
-                causes.append("loss averaged over all Q slots instead of the supervised tokens")
-            elif denom == "blocks":
-                causes.append("loss averaged per block (over its supervised tokens), then over "
-                              "blocks, instead of over all supervised tokens of the row")
-            found.append(causes)
-    if not found:
-        return loss_scale_cause(ev, cl)
-    # the fewest deviations that reproduce the loss: two losses can agree numerically on a
-    # case (rkl ~ kl_div near uniform targets), a second deviation is then not evidence
-    fewest = min(map(len, found), default=0)
-    best = ["; ".join(causes) for causes in found if len(causes) == fewest]
-    if len(best) <= 1:
-        return best
-    return [f"{' or '.join(best)}: these give the same total on this case and cannot be told "
-            "apart here (one cause, not several); a case where the drafter's and the verifier's "
-            "distributions differ more (fitted weights, real data) separates them"]
-
-
-def loss_scale_cause(ev: Evidence, cl: float) -> list[str]:
-    """"loss scaled by k" when the candidate's loss is k x the reference's formula on its own
-    tensors AND every gradient is k x the reference's (a ratio of two scalars alone is no
-    evidence; the gradients make it one)."""
-    own = recompute_loss(ev, parse_loss(ev.case.loss.loss), "tokens")
-    k = gradient_scale(ev) if own else None
-    if k is None or abs(cl / own - k) > ev.tol["rtol"] * 10 * abs(k):
-        return []
-    return [f"loss scaled by {k:.4g}: the candidate's loss and every gradient are {k:.4g} x the "
-            "reference's formula on its own logits, targets, mask and weights (a constant "
-            "factor, e.g. a sum where the reference averages, or a loss multiplied before "
-            "backward)"]
 
 
 def diagnose_loss(ev: Evidence, result: CheckResult) -> list[str]:
