@@ -584,6 +584,16 @@ def test_eal_definition_named_in_metrics_diagnosis(ours):
         "acceptance-length definitions differ: the candidate's EAL is 'product-of-marginals'")
 
 
+def test_eal_off_by_one_named_in_metrics_diagnosis(ours):
+    cand = edited(ours)
+    cand.metrics["eal_sum"] = ours.metrics["eal_sum"] + ours.metrics["eal_total"]
+    eal = ours.metrics["eal_sum"] / ours.metrics["eal_total"]
+    r = audit(cand, ours)["metrics"]
+    assert r.status == "warn" and r.diagnosis == [
+        f"acceptance length off by +1: the candidate's EAL {eal + 1:.4g} is the 'leading-run' "
+        f"definition on its own logits ({eal:.4g}) +1 (the bonus token counted twice)"]
+
+
 def test_predict_targets_reference_hypothesis_is_our_drafter(ours):
     sup = ours.tensors["aligned_loss_mask"][0].bool().nonzero().squeeze(-1)
     predicted = predict_targets(CASE, TargetHypothesis(None, 1, 1), sup)
