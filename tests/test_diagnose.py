@@ -29,7 +29,7 @@ from dflash_audit.audit.weight_formulas import weight_formula_causes
 from dflash_audit.audit.weights import fit_to_targets
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
-from dflash_audit.model.drafter import DFlashDrafter
+from dflash_audit.model.drafter import DFlashDrafter, block_indices
 from dflash_audit.model.layers import DecoderLayer, DraftAttention, RMSNorm, apply_rope
 from dflash_audit.model.loss import LossSpec
 from dflash_audit.model.mask import dense_mask
@@ -521,11 +521,11 @@ def test_gradients_of_a_loss_the_value_cannot_tell_apart(ours):
     """Where rkl's value equals the reported loss within tolerance (as on a case near the
     verifier), the gradients still name it: replayed forward and backward under rkl."""
     from dflash_audit.audit.replay import drafter_with_weights
-    from dflash_audit.model.loss import LossSpec as Spec, dflash_loss
+    from dflash_audit.model.loss import dflash_loss
 
     model = drafter_with_weights(CASE.config, CASE.weights)
     out = model(**CASE.inputs)
-    rkl = dflash_loss(out.logits, out.targets, out.aligned_loss_mask, BLOCK, Spec("rkl")).loss
+    rkl = dflash_loss(out.logits, out.targets, out.aligned_loss_mask, BLOCK, LossSpec("rkl")).loss
     names = [n[5:] for n in ours.tensors if n.startswith("grad.")]
     grads = torch.autograd.grad(rkl, [dict(model.named_parameters())[n] for n in names])
     value = torch.tensor(recompute_loss(_ev(ours), {"rkl": 1.0}, "tokens"))
@@ -536,6 +536,20 @@ def test_gradients_of_a_loss_the_value_cannot_tell_apart(ours):
         "loss computed as 'rkl' where the profile says 'kl_div' (the loss values agree within "
         "tolerance on this case, the gradients do not: our drafter's gradients under that loss "
         "reproduce the candidate's)"]
+
+
+def test_loss_under_another_mask_than_the_one_reported(ours):
+    """The reported aligned_loss_mask is right, but the loss counts slot 0 in its denominator
+    (w_0 = 0, so only the token count changes): the loss is smaller."""
+    idx = block_indices(CASE.inputs["anchor_positions"], BLOCK)
+    kept = CASE.inputs["loss_mask"][0, idx].bool() & CASE.inputs["anchor_valid"].repeat_interleave(
+        BLOCK)
+    value = recompute_loss(_ev(ours), {"kl_div": 1.0}, "tokens", mask=kept)
+    assert value < float(ours.tensors["loss"])
+    r = audit(edited(ours, loss=torch.tensor(value)), ours)["loss"]
+    assert r.status == "fail" and r.diagnosis == [
+        "the loss is reduced under another mask than the aligned_loss_mask the candidate "
+        "reports: slot 0 (the anchor itself) not masked out of the loss"]
 
 
 class EmbeddingsScaled(DFlashDrafter):

@@ -8,7 +8,7 @@ two formulas apart on a case, our drafter replayed forward and backward under ea
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -35,16 +35,19 @@ def loss_formula_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict[str, float
 
 
 def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str,
-                   cache: dict[str, torch.Tensor] | None = None) -> float | None:
+                   cache: dict[str, torch.Tensor] | None = None,
+                   mask: torch.Tensor | None = None) -> float | None:
     """The loss of the candidate's own logits / targets / aligned mask / weights under a mix
     and a denominator (tokens: sum(m) + 1e-5; weights: sum(m*w); slots: Q; blocks: each
     block's sum over its own sum(m), averaged over blocks with a supervised slot). ``cache`` keeps
-    each divergence's elementwise values [1,Q] between calls."""
+    each divergence's elementwise values [1,Q] between calls; ``mask`` ([Q] bool) replaces the
+    candidate's aligned mask (then the cache is not used)."""
     t = ev.cand.tensors
     if "logits" not in t or "targets" not in t or t["logits"].shape != t["targets"].shape:
         return None
-    cache = {} if cache is None else cache
-    m = t.get("aligned_loss_mask", ev.ref.tensors.get("aligned_loss_mask")).reshape(1, -1).float()
+    cache = {} if cache is None or mask is not None else cache
+    m = (mask if mask is not None else t.get("aligned_loss_mask", ev.ref.tensors.get(
+        "aligned_loss_mask"))).reshape(1, -1).float()
     B, spec = ev.config.block_size, ev.case.loss
     total = 0.0
     own_weights = [v for k, v in t.items() if k.startswith("loss_weights.")]
@@ -138,9 +141,12 @@ def gradient_formula_causes(ev: Evidence, max_replays: int = 4) -> list[str]:
     return []
 
 
-def diagnose_loss_total(ev: Evidence) -> list[str]:
+def diagnose_loss_total(ev: Evidence, masks: Iterable[tuple[str, torch.Tensor]] = ()
+                        ) -> list[str]:
     """The loss formulas (:func:`loss_formula_hypotheses`) that reproduce the candidate's total
-    on its own tensors, the fewest deviations only."""
+    on its own tensors, the fewest deviations only; else the profile's formula under another
+    mask of ``masks`` ((label, [Q] bool), e.g. slot 0 kept: a loss that uses another mask than
+    the aligned_loss_mask it reports); else a constant factor."""
     cl = float(ev.cand.tensors["loss"])
     tol = ev.tol
     found, cache = [], {}
@@ -157,6 +163,11 @@ def diagnose_loss_total(ev: Evidence) -> list[str]:
                         "loss)" + why]
             found.append(formula_causes(ev, name, denom))
     if not found:
+        for label, mask in masks:
+            value = recompute_loss(ev, parse_loss(ev.case.loss.loss), "tokens", mask=mask)
+            if value is not None and abs(value - cl) <= tol["atol"] + tol["rtol"] * abs(cl):
+                return [f"the loss is reduced under another mask than the aligned_loss_mask the "
+                        f"candidate reports: {label}"]
         return loss_scale_cause(ev, cl)
     # the fewest deviations that reproduce the loss: two losses can agree numerically on a
     # case (rkl ~ kl_div near uniform targets), a second deviation is then not evidence

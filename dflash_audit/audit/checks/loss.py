@@ -309,7 +309,7 @@ def diagnose_loss(ev: Evidence, result: CheckResult) -> list[str]:
     if parts.get("loss_from_logits", {}).get("status") == FAIL:
         causes += diagnose_loss_precision(ev, parts["loss_from_logits"])
     if parts.get("total", {}).get("status") == FAIL:
-        total = diagnose_loss_total(ev)
+        total = diagnose_loss_total(ev, aligned_mask_hypotheses(ev))
         if causes and total and total[0].startswith("the candidate's loss formula conforms"):
             total = []  # the named weight / mask cause already explains the total
         causes += total
