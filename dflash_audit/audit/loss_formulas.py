@@ -120,7 +120,9 @@ def gradient_formula_causes(ev: Evidence, max_replays: int = 4) -> list[str]:
     if not close or not rg:
         return []
     model = drafter_with_weights(ev.config, ev.case.weights)
-    params = [p for n, p in model.named_parameters() if n in rg]
+    named = dict(model.named_parameters())
+    rg = {n: g for n, g in rg.items() if n in named}
+    params = [named[n] for n in rg]  # in rg's order: the zip below pairs them by position
     with autocast(ev.case):
         out = model(**ev.case.inputs)
     m, B, spec = out.aligned_loss_mask.float(), ev.config.block_size, ev.case.loss
