@@ -553,6 +553,26 @@ def test_loss_under_another_mask_than_the_one_reported(ours):
         "reports: slot 0 (the anchor itself) not masked out of the loss"]
 
 
+def test_dpace_weights_not_detached():
+    """D-PACE weights computed with the gradient attached: the same loss value, other
+    gradients (on a case with one supervised slot they are even a uniform scale of the
+    reference's: named as D-PACE, not as "gradients scaled")."""
+    case = dataclasses.replace(CASE, loss=LossSpec("kl_div", "dpace"))
+    ours = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
+
+    def attach():
+        original = loss_module.dpace_weights
+        loss_module.dpace_weights = original.__wrapped__
+        return lambda: setattr(loss_module, "dpace_weights", original)
+
+    cand = candidate(patch=attach).run_case(case.config, case.loss, case.weights, case.inputs)
+    r = audit(cand, ours, case)
+    assert r["loss"].status == "pass" and r["gradients"].diagnosis == [
+        "D-PACE weights not detached: the gradient also flows through the per-slot weights w "
+        "(the reference computes them without gradient; our drafter's gradients with w "
+        "attached reproduce the candidate's)"]
+
+
 class EmbeddingsScaled(DFlashDrafter):
     """Gemma's embedding normalizer applied to the noise block: embed(ids) * sqrt(H)."""
 

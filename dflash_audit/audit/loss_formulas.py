@@ -19,6 +19,7 @@ from dflash_audit.model.loss import (
     LOSS_REDUCTION_EPS,
     LOSSES,
     LossSpec,
+    dpace_weights,
     parse_loss,
     slot_weights,
 )
@@ -96,12 +97,18 @@ def formula_causes(ev: Evidence, name: str, denom: str) -> list[str]:
     return causes
 
 
-def gradient_formula_causes(ev: Evidence, max_replays: int = 4) -> list[str]:
-    """For gradients that differ where the loss value matched: the loss formulas whose value on
-    the candidate's own tensors equals its loss within the loss tolerance (so the loss check
-    cannot tell them apart on this case, e.g. rkl ~ kl_div near the verifier), replayed with
-    our drafter forward and backward on the case; the first whose gradients reproduce every
-    candidate gradient is named."""
+#: Pseudo-denominator of :func:`gradient_formula_causes`: the profile's D-PACE loss with the
+#: gradient flowing through its weights (same value, other gradients).
+WEIGHTS_WITH_GRAD = "tokens, D-PACE weights with gradient"
+
+
+def gradient_formula_causes(ev: Evidence, max_replays: int = 5) -> list[str]:
+    """For gradients that differ where the loss value matched: under D-PACE, the profile's loss
+    with its weights not detached; then the loss formulas whose value on the candidate's own
+    tensors equals its loss within the loss tolerance (so the loss check cannot tell them apart
+    on this case, e.g. rkl ~ kl_div near the verifier). Each is replayed with our drafter
+    forward and backward on the case; the first whose gradients reproduce every candidate
+    gradient is named."""
     from dflash_audit.audit.precision import autocast
     from dflash_audit.audit.replay import drafter_with_weights
 
@@ -115,6 +122,8 @@ def gradient_formula_causes(ev: Evidence, max_replays: int = 4) -> list[str]:
             ev, mix, denom, cache)
         if value is not None and abs(value - cl) <= tol["atol"] + tol["rtol"] * abs(cl):
             close.append((name, mix, denom))
+    if ev.case.loss.weighting == "dpace":  # the profile's loss, gradient through w
+        close.insert(0, ("profile", parse_loss(ev.case.loss.loss), WEIGHTS_WITH_GRAD))
     cg = {k[5:]: v for k, v in t.items() if k.startswith("grad.")}
     rg = {k[5:]: v for k, v in ev.ref.tensors.items() if k.startswith("grad.") and k[5:] in cg}
     if not close or not rg:
@@ -131,13 +140,22 @@ def gradient_formula_causes(ev: Evidence, max_replays: int = 4) -> list[str]:
         total = 0.0
         for term, coef in mix.items():
             el = LOSSES[term](out.logits, out.targets) * m
-            w = slot_weights(LossSpec(term, spec.weighting, spec.gamma, spec.dpace_alpha),
-                             el.detach(), m, B, ev.config.sample_from_anchor)
-            total = total + coef * reduce_term(el, w, m, B, denom)
+            if denom == WEIGHTS_WITH_GRAD:
+                w = dpace_weights.__wrapped__(el, m, B, spec.dpace_alpha)  # without no_grad
+            else:
+                w = slot_weights(LossSpec(term, spec.weighting, spec.gamma, spec.dpace_alpha),
+                                 el.detach(), m, B, ev.config.sample_from_anchor)
+            total = total + coef * reduce_term(el, w, m, B, "tokens" if denom ==
+                                               WEIGHTS_WITH_GRAD else denom)
         grads = torch.autograd.grad(total, params, retain_graph=True, allow_unused=True)
-        if all(g is not None and closeness(cg[n], g, **grad_tolerance(rg[n], gtol)).ok
-               for n, g in zip(rg, grads)):
-            return ["; ".join(formula_causes(ev, name, denom)) + " (the loss values agree "
+        if not all(g is not None and closeness(cg[n], g, **grad_tolerance(rg[n], gtol)).ok
+                   for n, g in zip(rg, grads)):
+            continue
+        if denom == WEIGHTS_WITH_GRAD:
+            return ["D-PACE weights not detached: the gradient also flows through the per-slot "
+                    "weights w (the reference computes them without gradient; our drafter's "
+                    "gradients with w attached reproduce the candidate's)"]
+        return ["; ".join(formula_causes(ev, name, denom)) + " (the loss values agree "
                     "within tolerance on this case, the gradients do not: our drafter's "
                     "gradients under that loss reproduce the candidate's)"]
     return []
