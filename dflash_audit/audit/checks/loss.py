@@ -9,10 +9,11 @@ sample_from_anchor, weights normalised per block; on a case that cannot separate
 both in one cause with the slots a separating case needs), D-PACE vs fixed-exp-decay weighting
 (only on a case whose reference weights vary between blocks), D-PACE weights that follow from
 an upstream difference, another loss (e.g. hard-label CE instead of a soft divergence) and the
-loss normalised by the sum of weights, averaged over all Q slots or per block, a loss scaled by a
+loss normalised by the sum of weights, averaged over all Q slots or per block, a loss reduced
+under another mask than the aligned_loss_mask the candidate reports, and a loss scaled by a
 constant (told from any other difference by the gradients: all scaled by the same factor);
 among several loss formulas that reproduce the total, only those with the fewest deviations,
-named as one cause.
+named as one cause (:mod:`dflash_audit.audit.loss_formulas`).
 
 In a low-precision audit (``--dtype bf16``) the loss must also follow from the candidate's own
 logits and targets by the reference's formula in float32 (part ``loss_from_logits``, tolerance
