@@ -8,9 +8,9 @@ while its training CLI makes every layer sliding; the mask rules differ between 
 Synthetic cases keep the profile's semantics (loss, weighting, gamma, D-PACE alpha,
 sample_from_anchor, sliding_window_non_causal, draft vocabulary or not) and vary what real
 data rarely exercises: block size, anchors (including padding anchors), packed documents,
-padding, windows smaller than a document, one long row (the last case, T = LONG_SEQ_LEN),
-layouts (full / sliding / mixed, cycled so any
-N >= 2 covers full and sliding), and the verifier: case i is a proxy of verifier family
+padding, windows smaller than a document, one long row (the last case when there are more
+than len(FAMILIES), as by default: T = LONG_SEQ_LEN), layouts (full / sliding / mixed, cycled
+so any N >= 2 covers full and sliding), and the verifier: case i is a proxy of verifier family
 ``FAMILIES[i % len(FAMILIES)]`` (:mod:`dflash_audit.data.families`: llama with llama3 rope
 scaling, qwen3 with head_dim != H/heads, qwen3_5 hybrid with partial rotary and x*(1+w)
 norm, gemma3_text with nested per-layer-type rope and gelu, mistral, gpt_oss with yarn,
@@ -206,7 +206,8 @@ def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[Pl
             types = (layout,) * rng.choice((1, 1, 2))
         block = profile.block_size if i < len(SYNTHETIC_LAYOUTS) else rng.choice(
             SYNTHETIC_BLOCK_SIZES)
-        long_row = i == count - 1  # the last case: one long document (LONG_SEQ_LEN)
+        # the last case past the first pass over the families: one long document
+        long_row = i == count - 1 and i >= len(FAMILIES)
         seq_len = LONG_SEQ_LEN if long_row else rng.randint(max(3 * block, 24), max(96, 4 * block))
         docs = 1 if long_row else rng.randint(1, 4)
         pad = rng.randint(0, min(8, seq_len // 4))

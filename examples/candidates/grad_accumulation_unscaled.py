@@ -9,7 +9,8 @@ learning-rate schedule do not.
 Expected audit result: ``gradients`` fails with the diagnosis "gradients scaled by 2";
 everything upstream (context, masks, targets, logits, loss) passes.
 
-Run: ``dflash-audit compare --candidate examples/candidates/grad_accumulation_unscaled.py:candidate``
+Run:
+``dflash-audit compare --candidate examples/candidates/grad_accumulation_unscaled.py:candidate``
 """
 
 from __future__ import annotations

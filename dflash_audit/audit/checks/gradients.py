@@ -7,7 +7,8 @@ a cause, when the candidate's masks hide all context), gradients of every parame
 one constant while the reported loss is not (the backward ran on k x the loss:
 :func:`gradient_scale`), another loss formula whose value equals the reference's within the
 loss tolerance on this case (replayed forward and backward:
-:func:`dflash_audit.audit.loss_formulas.gradient_formula_causes`), and differences that follow from an upstream check's difference.
+:func:`dflash_audit.audit.loss_formulas.gradient_formula_causes`; D-PACE weights not detached
+among them), and differences that follow from an upstream check's difference.
 """
 
 from __future__ import annotations
