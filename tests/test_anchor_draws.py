@@ -80,6 +80,12 @@ def per_document(loss_mask, max_anchors, block_size, g, document_ids=None):
     return _pad(torch.cat(chosen).sort().values, max_anchors * docs)
 
 
+def first_k(loss_mask, max_anchors, block_size, g):
+    """The first max_anchors valid positions every time (no randomness)."""
+    pool = loss_mask[0, :-block_size].bool().nonzero().squeeze(-1)
+    return _pad(pool[:max_anchors], max_anchors)
+
+
 @pytest.fixture(scope="module")
 def ours():
     return SideOutputs(draw_anchors(DrafterCandidate().select_anchors, CASE), {}, {})
@@ -98,6 +104,20 @@ def test_what_cannot_change_training_passes(select, ours):
     assert r.details["max_abs_z"] < 6
 
 
+def test_a_long_row_with_few_anchors_passes_the_same_sampler():
+    """T=2100, 8 anchors, 512 draws: each position is drawn ~2 times, so each side misses
+    some positions the other drew by chance; that is no support difference."""
+    long = synthetic_case("long", CONFIG, LossSpec(), seed=6, seq_len=2100, num_documents=1,
+                          pad=0, max_anchors=8)
+    ours = SideOutputs(draw_anchors(DrafterCandidate().select_anchors, long), {}, {})
+    cand = SideOutputs(draw_anchors(DrafterCandidate().select_anchors, long, seed=7), {}, {})
+    r_set, c_set = (set(s.tensors["anchor_draws"][s.tensors["anchor_draws_valid"]].tolist())
+                    for s in (ours, cand))
+    assert r_set - c_set  # chance misses exist ...
+    r = check_anchor_draws(long, cand, ours)
+    assert r.status == "pass", r.summary  # ... and are not a finding
+
+
 @pytest.mark.parametrize("select,cause,evidence", [
     (uniform(exclude_tail=0), "anchors drawn from the last block_size positions of the row",
      f"positions 60, 61, 62, 63 of T={T}, block_size={B}"),
@@ -108,7 +128,9 @@ def test_what_cannot_change_training_passes(select, ours):
     (uniform(fewer=1), "another number of anchors per draw than the reference's",
      "5 per draw, reference 6"),
     (early_biased, "anchors not drawn uniformly over the valid positions", "position"),
-], ids=["tail", "loss-mask", "replacement", "tail-too-long", "fewer", "skewed"])
+    (first_k, "anchors not random: every draw returns the same anchors",
+     "512 draws, all 4, 5, 6, 7, 8, 31; the reference's 512 draws hold 512 different sets"),
+], ids=["tail", "loss-mask", "replacement", "tail-too-long", "fewer", "skewed", "first-k"])
 def test_sampler_bug_is_named(select, cause, evidence, ours):
     r = check(select, ours)
     assert r.status == "fail" and len(r.details["causes"]) == 1, r.summary

@@ -273,6 +273,12 @@ def test_synthetic_spread_covers_both_layouts_and_is_seeded():
     assert any(x["sliding_window"] is not None and x["sliding_window"] < x["seq_len"] // 2
                for x in layouts)
     assert any(x["valid_anchors"] < x["anchors"] for x in layouts)  # padding anchors
+    # one long document last (positions past 256 and 2048); none in a short spread
+    from dflash_audit.audit.plan import LONG_SEQ_LEN
+
+    assert [x["seq_len"] for x in layouts].index(LONG_SEQ_LEN) == len(layouts) - 1
+    assert int(cases[-1].case.inputs["position_ids"].max()) > 2048
+    assert all(x["seq_len"] < LONG_SEQ_LEN for x in (p.layout for p in two))
     # every commonly hard-coded verifier constant is some case's verifier value
     assert {x["rope_theta"] for x in layouts} >= {1e4, 1e5, 5e5, 1e6}
     assert {x["rms_norm_eps"] for x in layouts} >= {1e-5, 1e-6}

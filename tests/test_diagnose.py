@@ -29,7 +29,7 @@ from dflash_audit.audit.weight_formulas import weight_formula_causes
 from dflash_audit.audit.weights import fit_to_targets
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
-from dflash_audit.model.drafter import DFlashDrafter
+from dflash_audit.model.drafter import DFlashDrafter, block_indices
 from dflash_audit.model.layers import DecoderLayer, DraftAttention, RMSNorm, apply_rope
 from dflash_audit.model.loss import LossSpec
 from dflash_audit.model.mask import dense_mask
@@ -463,13 +463,132 @@ def test_draft_vocab_d2t_read_as_absolute_ids():
 @pytest.mark.parametrize("denom,cause", [
     ("weights", "loss normalised by the sum of weights instead of the number of supervised "
                 "tokens"),
-    ("slots", "loss averaged over all Q slots instead of the supervised tokens")])
+    ("slots", "loss averaged over all Q slots instead of the supervised tokens"),
+    ("blocks", "loss averaged per block (over its supervised tokens), then over blocks, "
+               "instead of over all supervised tokens of the row")])
 def test_loss_denominator_named_alone(ours, denom, cause):
     """Only the fewest deviations that reproduce the loss are named (another loss under the
     same denominator can agree numerically; it is not a second cause)."""
     total = recompute_loss(_ev(ours), {"kl_div": 1.0}, denom)
     r = audit(edited(ours, loss=torch.tensor(total)), ours)["loss"]
     assert r.status == "fail" and r.diagnosis == [cause]
+
+
+def _grads_scaled(side: SideOutputs, k: float) -> dict[str, torch.Tensor]:
+    return {n: k * g for n, g in side.tensors.items() if n.startswith("grad.")}
+
+
+def test_gradients_scaled_while_the_loss_matches(ours):
+    """backward on 2 x loss, the loss reported unscaled: only the gradients differ."""
+    r = audit(edited(ours, **_grads_scaled(ours, 2.0)), ours)
+    assert r["loss"].status == "pass" and r["gradients"].status == "fail"
+    assert r["gradients"].diagnosis == [
+        "gradients scaled by 2: every parameter's gradient is 2 x the reference's while the "
+        "reported loss matches, so the backward ran on 2 x the loss (a loss multiplied by a "
+        "constant, or summed where the reference averages, before backward)"]
+
+
+def test_loss_scaled_by_a_constant(ours):
+    """loss x 2 (e.g. summed over two terms where the reference averages): loss and every
+    gradient scaled. (x 0.25 is not used: near uniform distributions jsd ~ kl_div / 4, and a
+    case on untrained weights names that loss instead.)"""
+    cand = edited(ours, loss=2.0 * ours.tensors["loss"], **_grads_scaled(ours, 2.0))
+    r = audit(cand, ours)
+    assert r["loss"].diagnosis == [
+        "loss scaled by 2: the candidate's loss and every gradient are 2 x the "
+        "reference's formula on its own logits, targets, mask and weights (a constant factor, "
+        "e.g. a sum where the reference averages, or a loss multiplied before backward)"]
+    assert r["gradients"].diagnosis == ["follows from the loss difference"]
+
+
+def test_a_loss_ratio_alone_is_not_named_as_a_scale(ours):
+    """A scalar always has a ratio: without scaled gradients it is no evidence."""
+    r = audit(edited(ours, loss=2.0 * ours.tensors["loss"]), ours)["loss"]
+    assert r.status == "fail" and r.diagnosis[0].startswith("unexplained difference in loss")
+
+
+def test_context_dropout_in_training_mode(ours):
+    torch.manual_seed(0)
+    ctx = torch.nn.functional.dropout(ours.tensors["context"], p=0.1, training=True)
+    r = audit(edited(ours, context=ctx), ours)["context"]
+    assert r.status == "fail" and r.diagnosis == [
+        "dropout on the context in training mode (p ~ 0.1: that share of the values is zero, "
+        "the rest scaled by 1/(1-p)); the reference trains the drafter without dropout (e.g. a "
+        "dropout probability read from the verifier config)"]
+
+
+def test_gradients_of_a_loss_the_value_cannot_tell_apart(ours):
+    """Where rkl's value equals the reported loss within tolerance (as on a case near the
+    verifier), the gradients still name it: replayed forward and backward under rkl."""
+    from dflash_audit.audit.replay import drafter_with_weights
+    from dflash_audit.model.loss import dflash_loss
+
+    model = drafter_with_weights(CASE.config, CASE.weights)
+    out = model(**CASE.inputs)
+    rkl = dflash_loss(out.logits, out.targets, out.aligned_loss_mask, BLOCK, LossSpec("rkl")).loss
+    names = [n[5:] for n in ours.tensors if n.startswith("grad.")]
+    grads = torch.autograd.grad(rkl, [dict(model.named_parameters())[n] for n in names])
+    value = torch.tensor(recompute_loss(_ev(ours), {"rkl": 1.0}, "tokens"))
+    ref = edited(ours, loss=value)  # both losses equal: only the gradients can tell
+    ref.tensors = dict(sorted(ref.tensors.items()))  # key order as read back from safetensors
+    cand = edited(ours, loss=value, **{f"grad.{n}": g for n, g in zip(names, grads)})
+    r = audit(cand, ref)
+    assert r["loss"].status == "pass" and r["gradients"].diagnosis == [
+        "loss computed as 'rkl' where the profile says 'kl_div' (the loss values agree within "
+        "tolerance on this case, the gradients do not: our drafter's gradients under that loss "
+        "reproduce the candidate's)"]
+
+
+def test_loss_under_another_mask_than_the_one_reported(ours):
+    """The reported aligned_loss_mask is right, but the loss counts slot 0 in its denominator
+    (w_0 = 0, so only the token count changes): the loss is smaller."""
+    idx = block_indices(CASE.inputs["anchor_positions"], BLOCK)
+    kept = CASE.inputs["loss_mask"][0, idx].bool() & CASE.inputs["anchor_valid"].repeat_interleave(
+        BLOCK)
+    value = recompute_loss(_ev(ours), {"kl_div": 1.0}, "tokens", mask=kept)
+    assert value < float(ours.tensors["loss"])
+    r = audit(edited(ours, loss=torch.tensor(value)), ours)["loss"]
+    assert r.status == "fail" and r.diagnosis == [
+        "the loss is reduced under another mask than the aligned_loss_mask the candidate "
+        "reports: slot 0 (the anchor itself) not masked out of the loss"]
+
+
+def test_dpace_weights_not_detached():
+    """D-PACE weights computed with the gradient attached: the same loss value, other
+    gradients (on a case with one supervised slot they are even a uniform scale of the
+    reference's: named as D-PACE, not as "gradients scaled")."""
+    case = dataclasses.replace(CASE, loss=LossSpec("kl_div", "dpace"))
+    ours = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
+
+    def attach():
+        original = loss_module.dpace_weights
+        loss_module.dpace_weights = original.__wrapped__
+        return lambda: setattr(loss_module, "dpace_weights", original)
+
+    cand = candidate(patch=attach).run_case(case.config, case.loss, case.weights, case.inputs)
+    r = audit(cand, ours, case)
+    assert r["loss"].status == "pass" and r["gradients"].diagnosis == [
+        "D-PACE weights not detached: the gradient also flows through the per-slot weights w "
+        "(the reference computes them without gradient; our drafter's gradients with w "
+        "attached reproduce the candidate's)"]
+
+
+class EmbeddingsScaled(DFlashDrafter):
+    """Gemma's embedding normalizer applied to the noise block: embed(ids) * sqrt(H)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed_tokens.register_forward_hook(lambda m, a, out: out * config.hidden_size**0.5)
+
+
+def test_noise_embeddings_scaled_like_gemma(ours):
+    cand = candidate(EmbeddingsScaled).run_case(CASE.config, CASE.loss, CASE.weights,
+                                                 CASE.inputs)
+    r = audit(cand, ours)
+    assert r["context"].status == "pass" and r["logits"].status == "fail"
+    assert r["logits"].diagnosis == [
+        "noise-block embeddings multiplied by sqrt(hidden_size) (Gemma's embedding normalizer); "
+        "the reference's drafter uses the verifier's embedding unscaled"]
 
 
 class PartialRotary(DFlashDrafter):
@@ -498,6 +617,16 @@ def test_eal_definition_named_in_metrics_diagnosis(ours):
     r = audit(cand, ours)["metrics"]
     assert r.status == "warn" and r.diagnosis[0].startswith(
         "acceptance-length definitions differ: the candidate's EAL is 'product-of-marginals'")
+
+
+def test_eal_off_by_one_named_in_metrics_diagnosis(ours):
+    cand = edited(ours)
+    cand.metrics["eal_sum"] = ours.metrics["eal_sum"] + ours.metrics["eal_total"]
+    eal = ours.metrics["eal_sum"] / ours.metrics["eal_total"]
+    r = audit(cand, ours)["metrics"]
+    assert r.status == "warn" and r.diagnosis == [
+        f"acceptance length off by +1: the candidate's EAL {eal + 1:.4g} is the 'leading-run' "
+        f"definition on its own logits ({eal:.4g}) +1 (the bonus token counted twice)"]
 
 
 def test_predict_targets_reference_hypothesis_is_our_drafter(ours):

@@ -52,6 +52,10 @@ EXPECTED = {
     "targets_post_norm": ({"targets": "targets from post-norm states: the verifier's final norm "
                                       "is applied twice"},
                           ("structure", "mask", "context", "logits")),
+    "grad_accumulation_unscaled": ({"gradients": "gradients scaled by 2: every parameter's "
+                                                 "gradient is 2 x the reference's while the "
+                                                 "reported loss matches"},
+                                   ("structure", "mask", "context", "targets", "logits", "loss")),
     "gamma7": ({"loss": "decay gamma 7 (fitted from the weights",
                 "gradients": "follows from the loss difference"},
                ("structure", "mask", "context", "targets", "logits")),

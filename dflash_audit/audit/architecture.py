@@ -168,10 +168,18 @@ def attention_hypotheses(c: DFlashConfig, context_len: int) -> Iterator[Hypothes
         "edit": _replace(lambda old, layer: SuffixOnly(old, context_len), "self_attn.k_norm")})
 
 
+def _scale_embeddings(model: DFlashDrafter) -> None:
+    scale = model.config.hidden_size ** 0.5
+    model.embed_tokens.register_forward_hook(lambda module, args, out: out * scale)
+
+
 def layer_hypotheses() -> Iterator[Hypothesis]:
-    """Norms and residuals of the decoder layers, and the final norm."""
+    """Norms and residuals of the decoder layers, the final norm, and the noise embedding."""
     yield ("final norm missing: logits = lm_head(x) without the drafter's norm",
            {"edit": lambda model: setattr(model, "norm", nn.Identity())})
+    yield ("noise-block embeddings multiplied by sqrt(hidden_size) (Gemma's embedding "
+           "normalizer); the reference's drafter uses the verifier's embedding unscaled",
+           {"edit": _scale_embeddings})
     for name in ("input_layernorm", "post_attention_layernorm"):
         yield f"{name} missing in the draft layers", {"edit": _replace(_identity, name)}
     yield ("the context normed again in each draft layer (by its input_layernorm); the "

@@ -8,8 +8,9 @@ while its training CLI makes every layer sliding; the mask rules differ between 
 Synthetic cases keep the profile's semantics (loss, weighting, gamma, D-PACE alpha,
 sample_from_anchor, sliding_window_non_causal, draft vocabulary or not) and vary what real
 data rarely exercises: block size, anchors (including padding anchors), packed documents,
-padding, windows smaller than a document, layouts (full / sliding / mixed, cycled so any
-N >= 2 covers full and sliding), and the verifier: case i is a proxy of verifier family
+padding, windows smaller than a document, one long row (the last case when there are more
+than len(FAMILIES), as by default: T = LONG_SEQ_LEN), layouts (full / sliding / mixed, cycled
+so any N >= 2 covers full and sliding), and the verifier: case i is a proxy of verifier family
 ``FAMILIES[i % len(FAMILIES)]`` (:mod:`dflash_audit.data.families`: llama with llama3 rope
 scaling, qwen3 with head_dim != H/heads, qwen3_5 hybrid with partial rotary and x*(1+w)
 norm, gemma3_text with nested per-layer-type rope and gelu, mistral, gpt_oss with yarn,
@@ -44,6 +45,10 @@ REFERENCE_CLI_WINDOW = 2048
 SYNTHETIC_LAYOUTS = ("full", "sliding", "mixed")
 SYNTHETIC_BLOCK_SIZES = (2, 3, 4, 5, 8, 16)
 SYNTHETIC_VERIFIER = {"num_hidden_layers": 12, "vocab_size": 128}
+#: T of the last synthetic case, one document: positions past 256 (where bfloat16 stops
+#: holding integers exactly) and past 2048 (float16; the reference CLI's sliding window), so a
+#: bug that only starts on long rows does not pass an audit whose real rows are short.
+LONG_SEQ_LEN = 2100
 
 
 def synthetic_verifier_config(family: str, rng: random.Random | None = None) -> Any:
@@ -201,8 +206,10 @@ def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[Pl
             types = (layout,) * rng.choice((1, 1, 2))
         block = profile.block_size if i < len(SYNTHETIC_LAYOUTS) else rng.choice(
             SYNTHETIC_BLOCK_SIZES)
-        seq_len = rng.randint(max(3 * block, 24), max(96, 4 * block))
-        docs = rng.randint(1, 4)
+        # the last case past the first pass over the families: one long document
+        long_row = i == count - 1 and i >= len(FAMILIES)
+        seq_len = LONG_SEQ_LEN if long_row else rng.randint(max(3 * block, 24), max(96, 4 * block))
+        docs = 1 if long_row else rng.randint(1, 4)
         pad = rng.randint(0, min(8, seq_len // 4))
         window = rng.randint(1, seq_len // 2) if rng.random() < 0.8 else rng.randint(
             seq_len, 2 * seq_len)
@@ -211,6 +218,7 @@ def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[Pl
                                   draft_vocab_size=draft_vocab)
         # one case in four has more anchor slots than valid anchors: padding anchors
         anchors = seq_len if rng.random() < 0.25 else rng.randint(1, 10)
+        anchors = 8 if long_row else anchors
         family = FAMILIES[i % len(FAMILIES)]
         verifier_config = synthetic_verifier_config(
             family, rng if i >= len(FAMILIES) else None)

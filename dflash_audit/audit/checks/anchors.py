@@ -5,7 +5,9 @@ candidate selects anchors. Here each side draws anchors ``ANCHOR_DRAWS`` times f
 ``loss_mask``, A (``anchor_positions.numel()``) and block_size, each from its own random
 stream: two implementations need not share one, only the distribution reaches training.
 
-Compared on the valid anchors of every draw: the positions ever drawn (the support), the
+Compared on the valid anchors of every draw: the positions ever drawn (the support; a position
+the reference draws only rarely may be missed by chance on a long row, see
+:data:`MIN_MISSING_DRAWS`), the
 number of valid anchors per draw, repeats within a draw, and how often each position is
 drawn (a two-proportion z-test per position; tolerance: failing beyond |z| = ``Z_LIMIT``).
 Not compared, because neither can change training: the order of the anchors in a draw (the
@@ -23,7 +25,7 @@ A sampler whose signature names ``document_ids`` gets the case's packed-document
 1071) is named against the reference's "per row" sampling (and the other way round).
 
 Hypotheses name (the comparison names them itself): per document vs per row sampling, anchors
-outside the packed row, anchors
+not random (every draw the same), anchors outside the packed row, anchors
 drawn from the last block_size positions of the row or where loss_mask is 0, more than the last
 block_size positions excluded, positions the reference draws never drawn, another number of
 anchors per draw, anchors drawn with replacement, and per-position frequencies that differ.
@@ -44,6 +46,11 @@ from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 #: a uniform sampler exceeds 6 about once in 10^9 positions).
 Z_LIMIT = 6.0
 KEYS = ("anchor_draws", "anchor_draws_valid")
+#: A position the reference draws at least this often and the candidate never is a support
+#: difference (missed by chance with probability ~exp(-21) ~ 1e-9); rarer ones are left to the
+#: per-position z-test (positions the candidate draws where the reference cannot -- outside
+#: the row, in its last block_size positions, where loss_mask is 0 -- count from one draw).
+MIN_MISSING_DRAWS = 21
 
 
 def _sampler_arguments(select: Callable) -> tuple[bool, bool]:
@@ -172,8 +179,19 @@ def check_anchor_draws(case: Case, cand: SideOutputs, ref: SideOutputs) -> Check
         return CheckResult("anchors", case.name, FAIL, f"anchor draws of shape "
                            f"{list(c.shape)}, reference {list(r.shape)} ([draws, max_anchors])")
     found: list[tuple[str, str]] = []  # (cause, evidence on this case)
+    c_draws, r_draws = ({tuple(sorted(row[ok].tolist())) for row, ok in zip(x, v)}
+                        for x, v in ((c, cv), (r, rv)))
+    if len(c_draws) == 1 and len(r_draws) > 1:  # support and counts then follow from it
+        found.append(("anchors not random: every draw returns the same anchors; the reference "
+                      "draws them uniformly at random each step",
+                      f"{len(c)} draws, all {_positions(sorted(next(iter(c_draws))))}; the "
+                      f"reference's {len(c)} draws hold {len(r_draws)} different sets"))
     c_set, r_set = set(c[cv].tolist()), set(r[rv].tolist())
-    found += support_findings(case, sorted(c_set - r_set), sorted(r_set - c_set))
+    r_counts = torch.bincount(r[rv], minlength=1) if rv.any() else torch.zeros(1).long()
+    # a position the reference drew n times and the candidate never: by chance with
+    # probability ~exp(-n) when both sample alike (a long row, few anchors: ~2 draws each)
+    missing = sorted(p for p in r_set - c_set if int(r_counts[p]) >= MIN_MISSING_DRAWS)
+    found += [] if found else support_findings(case, sorted(c_set - r_set), missing)
     c_count, r_count = sorted(set(cv.sum(1).tolist())), sorted(set(rv.sum(1).tolist()))
     if c_count != r_count and not found:  # with another support the count follows from it
         found.append(("another number of anchors per draw than the reference's "

@@ -4,8 +4,8 @@ supervised block may attend (reference masks), at the dtype's assert_close toler
 
 Hypotheses name: hidden_states shifted against the loss mask / positions (EAGLE-3-style,
 either direction), fc fed a subset of the target layers (and which fc.weight columns it kept),
-target layers concatenated in descending order, hidden_norm missing or applied twice, and a
-hard-coded hidden_norm eps.
+target layers concatenated in descending order, hidden_norm missing or applied twice, a
+hard-coded hidden_norm eps, and dropout left on in training mode (:func:`dropout_rate`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dflash_audit.audit.compare_tensors import tensor_result
 from dflash_audit.audit.evidence import Evidence, sample, search_hypotheses, shifted
 from dflash_audit.audit.result import CheckResult
 from dflash_audit.audit.slots import attended_positions
+from dflash_audit.audit.tolerance import closeness
 from dflash_audit.model.layers import RMSNorm
 
 
@@ -116,6 +117,21 @@ def describe_context_hypothesis(case: Case, h: ContextHypothesis) -> str:
             f"(hidden_states slices {list(h.slices)}) and misses {missed}{cols}")
 
 
+def dropout_rate(cand: torch.Tensor, ref: torch.Tensor, tol: dict[str, float]) -> float | None:
+    """The dropout probability p when ``cand`` is ``ref`` under inverted dropout (exact zeros
+    where ``ref`` is not, every other value ``ref / (1 - p)`` within tolerance), else None.
+    Needs at least 1 % zeroed values (fewer is no evidence)."""
+    dropped = (cand == 0) & (ref != 0)
+    kept = ~dropped & (ref != 0)
+    if int(dropped.sum()) < max(2, 0.01 * ref.numel()) or not bool(kept.any()):
+        return None
+    scale = float((cand[kept].double() * ref[kept].double()).sum() / (ref[kept].double() ** 2
+                                                                       ).sum())
+    if scale <= 1.0 or not bool(closeness(cand[kept], ref[kept] * scale, **tol).ok):
+        return None
+    return 1.0 - 1.0 / scale
+
+
 def diagnose_context(ev: Evidence, result: CheckResult) -> list[str]:
     """Search every context hypothesis (:func:`context_hypotheses`) for the candidate's context."""
     c = ev.cand.tensors["context"]
@@ -123,6 +139,11 @@ def diagnose_context(ev: Evidence, result: CheckResult) -> list[str]:
         return [f"context shape {list(c.shape)}, reference "
                 f"{list(ev.ref.tensors['context'].shape)}"]
     positions = attended_positions(ev.case, ev.ref).nonzero().squeeze(-1)
+    p = dropout_rate(c[:, positions], ev.ref.tensors["context"][:, positions], ev.tol)
+    if p is not None:
+        return [f"dropout on the context in training mode (p ~ {p:.2g}: that share of the "
+                f"values is zero, the rest scaled by 1/(1-p)); the reference trains the drafter "
+                "without dropout (e.g. a dropout probability read from the verifier config)"]
     found = search_hypotheses(ev, context_hypotheses(ev),
                               lambda h, p: predict_context(ev.case, h, p),
                               lambda p: c[:, p], [sample(positions), positions])

@@ -3,8 +3,12 @@ one backward, at a tolerance of ``atol * max(1, max|g_ref|)`` and the dtype's ``
 
 Hypotheses name: frozen weights being trained (gradients where the reference freezes),
 parameters no gradient reaches (detached or frozen on the candidate side; a consequence, not
-a cause, when the candidate's masks hide all context), and differences that follow from an
-upstream check's difference.
+a cause, when the candidate's masks hide all context), gradients of every parameter scaled by
+one constant while the reported loss is not (the backward ran on k x the loss:
+:func:`gradient_scale`), another loss formula whose value equals the reference's within the
+loss tolerance on this case (replayed forward and backward:
+:func:`dflash_audit.audit.loss_formulas.gradient_formula_causes`; D-PACE weights not detached
+among them), and differences that follow from an upstream check's difference.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dflash_audit.audit.tolerance import closeness, fmt_diff, tolerance
 from dflash_audit.model.drafter import FROZEN_PARAMETERS
 
 
-def _grad_tolerance(ref_grad: torch.Tensor, tol: dict[str, float]) -> dict[str, float]:
+def grad_tolerance(ref_grad: torch.Tensor, tol: dict[str, float]) -> dict[str, float]:
     """atol scaled by the gradient's magnitude: ``atol * max(1, max|g_ref|)`` over the
     reference's finite values (a NaN / inf there must not widen the tolerance)."""
     finite = ref_grad if bool(torch.isfinite(ref_grad).all()) else ref_grad[
@@ -73,7 +77,7 @@ def check_gradients(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckRes
             problems.append((n, f"{n}: gradient shape {list(c.shape)} != reference "
                                 f"{list(r.shape)}", None))
             continue
-        ptol = _grad_tolerance(r, tol)
+        ptol = grad_tolerance(r, tol)
         res = closeness(c, r, **ptol)
         per_param[n] = {"status": PASS if res.ok else FAIL, "max_abs": res.max_abs,
                         "max_rel": res.max_rel, "atol": ptol["atol"], "num_bad": res.num_bad}
@@ -111,6 +115,31 @@ def check_gradients(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckRes
         details={"parameters": per_param, "failing": [p[0] for p in problems]})
 
 
+def gradient_scale(ev: Evidence) -> float | None:
+    """The one factor k with ``g_cand = k * g_ref`` for every parameter both sides give a
+    gradient of (least squares over all of them, then each parameter within its tolerance),
+    or None when no single factor reproduces them, k is 1, or a gradient is not finite.
+
+    A uniform factor is what a backward on ``k * loss`` gives (a loss multiplied by a
+    constant, or summed where the reference averages): Adam-style optimisers undo part of it,
+    but SGD, gradient clipping and weight decay see it."""
+    cg = {k[5:]: v for k, v in ev.cand.tensors.items() if k.startswith("grad.")}
+    rg = {k[5:]: v for k, v in ev.ref.tensors.items() if k.startswith("grad.")}
+    pairs = [(cg[n].double(), rg[n].double()) for n in rg if n in cg
+             and cg[n].shape == rg[n].shape and _nonzero(rg[n])]
+    if not pairs or not all(bool(torch.isfinite(c).all() and torch.isfinite(r).all())
+                            for c, r in pairs):
+        return None
+    num = sum(float((c * r).sum()) for c, r in pairs)
+    den = sum(float((r * r).sum()) for _, r in pairs)
+    k = num / den if den else 0.0
+    tol = tolerance(ev.case, "grad")
+    if k == 0.0 or abs(k - 1.0) <= tol["rtol"] or not all(
+            closeness(c, k * r, **grad_tolerance(r.float(), tol)).ok for c, r in pairs):
+        return None
+    return k
+
+
 def masks_hide_context(ev: Evidence) -> bool:
     """Whether every mask the candidate returned lets no supervised row attend any context
     position (then fc and hidden_norm get no gradient through attention)."""
@@ -120,7 +149,11 @@ def masks_hide_context(ev: Evidence) -> bool:
 
 
 def diagnose_gradients(ev: Evidence, result: CheckResult) -> list[str]:
-    """Frozen weights trained, parameters no gradient reaches, or an upstream difference."""
+    """Frozen weights trained, parameters no gradient reaches, an upstream difference, a loss
+    formula whose value the loss check could not tell apart here, or a constant factor."""
+    # loss_formulas imports this module: imported here
+    from dflash_audit.audit.loss_formulas import gradient_formula_causes
+
     params = result.details.get("parameters", {})
     frozen = [n for n, p in params.items() if p.get("reason") == "frozen in the reference"]
     causes = []
@@ -143,4 +176,11 @@ def diagnose_gradients(ev: Evidence, result: CheckResult) -> list[str]:
     rest = [n for n in result.details.get("failing", []) if n not in frozen + no_grad]
     if rest and upstream:
         causes.append(upstream)
+    elif rest and "loss" not in ev.failing and (named := gradient_formula_causes(ev)):
+        causes += named
+    elif rest and (k := gradient_scale(ev)) is not None:
+        causes.append(f"gradients scaled by {k:.4g}: every parameter's gradient is {k:.4g} x "
+                      "the reference's while the reported loss matches, so the backward ran on "
+                      f"{k:.4g} x the loss (a loss multiplied by a constant, or summed where the "
+                      "reference averages, before backward)")
     return causes

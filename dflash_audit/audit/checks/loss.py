@@ -9,8 +9,11 @@ sample_from_anchor, weights normalised per block; on a case that cannot separate
 both in one cause with the slots a separating case needs), D-PACE vs fixed-exp-decay weighting
 (only on a case whose reference weights vary between blocks), D-PACE weights that follow from
 an upstream difference, another loss (e.g. hard-label CE instead of a soft divergence) and the
-loss normalised by the sum of weights or averaged over all Q slots; among several loss formulas
-that reproduce the total, only those with the fewest deviations, named as one cause.
+loss normalised by the sum of weights, averaged over all Q slots or per block, a loss reduced
+under another mask than the aligned_loss_mask the candidate reports, and a loss scaled by a
+constant (told from any other difference by the gradients: all scaled by the same factor);
+among several loss formulas that reproduce the total, only those with the fewest deviations,
+named as one cause (:mod:`dflash_audit.audit.loss_formulas`).
 
 In a low-precision audit (``--dtype bf16``) the loss must also follow from the candidate's own
 logits and targets by the reference's formula in float32 (part ``loss_from_logits``, tolerance
@@ -30,14 +33,13 @@ import torch
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import not_provided
 from dflash_audit.audit.evidence import Evidence, follows_from
+from dflash_audit.audit.loss_formulas import diagnose_loss_total, recompute_loss
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.slots import slot_coordinates, supervised_slots
 from dflash_audit.audit.tolerance import closeness, fmt_diff, tolerance, worst
 from dflash_audit.audit.weight_formulas import weight_formula_causes
 from dflash_audit.model.loss import (
-    LOSS_REDUCTION_EPS,
     LOSSES,
-    LossSpec,
     parse_loss,
     slot_weights,
     softmax_dtype,
@@ -288,85 +290,6 @@ def own_dpace_weights_match(ev: Evidence, term: str) -> bool:
     return bool(closeness(t[key].reshape(-1)[sup].float(), w.reshape(-1)[sup], **ev.tol).ok)
 
 
-def loss_formula_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict[str, float], str]]:
-    """(label, loss mix, denominator) for every single loss and the profile's mix, under the
-    token-count (reference), weight-sum and all-slot denominators; the reference first."""
-    profile = parse_loss(ev.case.loss.loss)
-    mixes = [("profile", profile)] + [(n, {n: 1.0}) for n in LOSSES if {n: 1.0} != profile]
-    for (name, mix), denom in itertools.product(mixes, ("tokens", "weights", "slots")):
-        yield name, mix, denom
-
-
-def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str,
-                   cache: dict[str, torch.Tensor] | None = None) -> float | None:
-    """The loss of the candidate's own logits / targets / aligned mask / weights under a mix
-    and a denominator (tokens: sum(m) + 1e-5; weights: sum(m*w); slots: Q). ``cache`` keeps
-    each divergence's elementwise values [1,Q] between calls."""
-    t = ev.cand.tensors
-    if "logits" not in t or "targets" not in t or t["logits"].shape != t["targets"].shape:
-        return None
-    cache = {} if cache is None else cache
-    m = t.get("aligned_loss_mask", ev.ref.tensors.get("aligned_loss_mask")).reshape(1, -1).float()
-    B, spec = ev.config.block_size, ev.case.loss
-    total = 0.0
-    own_weights = [v for k, v in t.items() if k.startswith("loss_weights.")]
-    for name, coef in mix.items():
-        if name not in cache:
-            cache[name] = LOSSES[name](t["logits"], t["targets"]) * m
-        el = cache[name]
-        if f"loss_weights.{name}" in t:
-            w = t[f"loss_weights.{name}"].reshape(1, -1)
-        elif own_weights and spec.weighting == "fixed-exp-decay":
-            w = own_weights[0].reshape(1, -1)
-        else:
-            w = slot_weights(LossSpec(name, spec.weighting, spec.gamma, spec.dpace_alpha), el, m,
-                             B, ev.config.sample_from_anchor)
-        d = {"tokens": m.sum() + LOSS_REDUCTION_EPS, "weights": (m * w).sum() + LOSS_REDUCTION_EPS,
-             "slots": torch.tensor(float(m.numel()))}[denom]
-        total += coef * float((el * w).sum() / d)
-    return total
-
-
-def diagnose_loss_total(ev: Evidence) -> list[str]:
-    """The loss formulas (:func:`loss_formula_hypotheses`) that reproduce the candidate's total
-    on its own tensors, the fewest deviations only."""
-    cl = float(ev.cand.tensors["loss"])
-    tol = ev.tol
-    found, cache = [], {}
-    for name, mix, denom in loss_formula_hypotheses(ev):
-        value = recompute_loss(ev, mix, denom, cache)
-        if value is None:
-            return []
-        if abs(value - cl) <= tol["atol"] + tol["rtol"] * abs(cl):
-            if name == "profile" and denom == "tokens":
-                upstream = follows_from("loss", ev)
-                why = f"; the difference {upstream}" if upstream else ""
-                return ["the candidate's loss formula conforms (the reference's formula on "
-                        "the candidate's own logits, targets, mask and weights reproduces its "
-                        "loss)" + why]
-            causes = []
-            if name != "profile":
-                hard = name == "ce" and "ce" not in parse_loss(ev.case.loss.loss)
-                causes.append(f"loss computed as {name!r} where the profile says "
-                              f"{ev.case.loss.loss!r}" + (" (hard-label CE instead of soft "
-                                                         "divergence)" if hard else ""))
-            if denom == "weights":
-                causes.append("loss normalised by the sum of weights instead of the number of "
-                              "supervised tokens")
-            elif denom == "slots":
-                causes.append("loss averaged over all Q slots instead of the supervised tokens")
-            found.append(causes)
-    # the fewest deviations that reproduce the loss: two losses can agree numerically on a
-    # case (rkl ~ kl_div near uniform targets), a second deviation is then not evidence
-    fewest = min(map(len, found), default=0)
-    best = ["; ".join(causes) for causes in found if len(causes) == fewest]
-    if len(best) <= 1:
-        return best
-    return [f"{' or '.join(best)}: these give the same total on this case and cannot be told "
-            "apart here (one cause, not several); a case where the drafter's and the verifier's "
-            "distributions differ more (fitted weights, real data) separates them"]
-
-
 def diagnose_loss(ev: Evidence, result: CheckResult) -> list[str]:
     """Causes of the failing loss parts: aligned mask, per-slot weights, total."""
     parts = result.details.get("parts", {})
@@ -387,7 +310,7 @@ def diagnose_loss(ev: Evidence, result: CheckResult) -> list[str]:
     if parts.get("loss_from_logits", {}).get("status") == FAIL:
         causes += diagnose_loss_precision(ev, parts["loss_from_logits"])
     if parts.get("total", {}).get("status") == FAIL:
-        total = diagnose_loss_total(ev)
+        total = diagnose_loss_total(ev, aligned_mask_hypotheses(ev))
         if causes and total and total[0].startswith("the candidate's loss formula conforms"):
             total = []  # the named weight / mask cause already explains the total
         causes += total

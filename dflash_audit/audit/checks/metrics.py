@@ -7,7 +7,8 @@ trained on. Hypotheses name: acceptance-length
 definitions that differ (leading-run vs product-of-marginals, as the reference changed between
 versions), accuracy over the other slot range (slot 0 counted or skipped against
 ``sample_from_anchor``), a metric the candidate computes differently from the reference's
-definition on its own logits, and metric values that follow from an upstream difference.
+definition on its own logits, an acceptance length off by one (the bonus token counted twice
+or left out), and metric values that follow from an upstream difference.
 """
 
 from __future__ import annotations
@@ -125,8 +126,9 @@ def check_metrics(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResul
 
 def _near_ties_only(case: Case, cand: SideOutputs, ref: SideOutputs) -> bool:
     """Whether both sides' logits and targets agree within tolerance on supervised slots and
-    the candidate's metrics follow the reference's definitions on its own tensors — then any
-    remaining count difference comes from argmax near-ties."""
+    the candidate's metrics (counts, and its EAL under one of the definitions) follow the
+    reference's definitions on its own tensors — then any remaining count difference comes
+    from argmax near-ties."""
     keys = ("logits", "targets", "aligned_loss_mask")
     if not all(k in cand.tensors and k in ref.tensors for k in keys):
         return False
@@ -139,7 +141,28 @@ def _near_ties_only(case: Case, cand: SideOutputs, ref: SideOutputs) -> bool:
                          cand.tensors["aligned_loss_mask"], case.config.block_size,
                          case.config.sample_from_anchor)
     return all(abs(own[k] - cand.metrics[k]) <= 1e-6 for k in _count_keys(cand.metrics)
-               if k in own)
+               if k in own) and (eal_value(cand.metrics) is None or bool(
+                   eal_definitions(cand, case)))
+
+
+def eal_offset_causes(ev: Evidence, result: CheckResult) -> list[str]:
+    """An EAL that is one of the definitions of :data:`EAL_DEFINITIONS` on the candidate's own
+    tensors plus or minus 1: the bonus token counted twice, or left out."""
+    diff = result.details.get("differences", {}).get("eal")
+    t = ev.cand.tensors
+    if not diff or not {"logits", "targets", "aligned_loss_mask"} <= set(t):
+        return []
+    m = dflash_metrics(t["logits"], t["targets"], t["aligned_loss_mask"], ev.config.block_size,
+                       ev.config.sample_from_anchor)
+    own = {"leading-run": m["eal_sum"] / m["eal_total"] if m["eal_total"] else None,
+           "product-of-marginals": m["eal_product"]}
+    ce = diff["candidate"]
+    for name, value in own.items():
+        for d, why in ((1, "the bonus token counted twice"), (-1, "the bonus token left out")):
+            if value is not None and abs(ce - (value + d)) <= 1e-5 * max(1.0, abs(ce)):
+                return [f"acceptance length off by {d:+d}: the candidate's EAL {ce:.4g} is the "
+                        f"{name!r} definition on its own logits ({value:.4g}) {d:+d} ({why})"]
+    return []
 
 
 def diagnose_metrics(ev: Evidence, result: CheckResult) -> list[str]:
@@ -169,6 +192,7 @@ def diagnose_metrics(ev: Evidence, result: CheckResult) -> list[str]:
                        f"definition on its own logits gives "
                        + ", ".join(f"{k}={own[k]:g} (reported {ev.cand.metrics[k]:g})"
                                    for k in odd[:3]))
+    out += eal_offset_causes(ev, result)
     upstream = follows_from("metrics", ev)
     if upstream and result.details.get("differences"):
         out.append(f"metric values {upstream.replace('follows', 'follow')}")

@@ -1,0 +1,214 @@
+"""Loss formula hypotheses of the ``loss`` and ``gradients`` checks: the candidate's own
+logits, targets, aligned mask and weights reduced under another loss (every single loss and
+the profile's mix) and another denominator (the reference's supervised-token count, the sum of
+weights, all Q slots, per block), or scaled by a constant; and, where a loss value cannot tell
+two formulas apart on a case, our drafter replayed forward and backward under each.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from dflash_audit.audit.checks.gradients import grad_tolerance, gradient_scale
+from dflash_audit.audit.evidence import Evidence, follows_from
+from dflash_audit.audit.tolerance import closeness, tolerance
+from dflash_audit.model.loss import (
+    LOSS_REDUCTION_EPS,
+    LOSSES,
+    LossSpec,
+    dpace_weights,
+    parse_loss,
+    slot_weights,
+)
+
+
+def loss_formula_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict[str, float], str]]:
+    """(label, loss mix, denominator) for every single loss and the profile's mix, under the
+    token-count (reference), weight-sum, all-slot and per-block denominators; the reference
+    first."""
+    profile = parse_loss(ev.case.loss.loss)
+    mixes = [("profile", profile)] + [(n, {n: 1.0}) for n in LOSSES if {n: 1.0} != profile]
+    for (name, mix), denom in itertools.product(mixes, ("tokens", "weights", "slots", "blocks")):
+        yield name, mix, denom
+
+
+def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str,
+                   cache: dict[str, torch.Tensor] | None = None,
+                   mask: torch.Tensor | None = None) -> float | None:
+    """The loss of the candidate's own logits / targets / aligned mask / weights under a mix
+    and a denominator (tokens: sum(m) + 1e-5; weights: sum(m*w); slots: Q; blocks: each
+    block's sum over its own sum(m), averaged over blocks with a supervised slot). ``cache`` keeps
+    each divergence's elementwise values [1,Q] between calls; ``mask`` ([Q] bool) replaces the
+    candidate's aligned mask (then the cache is not used)."""
+    t = ev.cand.tensors
+    if "logits" not in t or "targets" not in t or t["logits"].shape != t["targets"].shape:
+        return None
+    cache = {} if cache is None or mask is not None else cache
+    m = (mask if mask is not None else t.get("aligned_loss_mask", ev.ref.tensors.get(
+        "aligned_loss_mask"))).reshape(1, -1).float()
+    B, spec = ev.config.block_size, ev.case.loss
+    total = 0.0
+    own_weights = [v for k, v in t.items() if k.startswith("loss_weights.")]
+    for name, coef in mix.items():
+        if name not in cache:
+            cache[name] = LOSSES[name](t["logits"], t["targets"]) * m
+        el = cache[name]
+        if f"loss_weights.{name}" in t:
+            w = t[f"loss_weights.{name}"].reshape(1, -1)
+        elif own_weights and spec.weighting == "fixed-exp-decay":
+            w = own_weights[0].reshape(1, -1)
+        else:
+            w = slot_weights(LossSpec(name, spec.weighting, spec.gamma, spec.dpace_alpha), el, m,
+                             B, ev.config.sample_from_anchor)
+        total += coef * float(reduce_term(el, w, m, B, denom))
+    return total
+
+
+def reduce_term(el: torch.Tensor, w: torch.Tensor, m: torch.Tensor, block_size: int,
+                denom: str) -> torch.Tensor:
+    """One term's weighted, masked reduction [1,Q] x3 -> [] under a denominator (see
+    :func:`recompute_loss`); differentiable."""
+    if denom == "blocks":  # each block's mean over its supervised tokens, then over blocks
+        num, cnt = (el * w).reshape(-1, block_size).sum(-1), m.reshape(-1, block_size).sum(-1)
+        return (num[cnt > 0] / cnt[cnt > 0]).mean() if bool((cnt > 0).any()) else num.sum() * 0
+    d = {"tokens": m.sum() + LOSS_REDUCTION_EPS, "weights": (m * w).sum() + LOSS_REDUCTION_EPS,
+         "slots": torch.tensor(float(m.numel()))}[denom]
+    return (el * w).sum() / d
+
+
+def formula_causes(ev: Evidence, name: str, denom: str) -> list[str]:
+    """How a loss formula hypothesis deviates from the profile's, in words."""
+    causes = []
+    if name != "profile":
+        hard = name == "ce" and "ce" not in parse_loss(ev.case.loss.loss)
+        causes.append(f"loss computed as {name!r} where the profile says {ev.case.loss.loss!r}"
+                      + (" (hard-label CE instead of soft divergence)" if hard else ""))
+    if denom == "weights":
+        causes.append("loss normalised by the sum of weights instead of the number of "
+                      "supervised tokens")
+    elif denom == "slots":
+        causes.append("loss averaged over all Q slots instead of the supervised tokens")
+    elif denom == "blocks":
+        causes.append("loss averaged per block (over its supervised tokens), then over "
+                      "blocks, instead of over all supervised tokens of the row")
+    return causes
+
+
+#: Pseudo-denominator of :func:`gradient_formula_causes`: the profile's D-PACE loss with the
+#: gradient flowing through its weights (same value, other gradients).
+WEIGHTS_WITH_GRAD = "tokens, D-PACE weights with gradient"
+
+
+def gradient_formula_causes(ev: Evidence, max_replays: int = 5) -> list[str]:
+    """For gradients that differ where the loss value matched: under D-PACE, the profile's loss
+    with its weights not detached; then the loss formulas whose value on the candidate's own
+    tensors equals its loss within the loss tolerance (so the loss check cannot tell them apart
+    on this case, e.g. rkl ~ kl_div near the verifier). Each is replayed with our drafter
+    forward and backward on the case; the first whose gradients reproduce every candidate
+    gradient is named."""
+    from dflash_audit.audit.precision import autocast
+    from dflash_audit.audit.replay import drafter_with_weights
+
+    t = ev.cand.tensors
+    if "loss" not in t:
+        return []
+    cl, tol, cache = float(t["loss"]), tolerance(ev.case, "loss"), {}
+    close = []
+    for name, mix, denom in loss_formula_hypotheses(ev):
+        value = None if (name, denom) == ("profile", "tokens") else recompute_loss(
+            ev, mix, denom, cache)
+        if value is not None and abs(value - cl) <= tol["atol"] + tol["rtol"] * abs(cl):
+            close.append((name, mix, denom))
+    if ev.case.loss.weighting == "dpace":  # the profile's loss, gradient through w
+        close.insert(0, ("profile", parse_loss(ev.case.loss.loss), WEIGHTS_WITH_GRAD))
+    cg = {k[5:]: v for k, v in t.items() if k.startswith("grad.")}
+    rg = {k[5:]: v for k, v in ev.ref.tensors.items() if k.startswith("grad.") and k[5:] in cg}
+    if not close or not rg:
+        return []
+    model = drafter_with_weights(ev.config, ev.case.weights)
+    named = dict(model.named_parameters())
+    rg = {n: g for n, g in rg.items() if n in named}
+    params = [named[n] for n in rg]  # in rg's order: the zip below pairs them by position
+    with autocast(ev.case):
+        out = model(**ev.case.inputs)
+    m, B, spec = out.aligned_loss_mask.float(), ev.config.block_size, ev.case.loss
+    gtol = tolerance(ev.case, "grad")
+    for name, mix, denom in close[:max_replays]:
+        total = 0.0
+        for term, coef in mix.items():
+            el = LOSSES[term](out.logits, out.targets) * m
+            if denom == WEIGHTS_WITH_GRAD:
+                w = dpace_weights.__wrapped__(el, m, B, spec.dpace_alpha)  # without no_grad
+            else:
+                w = slot_weights(LossSpec(term, spec.weighting, spec.gamma, spec.dpace_alpha),
+                                 el.detach(), m, B, ev.config.sample_from_anchor)
+            total = total + coef * reduce_term(el, w, m, B, "tokens" if denom ==
+                                               WEIGHTS_WITH_GRAD else denom)
+        grads = torch.autograd.grad(total, params, retain_graph=True, allow_unused=True)
+        if not all(g is not None and closeness(cg[n], g, **grad_tolerance(rg[n], gtol)).ok
+                   for n, g in zip(rg, grads)):
+            continue
+        if denom == WEIGHTS_WITH_GRAD:
+            return ["D-PACE weights not detached: the gradient also flows through the per-slot "
+                    "weights w (the reference computes them without gradient; our drafter's "
+                    "gradients with w attached reproduce the candidate's)"]
+        return ["; ".join(formula_causes(ev, name, denom)) + " (the loss values agree "
+                    "within tolerance on this case, the gradients do not: our drafter's "
+                    "gradients under that loss reproduce the candidate's)"]
+    return []
+
+
+def diagnose_loss_total(ev: Evidence, masks: Iterable[tuple[str, torch.Tensor]] = ()
+                        ) -> list[str]:
+    """The loss formulas (:func:`loss_formula_hypotheses`) that reproduce the candidate's total
+    on its own tensors, the fewest deviations only; else the profile's formula under another
+    mask of ``masks`` ((label, [Q] bool), e.g. slot 0 kept: a loss that uses another mask than
+    the aligned_loss_mask it reports); else a constant factor."""
+    cl = float(ev.cand.tensors["loss"])
+    tol = ev.tol
+    found, cache = [], {}
+    for name, mix, denom in loss_formula_hypotheses(ev):
+        value = recompute_loss(ev, mix, denom, cache)
+        if value is None:
+            return []
+        if abs(value - cl) <= tol["atol"] + tol["rtol"] * abs(cl):
+            if name == "profile" and denom == "tokens":
+                upstream = follows_from("loss", ev)
+                why = f"; the difference {upstream}" if upstream else ""
+                return ["the candidate's loss formula conforms (the reference's formula on "
+                        "the candidate's own logits, targets, mask and weights reproduces its "
+                        "loss)" + why]
+            found.append(formula_causes(ev, name, denom))
+    if not found:
+        for label, mask in masks:
+            value = recompute_loss(ev, parse_loss(ev.case.loss.loss), "tokens", mask=mask)
+            if value is not None and abs(value - cl) <= tol["atol"] + tol["rtol"] * abs(cl):
+                return [f"the loss is reduced under another mask than the aligned_loss_mask the "
+                        f"candidate reports: {label}"]
+        return loss_scale_cause(ev, cl)
+    # the fewest deviations that reproduce the loss: two losses can agree numerically on a
+    # case (rkl ~ kl_div near uniform targets), a second deviation is then not evidence
+    fewest = min(map(len, found), default=0)
+    best = ["; ".join(causes) for causes in found if len(causes) == fewest]
+    if len(best) <= 1:
+        return best
+    return [f"{' or '.join(best)}: these give the same total on this case and cannot be told "
+            "apart here (one cause, not several); a case where the drafter's and the verifier's "
+            "distributions differ more (fitted weights, real data) separates them"]
+
+
+def loss_scale_cause(ev: Evidence, cl: float) -> list[str]:
+    """"loss scaled by k" when the candidate's loss is k x the reference's formula on its own
+    tensors AND every gradient is k x the reference's (a ratio of two scalars alone is no
+    evidence; the gradients make it one)."""
+    own = recompute_loss(ev, parse_loss(ev.case.loss.loss), "tokens")
+    k = gradient_scale(ev) if own else None
+    if k is None or abs(cl / own - k) > ev.tol["rtol"] * 10 * abs(k):
+        return []
+    return [f"loss scaled by {k:.4g}: the candidate's loss and every gradient are {k:.4g} x the "
+            "reference's formula on its own logits, targets, mask and weights (a constant "
+            "factor, e.g. a sum where the reference averages, or a loss multiplied before "
+            "backward)"]
