@@ -171,12 +171,13 @@ def _check_options(opts: CompareOptions) -> None:
         raise CompareSetupError(f"--out {opts.out}: cannot write reports there ({existing} is "
                                 f"{'a file' if not existing.is_dir() else 'not writable'}); "
                                 "choose a writable folder")
-    if opts.verifier.startswith("family:"):  # checked before seconds of batch work
-        from dflash_audit.data.families import FAMILIES
+    from dflash_audit.data.errors import VerifierError
+    from dflash_audit.data.proxy_folder import check_proxy_spec
 
-        if opts.verifier.split(":", 1)[1] not in FAMILIES:
-            raise CompareSetupError(f"--verifier {opts.verifier}: unknown verifier family; use "
-                                    f"one of {', '.join('family:' + f for f in FAMILIES)}")
+    try:  # a family name or a config.json: checked before seconds of batch work
+        check_proxy_spec(opts.verifier)
+    except VerifierError as exc:
+        raise CompareSetupError(str(exc)) from None
     from dflash_audit.audit.precision import check_device_and_dtype
 
     try:

@@ -176,8 +176,16 @@ def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = _s
             f"verifier {spec!r} is neither a built-in ({', '.join(BUILTIN_VERIFIERS)}) nor an "
             "existing folder; pass a local Hugging Face causal-LM folder, 'smollm2-135m', "
             "family:NAME or a config.json file")
+    if folder.is_file():
+        raise VerifierError(f"verifier {spec!r} is a file but not a .json one; pass a Hugging "
+                            "Face folder or the verifier's config.json (a file named *.json)")
     if not (folder / "config.json").is_file():
         raise VerifierError(f"verifier folder {folder} has no config.json (not a HF model folder)")
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise VerifierError(f"verifier folder {folder} has a config.json but no weights "
+                            "(*.safetensors / *.bin); to audit with a proxy of that config (its "
+                            f"depth and layer types, width shrunk) pass --verifier "
+                            f"{folder / 'config.json'}")
     return folder.resolve().name, folder.resolve()
 
 
