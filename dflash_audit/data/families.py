@@ -225,17 +225,11 @@ def proxy_config_from_json(path: str | Path) -> Any:
         _shrink_rope_factors(entry, int(head_dim * float(factor or 1.0)) // 2)
     if legacy:
         shrunk["rope_scaling"] = legacy
-    for tok in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(d.get(tok), int) and d[tok] >= PROXY_VOCAB:
-            shrunk[tok] = PROXY_VOCAB - 1 - ("pad_token_id", "bos_token_id", "eos_token_id"
-                                             ).index(tok)
-        elif isinstance(d.get(tok), list):
-            shrunk[tok] = [PROXY_VOCAB - 1]
     d.pop("architectures", None)
     d.pop("auto_map", None)
     d.pop("quantization_config", None)
     try:
-        return cls(**{**d, **shrunk, "hidden_size": PROXY_HIDDEN,
+        config = cls(**{**d, **shrunk, "hidden_size": PROXY_HIDDEN,
                       "num_attention_heads": PROXY_HEADS,
                       "num_key_value_heads": PROXY_HEADS if kv and int(kv) == int(
                           d["num_attention_heads"]) else PROXY_KV_HEADS,
@@ -243,6 +237,13 @@ def proxy_config_from_json(path: str | Path) -> Any:
     except Exception as exc:  # noqa: BLE001 - transformers' validation (StrictDataclassError...)
         raise FamilyError(f"{file}: transformers' {cls.__name__} refuses this config: "
                           f"{one_line(exc)}; fix the config.json") from None
+    for i, tok in enumerate(("pad_token_id", "bos_token_id", "eos_token_id")):
+        value = getattr(config, tok, None)  # the file's or the class default (Phi-3: 32000)
+        if isinstance(value, int) and value >= PROXY_VOCAB:
+            setattr(config, tok, PROXY_VOCAB - 1 - i)
+        elif isinstance(value, list):
+            setattr(config, tok, [PROXY_VOCAB - 1])
+    return config
 
 
 def build_proxy(config: Any, seed: int = 0) -> torch.nn.Module:
