@@ -458,3 +458,23 @@ def test_a_proxy_that_cannot_run_is_refused_before_it_is_cached(tmp_path, monkey
     assert "a proxy of model_type 'dots1' cannot run or derive a drafter config" in str(
         err.value) and "\n" not in str(err.value)
     assert [p.name for p in (tmp_path / "cache" / "verifiers").iterdir()] == ["smollm2-135m"]
+
+
+def test_a_failing_derived_field_is_named_before_the_warn_only_mask_token():
+    """The compare output prints the first causes of a FAIL: the mask token (a choice that
+    only warns) came first and hid the RoPE cause."""
+    from types import SimpleNamespace
+
+    from dflash_audit.audit.checks.derivation import check_derivation
+
+    case = SimpleNamespace(name="real-00-full", verifier=SimpleNamespace(
+        name="family:gemma3_text", target_layers="speculators",
+        config=family_config("gemma3_text")))
+    ref = {"mask_token_id": 2, "rope_theta": 10000.0, "head_dim": 16}
+    cand = {"mask_token_id": 16, "rope_theta": 1e6, "head_dim": 16}
+    [result] = check_derivation(case, SimpleNamespace(derivation=cand),
+                                SimpleNamespace(derivation=ref))
+    assert result.status == "fail"
+    assert list(result.details["differing"]) == ["rope_theta", "mask_token_id"]
+    assert result.summary.split(": ", 1)[1].startswith(
+        "rope theta 1e+06 where the verifier's sliding_attention rope_parameters give 10000")
