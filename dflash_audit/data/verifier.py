@@ -285,7 +285,8 @@ def load_verifier(spec: str, attn_implementation: str = "sdpa",
     """Load a verifier from a spec (local HF folder or ``smollm2-135m``).
 
     The model is loaded in float32, put in eval mode with gradients off;
-    ``attn_implementation`` is ``"sdpa"`` or ``"eager"``.
+    ``attn_implementation`` is ``"sdpa"`` or ``"eager"`` (``"sdpa"`` becomes ``"eager"`` for
+    an architecture without an sdpa path, e.g. GPT-OSS: the same attention).
 
     Raises:
         VerifierError: the spec cannot be resolved, or the folder has no loadable model or
@@ -304,8 +305,14 @@ def load_verifier(spec: str, attn_implementation: str = "sdpa",
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation=attn_implementation)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.float32, attn_implementation=attn_implementation)
+        except ValueError as exc:  # GPT-OSS (attention sinks) has no sdpa path: the same
+            if "scaled_dot_product_attention" not in str(exc):  # attention, computed eagerly
+                raise
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.float32, attn_implementation="eager")
     except (OSError, ValueError, KeyError, SafetensorError) as exc:
         raise VerifierError(f"cannot load a causal LM from {folder}: "
                             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"

@@ -338,5 +338,7 @@ def default_target_layer_ids(num_verifier_layers: int, style: str = "zlab") -> l
     else:
         raise ConfigError(f"unknown target layer style {style!r}; use 'zlab' or 'speculators'")
     if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= n:
-        raise ConfigError(f"default {style} target layers {ids} invalid for {n} verifier layers")
+        raise ConfigError(f"default {style} target layers {ids} invalid for {n} verifier layers "
+                          "(too shallow for this style); give explicit target_layers ids below "
+                          f"{n} in a TOML profile")
     return ids
