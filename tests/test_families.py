@@ -478,3 +478,24 @@ def test_a_failing_derived_field_is_named_before_the_warn_only_mask_token():
     assert list(result.details["differing"]) == ["rope_theta", "mask_token_id"]
     assert result.summary.split(": ", 1)[1].startswith(
         "rope theta 1e+06 where the verifier's sliding_attention rope_parameters give 10000")
+
+
+def test_a_verifier_that_is_not_causal_is_refused(tmp_path, monkeypatch):
+    """BERT has a causal-LM head in transformers (BertLMHeadModel) but attends to later
+    tokens unless is_decoder: its proxy was built and audited as a verifier before."""
+    from dflash_audit.data.errors import VerifierError
+    from dflash_audit.data.proxy_folder import proxy_verifier_dir
+    from dflash_audit.data.verifier import cache_dir
+
+    real_cache = cache_dir()
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "verifiers").mkdir(parents=True)
+    (tmp_path / "cache" / "verifiers" / "smollm2-135m").symlink_to(
+        real_cache / "verifiers" / "smollm2-135m")
+    bert = {"model_type": "bert", "hidden_size": 768, "num_hidden_layers": 12,
+            "num_attention_heads": 12, "intermediate_size": 3072, "vocab_size": 30522}
+    (tmp_path / "config.json").write_text(json.dumps(bert))
+    with pytest.raises(VerifierError, match="model_type 'bert' is not a causal LM"):
+        proxy_verifier_dir(str(tmp_path / "config.json"))
+    (tmp_path / "config.json").write_text(json.dumps({**bert, "is_decoder": True}))
+    assert proxy_verifier_dir(str(tmp_path / "config.json"))[1].is_dir()  # causal: accepted

@@ -77,23 +77,27 @@ def _proxy_config(spec: str, tokenizer: Any) -> Any:
 
 
 def _tested_proxy(config: Any, spec: str) -> Any:
-    """The proxy model of ``config``, built, run on 4 tokens, and our drafter config derived
-    from its config, so an architecture the proxy cannot build or run (or DFlash cannot
-    derive from) is refused before it is cached, not as a traceback in the middle of the
-    audit.
+    """The proxy model of ``config``, built, run on 4 tokens (twice: the last one changed,
+    which must not change the earlier outputs) and our drafter config derived from its
+    config, so an architecture the proxy cannot build or run, that is not causal (BERT), or
+    that DFlash cannot derive from is refused before it is cached, not as a traceback in the
+    middle of the audit or an audit of a verifier that sees the future.
 
     Raises:
-        VerifierError: the build, forward or derivation raised (model_type and error named).
+        VerifierError: the build, forward or derivation raised, or the model is not causal
+            (model_type and error named).
     """
     import torch
 
     from dflash_audit.data.families import build_proxy, one_line
     from dflash_audit.model.config import DFlashConfig
 
+    ids = torch.arange(3, 7)[None]
     try:
         model = build_proxy(config, seed=PROXY_SEED)
         with torch.no_grad():
-            model(torch.arange(3, 7)[None])
+            logits = model(ids).logits
+            later_changed = model(torch.cat([ids[:, :-1], ids[:, -1:] + 1], 1)).logits
         DFlashConfig.from_verifier_config(config, target_layer_ids=[0], mask_token_id=0)
     except Exception as exc:  # noqa: BLE001 - transformers' modeling code of any family
         raise VerifierError(f"verifier {spec!r}: a proxy of model_type "
@@ -101,6 +105,11 @@ def _tested_proxy(config: Any, spec: str) -> Any:
                             f"drafter config ({type(exc).__name__}: {one_line(exc)}); this "
                             "architecture is not supported, use --verifier family:NAME for "
                             "the closest supported family") from None
+    # MoE expert kernels reorder fp32 sums (~1e-7); attending to a later token moves ~1e-3
+    if not torch.allclose(logits[:, :-1], later_changed[:, :-1], rtol=1e-4, atol=1e-5):
+        raise VerifierError(f"verifier {spec!r}: model_type {config.model_type!r} is not a "
+                            "causal LM (its outputs at earlier positions change with a later "
+                            "token); DFlash drafts for a causal verifier")
     return model
 
 
