@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import torch
 import train_tiny as tt
-from test_families import DEEPSEEK_V3, LLAMA31_8B
 from safetensors.torch import load_file, save_file
+from test_families import DEEPSEEK_V3, LLAMA31_8B
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
