@@ -281,6 +281,22 @@ class Profile:
                 f"{num_verifier_layers - 1}], or 'speculators' / 'zlab')")
         return list(self.target_layers)
 
+    def check_mask_token(self, vocab_size: int, verifier: str) -> None:
+        """Refuse a ``mask_token_id`` outside a real verifier's vocabulary (a proxy's
+        vocabulary is the built-in tokenizer's, so there the profile's id gives way to the
+        pipeline's, as in :meth:`to_drafter_config`).
+
+        Raises:
+            ProfileError: the id is >= ``vocab_size`` and ``verifier`` is not a proxy
+                (``family:NAME`` / ``proxy:...``).
+        """
+        proxy = verifier.startswith(("family:", "proxy:")) or verifier.endswith(".json")
+        if self.mask_token_id is not None and self.mask_token_id >= vocab_size and not proxy:
+            raise ProfileError(f"profile {self.source or self.name}: mask_token_id "
+                               f"{self.mask_token_id} is outside verifier {verifier}'s "
+                               f"vocabulary ({vocab_size} ids); use the mask token of the "
+                               "checkpoint trained for this verifier, or drop the field")
+
     def to_drafter_config(self, verifier_config: Any, mask_token_id: int,
                           target_layer_ids: list[int] | None = None) -> DFlashConfig:
         """The drafter config of this profile for a Hugging Face verifier config.

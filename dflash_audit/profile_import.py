@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash_audit.model.config import SLIDING_ATTENTION
+from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION
 
 #: Built-in profile that supplies the training recipe for each drafter-config format.
 RECIPE = {"speculators": "reference-train-cli", "zlab": "zlab"}
@@ -40,11 +40,39 @@ def drafter_config_format(d: dict[str, Any]) -> str | None:
     return None
 
 
-def _layout(layer_types: Any, num_layers: int) -> list[str] | str:
+def _layout(layer_types: Any, num_layers: int, source: str) -> list[str] | str:
+    """The profile's layer_layout of a drafter's ``layer_types``.
+
+    Raises:
+        ValueError: a type a DFlash draft layer does not have, or not one per draft layer.
+    """
     types = list(layer_types or [])
     if not types:
         return "full"
-    return ["sliding" if t == SLIDING_ATTENTION else "full" for t in types[:num_layers]]
+    bad = sorted({str(t) for t in types} - {SLIDING_ATTENTION, FULL_ATTENTION})
+    if bad:
+        raise ValueError(f"{source}: layer_types {bad} are not DFlash draft layer types (use "
+                         f"{FULL_ATTENTION!r} / {SLIDING_ATTENTION!r})")
+    if len(types) != num_layers:
+        raise ValueError(f"{source}: {len(types)} layer_types for num_hidden_layers = "
+                         f"{num_layers}; give one per draft layer")
+    return ["sliding" if t == SLIDING_ATTENTION else "full" for t in types]
+
+
+def _int(value: Any, field: str) -> int:
+    """``value`` as an int; a float with a fraction, a bool or a non-numeric string is
+    refused (never truncated)."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"{field} = {value!r} is not an integer")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{field} = {value!r} is not an integer") from None
+
+
+def _first(d: dict[str, Any], inner: dict[str, Any], key: str) -> Any:
+    """``d[key]`` when present (even 0 or null), else ``inner[key]`` (KeyError if neither)."""
+    return d[key] if key in d else inner[key]
 
 
 def profile_fields(d: dict[str, Any], source: str) -> tuple[str, dict[str, Any]]:
@@ -61,32 +89,43 @@ def profile_fields(d: dict[str, Any], source: str) -> tuple[str, dict[str, Any]]
     try:
         if fmt == "speculators":
             tl = d["transformer_layer_config"]
-            n = int(tl["num_hidden_layers"])
-            fields = {"block_size": int(d["block_size"]),
-                      "target_layers": [int(i) for i in d["aux_hidden_state_layer_ids"]],
+            n = _int(tl["num_hidden_layers"], "num_hidden_layers")
+            fields = {"block_size": _int(d["block_size"], "block_size"),
+                      "target_layers": [_int(i, "aux_hidden_state_layer_ids")
+                                        for i in d["aux_hidden_state_layer_ids"]],
                       "mask_token_id": d.get("mask_token_id"),
                       "sliding_window_non_causal": bool(d.get("sliding_window_non_causal",
                                                               False)),
                       "sample_from_anchor": bool(d.get("sample_from_anchor", False))}
             layer_types, window = tl.get("layer_types"), tl.get("sliding_window")
             draft_vocab = d.get("draft_vocab_size")
-            if draft_vocab is not None and int(draft_vocab) < int(tl.get("vocab_size") or 0):
-                fields["draft_vocab_size"] = int(draft_vocab)
+            if draft_vocab is not None:
+                draft_vocab = _int(draft_vocab, "draft_vocab_size")
+                vocab = _int(tl.get("vocab_size") or 0, "vocab_size")
+                if vocab and draft_vocab > vocab:
+                    raise ValueError(f"draft_vocab_size = {draft_vocab} is larger than the "
+                                     f"transformer's vocab_size = {vocab}")
+                if draft_vocab < vocab:
+                    fields["draft_vocab_size"] = draft_vocab
         else:
             dc = d["dflash_config"]
-            n = int(d["num_hidden_layers"])
-            fields = {"block_size": int(d.get("block_size") or dc["block_size"]),
-                      "target_layers": [int(i) + 1 for i in dc["target_layer_ids"]],
+            n = _int(d["num_hidden_layers"], "num_hidden_layers")
+            fields = {"block_size": _int(_first(d, dc, "block_size"), "block_size"),
+                      "target_layers": [_int(i, "target_layer_ids") + 1
+                                        for i in dc["target_layer_ids"]],
                       "mask_token_id": dc.get("mask_token_id", d.get("mask_token_id"))}
             layer_types, window = d.get("layer_types"), d.get("sliding_window")
+        if fields.get("mask_token_id") is not None:
+            fields["mask_token_id"] = _int(fields["mask_token_id"], "mask_token_id")
+        window = _int(window, "sliding_window") if window is not None else None
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{source}: {fmt} DFlash config without a usable field {exc}") from None
-    layout = _layout(layer_types, n)
+        what = f"the field {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise ValueError(f"{source}: {fmt} DFlash config without a usable value: {what}; fix "
+                         "it or give a TOML profile") from None
+    layout = _layout(layer_types, n, source)
     fields.update(num_draft_layers=n, layer_layout=layout)
     if SLIDING_ATTENTION in list(layer_types or []):
-        fields["sliding_window"] = int(window) if window else None
-    if fields.get("mask_token_id") is not None:
-        fields["mask_token_id"] = int(fields["mask_token_id"])
+        fields["sliding_window"] = window
     return fmt, fields
 
 

@@ -28,6 +28,7 @@ import pytest
 import torch
 import train_tiny as tt
 from safetensors.torch import load_file, save_file
+from test_families import DEEPSEEK_V3, LLAMA31_8B
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -692,14 +693,23 @@ def wrong_repo(tmp: Path) -> dict[str, str]:
     return {}
 
 
-def bad_layers_profile(tmp: Path) -> dict[str, str]:
-    from dflash_audit.profile import Profile
+def _profile_line(tmp: Path, line: str, replaces: str | None = None) -> dict[str, str]:
+    """``tmp/bad.toml``: the reference-model profile with ``line`` added (replacing the line
+    that starts with ``replaces``)."""
+    src = ROOT / "dflash_audit" / "profiles" / "reference-model.toml"
+    lines = [ln for ln in src.read_text().splitlines()
+             if not (replaces and ln.startswith(replaces))]
+    (tmp / "bad.toml").write_text("\n".join(lines + [line]) + "\n")
+    return {}
 
-    text = Profile.load("reference-model").source
-    src = Path(text) if text and Path(text).is_file() else ROOT / "dflash_audit" / "profiles" \
-        / "reference-model.toml"
-    lines = [ln for ln in src.read_text().splitlines() if not ln.startswith("target_layers")]
-    (tmp / "bad.toml").write_text("\n".join(lines + ["target_layers = [2, 15, 99]"]) + "\n")
+
+def bad_layers_profile(tmp: Path) -> dict[str, str]:
+    return _profile_line(tmp, "target_layers = [2, 15, 99]", "target_layers")
+
+
+def _write(path: Path, text: str) -> dict[str, str]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
     return {}
 
 
@@ -733,6 +743,25 @@ COMPARE_CASES = [
     CompareCase("compare-profile-layers-without-rows", None, 2,
                 ("ids [99] do not exist in a verifier with 30 layers",),
                 extra=("--profile", "bad.toml"), prepare=bad_layers_profile),
+    CompareCase("compare-verifier-config-not-an-object", None, 2,
+                ("verifier.json: not a JSON object",), extra=("--verifier", "verifier.json"),
+                prepare=lambda tmp: _write(tmp / "verifier.json", "[1, 2]")),
+    CompareCase("compare-verifier-mla", None, 2,
+                ("model_type 'deepseek_v3' uses multi-head latent attention",),
+                extra=("--verifier", "verifier.json"), prepare=lambda tmp: _write(
+                    tmp / "verifier.json", json.dumps(DEEPSEEK_V3))),
+    CompareCase("compare-verifier-folder-without-weights", None, 2,
+                ("has a config.json but no weights", "pass --verifier"),
+                extra=("--verifier", "cfg"), prepare=lambda tmp: _write(
+                    tmp / "cfg" / "config.json", json.dumps(LLAMA31_8B))),
+    CompareCase("compare-profile-mask-outside-vocabulary", None, 2,
+                ("mask_token_id 60000 is outside verifier smollm2-135m's vocabulary",),
+                extra=("--profile", "bad.toml"),
+                prepare=lambda tmp: _profile_line(tmp, "mask_token_id = 60000")),
+    CompareCase("compare-profile-block-size-too-large", None, 2,
+                ("block_size 100000: the audit takes block sizes up to 64",),
+                extra=("--profile", "bad.toml"),
+                prepare=lambda tmp: _profile_line(tmp, "block_size = 100000", "block_size")),
     CompareCase("compare-ref-url-not-speculators", None, 2,
                 ("is not speculators", "no src/speculators"),
                 extra=("--ref", "speculators@v0.9.0", "--ref-url", NOT_SPECULATORS),

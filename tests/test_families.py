@@ -366,3 +366,136 @@ def test_derivation_check_names_the_reintroduced_rope_bugs(run_reference_cases):
     glm = derivation(SavedPartialFactor(), "glm4")
     assert glm.status == "fail" and set(glm.details["differing"]) == {"saved.rope_parameters"}
     assert "a saved partial_rotary_factor 0.5 the draft layers do not apply" in glm.summary
+
+
+#: Hub configs the proxy must read or refuse (transformers 4 format, as on the Hub).
+PHI3_MINI_128K = {
+    "model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "hidden_size": 3072,
+    "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 32, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "vocab_size": 32064, "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096, "sliding_window": 262144,
+    "rope_scaling": {"type": "longrope", "long_factor": [1.0 + i / 10 for i in range(48)],
+                     "short_factor": [1.0] * 48}, "tie_word_embeddings": False}
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "kv_lora_rank": 512,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 256, "vocab_size": 129280, "rope_theta": 10000}
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[1, 2]", "not a JSON object"),
+    ("null", "not a JSON object"),
+    (json.dumps({**LLAMA31_8B, "num_hidden_layers": "32"}),
+     "num_hidden_layers = '32'; it must be a positive integer"),
+    (json.dumps({**LLAMA31_8B, "num_hidden_layers": -3}),
+     "num_hidden_layers = -3; it must be a positive integer"),
+    (json.dumps(DEEPSEEK_V3), "model_type 'deepseek_v3' uses multi-head latent attention"),
+    (json.dumps({**QWEN35_27B["text_config"], "layer_types": ["full_attention"] * 2}),
+     "refuses this config: Class validation error"),
+])
+def test_a_config_the_proxy_cannot_use_is_one_line(tmp_path, text, message):
+    """Each was a traceback (AttributeError, StrictDataclassError, a RuntimeError in MLA's
+    forward) or a proxy built with -3 layers; now a one-line FamilyError."""
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(FamilyError) as err:
+        proxy_config_from_json(tmp_path / "config.json")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_longrope_proxy_builds_and_stays_covered_by_its_real_config(tmp_path):
+    """Phi-3's per-frequency longrope factors (48 for head_dim 96) are resampled to the
+    proxy's 4 rotated pairs (transformers refused the proxy before); the gate's architecture
+    of the proxy equals the real model's."""
+    from transformers import AutoConfig
+
+    from dflash_audit.report.fingerprint import verifier_fingerprint
+
+    (tmp_path / "config.json").write_text(json.dumps(PHI3_MINI_128K))
+    proxy = proxy_config_from_json(tmp_path / "config.json")
+    assert proxy.rope_parameters["long_factor"] == [1.0, 2.6, 4.1, 5.7]  # ids 0, 16, 31, 47 of 48
+    assert proxy.rope_parameters["short_factor"] == [1.0] * 4
+    ids = torch.randint(0, 128, (1, 6))
+    assert torch.isfinite(build_proxy(proxy)(ids).logits).all()
+    real = AutoConfig.from_pretrained(tmp_path)
+    assert verifier_fingerprint(proxy) == verifier_fingerprint(real)
+    assert ours(proxy).rope_parameters["rope_type"] == "longrope"
+
+
+def test_longrope_with_a_partial_rotation_is_a_named_config_error():
+    """Phi-4-mini: longrope factors for 3/4 of the head while the draft layers rotate the whole
+    head (the reference's own derivation raises a shape RuntimeError)."""
+    from transformers import AutoConfig
+
+    from dflash_audit.model.config import ConfigError
+
+    phi4 = {**PHI3_MINI_128K, "partial_rotary_factor": 0.75, "num_attention_heads": 24,
+            "num_key_value_heads": 8}
+    vc = AutoConfig.for_model("phi3", **{k: v for k, v in phi4.items() if k != "model_type"})
+    with pytest.raises(ConfigError, match="has 48 short_factor entries for "
+                                          "partial_rotary_factor 0.75.*64 pairs"):
+        ours(vc)
+
+
+def test_a_proxy_that_cannot_run_is_refused_before_it_is_cached(tmp_path, monkeypatch):
+    """A model_type transformers knows but whose shrunk proxy does not build (dots1: a MoE
+    config without n_shared_experts) is a one-line VerifierError, and nothing is cached."""
+    from transformers import AutoConfig
+
+    from dflash_audit.data.errors import VerifierError
+    from dflash_audit.data.proxy_folder import proxy_verifier_dir
+    from dflash_audit.data.verifier import cache_dir
+
+    real_cache = cache_dir()
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "verifiers").mkdir(parents=True)
+    (tmp_path / "cache" / "verifiers" / "smollm2-135m").symlink_to(
+        real_cache / "verifiers" / "smollm2-135m")
+    (tmp_path / "config.json").write_text(AutoConfig.for_model("dots1").to_json_string())
+    with pytest.raises(VerifierError) as err:
+        proxy_verifier_dir(str(tmp_path / "config.json"))
+    assert "a proxy of model_type 'dots1' cannot run or derive a drafter config" in str(
+        err.value) and "\n" not in str(err.value)
+    assert [p.name for p in (tmp_path / "cache" / "verifiers").iterdir()] == ["smollm2-135m"]
+
+
+def test_a_failing_derived_field_is_named_before_the_warn_only_mask_token():
+    """The compare output prints the first causes of a FAIL: the mask token (a choice that
+    only warns) came first and hid the RoPE cause."""
+    from types import SimpleNamespace
+
+    from dflash_audit.audit.checks.derivation import check_derivation
+
+    case = SimpleNamespace(name="real-00-full", verifier=SimpleNamespace(
+        name="family:gemma3_text", target_layers="speculators",
+        config=family_config("gemma3_text")))
+    ref = {"mask_token_id": 2, "rope_theta": 10000.0, "head_dim": 16}
+    cand = {"mask_token_id": 16, "rope_theta": 1e6, "head_dim": 16}
+    [result] = check_derivation(case, SimpleNamespace(derivation=cand),
+                                SimpleNamespace(derivation=ref))
+    assert result.status == "fail"
+    assert list(result.details["differing"]) == ["rope_theta", "mask_token_id"]
+    assert result.summary.split(": ", 1)[1].startswith(
+        "rope theta 1e+06 where the verifier's sliding_attention rope_parameters give 10000")
+
+
+def test_a_verifier_that_is_not_causal_is_refused(tmp_path, monkeypatch):
+    """BERT has a causal-LM head in transformers (BertLMHeadModel) but attends to later
+    tokens unless is_decoder: its proxy was built and audited as a verifier before."""
+    from dflash_audit.data.errors import VerifierError
+    from dflash_audit.data.proxy_folder import proxy_verifier_dir
+    from dflash_audit.data.verifier import cache_dir
+
+    real_cache = cache_dir()
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "verifiers").mkdir(parents=True)
+    (tmp_path / "cache" / "verifiers" / "smollm2-135m").symlink_to(
+        real_cache / "verifiers" / "smollm2-135m")
+    bert = {"model_type": "bert", "hidden_size": 768, "num_hidden_layers": 12,
+            "num_attention_heads": 12, "intermediate_size": 3072, "vocab_size": 30522}
+    (tmp_path / "config.json").write_text(json.dumps(bert))
+    with pytest.raises(VerifierError, match="model_type 'bert' is not a causal LM"):
+        proxy_verifier_dir(str(tmp_path / "config.json"))
+    (tmp_path / "config.json").write_text(json.dumps({**bert, "is_decoder": True}))
+    assert proxy_verifier_dir(str(tmp_path / "config.json"))[1].is_dir()  # causal: accepted

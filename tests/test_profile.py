@@ -205,3 +205,66 @@ def test_profile_from_a_speculators_checkpoint_config(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ProfileError, match="neither a speculators DFlash checkpoint config"):
         Profile.load(str(tmp_path / "bad.json"))
+
+
+def _speculators_config() -> dict:
+    from dflash_audit.data.families import family_config
+    from dflash_audit.model.checkpoint import reference_config
+    from dflash_audit.model.config import DFlashConfig
+
+    config = DFlashConfig.from_verifier_config(
+        family_config("qwen3", num_hidden_layers=12), target_layer_ids=[2, 6, 9],
+        mask_token_id=127, num_hidden_layers=1, block_size=4)
+    return reference_config(config, "verifier")
+
+
+def _edit(d: dict, path: str, value) -> dict:
+    d = json.loads(json.dumps(d))
+    *parents, last = path.split(".")
+    inner = d
+    for p in parents:
+        inner = inner[p]
+    inner[last] = value
+    return d
+
+
+@pytest.mark.parametrize("path,value,message", [
+    ("aux_hidden_state_layer_ids", [2.5, 6, 9], "aux_hidden_state_layer_ids = 2.5 is not"),
+    ("aux_hidden_state_layer_ids", [True, 6, 9], "aux_hidden_state_layer_ids = True is not"),
+    ("mask_token_id", "x", "mask_token_id = 'x' is not an integer"),
+    ("draft_vocab_size", 1000, "draft_vocab_size = 1000 is larger than the transformer's"),
+    ("transformer_layer_config.layer_types", ["linear_attention"],
+     "layer_types ['linear_attention'] are not DFlash draft layer types"),
+    ("transformer_layer_config.layer_types", ["full_attention"] * 3,
+     "3 layer_types for num_hidden_layers = 1; give one per draft layer"),
+])
+def test_a_drafter_config_is_refused_never_truncated(tmp_path, path, value, message):
+    """What used to be read as something else (2.5 -> 2, a too large draft vocabulary dropped,
+    linear_attention read as full, extra layer_types cut) is a ProfileError naming the file."""
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps(_edit(_speculators_config(), path, value)))
+    with pytest.raises(ProfileError) as err:
+        Profile.load(str(file))
+    assert message in str(err.value) and str(file) in str(err.value)
+
+
+def test_zlab_block_size_zero_is_not_replaced_by_the_inner_one(tmp_path):
+    file = tmp_path / "config.json"
+    file.write_text(json.dumps({**ZLAB_CONFIG, "block_size": 0,
+                                "dflash_config": {**ZLAB_CONFIG["dflash_config"],
+                                                  "block_size": 8}}))
+    with pytest.raises(ProfileError, match="'block_size' = 0: must be an integer >= 2"):
+        Profile.load(str(file))
+    inner_only = {k: v for k, v in ZLAB_CONFIG.items() if k != "block_size"}
+    file.write_text(json.dumps({**inner_only, "dflash_config": {
+        **ZLAB_CONFIG["dflash_config"], "block_size": 8}}))
+    assert Profile.load(str(file)).block_size == 8
+
+
+def test_mask_token_outside_a_real_verifiers_vocabulary_is_refused():
+    profile = Profile.load("reference-model").replace(mask_token_id=60000)
+    with pytest.raises(ProfileError, match="mask_token_id 60000 is outside verifier "
+                                           "smollm2-135m's vocabulary \\(49152 ids\\)"):
+        profile.check_mask_token(49152, "smollm2-135m")
+    profile.check_mask_token(60001, "smollm2-135m")  # inside: accepted
+    profile.check_mask_token(49152, "proxy:Qwen3.6-27B/config.json")  # a proxy's: gives way

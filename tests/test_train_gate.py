@@ -220,3 +220,45 @@ def test_the_default_audit_covers_its_real_verifier_and_the_family_proxies():
     _, folder = resolve_verifier_path("smollm2-135m", progress=None)
     warm = SimpleNamespace(**AutoConfig.from_pretrained(folder).to_dict())
     assert verifier_fingerprint(warm) == _verifier_fingerprint("smollm2-135m")
+
+
+def test_a_proxy_audit_covers_the_real_verifier_until_its_config_is_edited(tmp_path):
+    """An audit through a proxy of a Phi-3 config.json (longrope factors resampled to the
+    proxy's width) covers training with the real verifier folder of that config; the same
+    folder with its config.json edited after the audit (another rope_theta) is refused."""
+    import torch
+    from safetensors.torch import save_file
+    from test_families import PHI3_MINI_128K
+
+    from dflash_audit.report.fingerprint import report_fingerprint
+    from dflash_audit.train.gate import _verifier_fingerprint
+
+    profile_path = tt.write_profile(tmp_path / "tiny.toml")
+    profile = Profile.load(str(profile_path))
+    audited = tmp_path / "audited" / "config.json"
+    audited.parent.mkdir()
+    audited.write_text(json.dumps(PHI3_MINI_128K))
+    report = tt.write_report(tmp_path / "reports", profile_path)
+    data = json.loads(report.read_text())
+    data["verifiers"] = {_verifier_fingerprint(str(audited)): {"name": "proxy:audited"}}
+    data["fingerprint"] = report_fingerprint("pass", data["reference"],
+                                             data["candidate"]["fingerprint"],
+                                             data["profile"]["fingerprint"],
+                                             list(data["verifiers"]))
+    report.write_text(json.dumps(data))
+    real = tmp_path / "Phi-3-mini-128k"
+    real.mkdir()
+    (real / "config.json").write_text(json.dumps(PHI3_MINI_128K))
+    save_file({"lm_head.weight": torch.zeros(1)}, real / "model.safetensors")  # config only read
+
+    def gate():
+        return check_gate(expected_for(load_candidate(None), None, profile, "speculators==0.9.0",
+                                       reference_identity=tt.REFERENCE, verifier=str(real)),
+                          reports_dir=tmp_path / "reports")
+
+    assert gate().report_path == report
+    (real / "config.json").write_text(json.dumps({**PHI3_MINI_128K, "rope_theta": 250000.0}))
+    with pytest.raises(GateError, match=f"verifier not covered: this run trains with verifier "
+                                        f"{real}.*the report audited proxy:audited") as err:
+        gate()
+    assert f"--verifier {real}" in str(err.value) and err.value.exit_code == 2

@@ -78,3 +78,44 @@ def test_compare_with_the_checkpoint_config_and_weights(checkpoint, tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "trained weights missing: layers.1." in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_checkpoint_that_would_audit_something_else_is_named(checkpoint, tmp_path):
+    """Each of these ran the audit before (a NaN weight: FAIL with "unexplained difference";
+    int8 weights: a protocol FAIL) or named the wrong cause; now a UserWeightsError."""
+    state = load_file(checkpoint / "model.safetensors")
+    keys = sorted(state)
+
+    def folder(name, files):
+        out = tmp_path / name
+        out.mkdir()
+        for file, tensors in files.items():
+            save_file(tensors, out / file)
+        return out
+
+    pickle = tmp_path / "pickle"
+    pickle.mkdir()
+    torch.save(state, pickle / "pytorch_model.bin")
+    with pytest.raises(UserWeightsError, match="pytorch_model.bin is a pickle file, which is "
+                                               "never loaded"):
+        load_user_weights(pickle)
+    sharded = folder("sharded", {"model-00001-of-00002.safetensors":
+                                 {k: state[k] for k in keys[:5]}})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        k: f"model-0000{1 + (i >= 5)}-of-00002.safetensors" for i, k in enumerate(keys)}}))
+    with pytest.raises(UserWeightsError, match="names shards that are not there: "
+                                               "model-00002-of-00002.safetensors"):
+        load_user_weights(sharded)
+    nan = {**state, "norm.weight": state["norm.weight"].clone()}
+    nan["norm.weight"][3] = float("nan")
+    with pytest.raises(UserWeightsError, match="norm.weight in model.safetensors holds 1 "
+                                               "non-finite values"):
+        load_user_weights(folder("nan", {"model.safetensors": nan}))
+    ints = load_user_weights(folder("ints", {"model.safetensors": {
+        **state, "fc.weight": state["fc.weight"].to(torch.int8)}}))
+    with pytest.raises(UserWeightsError, match="integer where floating point is expected, or "
+                                               "the reverse: fc.weight torch.int8"):
+        apply_user_weights({k: torch.zeros_like(v) for k, v in state.items()}, ints, "ckpt")
+    bf16 = load_user_weights(folder("bf16", {"model.safetensors": {
+        k: v.bfloat16() for k, v in state.items()}}))  # exact upcast: accepted
+    assert bf16["fc.weight"].dtype == torch.float32

@@ -73,3 +73,13 @@ def test_the_motivating_scenario_names_layer_61_and_fc_4_of_5(qwen35_config, tmp
     assert context.status == "fail"
     assert any(d.startswith("fc fed 4 of 5 target layers") and "misses [61]" in d
                for d in context.diagnosis), context.diagnosis
+
+
+def test_a_gpt_oss_verifier_loads_without_an_sdpa_path():
+    """GPT-OSS (attention sinks, sliding + full, MoE) has no sdpa attention in transformers:
+    ``--verifier family:gpt_oss`` or a GPT-OSS config.json failed with exit 2 before any
+    capture; it loads with the same attention computed eagerly."""
+    verifier = load_verifier("family:gpt_oss", progress=None)
+    assert verifier.model.config._attn_implementation == "eager"
+    assert verifier.num_layers == 12 and verifier.identity.model_type == "gpt_oss"
+    assert set(verifier.config.layer_types) == {"sliding_attention", "full_attention"}

@@ -61,6 +61,9 @@ DEFAULT_SEQ_LEN = 256
 DEFAULT_ROWS = 1
 DEFAULT_CASES = 12
 DEFAULT_ANCHORS = 16
+#: Largest block_size audited: synthetic cases have up to ~4 B^2 draft queries (DFlash
+#: drafters use 4-16).
+MAX_BLOCK_SIZE = 64
 #: Seeds data order, weights, anchors and synthetic cases. With 8 the first packed chitchat
 #: row of 256 SmolLM2 tokens holds 3 conversations (126 supervised tokens), so the real case
 #: crosses document boundaries.
@@ -171,12 +174,13 @@ def _check_options(opts: CompareOptions) -> None:
         raise CompareSetupError(f"--out {opts.out}: cannot write reports there ({existing} is "
                                 f"{'a file' if not existing.is_dir() else 'not writable'}); "
                                 "choose a writable folder")
-    if opts.verifier.startswith("family:"):  # checked before seconds of batch work
-        from dflash_audit.data.families import FAMILIES
+    from dflash_audit.data.errors import VerifierError
+    from dflash_audit.data.proxy_folder import check_proxy_spec
 
-        if opts.verifier.split(":", 1)[1] not in FAMILIES:
-            raise CompareSetupError(f"--verifier {opts.verifier}: unknown verifier family; use "
-                                    f"one of {', '.join('family:' + f for f in FAMILIES)}")
+    try:  # a family name or a config.json: checked before seconds of batch work
+        check_proxy_spec(opts.verifier)
+    except VerifierError as exc:
+        raise CompareSetupError(str(exc)) from None
     from dflash_audit.audit.precision import check_device_and_dtype
 
     try:
@@ -207,6 +211,11 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: Imp
     from dflash_audit.profile import ProfileError
 
     planned, info = [], {}
+    if profile.block_size > MAX_BLOCK_SIZE or (opts.rows and profile.block_size >= opts.seq_len):
+        raise CompareSetupError(
+            f"block_size {profile.block_size}: the audit takes block sizes up to "
+            f"{MAX_BLOCK_SIZE} and below --seq-len ({opts.seq_len}; a block that does not fit "
+            "a row leaves no anchor, and synthetic cases grow as block_size squared)")
     if opts.weights is not None and not opts.rows:
         raise CompareSetupError("--weights needs real cases (--rows >= 1): the synthetic cases "
                                 "have tiny dimensions a checkpoint cannot fit")
@@ -268,6 +277,9 @@ def profile_fits_verifier(profile: Any, verifier: str, say: Any = None) -> list[
         "num_hidden_layers")
     if not isinstance(layers, int):
         raise ValueError(f"{folder / 'config.json'} has no num_hidden_layers")
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if isinstance(vocab, int):
+        profile.check_mask_token(vocab, verifier)
     return profile.resolve_target_layer_ids(layers)
 
 

@@ -144,6 +144,8 @@ def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0,
     if not inputs.batches:
         return []
     first = inputs.batches[0]
+    vc = getattr(inputs.verifier_config, "text_config", None) or inputs.verifier_config
+    profile.check_mask_token(int(vc.vocab_size), str(inputs.verifier.get("name")))
     base = profile.to_drafter_config(inputs.verifier_config, first.mask_token_id,
                                      target_layer_ids=first.target_layer_ids)
     weights = real_case_weights(base, inputs.frozen, seed,

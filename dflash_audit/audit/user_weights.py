@@ -34,15 +34,21 @@ def load_user_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of ``folder/*.safetensors``, keys mapped to the reference's names.
 
     Raises:
-        UserWeightsError: no folder / no safetensors file / two files with one key.
+        UserWeightsError: no folder / no safetensors file (a pickle ``.bin`` named) /
+            an unreadable file / a shard its index names missing / two files with one key /
+            non-finite values.
     """
     from safetensors.torch import load_file
 
     folder = Path(folder).expanduser()
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     if not files:
+        pickles = sorted(p.name for p in folder.glob("*.bin")) if folder.is_dir() else []
+        hint = (f"; {', '.join(pickles)} is a pickle file, which is never loaded (it can run "
+                "code): save the state dict with safetensors.torch.save_file") if pickles else ""
         raise UserWeightsError(f"--weights {folder}: no *.safetensors file there (give the "
-                               "folder of a speculators or z-lab DFlash checkpoint)")
+                               f"folder of a speculators or z-lab DFlash checkpoint){hint}")
+    _check_index(folder)
     out: dict[str, torch.Tensor] = {}
     from safetensors import SafetensorError
 
@@ -57,7 +63,32 @@ def load_user_weights(folder: str | Path) -> dict[str, torch.Tensor]:
             if name in out:
                 raise UserWeightsError(f"--weights {folder}: key {name} appears twice")
             out[name] = tensor.float() if tensor.is_floating_point() else tensor
+            if tensor.is_floating_point() and not bool(out[name].isfinite().all()):
+                bad = int((~out[name].isfinite()).sum())
+                raise UserWeightsError(f"--weights {folder}: {key} in {file.name} holds {bad} "
+                                       "non-finite values (NaN / inf); the checkpoint is "
+                                       "damaged, audit a finite one")
     return out
+
+
+def _check_index(folder: Path) -> None:
+    """Every shard a ``*.safetensors.index.json`` names exists in ``folder``.
+
+    Raises:
+        UserWeightsError: an unreadable index, or shards missing (named).
+    """
+    import json
+
+    for index in folder.glob("*.safetensors.index.json"):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UserWeightsError(f"--weights {folder}: {index.name} is not a readable "
+                                   f"safetensors index ({type(exc).__name__}: {exc})") from None
+        missing = sorted(str(s) for s in shards if not (folder / str(s)).is_file())
+        if missing:
+            raise UserWeightsError(f"--weights {folder}: {index.name} names shards that are "
+                                   f"not there: {_names(missing)}; copy the whole checkpoint")
 
 
 def apply_user_weights(weights: dict[str, torch.Tensor], user: dict[str, torch.Tensor],
@@ -69,7 +100,8 @@ def apply_user_weights(weights: dict[str, torch.Tensor], user: dict[str, torch.T
 
     Raises:
         UserWeightsError: keys the reference's drafter does not have, trained weights the
-            checkpoint lacks, or shapes that differ (each named).
+            checkpoint lacks, shapes that differ, or integer tensors where the reference's
+            are floating point (or the reverse) (each named).
     """
     draft_vocab = "t2d" in weights
     trained = [k for k in weights if k not in VERIFIER_OWNED
@@ -78,6 +110,9 @@ def apply_user_weights(weights: dict[str, torch.Tensor], user: dict[str, torch.T
     missing = sorted(k for k in trained if k not in user)
     shapes = sorted(f"{k} {list(user[k].shape)} (reference {list(weights[k].shape)})"
                     for k in user if k in weights and user[k].shape != weights[k].shape)
+    dtypes = sorted(f"{k} {user[k].dtype} (reference {weights[k].dtype})" for k in user
+                    if k in weights and user[k].is_floating_point()
+                    != weights[k].is_floating_point())
     problems = []
     if unknown:
         problems.append(f"keys the reference's drafter does not have: {_names(unknown)}")
@@ -85,6 +120,9 @@ def apply_user_weights(weights: dict[str, torch.Tensor], user: dict[str, torch.T
         problems.append(f"trained weights missing: {_names(missing)}")
     if shapes:
         problems.append(f"shapes differ: {_names(shapes, 4)}")
+    if dtypes:
+        problems.append(f"integer where floating point is expected, or the reverse: "
+                        f"{_names(dtypes, 4)}")
     if problems:
         raise UserWeightsError(f"--weights {source} does not fit this audit's drafter: "
                                + "; ".join(problems) + " (is the profile the checkpoint's "

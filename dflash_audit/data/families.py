@@ -137,6 +137,55 @@ def _shrink_mrope(rope: dict[str, Any], head_dim: int) -> None:
     rope["mrope_section"] = new
 
 
+#: Config keys of multi-head latent attention (DeepSeek-V2/V3, Kimi K2, LongCat): its
+#: low-rank query/key/value projections and split rope/nope head dims do not shrink into a
+#: proxy, and DFlash's draft layers (standard grouped-query attention) do not derive from it.
+MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (transformers' validation errors span several)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _shrink_rope_factors(rope: dict[str, Any], rotary_half: int) -> None:
+    """Resample longrope's per-frequency ``short_factor`` / ``long_factor`` lists (in place)
+    to the proxy's rotary half-dim, evenly spaced so the low-to-high frequency profile is
+    kept (transformers requires one factor per rotated frequency)."""
+    for key in ("short_factor", "long_factor"):
+        factors = rope.get(key)
+        if isinstance(factors, list) and factors and len(factors) != rotary_half:
+            last = len(factors) - 1
+            rope[key] = [factors[round(i * last / max(1, rotary_half - 1))]
+                         for i in range(rotary_half)]
+
+
+def _checked_text_config(d: Any, file: Path) -> dict[str, Any]:
+    """The decoder's part of a parsed config.json (its ``text_config`` when it has one),
+    checked for what a proxy needs.
+
+    Raises:
+        FamilyError: not a JSON object, no positive integer depth / width, or multi-head
+            latent attention (:data:`MLA_KEYS`).
+    """
+    if not isinstance(d, dict):
+        raise FamilyError(f"{file}: not a JSON object (a Hugging Face config.json is one); "
+                          "pass your verifier's config.json")
+    text = d.get("text_config")
+    d = text if isinstance(text, dict) and text else d
+    for key in ("num_hidden_layers", "hidden_size"):
+        value = d.get(key)
+        if key in d and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise FamilyError(f"{file}: {key} = {value!r}; it must be a positive integer")
+    mla = [k for k in MLA_KEYS if d.get(k)]
+    if mla:
+        raise FamilyError(f"{file}: model_type {d.get('model_type')!r} uses multi-head latent "
+                          f"attention ({', '.join(mla)}), which dflash-audit does not support "
+                          "(DFlash's draft layers use grouped-query attention); use "
+                          "--verifier family:NAME for the closest supported family")
+    return d
+
+
 def proxy_config_from_json(path: str | Path) -> Any:
     """A proxy config from a user's real ``config.json`` (a file or the folder holding it):
     the real depth, ``layer_types``, rope, norm family, eps, activation, tied embeddings and
@@ -153,7 +202,7 @@ def proxy_config_from_json(path: str | Path) -> Any:
         d = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise FamilyError(f"cannot read verifier config {file}: {exc}") from None
-    d = d.get("text_config") or d
+    d = _checked_text_config(d, file)
     from transformers import AutoConfig
 
     model_type = d.get("model_type")
@@ -169,21 +218,32 @@ def proxy_config_from_json(path: str | Path) -> Any:
     shrunk = {k: v for k, v in _SHRINK.items() if k in d}
     kv = d.get("num_key_value_heads")
     rope = json.loads(json.dumps(d.get("rope_parameters") or {}))
-    for entry in [rope, *(v for v in rope.values() if isinstance(v, dict))]:
+    legacy = json.loads(json.dumps(d.get("rope_scaling") or {}))  # transformers 4 configs
+    for entry in [rope, legacy, *(v for v in rope.values() if isinstance(v, dict))]:
         _shrink_mrope(entry, head_dim)
-    for tok in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(d.get(tok), int) and d[tok] >= PROXY_VOCAB:
-            shrunk[tok] = PROXY_VOCAB - 1 - ("pad_token_id", "bos_token_id", "eos_token_id"
-                                             ).index(tok)
-        elif isinstance(d.get(tok), list):
-            shrunk[tok] = [PROXY_VOCAB - 1]
+        factor = entry.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        _shrink_rope_factors(entry, int(head_dim * float(factor or 1.0)) // 2)
+    if legacy:
+        shrunk["rope_scaling"] = legacy
     d.pop("architectures", None)
     d.pop("auto_map", None)
     d.pop("quantization_config", None)
-    return cls(**{**d, **shrunk, "hidden_size": PROXY_HIDDEN, "num_attention_heads": PROXY_HEADS,
-                  "num_key_value_heads": PROXY_HEADS if kv and int(kv) == int(
-                      d["num_attention_heads"]) else PROXY_KV_HEADS,
-                  "head_dim": head_dim, **({"rope_parameters": rope} if rope else {})})
+    try:
+        config = cls(**{**d, **shrunk, "hidden_size": PROXY_HIDDEN,
+                      "num_attention_heads": PROXY_HEADS,
+                      "num_key_value_heads": PROXY_HEADS if kv and int(kv) == int(
+                          d["num_attention_heads"]) else PROXY_KV_HEADS,
+                      "head_dim": head_dim, **({"rope_parameters": rope} if rope else {})})
+    except Exception as exc:  # noqa: BLE001 - transformers' validation (StrictDataclassError...)
+        raise FamilyError(f"{file}: transformers' {cls.__name__} refuses this config: "
+                          f"{one_line(exc)}; fix the config.json") from None
+    for i, tok in enumerate(("pad_token_id", "bos_token_id", "eos_token_id")):
+        value = getattr(config, tok, None)  # the file's or the class default (Phi-3: 32000)
+        if isinstance(value, int) and value >= PROXY_VOCAB:
+            setattr(config, tok, PROXY_VOCAB - 1 - i)
+        elif isinstance(value, list):
+            setattr(config, tok, [PROXY_VOCAB - 1])
+    return config
 
 
 def build_proxy(config: Any, seed: int = 0) -> torch.nn.Module:

@@ -45,13 +45,29 @@ def proxy_name(spec: str) -> str:
     return f"proxy:{path.parent.name}/{path.name}"
 
 
-def _proxy_config(spec: str, tokenizer: Any) -> Any:
-    from dflash_audit.data.families import FamilyError, resolve_verifier_spec
+def check_proxy_spec(spec: str) -> Any:
+    """The proxy's transformers config (width not yet widened to the tokenizer) for a
+    ``family:NAME`` or ``config.json`` spec, None for any other spec: a cheap check (no
+    weights, no tokenizer) of what :func:`proxy_verifier_dir` would refuse later.
 
+    Raises:
+        VerifierError: unknown family, or a config.json a proxy cannot be built from.
+    """
+    from dflash_audit.data.families import FAMILIES, FamilyError, resolve_verifier_spec
+
+    if spec.startswith("family:") and spec.split(":", 1)[1] not in FAMILIES:
+        raise VerifierError(f"--verifier {spec}: unknown verifier family; use one of "
+                            f"{', '.join('family:' + f for f in FAMILIES)}")
+    if not is_proxy_spec(spec):
+        return None
     try:
-        config = resolve_verifier_spec(spec, num_hidden_layers=FAMILY_LAYERS)
+        return resolve_verifier_spec(spec, num_hidden_layers=FAMILY_LAYERS)
     except (FamilyError, TypeError, ValueError) as exc:
         raise VerifierError(f"verifier {spec!r}: {exc}") from None
+
+
+def _proxy_config(spec: str, tokenizer: Any) -> Any:
+    config = check_proxy_spec(spec)
     config.vocab_size = len(tokenizer)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(tokenizer, key, None)
@@ -60,17 +76,54 @@ def _proxy_config(spec: str, tokenizer: Any) -> Any:
     return config
 
 
+def _tested_proxy(config: Any, spec: str) -> Any:
+    """The proxy model of ``config``, built, run on 4 tokens (twice: the last one changed,
+    which must not change the earlier outputs) and our drafter config derived from its
+    config, so an architecture the proxy cannot build or run, that is not causal (BERT), or
+    that DFlash cannot derive from is refused before it is cached, not as a traceback in the
+    middle of the audit or an audit of a verifier that sees the future.
+
+    Raises:
+        VerifierError: the build, forward or derivation raised, or the model is not causal
+            (model_type and error named).
+    """
+    import torch
+
+    from dflash_audit.data.families import build_proxy, one_line
+    from dflash_audit.model.config import DFlashConfig
+
+    ids = torch.arange(3, 7)[None]
+    try:
+        model = build_proxy(config, seed=PROXY_SEED)
+        with torch.no_grad():
+            logits = model(ids).logits
+            later_changed = model(torch.cat([ids[:, :-1], ids[:, -1:] + 1], 1)).logits
+        DFlashConfig.from_verifier_config(config, target_layer_ids=[0], mask_token_id=0)
+    except Exception as exc:  # noqa: BLE001 - transformers' modeling code of any family
+        raise VerifierError(f"verifier {spec!r}: a proxy of model_type "
+                            f"{getattr(config, 'model_type', '?')!r} cannot run or derive a "
+                            f"drafter config ({type(exc).__name__}: {one_line(exc)}); this "
+                            "architecture is not supported, use --verifier family:NAME for "
+                            "the closest supported family") from None
+    # MoE expert kernels reorder fp32 sums (~1e-7); attending to a later token moves ~1e-3
+    if not torch.allclose(logits[:, :-1], later_changed[:, :-1], rtol=1e-4, atol=1e-5):
+        raise VerifierError(f"verifier {spec!r}: model_type {config.model_type!r} is not a "
+                            "causal LM (its outputs at earlier positions change with a later "
+                            "token); DFlash drafts for a causal verifier")
+    return model
+
+
 def proxy_verifier_dir(spec: str, progress: Callable[[str], None] | None = None
                        ) -> tuple[str, Path]:
     """``(name, folder)`` of the proxy verifier for ``spec``, built on first use.
 
     Raises:
-        VerifierError: unknown family, unreadable or unknown config, or the built-in
-            verifier's tokenizer unavailable (its install command).
+        VerifierError: unknown family, unreadable or unknown config, an architecture whose
+            proxy cannot be built or run, or the built-in verifier's tokenizer unavailable
+            (its install command).
     """
     from transformers import AutoTokenizer
 
-    from dflash_audit.data.families import build_proxy
     from dflash_audit.data.verifier import SMOLLM2_NAME, cache_dir, resolve_verifier_path
 
     _, smollm2 = resolve_verifier_path(SMOLLM2_NAME, progress=progress)
@@ -84,7 +137,7 @@ def proxy_verifier_dir(spec: str, progress: Callable[[str], None] | None = None
         if progress:
             progress(f"building the proxy verifier of {spec} into {folder}")
         with atomic_folder(folder, keep_existing=True) as tmp:
-            build_proxy(config, seed=PROXY_SEED).save_pretrained(tmp)
+            _tested_proxy(config, spec).save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             (tmp / "proxy.json").write_text(json.dumps({"spec": spec, "name": proxy_name(spec)}))
     return proxy_name(spec), folder

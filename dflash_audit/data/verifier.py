@@ -176,8 +176,16 @@ def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = _s
             f"verifier {spec!r} is neither a built-in ({', '.join(BUILTIN_VERIFIERS)}) nor an "
             "existing folder; pass a local Hugging Face causal-LM folder, 'smollm2-135m', "
             "family:NAME or a config.json file")
+    if folder.is_file():
+        raise VerifierError(f"verifier {spec!r} is a file but not a .json one; pass a Hugging "
+                            "Face folder or the verifier's config.json (a file named *.json)")
     if not (folder / "config.json").is_file():
         raise VerifierError(f"verifier folder {folder} has no config.json (not a HF model folder)")
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise VerifierError(f"verifier folder {folder} has a config.json but no weights "
+                            "(*.safetensors / *.bin); to audit with a proxy of that config (its "
+                            f"depth and layer types, width shrunk) pass --verifier "
+                            f"{folder / 'config.json'}")
     return folder.resolve().name, folder.resolve()
 
 
@@ -277,7 +285,8 @@ def load_verifier(spec: str, attn_implementation: str = "sdpa",
     """Load a verifier from a spec (local HF folder or ``smollm2-135m``).
 
     The model is loaded in float32, put in eval mode with gradients off;
-    ``attn_implementation`` is ``"sdpa"`` or ``"eager"``.
+    ``attn_implementation`` is ``"sdpa"`` or ``"eager"`` (``"sdpa"`` becomes ``"eager"`` for
+    an architecture without an sdpa path, e.g. GPT-OSS: the same attention).
 
     Raises:
         VerifierError: the spec cannot be resolved, or the folder has no loadable model or
@@ -296,8 +305,14 @@ def load_verifier(spec: str, attn_implementation: str = "sdpa",
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation=attn_implementation)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.float32, attn_implementation=attn_implementation)
+        except ValueError as exc:  # GPT-OSS (attention sinks) has no sdpa path: the same
+            if "scaled_dot_product_attention" not in str(exc):  # attention, computed eagerly
+                raise
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.float32, attn_implementation="eager")
     except (OSError, ValueError, KeyError, SafetensorError) as exc:
         raise VerifierError(f"cannot load a causal LM from {folder}: "
                             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"

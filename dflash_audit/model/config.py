@@ -281,7 +281,8 @@ def draft_rope_parameters(vc: Any, head_dim: int) -> dict[str, Any]:
     and ``rope_scaling``.
 
     Raises:
-        ConfigError: an mrope_section that cannot be rescaled to the head.
+        ConfigError: an mrope_section that cannot be rescaled to the head, or per-pair
+            longrope factors of a partial rotation (the whole head has more pairs).
     """
     raw = getattr(vc, "rope_parameters", None)
     if raw is None:
@@ -305,6 +306,13 @@ def draft_rope_parameters(vc: Any, head_dim: int) -> dict[str, Any]:
         rope.pop(key, None)
     if "mrope_section" not in rope:
         rope.pop("partial_rotary_factor", None)
+        lists = [k for k in ("short_factor", "long_factor") if rope.get(k)]
+        if factor < 1.0 and lists:  # Phi-4-mini: one factor per rotated pair of the verifier
+            raise ConfigError(
+                f"the verifier's rope ({rope.get('rope_type')}) has {len(rope[lists[0]])} "
+                f"{lists[0]} entries for partial_rotary_factor {factor:g}, but the draft layers "
+                f"rotate the whole head ({head_dim // 2} pairs); this verifier is not supported "
+                "(the reference cannot derive it either)")
     return rope
 
 
@@ -330,5 +338,7 @@ def default_target_layer_ids(num_verifier_layers: int, style: str = "zlab") -> l
     else:
         raise ConfigError(f"unknown target layer style {style!r}; use 'zlab' or 'speculators'")
     if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= n:
-        raise ConfigError(f"default {style} target layers {ids} invalid for {n} verifier layers")
+        raise ConfigError(f"default {style} target layers {ids} invalid for {n} verifier layers "
+                          "(too shallow for this style); give explicit target_layers ids below "
+                          f"{n} in a TOML profile")
     return ids

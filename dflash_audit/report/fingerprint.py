@@ -107,10 +107,16 @@ VERIFIER_ARCH_FIELDS = ("model_type", "num_hidden_layers", "layer_types", "rms_n
                         "sliding_window", "attention_bias")
 
 
+#: RoPE fields sized by the head width, which a proxy rescales (mrope sections, longrope's
+#: per-frequency factors): left out of the architecture.
+WIDTH_ROPE_KEYS = ("mrope_section", "short_factor", "long_factor")
+
+
 def verifier_architecture(config: Any) -> dict[str, Any]:
     """The architecture of a verifier (text) config for a DFlash drafter: model type, depth,
     layer types, eps, activation, tied embeddings, sliding window, RoPE parameters (without
-    the ``mrope_section``, which a proxy rescales to its width) and whether head_dim is
+    :data:`WIDTH_ROPE_KEYS`, which a proxy rescales to its width; ``type`` read as
+    ``rope_type``) and whether head_dim is
     independent of hidden_size / heads. A transformers config or a namespace of its fields."""
     from types import SimpleNamespace
 
@@ -119,7 +125,10 @@ def verifier_architecture(config: Any) -> dict[str, Any]:
         vc = SimpleNamespace(**vc)
     rope = json.loads(json.dumps(getattr(vc, "rope_parameters", None) or {}, default=str))
     for entry in [rope, *(v for v in rope.values() if isinstance(v, dict))]:
-        entry.pop("mrope_section", None)
+        for key in WIDTH_ROPE_KEYS:
+            entry.pop(key, None)
+        if "type" in entry:  # the legacy alias of rope_type
+            entry.setdefault("rope_type", entry.pop("type"))
     head_dim, heads = getattr(vc, "head_dim", None), getattr(vc, "num_attention_heads", None)
     arch = {k: getattr(vc, k, None) for k in VERIFIER_ARCH_FIELDS}
     arch["layer_types"] = list(arch["layer_types"] or [])

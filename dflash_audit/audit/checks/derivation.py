@@ -132,7 +132,8 @@ def check_derivation(case: Case, cand: SideOutputs, ref: SideOutputs) -> list[Ch
     if "error" in c:
         return result(FAIL, f"the candidate's derive_config failed: {c['error']}")
     keys = _compared_keys(case, c, r)
-    differing = {k: {"candidate": c[k], "reference": r[k]} for k in keys
+    differing = {k: {"candidate": c[k], "reference": r[k]}  # failing fields before warn-only
+                 for k in sorted(keys, key=lambda k: k in WARN_KEYS)
                  if not same_value(c[k], r[k])}
     details = {"compared": keys, "not_reported": sorted(set(r) - set(c) - META_KEYS),
                "differing": differing}
