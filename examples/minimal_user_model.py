@@ -246,7 +246,7 @@ class TinyDFlashCandidate:
             "sliding_window_non_causal": config.sliding_window_non_causal,
             "sample_from_anchor": model.start == 0,
             "state_dict": {to_ref[u]: {"shape": list(t.shape), "dtype": str(t.dtype)[6:],
-                                       "trainable": params[u].requires_grad}
+                                       "trainable": u in params and params[u].requires_grad}
                            for u, t in model.state_dict().items()}}
         metrics = dflash_metrics(logits, teacher, supervised, B, model.start == 0)  # or your own
         metrics["loss_sum"] = float(total.detach())

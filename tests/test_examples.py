@@ -156,13 +156,14 @@ def _family_case(name, family, loss, seed, **drafter):
 
 
 # gemma3_text: gelu_pytorch_tanh, x*(1+w) verifier norm, head_dim 16 != H/heads, nested rope;
-# llama: llama3 rope scaling, eps 1e-5; both with sliding layers (W=6, shorter than a document)
+# llama: llama3 rope scaling, eps 1e-5, a draft vocabulary; both with sliding layers (W=6)
 USER_CASES = [
     _family_case("gemma3-ce-mixed", "gemma3_text", LossSpec("ce", gamma=7.0), seed=12,
                  num_hidden_layers=2, block_size=4, sliding_window=6,
                  layer_types=(SLIDING_ATTENTION, FULL_ATTENTION)),
     _family_case("llama-sliding-from-anchor", "llama", LossSpec(), seed=13, block_size=3,
-                 sliding_window=6, layer_types=(SLIDING_ATTENTION,), sample_from_anchor=True),
+                 sliding_window=6, layer_types=(SLIDING_ATTENTION,), sample_from_anchor=True,
+                 draft_vocab_size=64),
 ]
 
 
