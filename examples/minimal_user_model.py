@@ -164,8 +164,9 @@ class TinyDFlash(nn.Module):
         for blk in self.blocks:
             x = blk(x, ctx, cos, sin, masks)
         logits = self.head(self.out_norm(x))
-        with torch.no_grad():  # slot s learns the verifier's prediction at a+s-1 (a+s from
-            src = (slots - self.start) % T  # the anchor: sample_from_anchor)
+        # slot s learns the verifier's prediction at a+s-1 (at a+s with sample_from_anchor)
+        with torch.no_grad():
+            src = (slots - self.start) % T
             teacher = self.teacher_head(self.teacher_norm(verifier_last[:, src]))
         return ctx, masks, logits, teacher, slots
 
