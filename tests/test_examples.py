@@ -13,6 +13,7 @@ from dflash_audit.audit.diagnose import diagnose
 from dflash_audit.audit.run_sides import run_candidate
 from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.candidate import DrafterCandidate, load_candidate
+from dflash_audit.data.families import family_config
 from dflash_audit.model.config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -149,13 +150,49 @@ def test_our_drafter_passes_every_check(case, reference):
         [(k, r.summary) for k, r in results.items() if r.status != "pass"]
 
 
-def test_minimal_user_model_passes_every_check(reference):
+def _family_case(name, family, loss, seed, **drafter):
+    """A synthetic case whose drafter config derives from a verifier family's proxy (N=12)."""
+    config = DFlashConfig.from_verifier_config(
+        family_config(family, num_hidden_layers=12), target_layer_ids=[1, 4, 7, 10],
+        mask_token_id=127, **drafter)
+    return synthetic_case(name, config, loss, seed=seed, seq_len=48, num_documents=2, pad=3,
+                          max_anchors=5)
+
+
+# gemma3_text: gelu_pytorch_tanh, x*(1+w) verifier norm, head_dim 16 != H/heads, nested rope;
+# llama: llama3 rope scaling, eps 1e-5, a draft vocabulary; both with sliding layers (W=6)
+USER_CASES = [
+    _family_case("gemma3-ce-mixed", "gemma3_text", LossSpec("ce", gamma=7.0), seed=12,
+                 num_hidden_layers=2, block_size=4, sliding_window=6,
+                 layer_types=(SLIDING_ATTENTION, FULL_ATTENTION)),
+    _family_case("llama-sliding-from-anchor", "llama", LossSpec(), seed=13, block_size=3,
+                 sliding_window=6, layer_types=(SLIDING_ATTENTION,), sample_from_anchor=True,
+                 draft_vocab_size=64),
+]
+
+
+@pytest.fixture(scope="module")
+def user_reference(run_reference_cases):
+    return run_reference_cases(USER_CASES)
+
+
+@pytest.mark.parametrize("case", CASES + USER_CASES, ids=lambda c: c.name)
+def test_minimal_user_model_passes_every_check(case, reference, user_reference):
     user = load_candidate(f"{EXAMPLES}/minimal_user_model.py:TinyDFlashCandidate")
-    results = audit(user, CASES[1], reference)
+    results = audit(user, case, {**reference, **user_reference})
     assert {r.status for r in results.values()} == {"pass"}, \
         [(k, r.summary) for k, r in results.items() if r.status != "pass"]
-    with pytest.raises(RuntimeError, match="raised NotImplementedError: TinyDFlash: full"):
-        audit(user, CASES[0], reference)  # a sliding layer: outside what TinyDFlash supports
+    assert {k for k in results if k.startswith("mask.")} == {
+        f"mask.{t}" for t in case.config.effective_layer_types}
+
+
+def test_minimal_user_model_names_what_it_does_not_implement():
+    case = SPECIAL_BY_NAME["dpace"]
+    cand, failed = run_candidate(
+        load_candidate(f"{EXAMPLES}/minimal_user_model.py:TinyDFlashCandidate"), case)
+    assert cand is None and failed.summary.startswith(
+        "the candidate's run_case raised NotImplementedError: TinyDFlash: loss 'ce' with "
+        "'dpace' weighting"), failed.summary
 
 
 # ------------------------------------------------ cases that need another profile or config
