@@ -165,6 +165,8 @@ def test_mask_difference_on_an_untrained_block_passes(ours):
                      "before the anchor are hidden"),
     ({"blocks": "earlier"}, "queries also see the noise tokens of earlier blocks (a mask over all "
                             "Q noise positions, not per block; reference: own block only)"),
+    ({"blocks": "all"}, "queries see the noise tokens of every block (no block rule; reference: "
+                        "own block only)"),
 ])
 def test_mask_leaks_are_named(ours, change, cause):
     """Any context offset kv < anchor + k is fitted from the candidate's mask and named (SpecForge

@@ -144,10 +144,11 @@ def build_mask(case: Case, h: MaskHypothesis) -> torch.Tensor:
                  & (docs[qa] != -1))
     elif h.offset < 0:  # kv < anchor + offset: positions just before the anchor are hidden
         base &= kv < qa + h.offset
-    if h.blocks != "own":
-        q, k = torch.arange(block.shape[0])[:, None], torch.arange(block.shape[1])[None, :]
-        block = (k <= q if h.causal_block else k // B <= q // B) if h.blocks == "earlier" else (
-            torch.ones_like(block) if not h.causal_block else k <= q)
+    q, k = torch.arange(block.shape[0])[:, None], torch.arange(block.shape[1])[None, :]
+    if h.blocks == "earlier":  # a causal mask over all Q noise positions, or block-causal
+        block = k <= q if h.causal_block else k // B <= q // B
+    elif h.blocks == "all":  # every noise token (the block rule is moot)
+        block = torch.ones_like(block)
     return torch.cat([base, block], 1)
 
 
@@ -179,7 +180,8 @@ def mask_hypotheses(case: Case, layer_type: str,
     for blocks, causal, offset, window, docs in itertools.product(
             ("own", "earlier", "all"), (exp.causal_block, not exp.causal_block), offsets,
             windows, (True, False)):
-        yield MaskHypothesis(offset, window, docs, causal, blocks)
+        if blocks != "all" or causal == exp.causal_block:  # "all" ignores the block rule
+            yield MaskHypothesis(offset, window, docs, causal, blocks)
 
 
 def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> list[str]:
