@@ -30,6 +30,7 @@ never a traceback.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -221,6 +222,12 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: Imp
                                 "have tiny dimensions a checkpoint cannot fit")
     try:
         user = load_user_weights(opts.weights) if opts.weights is not None else None
+        with st.stage("verifier_config", "checking the profile against the verifier"):
+            try:  # before any capture, with or without --rows (issue 9)
+                profile_fits_verifier(profile, opts.verifier, st.say)
+            except ProfileError as exc:
+                raise CompareSetupError(
+                    f"{exc}; {verifier_hint(profile, opts.verifier)}") from None
         if opts.rows:
             with st.stage("batches", "real batches (verifier + data)"):
                 real = load_real_inputs(opts.verifier, opts.data, opts.seq_len, opts.rows,
@@ -236,9 +243,6 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: Imp
                     "batch_cache": {"key": real.cache_key, "hit": real.cache_hit,
                                     "dir": str(real.cache_dir)},
                     "data_stats": real.stats}
-        if not opts.rows:  # the same refusal as with real rows (issue 9: never depend on --rows)
-            with st.stage("verifier_config", "checking the profile against the verifier"):
-                profile_fits_verifier(profile, opts.verifier, st.say)
         with st.stage("cases", "building cases"):
             if opts.rows:
                 planned += plan_real_cases(profile, real, opts.anchors, seed=opts.seed,
@@ -257,6 +261,23 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages, import_check: Imp
     info.update({"audited_anchors": min(opts.anchors, profile.max_anchors),
                  "synthetic_cases": opts.cases, "seed": opts.seed, "cases": len(planned)})
     return planned, info
+
+
+def verifier_hint(profile: Any, verifier: str) -> str:
+    """What to do when the profile's target layers do not exist in ``verifier``: name the
+    verifier depth a drafter config.json was made for (its ``num_target_layers``)."""
+    made_for = ""
+    source = Path(str(profile.source or ""))
+    if source.suffix == ".json" and source.is_file():
+        try:
+            depth = json.loads(source.read_text()).get("num_target_layers")
+        except (OSError, ValueError, AttributeError):
+            depth = None
+        if isinstance(depth, int):
+            made_for = f" ({source.name} was made for a {depth}-layer verifier)"
+    return (f"audit the drafter with the verifier it was made for{made_for}: --verifier "
+            f"path/to/that/verifier/config.json (a proxy at its depth) or its folder, instead of "
+            f"{verifier}")
 
 
 def profile_fits_verifier(profile: Any, verifier: str, say: Any = None) -> list[int]:

@@ -34,15 +34,16 @@ def _fail(message: str, code: int) -> None:
 def train_command(
     out: Annotated[Path, Opt(help="Run folder: checkpoints/, metrics.jsonl, tensorboard/, "
                                   "summary.json.")] = Path("runs/train"),
-    verifier: Annotated[str, Opt(help="Local HF causal-LM folder or 'smollm2-135m'.")
-                        ] = "smollm2-135m",
+    verifier: Annotated[str, Opt(help="'smollm2-135m', a local HF causal-LM folder, "
+                                      "family:NAME or path/to/config.json (a proxy, as in "
+                                      "compare).")] = "smollm2-135m",
     batches: Annotated[Path | None, Opt(
         help="Offline: directory of batch files from `dflash-audit data`.")] = None,
     data: Annotated[str | None, Opt(
         help="Online: 'chitchat' or a .jsonl file; the verifier captures hidden states in "
              "the loop.")] = None,
-    profile: Annotated[str, Opt(help="Profile name or TOML file (the audited one).")
-                       ] = "reference-model",
+    profile: Annotated[str, Opt(help="Built-in profile, a TOML file or a drafter config.json "
+                                     "(the audited one).")] = "reference-model",
     candidate: Annotated[str | None, Opt(
         help="module:attr or file.py:attr of a DrafterCandidate subclass (default: ours).")
     ] = None,

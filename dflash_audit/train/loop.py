@@ -232,7 +232,9 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
             diffs = ckpt.run_differences(resumed["run"], run)
             if diffs:
                 raise ckpt.ResumeError(f"--resume: {path} belongs to a different run:\n  "
-                                       + "\n  ".join(diffs))
+                                       + "\n  ".join(diffs) + "\nrerun with the checkpoint's "
+                                       "values of these options, or train into a new --out "
+                                       "without --resume")
             ckpt.load_model_weights(path, model)
             start_step = int(resumed["step"])
         model.to(device).train()
