@@ -278,6 +278,8 @@ def test_synthetic_spread_covers_both_layouts_and_is_seeded():
 
     assert [x["seq_len"] for x in layouts].index(LONG_SEQ_LEN) == len(layouts) - 1
     assert int(cases[-1].case.inputs["position_ids"].max()) > 2048
+    long_inputs = cases[-1].case.inputs  # and a block reads them: its anchor is past 2048
+    assert int(long_inputs["anchor_positions"][long_inputs["anchor_valid"]].max()) > 2048
     assert all(x["seq_len"] < LONG_SEQ_LEN for x in (p.layout for p in two))
     # every commonly hard-coded verifier constant is some case's verifier value
     assert {x["rope_theta"] for x in layouts} >= {1e4, 1e5, 5e5, 1e6}

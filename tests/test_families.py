@@ -4,6 +4,7 @@ reference's process on the pinned speculators release)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -430,8 +431,8 @@ def test_longrope_with_a_partial_rotation_is_a_named_config_error():
 
     from dflash_audit.model.config import ConfigError
 
-    phi4 = {**PHI3_MINI_128K, "partial_rotary_factor": 0.75, "num_attention_heads": 24,
-            "num_key_value_heads": 8}
+    phi4 = {**copy.deepcopy(PHI3_MINI_128K), "partial_rotary_factor": 0.75,  # transformers
+            "num_attention_heads": 24, "num_key_value_heads": 8}  # edits nested rope dicts
     vc = AutoConfig.for_model("phi3", **{k: v for k, v in phi4.items() if k != "model_type"})
     with pytest.raises(ConfigError, match="has 48 short_factor entries for "
                                           "partial_rotary_factor 0.75.*64 pairs"):

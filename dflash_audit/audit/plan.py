@@ -35,7 +35,7 @@ from dflash_audit.audit.case import Case, CaseVerifier
 from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.audit.weights import fit_to_targets, real_case_weights
 from dflash_audit.data.families import FAMILIES, family_config
-from dflash_audit.model.anchors import select_anchors
+from dflash_audit.model.anchors import select_anchors, valid_anchor_mask
 from dflash_audit.model.config import SLIDING_ATTENTION
 from dflash_audit.profile import Profile, ProfileError
 
@@ -231,8 +231,23 @@ def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[Pl
                               pad=pad, max_anchors=anchors)
         case.verifier = CaseVerifier(name=f"family:{family}", config=verifier_config,
                                      target_layers=profile.target_layers)
+        if long_row:
+            pin_last_anchor(case)
         planned.append(PlannedCase(case, "synthetic", layout_facts(case)))
     return planned
+
+
+def pin_last_anchor(case: Case) -> None:
+    """Make the last valid anchor of ``case`` the last position an anchor may take (in place),
+    so the block reads the context up to the end of the row: on the long row, positions past
+    2048 then reach an output (random anchors may all fall before it)."""
+    a, valid = case.inputs["anchor_positions"].clone(), case.inputs["anchor_valid"]
+    allowed = valid_anchor_mask(case.inputs["loss_mask"], case.config.block_size).nonzero()
+    if valid.any() and allowed.numel():
+        last = int(allowed.max())
+        if last not in a[valid].tolist():
+            a[int(valid.nonzero().max())] = last  # the largest valid anchor: order is kept
+            case.inputs["anchor_positions"] = a
 
 
 #: The flex-attention block size (torch.nn.attention.flex_attention _DEFAULT_SPARSE_BLOCK_SIZE).
