@@ -238,11 +238,14 @@ def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[Pl
 
 
 def pin_last_anchor(case: Case) -> None:
-    """Make the last valid anchor of ``case`` the last position an anchor may take (in place),
-    so the block reads the context up to the end of the row: on the long row, positions past
-    2048 then reach an output (random anchors may all fall before it)."""
+    """Make the last valid anchor of ``case`` the last position an anchor may take whose next
+    slot is supervised (in place), so a trained block reads the context up to the end of the
+    row: on the long row, positions past 2048 then reach the loss (random anchors may all fall
+    before it)."""
     a, valid = case.inputs["anchor_positions"].clone(), case.inputs["anchor_valid"]
-    allowed = valid_anchor_mask(case.inputs["loss_mask"], case.config.block_size).nonzero()
+    loss_mask = case.inputs["loss_mask"]
+    trained_next = torch.cat([loss_mask[0, 1:].bool(), torch.zeros(1, dtype=torch.bool)])
+    allowed = (valid_anchor_mask(loss_mask, case.config.block_size) & trained_next).nonzero()
     if valid.any() and allowed.numel():
         last = int(allowed.max())
         if last not in a[valid].tolist():
