@@ -341,3 +341,19 @@ def test_exit_0_needs_a_written_pass_verdict(tmp_path, capsys):
     (tmp_path / "report.json").write_text(json.dumps({"verdict": "pass"}))
     assert guarded_exit_code(0, tmp_path) == 0
     assert guarded_exit_code(1, tmp_path) == 1
+
+
+def test_an_unreadable_reference_json_is_a_setup_error_not_a_traceback(tmp_path,
+                                                                        reference_identity):
+    """reference.json (the reference process's import facts) replaced by another process: exit 2
+    with one line, never an internal error."""
+    from dflash_audit.audit.compare import _reference_info
+    from dflash_audit.audit.setup_error import CompareSetupError
+
+    identity = reference_identity
+    (tmp_path / "reference.json").write_text("{not json")
+    with pytest.raises(CompareSetupError, match="reference.json, written by the reference "
+                                                "process, is unreadable"):
+        _reference_info(identity, tmp_path)
+    (tmp_path / "reference.json").write_text('{"module_file": "/x/speculators/__init__.py"}')
+    assert _reference_info(identity, tmp_path)["module_file"] == "/x/speculators/__init__.py"

@@ -392,6 +392,9 @@ DEEPSEEK_V3 = {
      "num_hidden_layers = '32'; it must be a positive integer"),
     (json.dumps({**LLAMA31_8B, "num_hidden_layers": -3}),
      "num_hidden_layers = -3; it must be a positive integer"),
+    (json.dumps({**LLAMA31_8B, "num_hidden_layers": 20000}),
+     "num_hidden_layers = 20000; a proxy is built at the real depth and dflash-audit takes up "
+     "to 512 layers"),
     (json.dumps(DEEPSEEK_V3), "model_type 'deepseek_v3' uses multi-head latent attention"),
     (json.dumps({**QWEN35_27B["text_config"], "layer_types": ["full_attention"] * 2}),
      "refuses this config: Class validation error"),

@@ -153,6 +153,13 @@ def test_check_batches_and_broken_reports_in_the_folder_are_skipped(setup):
     with pytest.raises(GateError) as err:
         check_gate(expected, report=other)
     assert "not a `dflash-audit compare` report" in str(err.value)
+    huge = tmp / "reports" / "huge" / "report.json"
+    huge.parent.mkdir()
+    with huge.open("wb") as f:  # sparse: 65 MiB of nothing is not read into memory
+        f.truncate(65 * 2**20)
+    assert check_gate(expected, reports_dir=tmp / "reports").report_path == good
+    with pytest.raises(GateError, match="huge/report.json is 65 MiB: not a `dflash-audit"):
+        check_gate(expected, report=huge)
 
 
 def test_compare_command_quotes_and_defaults():

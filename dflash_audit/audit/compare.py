@@ -398,13 +398,22 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
 
 
 def _reference_info(identity: Any, cases_dir: Path) -> dict[str, Any]:
-    """The identity of the resolved reference plus where its process imported it from."""
-    import json
+    """The identity of the resolved reference plus where its process imported it from.
 
+    Raises:
+        CompareSetupError: the reference's ``reference.json`` is not a JSON object (another
+            process changed it: no verdict can be given)."""
     info = identity.to_dict()
     run = cases_dir / "reference.json"
     if run.is_file():
-        data = json.loads(run.read_text())
+        try:
+            data = json.loads(run.read_text())
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as exc:
+            raise CompareSetupError(f"{run}, written by the reference process, is unreadable "
+                                    f"({exc}): another process changed the audit's files, so no "
+                                    "verdict can be given; rerun the audit") from None
         info["module_file"] = data.get("module_file")
         if data.get("version") and not info.get("version"):
             info["version"] = data["version"]

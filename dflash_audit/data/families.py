@@ -160,6 +160,10 @@ def _shrink_rope_factors(rope: dict[str, Any], rotary_half: int) -> None:
                          for i in range(rotary_half)]
 
 
+#: Deepest verifier config a proxy is built for (a proxy keeps the real depth).
+MAX_PROXY_LAYERS = 512
+
+
 def _checked_text_config(d: Any, file: Path) -> dict[str, Any]:
     """The decoder's part of a parsed config.json (its ``text_config`` when it has one),
     checked for what a proxy needs.
@@ -177,6 +181,11 @@ def _checked_text_config(d: Any, file: Path) -> dict[str, Any]:
         value = d.get(key)
         if key in d and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise FamilyError(f"{file}: {key} = {value!r}; it must be a positive integer")
+    depth = d.get("num_hidden_layers")
+    if isinstance(depth, int) and depth > MAX_PROXY_LAYERS:
+        raise FamilyError(f"{file}: num_hidden_layers = {depth}; a proxy is built at the real "
+                          f"depth and dflash-audit takes up to {MAX_PROXY_LAYERS} layers (the "
+                          "deepest released LLMs have under 200); check the config")
     mla = [k for k in MLA_KEYS if d.get(k)]
     if mla:
         raise FamilyError(f"{file}: model_type {d.get('model_type')!r} uses multi-head latent "

@@ -99,6 +99,10 @@ class GateResult:
                 "dflash_audit_profile_fingerprint": self.profile_fingerprint}
 
 
+#: A report.json larger than this is not read (a compare report is some hundred KiB).
+MAX_REPORT_BYTES = 64 * 2**20
+
+
 def read_report(path: Path) -> ReportFields:
     """Read the gate's fields from a ``report.json`` (schema_version 1,
     :mod:`dflash_audit.report.schema`).
@@ -107,6 +111,10 @@ def read_report(path: Path) -> ReportFields:
         GateError: unreadable, not JSON, or a required field missing (exit code 2).
     """
     try:
+        size = Path(path).stat().st_size
+        if size > MAX_REPORT_BYTES:
+            raise GateError(f"{path} is {size / 2**20:.0f} MiB: not a `dflash-audit compare` "
+                            f"report (they are far under {MAX_REPORT_BYTES // 2**20} MiB)")
         d = json.loads(Path(path).read_text())
         if isinstance(d, dict) and "kind" in d and "schema_version" not in d:
             raise GateError(f"{path} is a {d['kind']!r} report, not a `dflash-audit compare` "
