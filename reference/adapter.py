@@ -470,7 +470,21 @@ def report_outputs(case: Path) -> None:
     print(json.dumps({"dflash_audit_outputs": case.name, "sha256": digests}), flush=True)
 
 
+def die_with_parent() -> None:
+    """On Linux, have the kernel SIGKILL this process when the harness that started it dies
+    (``prctl(PR_SET_PDEATHSIG)``), so a killed audit leaves no reference running."""
+    if sys.platform.startswith("linux"):
+        import ctypes  # noqa: PLC0415
+        import signal  # noqa: PLC0415
+
+        parent = os.getppid()
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+
 def main(argv: list[str]) -> int:
+    die_with_parent()
     if argv and argv[0] == "--derive":
         return derive_main(argv[1:])
     if len(argv) != 1:

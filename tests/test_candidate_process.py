@@ -148,3 +148,37 @@ def test_load_only_gives_the_identity_without_importing_here(tmp_path):
         load_candidate_identity(f"{HERE / 'isolation_candidates.py'}:ExitAtImport", tmp_path)
     with pytest.raises(CandidateLoadError, match="has no attribute 'Nope'"):
         load_candidate_identity(f"{HERE / 'isolation_candidates.py'}:Nope", tmp_path)
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="prctl is Linux")
+def test_a_killed_compare_leaves_no_candidate_running(tmp_path):
+    """kill -9 of the process that started the candidate runner kills the runner too
+    (PR_SET_PDEATHSIG), here while the candidate's import hangs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "hangs.py").write_text("import time\ntime.sleep(600)\ncandidate = None\n")
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-m', 'dflash_audit.audit.candidate_runner', "
+        f"{str(tmp_path)!r}, {str(tmp_path / 'out')!r}, '--candidate', "
+        f"{str(tmp_path / 'hangs.py') + ':candidate'!r}, '--load-only'])\n"
+        "print(p.pid, flush=True)\ntime.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    runner = int(parent.stdout.readline())
+    time.sleep(3)  # the runner is importing the candidate
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    for _ in range(100):
+        try:
+            os.kill(runner, 0)
+            if Path(f"/proc/{runner}/stat").read_text().split()[2] == "Z":  # init reaps it
+                break
+        except (ProcessLookupError, FileNotFoundError):
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(runner, signal.SIGKILL)
+        pytest.fail("the candidate runner outlived the process that started it")

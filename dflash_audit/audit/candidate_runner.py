@@ -141,6 +141,20 @@ def identity(candidate: Any, spec: str | None) -> dict[str, Any]:
             "has_select_anchors": callable(getattr(candidate, "select_anchors", None))}
 
 
+def die_with_parent() -> None:
+    """On Linux, ask the kernel to SIGKILL this process when the compare that started it dies
+    (``prctl(PR_SET_PDEATHSIG)``): a ``kill -9`` of compare leaves no candidate running."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the request: follow it now
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Load the candidate, run every pending case, write results; 0 when all cases ran
     (whatever their status), 3 when the candidate cannot be loaded."""
@@ -152,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", action="append", default=None)
     parser.add_argument("--load-only", action="store_true")
     args = parser.parse_args(argv)
+    die_with_parent()
     faulthandler.enable()
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
