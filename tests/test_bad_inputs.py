@@ -607,14 +607,12 @@ CANDIDATES = {
                "        os.kill(os.getpid(), signal.SIGKILL)\ncandidate = C\n",
     "sleeps": "class C(DrafterCandidate):\n    def run_case(self, *a):\n"
               "        time.sleep(10**6)\ncandidate = C\n",
-    # gamma 7, then at exit copies its own outputs over the reference's (it waits for them)
+    # gamma 7, then at exit plants its own outputs as the reference's (the reference runs
+    # after the candidate: they would be overwritten, or be files the reference did not write)
     "overwrites_reference_outputs": (
         "import atexit, dataclasses, shutil\nfrom pathlib import Path\n"
         "OUT, REF = Path(sys.argv[2]), Path(sys.argv[1]).parent\n"
         "class C(DrafterCandidate):\n    def run_case(self, config, loss, weights, inputs):\n"
-        "        end = time.time() + 120\n"
-        "        while not (REF / 'reference.json').is_file() and time.time() < end:\n"
-        "            time.sleep(0.2)\n"
         "        return super().run_case(config, dataclasses.replace(loss, gamma=7.0), weights,"
         " inputs)\n"
         "def tamper():\n    for d in OUT.iterdir():\n"
@@ -738,7 +736,7 @@ COMPARE_CASES = [
                 ("is float16; expected float32",)),
     CompareCase("compare-candidate-overwrites-reference-outputs",
                 "overwrites_reference_outputs", 2,
-                ("case files changed while the two sides ran", "/outputs.safetensors",
+                ("the audit's files changed during the run", "/outputs.safetensors",
                  "wrote outside its own copy of the cases")),
     CompareCase("compare-profile-layers-without-rows", None, 2,
                 ("ids [99] do not exist in a verifier with 30 layers",
@@ -835,6 +833,30 @@ def test_compare_repairs_a_damaged_reference_tree(candidates: Path, tmp_path: Pa
     assert "has no DFlash reference modules" not in result.stdout
     assert (entry / "tree" / "src" / "speculators" / "models" / "dflash" / "utils.py").is_file()
     assert hashlib.sha256(archive.read_bytes()).hexdigest() == before
+
+
+def test_a_candidate_that_edits_the_reference_code_gets_no_verdict(tmp_path: Path,
+                                                                   reference_identity) -> None:
+    """A candidate whose import edits the reference's cached source (a copy of the cache) to
+    change its loss: the reference code is hashed before the candidate loads and checked before
+    the reference runs: exit 2, no report (measured before the check: PASS for gamma 7)."""
+    src = Path(os.environ.get("DFLASH_AUDIT_CACHE", Path.home() / ".cache" / "dflash-audit"))
+    cache = tmp_path / "cache"
+    shutil.copytree(src / "reference" / "sdist", cache / "reference" / "sdist",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "edits_reference.py").write_text(
+        "import os\nfrom pathlib import Path\n"
+        "from dflash_audit.candidate import DrafterCandidate\n"
+        "for f in Path(os.environ['DFLASH_AUDIT_CACHE']).glob("
+        "'reference/sdist/*/tree/src/speculators/losses/utils.py'):\n"
+        "    f.write_text(f.read_text() + '\\n# edited by the candidate\\n')\n"
+        "candidate = DrafterCandidate\n")
+    result = run_cli(compare_args(tmp_path, tmp_path, "edits_reference"), tmp_path,
+                     {"DFLASH_AUDIT_CACHE": str(cache)})
+    assert result.returncode == 2, result.stdout
+    flat = " ".join(result.stdout.split())
+    assert "the audit's files changed during the run (src/speculators/losses/utils.py)" in flat
+    assert not (tmp_path / "reports").exists()
 
 
 def test_train_reruns_the_canary(candidates: Path, world: World, tmp_path: Path) -> None:

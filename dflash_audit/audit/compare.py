@@ -50,6 +50,7 @@ from dflash_audit.audit.run_sides import (
     ImportCheck,
     failed_run,
     import_ok_marker,
+    reference_code_digest,
     resolve_reference,
     run_both_sides,
 )
@@ -364,6 +365,7 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
             raise CompareSetupError(str(exc)) from None
         with st.stage("resolve_reference", "resolving the reference"):
             identity = resolve_reference(opts.ref, opts.ref_url, opts.offline)
+            reference_code = reference_code_digest(identity)  # before any candidate code runs
         import_check = ImportCheck(identity, import_ok_marker(identity, opts.cache_dir))
         with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-") as tmp:
             with st.stage("load_candidate", "loading the candidate (own process)"):
@@ -372,7 +374,8 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
                 except CandidateLoadError as exc:
                     raise CompareSetupError(f"candidate: {exc}") from None
             planned, inputs_info = plan_cases(opts, profile, st, import_check)
-            outputs = run_both_sides(opts, identity, planned, Path(tmp), st, import_check)
+            outputs = run_both_sides(opts, identity, planned, Path(tmp), st, import_check,
+                                     reference_code)
             tolerance = measured_tolerances(planned, Path(tmp))
             records, pictures = check_all(planned, outputs, Path(tmp), st)
             ref_info = _reference_info(identity, Path(tmp))

@@ -290,16 +290,41 @@ def reference_output_changes(stdout: str, cases_dir: Path, names: list[str]) -> 
     return changed
 
 
+def reference_code_digest(identity: Any) -> dict[str, str]:
+    """sha256 of every ``.py`` file the reference process runs: the reference's source under
+    ``identity.src_dir`` and the adapter scripts (:func:`adapter_path`'s folder). Taken before
+    the candidate is loaded and again before the reference starts."""
+    from dflash_audit.atomic import file_sha256
+    from dflash_audit.reference_source import adapter_path
+
+    roots = {"src": Path(identity.src_dir), "adapter": adapter_path().parent}
+    return {f"{name}/{p.relative_to(root).as_posix()}": file_sha256(p)
+            for name, root in roots.items() for p in sorted(root.rglob("*.py")) if p.is_file()}
+
+
+def changed_files(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    """Keys of ``before`` whose digest differs or is gone in ``after``, and keys only in
+    ``after`` (files added)."""
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+
+
 def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], cases_dir: Path,
-                   st: Stages, import_check: ImportCheck) -> dict[str, Any]:
-    """Write the cases, start the reference on all of them, run the candidate on each (in its
-    own process, ``opts.candidate_timeout_s`` per case) while it runs; a candidate that
-    raises, exits, crashes, is killed or times out on a case fails that case. Returns
-    ``{case name: (SideOutputs | None, failing "run" result | None)}``.
+                   st: Stages, import_check: ImportCheck,
+                   reference_code: dict[str, str] | None = None) -> dict[str, Any]:
+    """Write the cases, run the candidate on each (in its own process, all cores,
+    ``opts.candidate_timeout_s`` per case), then -- once the candidate's process is gone --
+    the reference on all of them; a candidate that raises, exits, crashes, is killed or times
+    out on a case fails that case. The sides run one after the other so the candidate never
+    sees the reference's outputs nor the reference process: before the reference starts, the
+    case inputs and the reference's code (``reference_code``, :func:`reference_code_digest`
+    taken before the candidate was loaded) must be unchanged, and afterwards its outputs must
+    be the files it reported writing. Returns ``{case name: (SideOutputs | None, failing
+    "run" result | None)}``.
 
     Raises:
         CompareSetupError: the reference does not import or its run failed; the candidate
-            cannot be loaded in its process.
+            cannot be loaded in its process; the case files or the reference's code changed
+            (another process wrote them: no verdict can be given).
     """
     from dflash_audit.reference_source import ReferenceSourceError
 
@@ -310,38 +335,46 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
         digests = case_digests(cases_dir, names)
     with st.stage("import_check", "checking that the reference imports"):
         import_check.wait()
-    start = time.perf_counter()
-    ref_threads, cand_threads = split_cores()
-    reference_job = start_reference(identity, cases_dir, opts.reference_timeout_s, ref_threads)
     from dflash_audit.audit.candidate_process import (
         CandidateLoadError,
         candidate_side,
         run_candidate_process,
     )
 
+    threads = sum(split_cores())  # one side at a time: all usable cores
     out_dir = cases_dir / CANDIDATE_OUTPUTS
     try:
         with st.stage("candidate", f"candidate on {len(planned)} cases (own process)",
                       total=len(planned)) as advance:
             runs = run_candidate_process(opts.candidate, cand_cases, names, out_dir,
-                                         opts.candidate_timeout_s, threads=cand_threads,
+                                         opts.candidate_timeout_s, threads=threads,
                                          on_case=lambda run: advance(1))
     except CandidateLoadError as exc:
         raise CompareSetupError(f"candidate: {exc}") from None
     outputs = candidate_side(runs, out_dir)
+    changed = changed_files(digests, case_digests(cases_dir, names))  # nothing may be added
+    if reference_code is not None:
+        changed += changed_files(reference_code, reference_code_digest(identity))
+    _refuse_changes(changed)
+    start = time.perf_counter()
     with st.stage("reference_wait", "reference (speculators) on all cases"):
         try:
-            reference_run = reference_job.result()
+            reference_run = start_reference(identity, cases_dir, opts.reference_timeout_s,
+                                            threads).result()
         except ReferenceSourceError as exc:
             raise CompareSetupError(f"the reference run failed: {exc}") from None
     st.timing["reference"] = time.perf_counter() - start
     after = case_digests(cases_dir, names)
-    changed = sorted(k for k in digests if digests[k] != after.get(k))  # new files: the reference's
-    changed += reference_output_changes(reference_run.stdout, cases_dir, names)
+    _refuse_changes(sorted(k for k in digests if digests[k] != after.get(k))
+                    + reference_output_changes(reference_run.stdout, cases_dir, names))
+    return outputs
+
+
+def _refuse_changes(changed: list[str]) -> None:
+    """Raise :class:`CompareSetupError` naming the first files of ``changed`` (if any)."""
     if changed:
         raise CompareSetupError(
-            f"the audit's case files changed while the two sides ran ({', '.join(changed[:3])}"
+            f"the audit's files changed during the run ({', '.join(changed[:3])}"
             "): the candidate's process wrote outside its own copy of the cases (into the "
-            "reference's inputs or outputs), so no verdict can be given. Make the candidate read "
-            "its inputs only from run_case's arguments and return its outputs.")
-    return outputs
+            "reference's inputs, outputs or code), so no verdict can be given. Make the "
+            "candidate read its inputs only from run_case's arguments and return its outputs.")
