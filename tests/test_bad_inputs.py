@@ -879,3 +879,21 @@ def test_train_reruns_the_canary(candidates: Path, world: World, tmp_path: Path)
     accepted = run_cli(args, tmp_path, {"CANARY_SCALE": ""})  # the audited behaviour
     assert accepted.returncode == 0, accepted.stdout
     assert "the candidate's outputs match the audited ones" in accepted.stdout
+    # run_case audited as our drafter, but build() (what train trains) the `<=` drafter
+    from dflash_audit.audit.canary import verify_canary
+    from dflash_audit.candidate import DrafterCandidate, load_candidate
+    from dflash_audit.train.gate import GateError
+
+    le = load_candidate(f"{ROOT}/examples/candidates/context_rule_le.py:candidate")
+
+    class Split(DrafterCandidate):
+        def run_case(self, *args):
+            return DrafterCandidate().run_case(*args)
+
+        def build(self, config):
+            return le.build(config)
+
+    (report,) = reports.glob("*/report.json")
+    assert "match the audited ones" in verify_canary(DrafterCandidate(), report)
+    with pytest.raises(GateError, match=r"train trains the model of candidate.build\(config\)"):
+        verify_canary(Split(), report)

@@ -130,4 +130,33 @@ def verify_canary(candidate: Any, report_path: Path) -> str:
                         f"{case.name} of {report_path} its outputs differ:\n{listing}\n(same "
                         "source, different behaviour: an environment variable, a config file "
                         "or a flag it reads?) Rerun the audit in this environment.")
+    if callable(getattr(candidate, "build", None)):  # what train trains: candidate.build()
+        trained, failure = run_candidate(_BuiltModel(candidate), case)
+        diffs = [failure.summary] if failure is not None else output_differences(
+            case, trained, recorded, info.get("tolerance") or {"atol": 1e-5, "rtol": 1e-5})
+        if diffs:
+            listing = "\n".join(f"  - {d}" for d in diffs[:6])
+            raise GateError(f"train trains the model of candidate.build(config), and on the "
+                            f"canary case {case.name} of {report_path} it does not give the "
+                            f"outputs the audit saw from the candidate's run_case:\n{listing}\n"
+                            "Make run_case run the model build() returns (as "
+                            "dflash_audit.candidate.DrafterCandidate does) and rerun the audit.")
     return f"canary {case.name}: the candidate's outputs match the audited ones"
+
+
+class _BuiltModel:
+    """The model ``candidate.build(config)`` run the way train runs it: our drafter
+    candidate's ``run_case`` around the candidate's ``build``."""
+
+    def __init__(self, candidate: Any) -> None:
+        self.candidate = candidate
+
+    def __getattr__(self, name: str) -> Any:  # select_anchors, derive_config: the candidate's
+        return getattr(self.candidate, name)
+
+    def run_case(self, config: Any, loss: Any, weights: Any, inputs: Any) -> Any:
+        from dflash_audit.candidate import DrafterCandidate
+
+        runner = DrafterCandidate()
+        runner.build = self.candidate.build  # type: ignore[method-assign]
+        return runner.run_case(config, loss, weights, inputs)
