@@ -1,7 +1,7 @@
 """The run stage of an audit: resolve the reference, check in the background that it imports,
-write the cases, run the reference on all of them in one subprocess (``reference/adapter.py``)
-while the candidate runs them in its own process (:mod:`.candidate_process`, a per-case
-timeout), split the cores between the two.
+write the cases, run the candidate on them in its own process (:mod:`.candidate_process`, a
+per-case timeout), then the reference on all of them in one subprocess
+(``reference/adapter.py``), each side with all usable cores.
 """
 
 from __future__ import annotations
@@ -132,16 +132,13 @@ class ImportCheck:
             self._marker.touch()
 
 
-def split_cores() -> tuple[int, int]:
-    """(reference threads, candidate threads): the two sides run at the same time, so each
-    gets half of the usable cores (at least one). On a loaded 2-core machine one thread per
-    side is also much faster than two each: small ops spin on oversubscribed cores."""
+def usable_cores() -> int:
+    """The cores this process may run on (at least one): each side gets all of them, as the
+    sides run one after the other."""
     import os
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 2)
-    ref = max(1, cores // 2)
-    return ref, max(1, cores - ref)
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1))
 
 
 @contextmanager
@@ -341,7 +338,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
         run_candidate_process,
     )
 
-    threads = sum(split_cores())  # one side at a time: all usable cores
+    threads = usable_cores()
     out_dir = cases_dir / CANDIDATE_OUTPUTS
     try:
         with st.stage("candidate", f"candidate on {len(planned)} cases (own process)",
