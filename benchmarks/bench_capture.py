@@ -81,10 +81,11 @@ def worker(method: str, verifier_spec: str, rows: int, seq_len: int) -> dict:
     import psutil
     import torch
 
-    from dflash_audit.data.capture import capture_row, resolve_target_layer_ids
+    from dflash_audit.data.capture import capture_row
     from dflash_audit.data.pack import pack_row
     from dflash_audit.data.tokenize import TokenizedConversation
     from dflash_audit.data.verifier import load_verifier
+    from dflash_audit.model.layer_ids import resolve_target_layer_ids
 
     verifier = load_verifier(verifier_spec, progress=None)
     model = verifier.model

@@ -64,8 +64,8 @@ def family_costs(seed: int = 8) -> list[dict]:
     ``--verifier family:NAME`` pays once before the cache)."""
     import torch
 
-    from dflash_audit.audit.plan import plan_synthetic_cases
-    from dflash_audit.audit.run_sides import run_candidate
+    from dflash_audit.audit.cases.plan import plan_synthetic_cases
+    from dflash_audit.audit.sides.run_sides import run_candidate
     from dflash_audit.candidate import DrafterCandidate
     from dflash_audit.data.families import FAMILIES, build_proxy, family_config
     from dflash_audit.profile import Profile

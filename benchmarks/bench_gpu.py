@@ -57,7 +57,7 @@ def step_flops(draft_layers: int, visible_pairs: int) -> float:
 
 
 def worker(side: str, draft_layers: int, steps: int, out: Path) -> None:
-    from dflash_audit.audit.synthetic import synthetic_case
+    from dflash_audit.audit.cases.synthetic import synthetic_case
     from dflash_audit.model.loss import LossSpec
     from dflash_audit.model.mask import dense_mask
 

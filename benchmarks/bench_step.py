@@ -47,7 +47,7 @@ def peak_mb() -> float:
 
 
 def worker(side: str, layout: str, steps: int, out: Path) -> None:
-    from dflash_audit.audit.synthetic import synthetic_case
+    from dflash_audit.audit.cases.synthetic import synthetic_case
     from dflash_audit.model.loss import LossSpec
 
     torch.set_num_threads(2)

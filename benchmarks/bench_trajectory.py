@@ -104,14 +104,19 @@ def prepare_and_run_ours(case_dir: Path, verifier: str, batches: str, profile_sp
     every step's inputs with anchors), train ``steps`` steps in our loop; our losses."""
     import dataclasses
 
-    import torch
     from safetensors.torch import save_file
 
     from dflash_audit.candidate import load_candidate
     from dflash_audit.data.verifier import load_verifier
     from dflash_audit.profile import Profile
-    from dflash_audit.train.loop import (DistEnv, TrainConfig, anchor_generator, build_drafter,
-                                         make_source, next_micro_batches)
+    from dflash_audit.train.loop import (
+        DistEnv,
+        TrainConfig,
+        anchor_generator,
+        build_drafter,
+        make_source,
+        next_micro_batches,
+    )
     from dflash_audit.train.optim import build_optimizers, build_schedulers
     from dflash_audit.train.step import drafter_forward, train_step
 

@@ -29,7 +29,7 @@ def build_side(side: str, case, inputs: dict[str, torch.Tensor], *, block_size: 
     Args:
         side: ``"ours"`` (``DFlashDrafter`` + ``dflash_loss``) or ``"reference"``
             (speculators' ``DFlashDraftModel`` with ``kl_div`` loss, eager loss path).
-        case: a synthetic case (``dflash_audit.audit.synthetic.synthetic_case``); its weights
+        case: a synthetic case (``dflash_audit.audit.cases.synthetic.synthetic_case``); its weights
             are loaded into the model (the reference with ``strict=False``).
         inputs: the case's batch tensors, already on the device and in the dtype to measure
             (the same dict objects are read at each call of the loss closure).

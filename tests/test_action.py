@@ -10,7 +10,6 @@ the script or a step, and that the README's workflow uses only declared inputs."
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import yaml

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from dflash_audit.audit.case import SideOutputs
+from dflash_audit.audit.cases.synthetic import synthetic_case
 from dflash_audit.audit.checks import run_checks
-from dflash_audit.audit.checks.anchors import check_anchor_draws, draw_anchors
+from dflash_audit.audit.checks.anchors import check_anchor_draws
 from dflash_audit.audit.diagnose import diagnose
-from dflash_audit.audit.synthetic import synthetic_case
+from dflash_audit.audit.sides.anchor_draws import draw_anchors
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.loss import LossSpec

@@ -880,8 +880,8 @@ def test_train_reruns_the_canary(candidates: Path, world: World, tmp_path: Path)
     assert accepted.returncode == 0, accepted.stdout
     assert "the candidate's outputs match the audited ones" in accepted.stdout
     # run_case audited as our drafter, but build() (what train trains) the `<=` drafter
-    from dflash_audit.audit.canary import verify_canary
     from dflash_audit.candidate import DrafterCandidate, load_candidate
+    from dflash_audit.train.canary import verify_canary
     from dflash_audit.train.gate import GateError
 
     le = load_candidate(f"{ROOT}/examples/candidates/context_rule_le.py:candidate")

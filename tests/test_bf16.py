@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_audit.audit.compare import CompareOptions, run_compare
+from dflash_audit.audit.cases.synthetic import synthetic_case
+from dflash_audit.audit.compare import run_compare
 from dflash_audit.audit.compare_cli import main
-from dflash_audit.audit.precision import NOISE_FACTOR, derive_tolerances, in_dtype
-from dflash_audit.audit.synthetic import synthetic_case
+from dflash_audit.audit.options import CompareOptions
+from dflash_audit.audit.precision import in_dtype
+from dflash_audit.audit.replay.noise import NOISE_FACTOR, derive_tolerances
 from dflash_audit.audit.tolerance import TOLERANCES, tolerance
 from dflash_audit.candidate import DrafterCandidate, load_candidate
 from dflash_audit.model.config import DFlashConfig
@@ -95,7 +97,7 @@ def test_the_example_equals_our_drafter_in_fp32():
 def test_diagnosis_replays_a_bf16_case_in_bf16():
     """The replay of our drafter (logits diagnoses) runs under the case's autocast: bf16
     hidden states with fp32 weights do not raise, and stay within bf16 noise of fp32."""
-    from dflash_audit.audit.replay import replay
+    from dflash_audit.audit.replay.replay import replay
 
     case = synthetic_case("c", CONFIG, LossSpec(), seed=4, seq_len=32)
     exact, low = replay(case), replay(in_dtype(case, "bf16"))

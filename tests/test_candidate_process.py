@@ -6,15 +6,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_audit.audit.candidate_process import (
+from dflash_audit.audit.case import Case, SideOutputs
+from dflash_audit.audit.cases.plan import plan_synthetic_cases
+from dflash_audit.audit.cases.synthetic import synthetic_case
+from dflash_audit.audit.sides.candidate_process import (
     CandidateLoadError,
     read_candidate_outputs,
     run_candidate_process,
 )
-from dflash_audit.audit.case import Case, SideOutputs
-from dflash_audit.audit.run_sides import write_cases
-from dflash_audit.audit.plan import plan_synthetic_cases
-from dflash_audit.audit.synthetic import synthetic_case
+from dflash_audit.audit.sides.run_sides import write_cases
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.profile import Profile
 
@@ -129,7 +129,7 @@ def test_case_and_outputs_round_trip(tmp_path):
 
 
 def test_candidate_side_in_compare_form(chaos_run):
-    from dflash_audit.audit.candidate_process import candidate_side
+    from dflash_audit.audit.sides.candidate_process import candidate_side
 
     _, runs, _, tmp = chaos_run
     side = candidate_side(runs, tmp / "out")
@@ -138,7 +138,7 @@ def test_candidate_side_in_compare_form(chaos_run):
 
 
 def test_load_only_gives_the_identity_without_importing_here(tmp_path):
-    from dflash_audit.audit.candidate_process import load_candidate_identity
+    from dflash_audit.audit.sides.candidate_process import load_candidate_identity
 
     ident = load_candidate_identity(CHAOS, tmp_path)
     assert ident["name"] == "chaos" and ident["has_select_anchors"] is True
@@ -163,7 +163,7 @@ def test_a_killed_compare_leaves_no_candidate_running(tmp_path):
     (tmp_path / "hangs.py").write_text("import time\ntime.sleep(600)\ncandidate = None\n")
     parent = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys, time\n"
-        f"p = subprocess.Popen([sys.executable, '-m', 'dflash_audit.audit.candidate_runner', "
+        f"p = subprocess.Popen([sys.executable, '-m', 'dflash_audit.audit.sides.candidate_runner', "
         f"{str(tmp_path)!r}, {str(tmp_path / 'out')!r}, '--candidate', "
         f"{str(tmp_path / 'hangs.py') + ':candidate'!r}, '--load-only'])\n"
         "print(p.pid, flush=True)\ntime.sleep(600)\n")], stdout=subprocess.PIPE, text=True)

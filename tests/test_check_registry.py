@@ -55,7 +55,7 @@ def _templates(module: ModuleType) -> list[str]:
 
 def _wording_modules() -> set[ModuleType]:
     """The check modules and the audit modules their hypotheses come from (e.g. the draft-layer
-    hypotheses of the logits check live in dflash_audit.audit.architecture)."""
+    hypotheses of the logits check live in dflash_audit.audit.replay.architecture)."""
     mods = set()
     for entry in REGISTRY:
         mods.add(entry.module)

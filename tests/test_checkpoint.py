@@ -13,9 +13,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash_audit.audit.synthetic import synthetic_batch
+from dflash_audit.audit.cases.synthetic import synthetic_batch
 from dflash_audit.model.anchors import select_anchors
-from dflash_audit.model.checkpoint import (CheckpointError, load_pretrained, save_pretrained)
+from dflash_audit.model.checkpoint import (
+    CheckpointError,
+    load_pretrained,
+    save_pretrained,
+)
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter
 from dflash_audit.model.verifier_weights import load_verifier_weights

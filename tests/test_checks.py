@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from dflash_audit.audit import checks
 from dflash_audit.audit.case import SideOutputs
+from dflash_audit.audit.cases.synthetic import synthetic_case
 from dflash_audit.audit.checks import run_checks
-from dflash_audit.audit.checks.anchors import draw_anchors
 from dflash_audit.audit.checks.context import check_context
 from dflash_audit.audit.checks.defaults import check_defaults
 from dflash_audit.audit.checks.gradients import check_gradients
@@ -24,9 +24,9 @@ from dflash_audit.audit.checks.mask import check_masks
 from dflash_audit.audit.checks.metrics import check_metrics, eal_definitions, eal_value
 from dflash_audit.audit.checks.structure import check_structure
 from dflash_audit.audit.checks.targets import check_targets
-from dflash_audit.audit.run_sides import run_candidate
+from dflash_audit.audit.sides.anchor_draws import draw_anchors
+from dflash_audit.audit.sides.run_sides import run_candidate
 from dflash_audit.audit.slots import attended_positions
-from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.audit.tolerance import TOLERANCES, closeness, tolerance
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.model.config import (

@@ -19,8 +19,9 @@ from torch import nn
 from typer.testing import CliRunner
 
 from dflash_audit.audit import compare as cmp
-from dflash_audit.audit.compare import CompareOptions, run_compare
+from dflash_audit.audit.compare import run_compare
 from dflash_audit.audit.compare_cli import main
+from dflash_audit.audit.options import CompareOptions
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.cli import app
 from dflash_audit.model.drafter import DFlashDrafter
@@ -255,7 +256,7 @@ def test_bad_data_exits_2(tmp_path, tiny_verifier):
 
 # ----------------------------------------------------------------- planning (no reference)
 def test_synthetic_spread_covers_both_layouts_and_is_seeded():
-    from dflash_audit.audit.plan import plan_synthetic_cases
+    from dflash_audit.audit.cases.plan import plan_synthetic_cases
     from dflash_audit.profile import Profile
 
     profile = Profile.load("reference-model")
@@ -274,7 +275,7 @@ def test_synthetic_spread_covers_both_layouts_and_is_seeded():
                for x in layouts)
     assert any(x["valid_anchors"] < x["anchors"] for x in layouts)  # padding anchors
     # one long document last (positions past 256 and 2048); none in a short spread
-    from dflash_audit.audit.plan import LONG_SEQ_LEN
+    from dflash_audit.audit.cases.plan import LONG_SEQ_LEN
 
     assert [x["seq_len"] for x in layouts].index(LONG_SEQ_LEN) == len(layouts) - 1
     assert int(cases[-1].case.inputs["position_ids"].max()) > 2048
@@ -306,12 +307,13 @@ def test_synthetic_spread_covers_both_layouts_and_is_seeded():
 
 def test_real_cases_share_weights_anchors_and_a_draft_vocabulary(tiny_verifier, conversations,
                                                                    tmp_path):
-    from dflash_audit.audit.plan import plan_real_cases
-    from dflash_audit.audit.real_inputs import load_real_inputs
+    from dflash_audit.audit.cases.plan import plan_real_cases
+    from dflash_audit.audit.cases.real_inputs import load_real_inputs
+    from dflash_audit.data.verifier import resolve_verifier
     from dflash_audit.profile import Profile
 
     profile = Profile.load("reference-model").replace(draft_vocab_size=40)
-    real = load_real_inputs(str(tiny_verifier), str(conversations), 96, 1, "speculators",
+    real = load_real_inputs(resolve_verifier(str(tiny_verifier)), str(conversations), 96, 1, "speculators",
                             cache_root=tmp_path)
     full, sliding = plan_real_cases(profile, real, anchors=5, seed=1)
     assert (full.case.name, sliding.case.name) == ("real-00-full", "real-00-sliding")

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_audit.audit.cases.synthetic import synthetic_case
 from dflash_audit.audit.precision import in_dtype, outputs_on_cpu
-from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
 from dflash_audit.model.loss import LossSpec
@@ -69,7 +69,8 @@ def test_our_drafter_flex_on_cuda_matches_dense_on_cpu():
 @pytest.mark.reference
 @pytest.mark.parametrize("candidate,exit_code", [(None, 0), (f"{EXAMPLE}:candidate", 1)])
 def test_compare_on_cuda_in_bf16(tmp_path, reference_identity, candidate, exit_code):
-    from dflash_audit.audit.compare import CompareOptions, run_compare
+    from dflash_audit.audit.compare import run_compare
+    from dflash_audit.audit.options import CompareOptions
 
     outcome = run_compare(CompareOptions(ref="speculators==0.9.0", candidate=candidate, rows=0,
                                          cases=3, dtype="bf16", device="cuda", out=tmp_path,

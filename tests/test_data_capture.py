@@ -7,9 +7,10 @@ import pytest
 import torch
 from data_support import make_tiny_verifier, smollm2
 
-from dflash_audit.data.capture import capture_row, resolve_target_layer_ids
+from dflash_audit.data.capture import capture_row
 from dflash_audit.data.errors import LayerIdError
 from dflash_audit.data.verifier import load_verifier
+from dflash_audit.model.layer_ids import resolve_target_layer_ids
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

@@ -13,13 +13,18 @@ from data_support import SAMPLE_CONVERSATIONS, make_tiny_verifier, smollm2, writ
 from typer.testing import CliRunner
 
 from dflash_audit.data import regenerate as regen_mod
-from dflash_audit.data.capture import resolve_target_layer_ids
 from dflash_audit.data.conversations import load_chitchat, load_jsonl
 from dflash_audit.data.errors import VerifierError
-from dflash_audit.data.pipeline import build_batches, data_command, load_batches, write_batches
+from dflash_audit.data.pipeline import (
+    build_batches,
+    data_command,
+    load_batches,
+    write_batches,
+)
 from dflash_audit.data.regenerate import regenerate_conversations
 from dflash_audit.data.tokenize import render_ids, tokenize_conversation
 from dflash_audit.data.verifier import config_hash, load_verifier
+from dflash_audit.model.layer_ids import resolve_target_layer_ids
 
 
 @pytest.fixture(scope="session")

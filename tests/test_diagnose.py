@@ -17,16 +17,16 @@ import torch
 
 import dflash_audit.model.loss as loss_module
 from dflash_audit.audit.case import SideOutputs
+from dflash_audit.audit.cases.synthetic import synthetic_case
+from dflash_audit.audit.cases.weights import fit_to_targets
 from dflash_audit.audit.checks import run_checks
-from dflash_audit.audit.checks.loss import diagnose_loss_total, recompute_loss
 from dflash_audit.audit.checks.targets import TargetHypothesis, predict_targets
 from dflash_audit.audit.diagnose import diagnose
-from dflash_audit.audit.evidence import Evidence, SearchMemo
-from dflash_audit.audit.raised import name_raise
-from dflash_audit.audit.run_sides import run_candidate
-from dflash_audit.audit.synthetic import synthetic_case
-from dflash_audit.audit.weight_formulas import weight_formula_causes
-from dflash_audit.audit.weights import fit_to_targets
+from dflash_audit.audit.replay.evidence import Evidence, SearchMemo
+from dflash_audit.audit.replay.loss_formulas import diagnose_loss_total, recompute_loss
+from dflash_audit.audit.replay.weight_formulas import weight_formula_causes
+from dflash_audit.audit.sides.raised import name_raise
+from dflash_audit.audit.sides.run_sides import run_candidate
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter, block_indices
@@ -520,7 +520,7 @@ def test_context_dropout_in_training_mode(ours):
 def test_gradients_of_a_loss_the_value_cannot_tell_apart(ours):
     """Where rkl's value equals the reported loss within tolerance (as on a case near the
     verifier), the gradients still name it: replayed forward and backward under rkl."""
-    from dflash_audit.audit.replay import drafter_with_weights
+    from dflash_audit.audit.replay.replay import drafter_with_weights
     from dflash_audit.model.loss import dflash_loss
 
     model = drafter_with_weights(CASE.config, CASE.weights)
@@ -760,7 +760,7 @@ INTERNALS = [
 @pytest.mark.parametrize("bug,model,expected", INTERNALS, ids=[b[0] for b in INTERNALS])
 def test_draft_layer_slip_is_named(bug, model, expected, ours):
     """Each slip is written out independently above; the diagnosis finds it by replaying our
-    drafter with the matching edit (dflash_audit.audit.architecture)."""
+    drafter with the matching edit (dflash_audit.audit.replay.architecture)."""
     out = candidate(model).run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
     results = audit(out, ours)
     for key, cause in expected.items():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_audit.audit.synthetic import synthetic_case
+from dflash_audit.audit.cases.synthetic import synthetic_case
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.loss import LossSpec

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from dflash_audit.audit.cases.synthetic import synthetic_case
 from dflash_audit.audit.checks import run_checks
 from dflash_audit.audit.diagnose import diagnose
-from dflash_audit.audit.run_sides import run_candidate
-from dflash_audit.audit.synthetic import synthetic_case
+from dflash_audit.audit.sides.run_sides import run_candidate
 from dflash_audit.candidate import DrafterCandidate, load_candidate
 from dflash_audit.data.families import family_config
 from dflash_audit.model.config import (

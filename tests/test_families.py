@@ -219,7 +219,7 @@ class LlamaConventions(DrafterCandidate):
 @pytest.mark.reference
 @pytest.mark.usefixtures("single_thread")
 def test_default_spread_fails_a_candidate_that_hard_codes_llama(run_reference_cases):
-    from dflash_audit.audit.plan import plan_synthetic_cases
+    from dflash_audit.audit.cases.plan import plan_synthetic_cases
     from dflash_audit.profile import Profile
 
     planned = plan_synthetic_cases(Profile.load("reference-model"), len(FAMILIES), seed=8)
@@ -248,7 +248,7 @@ def test_reference_loading_our_checkpoint_runs_our_rope(family, tmp_path, refere
     checkpoint as from our drafter."""
     from safetensors.torch import load_file, save_file
 
-    from dflash_audit.audit.synthetic import synthetic_batch
+    from dflash_audit.audit.cases.synthetic import synthetic_batch
     from dflash_audit.model.anchors import select_anchors
     from dflash_audit.model.checkpoint import save_pretrained
     from dflash_audit.model.verifier_weights import load_verifier_weights
@@ -337,9 +337,9 @@ class SavedPartialFactor(DrafterCandidate):
 @pytest.mark.reference
 @pytest.mark.usefixtures("single_thread")
 def test_derivation_check_names_the_reintroduced_rope_bugs(run_reference_cases):
+    from dflash_audit.audit.cases.plan import plan_synthetic_cases
     from dflash_audit.audit.checks.derivation import check_derivation
-    from dflash_audit.audit.plan import plan_synthetic_cases
-    from dflash_audit.audit.run_sides import run_candidate
+    from dflash_audit.audit.sides.run_sides import run_candidate
     from dflash_audit.profile import Profile
 
     planned = plan_synthetic_cases(Profile.load("reference-model"), len(FAMILIES), seed=8)
@@ -447,9 +447,9 @@ def test_a_proxy_that_cannot_run_is_refused_before_it_is_cached(tmp_path, monkey
     config without n_shared_experts) is a one-line VerifierError, and nothing is cached."""
     from transformers import AutoConfig
 
+    from dflash_audit.data.builtin_verifier import cache_dir
     from dflash_audit.data.errors import VerifierError
     from dflash_audit.data.proxy_folder import proxy_verifier_dir
-    from dflash_audit.data.verifier import cache_dir
 
     real_cache = cache_dir()
     monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
@@ -487,9 +487,9 @@ def test_a_failing_derived_field_is_named_before_the_warn_only_mask_token():
 def test_a_verifier_that_is_not_causal_is_refused(tmp_path, monkeypatch):
     """BERT has a causal-LM head in transformers (BertLMHeadModel) but attends to later
     tokens unless is_decoder: its proxy was built and audited as a verifier before."""
+    from dflash_audit.data.builtin_verifier import cache_dir
     from dflash_audit.data.errors import VerifierError
     from dflash_audit.data.proxy_folder import proxy_verifier_dir
-    from dflash_audit.data.verifier import cache_dir
 
     real_cache = cache_dir()
     monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))

@@ -11,9 +11,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_audit.model.anchors import check_anchors, select_anchors
-from dflash_audit.model.config import ConfigError, DFlashConfig, default_target_layer_ids
+from dflash_audit.model.config import (
+    ConfigError,
+    DFlashConfig,
+    default_target_layer_ids,
+)
 from dflash_audit.model.drafter import DFlashDrafter, block_indices
-from dflash_audit.model.loss import LossSpec, dflash_loss, dpace_weights, exp_decay_weights
+from dflash_audit.model.loss import (
+    LossSpec,
+    dflash_loss,
+    dpace_weights,
+    exp_decay_weights,
+)
 from dflash_audit.model.mask import dense_mask
 
 TINY = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,

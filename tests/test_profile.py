@@ -8,7 +8,11 @@ import json
 import pytest
 from transformers import LlamaConfig
 
-from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, default_target_layer_ids
+from dflash_audit.model.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    default_target_layer_ids,
+)
 from dflash_audit.model.loss import LossSpec
 from dflash_audit.profile import Profile, ProfileError, builtin_profiles
 

@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 
-from dflash_audit.audit.plan import plan_synthetic_cases
+from dflash_audit.audit.case import SideOutputs
+from dflash_audit.audit.cases.plan import plan_synthetic_cases
+from dflash_audit.audit.cases.synthetic import synthetic_case
 from dflash_audit.audit.protocol import (
     OUTPUT_SPEC,
     case_dims,
@@ -15,8 +17,6 @@ from dflash_audit.audit.protocol import (
     required_keys,
     validate_outputs,
 )
-from dflash_audit.audit.case import SideOutputs
-from dflash_audit.audit.synthetic import synthetic_case
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.profile import Profile
 

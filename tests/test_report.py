@@ -14,7 +14,13 @@ from PIL import Image
 
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.candidate import DrafterCandidate
-from dflash_audit.report import REPORT_FILES, CaseRecord, MaskPicture, Report, write_report
+from dflash_audit.report import (
+    REPORT_FILES,
+    CaseRecord,
+    MaskPicture,
+    Report,
+    write_report,
+)
 from dflash_audit.report.fingerprint import (
     candidate_fingerprint,
     candidate_source_files,

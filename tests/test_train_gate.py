@@ -208,8 +208,8 @@ def test_verifier_the_report_did_not_cover_is_refused_with_its_compare_command(t
 def test_the_default_audit_covers_its_real_verifier_and_the_family_proxies():
     """What compare records (a warm real-input namespace, the synthetic family configs) has the
     fingerprint the gate computes from the verifier's folder or family spec."""
+    from dflash_audit.audit.cases.plan import plan_synthetic_cases
     from dflash_audit.audit.compare import covered_verifiers
-    from dflash_audit.audit.plan import plan_synthetic_cases
     from dflash_audit.train.gate import _verifier_fingerprint
 
     profile = Profile.load("reference-model")

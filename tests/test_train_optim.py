@@ -9,6 +9,7 @@ import torch
 
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter
+from dflash_audit.model.vocab import coverage, draft_vocab, token_counts
 from dflash_audit.train.optim import (
     OptimConfigError,
     OptimSpec,
@@ -20,7 +21,6 @@ from dflash_audit.train.optim import (
 )
 from dflash_audit.train.step import train_step
 from dflash_audit.train.track import describe, summarize
-from dflash_audit.train.vocab import coverage, draft_vocab, token_counts
 
 CONFIG = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, num_hidden_layers=2, vocab_size=50,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_audit.audit.user_weights import (
+from dflash_audit.audit.cases.user_weights import (
     UserWeightsError,
     apply_user_weights,
     load_user_weights,

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from test_families import QWEN35_27B
 
-from dflash_audit.audit.compare import _check_case
-from dflash_audit.audit.plan import plan_real_cases
-from dflash_audit.audit.real_inputs import load_real_inputs
-from dflash_audit.audit.run_sides import run_candidate
+from dflash_audit.audit.cases.plan import plan_real_cases
+from dflash_audit.audit.cases.real_inputs import load_real_inputs
+from dflash_audit.audit.judge import check_case
+from dflash_audit.audit.sides.run_sides import run_candidate
 from dflash_audit.candidate import DrafterCandidate, load_candidate
 from dflash_audit.data.proxy_folder import proxy_verifier_dir
-from dflash_audit.data.verifier import load_verifier
+from dflash_audit.data.verifier import load_verifier, resolve_verifier
 from dflash_audit.profile import Profile
 
 #: z-lab's five target layers of a 64-layer verifier (build_target_layer_ids: 1 .. N-3).
@@ -51,7 +51,7 @@ def test_the_motivating_scenario_names_layer_61_and_fc_4_of_5(qwen35_config, tmp
     from_layer = load_candidate(f"{examples / 'targets_from_target_layer.py'}:candidate")
 
     profile = Profile.load("reference-model").replace(target_layers=FIVE_TARGETS)
-    real = load_real_inputs(str(qwen35_config), "chitchat", 128, 1, FIVE_TARGETS, seed=8,
+    real = load_real_inputs(resolve_verifier(str(qwen35_config)), "chitchat", 128, 1, FIVE_TARGETS, seed=8,
                             cache_root=tmp_path)
     assert real.verifier_config.num_hidden_layers == 64
     [case] = [p.case for p in plan_real_cases(profile, real, 8, seed=8)][:1]
@@ -60,7 +60,7 @@ def test_the_motivating_scenario_names_layer_61_and_fc_4_of_5(qwen35_config, tmp
     def results(candidate):
         out, failure = run_candidate(candidate, case)
         assert failure is None
-        return {r.name: r for r in _check_case(case, out, reference)}
+        return {r.name: r for r in check_case(case, out, reference)}
 
     ours = results(DrafterCandidate())
     assert {n: r.status for n, r in ours.items() if r.status == "fail"} == {}

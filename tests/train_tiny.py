@@ -156,7 +156,8 @@ def write_report(reports_dir: Path, profile_path: Path, candidate_spec: str | No
 def write_batches(verifier_dir: Path, conversations_path: Path, out: Path, rows: int = 4,
                   seq_len: int = 96) -> Path:
     """Batch files from the tiny verifier via the data pipeline."""
-    from dflash_audit.data.pipeline import build_batches, write_batches as write
+    from dflash_audit.data.pipeline import build_batches
+    from dflash_audit.data.pipeline import write_batches as write
 
     batches = build_batches(str(verifier_dir), str(conversations_path), seq_len, rows,
                             target_layer_ids=TARGET_LAYERS, progress=False)

@@ -11,9 +11,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_audit.audit.candidate_process import DEFAULT_CANDIDATE_TIMEOUT_S
-from dflash_audit.audit.compare import (
+from dflash_audit.audit.compare import run_compare
+from dflash_audit.audit.options import (
     DEFAULT_ANCHORS,
+    DEFAULT_CANDIDATE_TIMEOUT_S,
     DEFAULT_CASES,
     DEFAULT_DATA,
     DEFAULT_PROFILE,
@@ -22,7 +23,6 @@ from dflash_audit.audit.compare import (
     DEFAULT_SEQ_LEN,
     DEFAULT_VERIFIER,
     CompareOptions,
-    run_compare,
 )
 from dflash_audit.audit.setup_error import EXIT_SETUP, CompareSetupError
 

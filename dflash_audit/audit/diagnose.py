@@ -4,7 +4,7 @@
 most likely first. Causes are found by testing hypotheses with our own primitives on the
 case's inputs and weights: a hypothesis is a family member (all target sources x norm counts
 x shifts, all subsets of target layers, all context-rule offsets x windows x document rules,
-position conventions, draft-layer slips (:mod:`dflash_audit.audit.architecture`), loss names
+position conventions, draft-layer slips (:mod:`dflash_audit.audit.replay.architecture`), loss names
 x normalisations, a gamma fitted from the weights) whose prediction is compared with what the
 candidate returned, within the check's tolerance. Where several hypotheses reproduce a loss,
 only those with the fewest deviations are named.
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.checks import REGISTRY
-from dflash_audit.audit.evidence import Evidence, SearchMemo, unexplained
+from dflash_audit.audit.replay.evidence import Evidence, SearchMemo, unexplained
 from dflash_audit.audit.result import FAIL, PASS, CheckResult
 
 #: Check name -> its diagnosis.
@@ -39,7 +39,7 @@ def diagnose(case: Case, cand: SideOutputs, ref: SideOutputs,
 
     Results marked "not provided" get none. A diagnoser that raises records that it could not
     run instead of hiding the result. ``memo`` (one per audit, shared by its cases) budgets the
-    costly replay searches across cases (:class:`dflash_audit.audit.evidence.SearchMemo`)."""
+    costly replay searches across cases (:class:`dflash_audit.audit.replay.evidence.SearchMemo`)."""
     ev = Evidence(case, cand, ref, {r.name for r in results if r.status == FAIL}, memo)
     for result in results:
         if result.status == PASS or result.summary.startswith(("not provided", "not compared")):

@@ -264,8 +264,7 @@ def locate(key: str, index: tuple[int, ...], case: Case, t: torch.Tensor) -> dic
     """Coordinates of element ``index`` of output ``key`` in the reference's terms: anchor /
     slot / position / document for slot tensors, kv position or block key for masks, the
     position and feature for context, the parameter and index for gradients."""
-    from dflash_audit.audit.checks.mask import mask_coordinates
-    from dflash_audit.audit.slots import slot_coordinates
+    from dflash_audit.audit.slots import mask_coordinates, slot_coordinates
 
     dims = case_dims(case)
     shape = list(t.shape)

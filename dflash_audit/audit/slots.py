@@ -6,6 +6,8 @@ packed position a_j + s; the reference trains on the slots of its ``aligned_loss
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dflash_audit.audit.case import Case, SideOutputs
@@ -89,3 +91,18 @@ def attended_positions(case: Case, ref: SideOutputs) -> torch.Tensor:
         if m.shape[-1] >= T and m.shape[0] == rows.numel():
             seen |= m[rows, :T].any(0)
     return seen
+
+
+def mask_coordinates(case: Case, q: int, kv: int) -> dict[str, Any]:
+    """Reference coordinates of mask entry (q, kv): the query's anchor / slot / document and
+    either the context position (kv < T) or the block key (anchor, slot) (kv >= T)."""
+    B = case.config.block_size
+    doc = case.inputs["document_ids"].reshape(-1)
+    T = doc.numel()
+    out: dict[str, Any] = slot_coordinates(case, q)
+    if kv < T:
+        out.update(kv_position=int(kv), kv_document=int(doc[kv]))
+    else:
+        kb, ks = divmod(int(kv) - T, B)
+        out.update(block_key={"anchor": kb, "slot": ks})
+    return out

@@ -109,3 +109,12 @@ def closeness(cand: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -
 def fmt_diff(x: float) -> str:
     """A difference or tolerance for a summary: 3 significant digits."""
     return f"{x:.3g}"
+
+
+def grad_tolerance(ref_grad: torch.Tensor, tol: dict[str, float]) -> dict[str, float]:
+    """atol scaled by the gradient's magnitude: ``atol * max(1, max|g_ref|)`` over the
+    reference's finite values (a NaN / inf there must not widen the tolerance)."""
+    finite = ref_grad if bool(torch.isfinite(ref_grad).all()) else ref_grad[
+        torch.isfinite(ref_grad)]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    return {"atol": tol["atol"] * max(1.0, scale), "rtol": tol["rtol"]}

@@ -20,69 +20,9 @@ from typing import Any
 import torch
 
 from dflash_audit.data.errors import LayerIdError
-from dflash_audit.model.config import ConfigError, default_target_layer_ids
 
-LAYER_STYLES = ("zlab", "speculators")
 CONVENTION = "speculators: id L = HF output_hidden_states[L] (0 = embeddings); " \
              "verifier_last_hidden_states = last layer output before the final norm"
-
-
-def resolve_target_layer_ids(num_layers: int,
-                             target_layer_ids: None | str | Sequence[int] = None,
-                             zlab_ids: bool = False) -> list[int]:
-    """Target layer ids in our (speculators) convention, ascending.
-
-    ``target_layer_ids``: ``None`` (= ``"zlab"``: 5 evenly spaced), ``"speculators"``
-    (``[2, N//2, N-3]``), a comma list ``"1,5,9"`` or a sequence of ints. With
-    ``zlab_ids=True`` explicit ids are read as z-lab ids and shifted by +1.
-
-    Raises:
-        LayerIdError: unknown style, unparsable list, negative / out-of-range / duplicate
-            ids, the last layer id N (captured separately as verifier_last_hidden_states),
-            or ``zlab_ids`` with a style name.
-    """
-    n = int(num_layers)
-    if target_layer_ids is None or (isinstance(target_layer_ids, str)
-                                    and target_layer_ids.strip() in LAYER_STYLES):
-        style = "zlab" if target_layer_ids is None else target_layer_ids.strip()
-        if zlab_ids:
-            raise LayerIdError(f"--zlab-ids converts explicit ids only; the {style!r} default "
-                               "is already in the speculators convention")
-        try:
-            return default_target_layer_ids(n, style=style)
-        except ConfigError as exc:
-            raise LayerIdError(str(exc)) from exc
-    if isinstance(target_layer_ids, str):
-        try:
-            ids = [int(x) for x in target_layer_ids.split(",") if x.strip()]
-        except ValueError as exc:
-            raise LayerIdError(
-                f"target layers {target_layer_ids!r}: use 'zlab', 'speculators' or a comma "
-                "list of integers like 1,5,9") from exc
-    else:
-        ids = [int(x) for x in target_layer_ids]
-    if not ids:
-        raise LayerIdError("target_layer_ids is empty: give at least one layer id")
-    given = list(ids)
-    if zlab_ids:
-        ids = [i + 1 for i in ids]
-    note = f" (z-lab ids {given} -> ours {ids})" if zlab_ids else ""
-    negative = [i for i in ids if i < 0]
-    if negative:
-        raise LayerIdError(f"target layer ids {negative} are negative{note}; negative ids are "
-                           "not wrapped, give ids in [0, N-1]")
-    dup = sorted({i for i in ids if ids.count(i) > 1})
-    if dup:
-        raise LayerIdError(f"target layer ids {dup} are duplicated in {ids}{note}")
-    if n in ids:
-        raise LayerIdError(
-            f"target layer id {n} is the last layer of this {n}-layer verifier{note}; it is "
-            "captured separately as verifier_last_hidden_states, use ids in [0, N-1]")
-    out = [i for i in ids if i > n]
-    if out:
-        raise LayerIdError(f"target layer ids {out} out of range [0, {n - 1}] for a verifier "
-                           f"with {n} layers{note}")
-    return sorted(ids)
 
 
 def decoder_layers(model: Any) -> torch.nn.ModuleList:

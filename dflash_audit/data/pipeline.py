@@ -21,8 +21,12 @@ from typing import Annotated, Any
 import typer
 
 from dflash_audit.data.batch import Batch
-from dflash_audit.data.capture import CONVENTION, capture_row, resolve_target_layer_ids
-from dflash_audit.data.conversations import Conversation, ConversationSet, load_conversations
+from dflash_audit.data.capture import CONVENTION, capture_row
+from dflash_audit.data.conversations import (
+    Conversation,
+    ConversationSet,
+    load_conversations,
+)
 from dflash_audit.data.errors import BatchFileError, DataError
 from dflash_audit.data.pack import PackedRow, pack_fill
 from dflash_audit.data.tokenize import (
@@ -33,6 +37,7 @@ from dflash_audit.data.tokenize import (
     tokenize_conversation,
 )
 from dflash_audit.data.verifier import Verifier, load_verifier
+from dflash_audit.model.layer_ids import resolve_target_layer_ids
 
 BATCH_GLOB = "batch_*.safetensors"
 MANIFEST = "manifest.json"

@@ -124,9 +124,13 @@ def proxy_verifier_dir(spec: str, progress: Callable[[str], None] | None = None
     """
     from transformers import AutoTokenizer
 
-    from dflash_audit.data.verifier import SMOLLM2_NAME, cache_dir, resolve_verifier_path
+    from dflash_audit.data.builtin_verifier import (
+        SMOLLM2_NAME,
+        builtin_folder,
+        cache_dir,
+    )
 
-    _, smollm2 = resolve_verifier_path(SMOLLM2_NAME, progress=progress)
+    smollm2 = builtin_folder(SMOLLM2_NAME, progress=progress)
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     config = _proxy_config(spec, tokenizer)
     key = hashlib.sha256(json.dumps({"format": PROXY_FORMAT, "seed": PROXY_SEED,

@@ -32,9 +32,10 @@ from pathlib import Path
 
 import torch
 
+from dflash_audit.data.builtin_verifier import cache_dir
 from dflash_audit.data.conversations import Conversation
 from dflash_audit.data.tokenize import end_of_turn_ids, render_ids
-from dflash_audit.data.verifier import Verifier, cache_dir, flush_denormal
+from dflash_audit.data.verifier import Verifier, flush_denormal
 
 DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_GENERATION_BATCH = 32  # CPU decoding is weight-bandwidth bound: 32 rows, 1.6x 8 rows

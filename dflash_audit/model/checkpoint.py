@@ -165,8 +165,8 @@ def validate_checkpoint(path: str | Path, num_verifier_layers: int,
     from safetensors import safe_open
 
     from dflash_audit.atomic import manifest_problems, safetensors_problem
-    from dflash_audit.data.capture import resolve_target_layer_ids
     from dflash_audit.data.errors import LayerIdError
+    from dflash_audit.model.layer_ids import resolve_target_layer_ids
 
     path = Path(path)
     for name in ("config.json", "model.safetensors"):

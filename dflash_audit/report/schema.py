@@ -45,7 +45,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_audit import __version__
-from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult, cause_key, is_downstream
+from dflash_audit.audit.result import (
+    FAIL,
+    PASS,
+    WARN,
+    CheckResult,
+    cause_key,
+    is_downstream,
+)
 from dflash_audit.report.fingerprint import report_fingerprint
 
 SCHEMA_VERSION = 1

@@ -18,7 +18,7 @@ training run when all of these hold:
   above (a hand-edited verdict or fingerprint is refused).
 
 Then ``train`` reruns the candidate on the report's canary case and refuses when its outputs
-differ from the audited ones (:func:`dflash_audit.audit.canary.verify_canary`: the gate checks
+differ from the audited ones (:func:`dflash_audit.audit.sides.canary.verify_canary`: the gate checks
 behaviour, not only source).
 
 Exit codes of a refusal (:class:`GateError.exit_code`): **2** when no report matches (none
@@ -174,7 +174,10 @@ def expected_for(candidate: Any, candidate_spec: str | None, profile: Any, ref: 
     command = compare_command(ref, profile.source or profile.name, candidate_spec, reports_dir,
                               verifier)
     if reference_identity is None:
-        from dflash_audit.reference_source import ReferenceSourceError, resolve_reference
+        from dflash_audit.reference_source import (
+            ReferenceSourceError,
+            resolve_reference,
+        )
 
         try:
             reference_identity = resolve_reference(ref, offline=True).to_dict()

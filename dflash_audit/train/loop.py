@@ -53,8 +53,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash_audit.audit.canary import verify_canary
 from dflash_audit.train import state as ckpt
+from dflash_audit.train.canary import verify_canary
 from dflash_audit.train.distributed import (
     DistEnv,
     StopSignals,

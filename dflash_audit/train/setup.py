@@ -52,7 +52,7 @@ def build_drafter(candidate: Any, config: Any, verifier_model: Any, seed: int,
     Raises:
         TrainError: the candidate cannot build a trainable drafter.
     """
-    from dflash_audit.train.vocab import draft_vocab, token_counts
+    from dflash_audit.model.vocab import draft_vocab, token_counts
 
     if not hasattr(candidate, "build"):
         raise TrainError(f"candidate {type(candidate).__name__} has no build(config); training "

@@ -4,7 +4,7 @@
 the verifier. At random initialisation that overlap is about 0, the mix is almost pure KL, and
 the two losses are numerically equal: an audit on untrained weights alone would pass this
 candidate. The audit's real cases therefore run on trainable weights briefly fitted to the
-targets (``dflash_audit.audit.weights.fit_to_targets``), where the two differ.
+targets (``dflash_audit.audit.cases.weights.fit_to_targets``), where the two differ.
 
 Expected audit result: ``loss`` fails with the diagnosis "loss computed as 'lk_hybrid'";
 ``gradients`` fail as a consequence; everything before the loss passes.

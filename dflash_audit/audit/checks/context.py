@@ -16,10 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_audit.audit.architecture import COMMON_NORM_EPS
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import tensor_result
-from dflash_audit.audit.evidence import Evidence, sample, search_hypotheses, shifted
+from dflash_audit.audit.replay.architecture import COMMON_NORM_EPS
+from dflash_audit.audit.replay.evidence import (
+    Evidence,
+    sample,
+    search_hypotheses,
+    shifted,
+)
 from dflash_audit.audit.result import CheckResult
 from dflash_audit.audit.slots import attended_positions
 from dflash_audit.audit.tolerance import closeness

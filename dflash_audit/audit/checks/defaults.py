@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_audit.audit.case import Case, SideOutputs
-from dflash_audit.audit.evidence import Evidence
+from dflash_audit.audit.replay.evidence import Evidence
 from dflash_audit.audit.result import PASS, WARN, CheckResult
 
 #: field -> names under which a side may report its default for it

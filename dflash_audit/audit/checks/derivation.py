@@ -30,7 +30,7 @@ import math
 from typing import Any
 
 from dflash_audit.audit.case import Case, SideOutputs
-from dflash_audit.audit.evidence import Evidence
+from dflash_audit.audit.replay.evidence import Evidence
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 
 #: Relative tolerance of float fields (eps, rope theta, scaling factors).

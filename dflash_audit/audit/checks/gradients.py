@@ -7,7 +7,7 @@ a cause, when the candidate's masks hide all context), gradients of every parame
 one constant while the reported loss is not (the backward ran on k x the loss:
 :func:`gradient_scale`), another loss formula whose value equals the reference's within the
 loss tolerance on this case (replayed forward and backward:
-:func:`dflash_audit.audit.loss_formulas.gradient_formula_causes`; D-PACE weights not detached
+:func:`dflash_audit.audit.replay.loss_formulas.gradient_formula_causes`; D-PACE weights not detached
 among them), and differences that follow from an upstream check's difference.
 """
 
@@ -15,30 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import not_provided
-from dflash_audit.audit.evidence import Evidence, comma_list, follows_from
+from dflash_audit.audit.replay.evidence import Evidence, comma_list, follows_from
+from dflash_audit.audit.replay.loss_formulas import gradient_scale, nonzero_grad
 from dflash_audit.audit.result import FAIL, PASS, CheckResult
 from dflash_audit.audit.slots import as_bool_mask
-from dflash_audit.audit.tolerance import closeness, fmt_diff, tolerance
+from dflash_audit.audit.tolerance import closeness, fmt_diff, grad_tolerance, tolerance
 from dflash_audit.model.drafter import FROZEN_PARAMETERS
-
-
-def grad_tolerance(ref_grad: torch.Tensor, tol: dict[str, float]) -> dict[str, float]:
-    """atol scaled by the gradient's magnitude: ``atol * max(1, max|g_ref|)`` over the
-    reference's finite values (a NaN / inf there must not widen the tolerance)."""
-    finite = ref_grad if bool(torch.isfinite(ref_grad).all()) else ref_grad[
-        torch.isfinite(ref_grad)]
-    scale = float(finite.abs().max()) if finite.numel() else 0.0
-    return {"atol": tol["atol"] * max(1.0, scale), "rtol": tol["rtol"]}
-
-
-def _nonzero(grad: torch.Tensor) -> bool:
-    """Whether a gradient carries anything: a nonzero value, or a non-finite one (NaN is
-    never "no gradient")."""
-    return bool(grad.numel()) and bool((grad != 0).any() or not torch.isfinite(grad).all())
 
 
 def _frozen_on_reference(ref: SideOutputs) -> set[str]:
@@ -64,7 +48,7 @@ def check_gradients(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckRes
         c, r = cg.get(n), rg.get(n)
         if c is None or r is None:
             present = c if c is not None else r
-            if present is None or not _nonzero(present):
+            if present is None or not nonzero_grad(present):
                 note = "either side" if present is None else "one side, zero on the other"
                 per_param[n] = {"status": PASS, "note": f"no gradient on {note}"}
                 continue
@@ -89,7 +73,7 @@ def check_gradients(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckRes
                               "reference": float(r[res.first_bad])}))
     frozen = _frozen_on_reference(ref)
     for n in sorted(set(cg) - set(names)):
-        if n in cand.trainable or _nonzero(cg[n]):
+        if n in cand.trainable or nonzero_grad(cg[n]):
             why = "frozen in the reference" if n in frozen else "not a reference parameter"
             per_param[n] = {"status": FAIL, "reason": why}
             problems.append((n, f"{n}: {why} but trained by the candidate", {"parameter": n}))
@@ -115,31 +99,6 @@ def check_gradients(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckRes
         details={"parameters": per_param, "failing": [p[0] for p in problems]})
 
 
-def gradient_scale(ev: Evidence) -> float | None:
-    """The one factor k with ``g_cand = k * g_ref`` for every parameter both sides give a
-    gradient of (least squares over all of them, then each parameter within its tolerance),
-    or None when no single factor reproduces them, k is 1, or a gradient is not finite.
-
-    A uniform factor is what a backward on ``k * loss`` gives (a loss multiplied by a
-    constant, or summed where the reference averages): Adam-style optimisers undo part of it,
-    but SGD, gradient clipping and weight decay see it."""
-    cg = {k[5:]: v for k, v in ev.cand.tensors.items() if k.startswith("grad.")}
-    rg = {k[5:]: v for k, v in ev.ref.tensors.items() if k.startswith("grad.")}
-    pairs = [(cg[n].double(), rg[n].double()) for n in rg if n in cg
-             and cg[n].shape == rg[n].shape and _nonzero(rg[n])]
-    if not pairs or not all(bool(torch.isfinite(c).all() and torch.isfinite(r).all())
-                            for c, r in pairs):
-        return None
-    num = sum(float((c * r).sum()) for c, r in pairs)
-    den = sum(float((r * r).sum()) for _, r in pairs)
-    k = num / den if den else 0.0
-    tol = tolerance(ev.case, "grad")
-    if k == 0.0 or abs(k - 1.0) <= tol["rtol"] or not all(
-            closeness(c, k * r, **grad_tolerance(r.float(), tol)).ok for c, r in pairs):
-        return None
-    return k
-
-
 def masks_hide_context(ev: Evidence) -> bool:
     """Whether every mask the candidate returned lets no supervised row attend any context
     position (then fc and hidden_norm get no gradient through attention)."""
@@ -152,7 +111,7 @@ def diagnose_gradients(ev: Evidence, result: CheckResult) -> list[str]:
     """Frozen weights trained, parameters no gradient reaches, an upstream difference, a loss
     formula whose value the loss check could not tell apart here, or a constant factor."""
     # loss_formulas imports this module: imported here
-    from dflash_audit.audit.loss_formulas import gradient_formula_causes
+    from dflash_audit.audit.replay.loss_formulas import gradient_formula_causes
 
     params = result.details.get("parameters", {})
     frozen = [n for n, p in params.items() if p.get("reason") == "frozen in the reference"]
@@ -162,7 +121,7 @@ def diagnose_gradients(ev: Evidence, result: CheckResult) -> list[str]:
                       f"the candidate side (the reference freezes {comma_list(FROZEN_PARAMETERS)})")
     cg = {k[5:]: v for k, v in ev.cand.tensors.items() if k.startswith("grad.")}
     no_grad = [n for n, p in params.items() if n not in frozen and p["status"] == FAIL and (
-        n not in cg or not _nonzero(cg[n]))]
+        n not in cg or not nonzero_grad(cg[n]))]
     upstream = follows_from("gradients", ev)
     if no_grad and upstream and masks_hide_context(ev):
         causes.append(f"{upstream}: the candidate's masks hide all context, so no gradient "

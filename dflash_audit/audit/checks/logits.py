@@ -1,14 +1,14 @@
 """The ``logits`` check: draft logits [1,Q,V_d] on the reference's supervised slots, at the
 dtype's assert_close tolerance (:data:`dflash_audit.audit.tolerance.TOLERANCES`).
 
-Hypotheses replay our drafter (:mod:`dflash_audit.audit.replay`) and name: a context / mask
+Hypotheses replay our drafter (:mod:`dflash_audit.audit.replay.replay`) and name: a context / mask
 difference the logits follow from (replayed with the candidate's own context and masks),
 hidden_states and input_ids shifted against loss_mask / position_ids (EAGLE-3-style), a
 correct mask misused by the attention (a boolean mask added to the scores, ...), mixed
 position conventions, the noise block's slot 0 holding mask_token_id or a neighbour
 instead of the anchor token, mask_token_id falling back to another token, RoPE
 partial_rotary_factor applied or ignored, mask variants (when the candidate returned no
-masks), draft-layer slips (:mod:`dflash_audit.audit.architecture`), and a draft-vocabulary
+masks), draft-layer slips (:mod:`dflash_audit.audit.replay.architecture`), and a draft-vocabulary
 mapping slip.
 """
 
@@ -20,10 +20,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from dflash_audit.audit.architecture import (
-    architecture_hypotheses,
-    mask_misuse_hypotheses,
-)
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.checks.mask import (
     build_mask,
@@ -32,7 +28,11 @@ from dflash_audit.audit.checks.mask import (
 )
 from dflash_audit.audit.checks.targets import diagnose_vocab
 from dflash_audit.audit.compare_tensors import slot_check
-from dflash_audit.audit.evidence import (
+from dflash_audit.audit.replay.architecture import (
+    architecture_hypotheses,
+    mask_misuse_hypotheses,
+)
+from dflash_audit.audit.replay.evidence import (
     CONFIRM_SAMPLE,
     MAX_HYPOTHESES,
     Evidence,
@@ -42,7 +42,7 @@ from dflash_audit.audit.evidence import (
     shifted,
     unexplained,
 )
-from dflash_audit.audit.replay import replay
+from dflash_audit.audit.replay.replay import replay
 from dflash_audit.audit.result import CheckResult
 from dflash_audit.audit.slots import as_bool_mask
 from dflash_audit.model.layers import RotaryEmbedding
@@ -80,7 +80,7 @@ def position_hypotheses(ev: Evidence) -> Iterator[tuple[str, Callable]]:
 def logit_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
     """Counterfactual replays of our drafter: positions, noise-block tokens, mask_token_id, RoPE
     partial factor, (when the candidate returned no masks) mask variants, then the draft
-    layers' internals (:func:`dflash_audit.audit.architecture.architecture_hypotheses`)."""
+    layers' internals (:func:`dflash_audit.audit.replay.architecture.architecture_hypotheses`)."""
     c, inputs = ev.config, ev.inputs
     yield from shift_hypotheses(ev)
     yield from mask_misuse_hypotheses()

@@ -3,7 +3,7 @@ loss mask (exact: which slots are trained) and each loss term's per-slot weights
 slots, with the decay gamma each side's weights imply (:func:`fit_decay`).
 
 Hypotheses name: slot 0 (the anchor) not masked out, padding anchors not masked out, a
-misaligned loss mask, the fixed per-slot weight formula (:mod:`dflash_audit.audit.weight_formulas`:
+misaligned loss mask, the fixed per-slot weight formula (:mod:`dflash_audit.audit.replay.weight_formulas`:
 a wrong decay gamma or decay formula, no position decay, slot 0's weight under
 sample_from_anchor, weights normalised per block; on a case that cannot separate two formulas,
 both in one cause with the slots a separating case needs), D-PACE vs fixed-exp-decay weighting
@@ -13,7 +13,7 @@ loss normalised by the sum of weights, averaged over all Q slots or per block, a
 under another mask than the aligned_loss_mask the candidate reports, and a loss scaled by a
 constant (told from any other difference by the gradients: all scaled by the same factor);
 among several loss formulas that reproduce the total, only those with the fewest deviations,
-named as one cause (:mod:`dflash_audit.audit.loss_formulas`).
+named as one cause (:mod:`dflash_audit.audit.replay.loss_formulas`).
 
 In a low-precision audit (``--dtype bf16``) the loss must also follow from the candidate's own
 logits and targets by the reference's formula in float32 (part ``loss_from_logits``, tolerance
@@ -32,15 +32,17 @@ import torch
 
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import not_provided
-from dflash_audit.audit.evidence import Evidence, follows_from
-from dflash_audit.audit.loss_formulas import diagnose_loss_total, recompute_loss
+from dflash_audit.audit.replay.evidence import Evidence, follows_from
+from dflash_audit.audit.replay.loss_formulas import (
+    diagnose_loss_total,
+    own_loss,
+)
+from dflash_audit.audit.replay.weight_formulas import weight_formula_causes
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.slots import slot_coordinates, supervised_slots
 from dflash_audit.audit.tolerance import closeness, fmt_diff, tolerance, worst
-from dflash_audit.audit.weight_formulas import weight_formula_causes
 from dflash_audit.model.loss import (
     LOSSES,
-    parse_loss,
     slot_weights,
     softmax_dtype,
 )
@@ -183,12 +185,6 @@ def check_loss(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResult:
                        first_diff=first, details={"parts": parts, "implied_gamma": fits})
 
 
-def own_loss(case: Case, side: SideOutputs) -> float | None:
-    """The reference's loss formula (profile mix, fp32 softmax, supervised-token denominator) on
-    one side's own logits, targets, aligned mask and weights; None without logits/targets."""
-    return recompute_loss(Evidence(case, side, side), parse_loss(case.loss.loss), "tokens")
-
-
 def _loss_from_logits(case: Case, cand: SideOutputs, cl: float) -> dict[str, Any]:
     value = own_loss(case, cand)
     if value is None:
@@ -243,7 +239,7 @@ def aligned_mask_hypotheses(ev: Evidence) -> Iterator[tuple[str, torch.Tensor]]:
 
 def diagnose_weights(ev: Evidence, part: dict[str, Any]) -> list[str]:
     """Name a per-slot weight difference: the fixed-decay formula the candidate's weights follow
-    (:func:`dflash_audit.audit.weight_formulas.weight_formula_causes`), or for D-PACE whether
+    (:func:`dflash_audit.audit.replay.weight_formulas.weight_formula_causes`), or for D-PACE whether
     the candidate's own per-slot loss reproduces its weights (then the difference follows from
     upstream). "Fixed per-slot weights where the profile says D-PACE" is named only on a case
     whose reference weights vary between blocks (one supervised block cannot tell them apart)."""

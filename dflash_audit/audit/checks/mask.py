@@ -22,12 +22,12 @@ import torch
 
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import not_provided
-from dflash_audit.audit.evidence import Evidence
+from dflash_audit.audit.replay.evidence import Evidence
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.slots import (
     as_bool_mask,
+    mask_coordinates,
     reference_masks,
-    slot_coordinates,
     supervised_rows,
 )
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION
@@ -36,21 +36,6 @@ from dflash_audit.model.mask import dense_mask
 #: A sliding window wider than any packed row: dense_mask then builds a causal block with no
 #: window bound on the context.
 NO_WINDOW = 1 << 62
-
-
-def mask_coordinates(case: Case, q: int, kv: int) -> dict[str, Any]:
-    """Reference coordinates of mask entry (q, kv): the query's anchor / slot / document and
-    either the context position (kv < T) or the block key (anchor, slot) (kv >= T)."""
-    B = case.config.block_size
-    doc = case.inputs["document_ids"].reshape(-1)
-    T = doc.numel()
-    out: dict[str, Any] = slot_coordinates(case, q)
-    if kv < T:
-        out.update(kv_position=int(kv), kv_document=int(doc[kv]))
-    else:
-        kb, ks = divmod(int(kv) - T, B)
-        out.update(block_key={"anchor": kb, "slot": ks})
-    return out
 
 
 def check_mask(case: Case, cand: SideOutputs, ref: SideOutputs, layer_type: str

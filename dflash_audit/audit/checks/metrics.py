@@ -17,7 +17,7 @@ import math
 
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import not_provided
-from dflash_audit.audit.evidence import Evidence, comma_list, follows_from
+from dflash_audit.audit.replay.evidence import Evidence, comma_list, follows_from
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.slots import supervised_slots
 from dflash_audit.audit.tolerance import closeness, tolerance

@@ -20,7 +20,7 @@ from typing import Any
 from deepdiff import DeepDiff
 
 from dflash_audit.audit.case import Case, SideOutputs
-from dflash_audit.audit.evidence import Evidence
+from dflash_audit.audit.replay.evidence import Evidence
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.tolerance import worst
 from dflash_audit.model.config import SLIDING_ATTENTION

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_audit.audit.architecture import COMMON_NORM_EPS
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import slot_check
-from dflash_audit.audit.evidence import (
+from dflash_audit.audit.replay.architecture import COMMON_NORM_EPS
+from dflash_audit.audit.replay.evidence import (
     CONFIRM_SAMPLE,
     Evidence,
     sample,

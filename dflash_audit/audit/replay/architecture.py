@@ -10,7 +10,7 @@ hypothesis here is one such slip, expressed as an edit of our own drafter
 draft layer, speculators ``models/dflash/model_definitions.py``). The diagnosis replays our
 drafter with the edit and names the slip when the replay reproduces the candidate's logits.
 
-A hypothesis is ``(label, kwargs)``; kwargs are those of :func:`dflash_audit.audit.replay.replay`:
+A hypothesis is ``(label, kwargs)``; kwargs are those of :func:`dflash_audit.audit.replay.replay.replay`:
 ``config`` (a changed constant), ``weights`` (a rearranged state dict) or ``edit`` (a function
 that changes modules of the built drafter in place).
 """

@@ -1,6 +1,6 @@
 """The candidate in its own process, with a per-case timeout.
 
-:func:`run_candidate_process` starts :mod:`dflash_audit.audit.candidate_runner` on cases
+:func:`run_candidate_process` starts :mod:`dflash_audit.audit.sides.candidate_runner` on cases
 already written to disk (``compare.write_cases``) in a new process group, with its stdout and
 stderr captured to files (they never mix into ours). The runner announces each case in
 ``started.json`` and publishes each finished case atomically; this side watches the clock.
@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_audit.audit.candidate_runner import (
+from dflash_audit.audit.options import DEFAULT_CANDIDATE_TIMEOUT_S
+from dflash_audit.audit.sides.candidate_runner import (
     EXIT_LOAD_ERROR,
     HEARTBEAT,
     IDENTITY,
@@ -36,7 +37,6 @@ from dflash_audit.candidate import CandidateError
 
 #: Default of ``--candidate-timeout``: seconds one case may take (a real case with the
 #: verifier's vocabulary on a loaded CPU takes well under a minute).
-DEFAULT_CANDIDATE_TIMEOUT_S = 600.0
 #: Seconds the process may take to start (import torch, load the candidate) before a case.
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
 TAIL_CHARS = 3000
@@ -74,7 +74,7 @@ class CandidateCaseRun:
     stderr_tail: str = ""
     stdout_tail: str = ""
     seconds: float | None = None
-    #: causes named from the raise's message (:func:`dflash_audit.audit.raised.name_raise`)
+    #: causes named from the raise's message (:func:`dflash_audit.audit.sides.raised.name_raise`)
     diagnosis: list[str] = field(default_factory=list)
 
     @property
@@ -195,7 +195,7 @@ def run_candidate_process(spec: str | None, cases_dir: Path, names: list[str], o
         attempt += 1
         stdout, stderr = logs / f"stdout-{attempt}.txt", logs / f"stderr-{attempt}.txt"
         (out_dir / HEARTBEAT).unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "dflash_audit.audit.candidate_runner", str(cases_dir),
+        cmd = [sys.executable, "-m", "dflash_audit.audit.sides.candidate_runner", str(cases_dir),
                str(out_dir), *(["--candidate", spec] if spec else []),
                *(["--threads", str(threads)] if threads else []),
                *[a for n in remaining for a in ("--case", n)]]
@@ -321,7 +321,7 @@ def load_candidate_identity(spec: str | None, out_dir: Path, timeout_s: float =
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / IDENTITY).unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "dflash_audit.audit.candidate_runner", str(out_dir),
+    cmd = [sys.executable, "-m", "dflash_audit.audit.sides.candidate_runner", str(out_dir),
            str(out_dir), "--load-only", *(["--candidate", spec] if spec else [])]
     try:
         proc = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL,

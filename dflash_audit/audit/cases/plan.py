@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from dflash_audit.audit.architecture import COMMON_NORM_EPS, COMMON_ROPE_THETAS
 from dflash_audit.audit.case import Case, CaseVerifier
-from dflash_audit.audit.synthetic import synthetic_case
-from dflash_audit.audit.weights import fit_to_targets, real_case_weights
+from dflash_audit.audit.cases.synthetic import synthetic_case
+from dflash_audit.audit.cases.weights import fit_to_targets, real_case_weights
+from dflash_audit.audit.replay.architecture import COMMON_NORM_EPS, COMMON_ROPE_THETAS
 from dflash_audit.data.families import FAMILIES, family_config
 from dflash_audit.model.anchors import select_anchors, valid_anchor_mask
 from dflash_audit.model.config import SLIDING_ATTENTION
@@ -130,10 +130,10 @@ def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0,
 
     Args:
         profile: the audit profile.
-        inputs: :class:`dflash_audit.audit.real_inputs.RealInputs`.
+        inputs: :class:`dflash_audit.audit.cases.real_inputs.RealInputs`.
         anchors: A, anchor slots per case (the profile's max_anchors caps it).
         seed: seeds the trainable weights and the anchor draw.
-        user_weights: a user's checkpoint (:func:`dflash_audit.audit.user_weights.
+        user_weights: a user's checkpoint (:func:`dflash_audit.audit.cases.user_weights.
             load_user_weights`) replacing the seeded trainable weights.
         weights_source: where ``user_weights`` came from (named in errors).
 
@@ -162,7 +162,7 @@ def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0,
         rows.append({**batch.tensors(), "anchor_positions": anchor_positions,
                      "anchor_valid": anchor_valid})
     if user_weights is not None:  # the user's checkpoint is audited as it is
-        from dflash_audit.audit.user_weights import apply_user_weights
+        from dflash_audit.audit.cases.user_weights import apply_user_weights
 
         weights = apply_user_weights(weights, user_weights, weights_source,
                                      inputs.frozen["verifier_lm_head.weight"])

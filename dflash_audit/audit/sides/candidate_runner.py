@@ -1,6 +1,6 @@
 """Runs INSIDE the candidate's own process: the candidate on cases already written to disk.
 
-Usage: ``python -m dflash_audit.audit.candidate_runner CASES_DIR OUT_DIR --candidate SPEC
+Usage: ``python -m dflash_audit.audit.sides.candidate_runner CASES_DIR OUT_DIR --candidate SPEC
 [--threads N] [--case NAME ...]``. Each sub-folder of CASES_DIR holding ``profile.json`` is one
 case (:meth:`dflash_audit.audit.case.Case.write`); ``--case`` restricts the run to those names.
 Cases whose result folder already exists in OUT_DIR are skipped (a restarted runner resumes).
@@ -56,16 +56,16 @@ def run_one(candidate: Any, case: Any) -> tuple[dict[str, Any], Any]:
 
     Returns:
         ``(status dict, SideOutputs | None)``; status ``"ok"``, ``"raised"`` (an exception,
-        with its traceback and the causes :func:`dflash_audit.audit.raised.name_raise` reads
+        with its traceback and the causes :func:`dflash_audit.audit.sides.raised.name_raise` reads
         from its message), ``"exit"`` (``sys.exit`` inside the candidate) or ``"protocol"``
         (run_case returned something other than SideOutputs).
     """
     import torch
 
     from dflash_audit.audit.case import SideOutputs
-    from dflash_audit.audit.checks.anchors import draw_anchors
     from dflash_audit.audit.precision import autocast, outputs_on_cpu
-    from dflash_audit.audit.raised import name_raise
+    from dflash_audit.audit.sides.anchor_draws import draw_anchors
+    from dflash_audit.audit.sides.raised import name_raise
 
     inputs = {k: v.clone().to(case.device) for k, v in case.inputs.items()}
     weights = case.weights if case.device == "cpu" else {
@@ -158,7 +158,7 @@ def die_with_parent() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Load the candidate, run every pending case, write results; 0 when all cases ran
     (whatever their status), 3 when the candidate cannot be loaded."""
-    parser = argparse.ArgumentParser(prog="python -m dflash_audit.audit.candidate_runner")
+    parser = argparse.ArgumentParser(prog="python -m dflash_audit.audit.sides.candidate_runner")
     parser.add_argument("cases_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--candidate", default=None)

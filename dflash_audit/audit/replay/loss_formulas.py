@@ -12,9 +12,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from dflash_audit.audit.checks.gradients import grad_tolerance, gradient_scale
-from dflash_audit.audit.evidence import Evidence, follows_from
-from dflash_audit.audit.tolerance import closeness, tolerance
+from dflash_audit.audit.case import Case, SideOutputs
+from dflash_audit.audit.replay.evidence import Evidence, follows_from
+from dflash_audit.audit.tolerance import closeness, grad_tolerance, tolerance
 from dflash_audit.model.loss import (
     LOSS_REDUCTION_EPS,
     LOSSES,
@@ -110,7 +110,7 @@ def gradient_formula_causes(ev: Evidence, max_replays: int = 5) -> list[str]:
     forward and backward on the case; the first whose gradients reproduce every candidate
     gradient is named."""
     from dflash_audit.audit.precision import autocast
-    from dflash_audit.audit.replay import drafter_with_weights
+    from dflash_audit.audit.replay.replay import drafter_with_weights
 
     t = ev.cand.tensors
     if "loss" not in t:
@@ -212,3 +212,40 @@ def loss_scale_cause(ev: Evidence, cl: float) -> list[str]:
             "reference's formula on its own logits, targets, mask and weights (a constant "
             "factor, e.g. a sum where the reference averages, or a loss multiplied before "
             "backward)"]
+
+
+def nonzero_grad(grad: torch.Tensor) -> bool:
+    """Whether a gradient carries anything: a nonzero value, or a non-finite one (NaN is
+    never "no gradient")."""
+    return bool(grad.numel()) and bool((grad != 0).any() or not torch.isfinite(grad).all())
+
+
+def gradient_scale(ev: Evidence) -> float | None:
+    """The one factor k with ``g_cand = k * g_ref`` for every parameter both sides give a
+    gradient of (least squares over all of them, then each parameter within its tolerance),
+    or None when no single factor reproduces them, k is 1, or a gradient is not finite.
+
+    A uniform factor is what a backward on ``k * loss`` gives (a loss multiplied by a
+    constant, or summed where the reference averages): Adam-style optimisers undo part of it,
+    but SGD, gradient clipping and weight decay see it."""
+    cg = {k[5:]: v for k, v in ev.cand.tensors.items() if k.startswith("grad.")}
+    rg = {k[5:]: v for k, v in ev.ref.tensors.items() if k.startswith("grad.")}
+    pairs = [(cg[n].double(), rg[n].double()) for n in rg if n in cg
+             and cg[n].shape == rg[n].shape and nonzero_grad(rg[n])]
+    if not pairs or not all(bool(torch.isfinite(c).all() and torch.isfinite(r).all())
+                            for c, r in pairs):
+        return None
+    num = sum(float((c * r).sum()) for c, r in pairs)
+    den = sum(float((r * r).sum()) for _, r in pairs)
+    k = num / den if den else 0.0
+    tol = tolerance(ev.case, "grad")
+    if k == 0.0 or abs(k - 1.0) <= tol["rtol"] or not all(
+            closeness(c, k * r, **grad_tolerance(r.float(), tol)).ok for c, r in pairs):
+        return None
+    return k
+
+
+def own_loss(case: Case, side: SideOutputs) -> float | None:
+    """The reference's loss formula (profile mix, fp32 softmax, supervised-token denominator) on
+    one side's own logits, targets, aligned mask and weights; None without logits/targets."""
+    return recompute_loss(Evidence(case, side, side), parse_loss(case.loss.loss), "tokens")

@@ -45,7 +45,7 @@ def replay(case: Case, *, config=None, weights: dict | None = None, inputs: dict
     """Our drafter's logits on the case, with parts replaced by a hypothesis: another config,
     rearranged weights, edited inputs, a given context [1,T,H], given masks {layer type:
     [Q,T+Q]}, a transform of the [1, T+Q] position ids fed to RoPE, RoPE inverse frequencies,
-    or an ``edit`` of the built drafter's modules (:mod:`dflash_audit.audit.architecture`).
+    or an ``edit`` of the built drafter's modules (:mod:`dflash_audit.audit.replay.architecture`).
 
     Returns [1, Q, V_d], or [1, len(slots), V_d] with ``slots`` (the lm_head and the targets,
     the costly parts on a real vocabulary, then run on those slots only / not at all)."""

@@ -5,9 +5,9 @@ The frozen part is :func:`dflash_audit.model.verifier_weights.verifier_state` of
 (what the reference loads from it: ``embed_tokens``, ``lm_head`` / ``verifier_lm_head`` with
 the rows of the draft vocabulary, ``verifier_norm``). The draft vocabulary, when the profile
 has one, is the most frequent supervised tokens of the audited rows
-(:mod:`dflash_audit.train.vocab`). The trainable part (fc, hidden_norm, layers, norm) is drawn
+(:mod:`dflash_audit.model.vocab`). The trainable part (fc, hidden_norm, layers, norm) is drawn
 from a seeded generator with norm gains spread around their identity, so a norm applied twice
-or not at all changes the numbers (:func:`dflash_audit.audit.synthetic.synthetic_weights`),
+or not at all changes the numbers (:func:`dflash_audit.audit.cases.synthetic.synthetic_weights`),
 then briefly fitted to the verifier's targets (:func:`fit_to_targets`) so that loss terms that
 coincide at random initialisation (lk_hybrid and kl_div at overlap 0) differ on real data.
 
@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_audit.audit.synthetic import synthetic_weights
+from dflash_audit.audit.cases.synthetic import synthetic_weights
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.verifier_weights import verifier_state
-from dflash_audit.train.vocab import draft_vocab, token_counts
+from dflash_audit.model.vocab import draft_vocab, token_counts
 
 FROZEN_KEYS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
                "verifier_norm.weight")

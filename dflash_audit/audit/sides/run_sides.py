@@ -19,7 +19,7 @@ from dflash_audit.audit.progress import Stages
 from dflash_audit.audit.setup_error import CompareSetupError
 
 if TYPE_CHECKING:
-    from dflash_audit.audit.compare import CompareOptions
+    from dflash_audit.audit.options import CompareOptions
 
 #: Sub-folder of the cases folder that receives the candidate process's outputs (no
 #: ``profile.json``: neither side takes it for a case).
@@ -59,7 +59,7 @@ def import_ok_marker(identity: Any, cache_dir: Path | None) -> Path:
     import json
     import os
 
-    from dflash_audit.data.verifier import cache_dir as user_cache_dir
+    from dflash_audit.data.builtin_verifier import cache_dir as user_cache_dir
 
     site = sorted(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))
                   and os.path.isdir(p))
@@ -183,10 +183,10 @@ def failed_run(name: str, case: str, summary: str, detail: str, diagnosis: list[
 def run_candidate(candidate: Any, case: Any) -> tuple[Any, Any]:
     """Run an already loaded candidate on one case IN THIS PROCESS (tests and examples; an
     audit runs it in its own process, :func:`run_both_sides`) exactly as the candidate
-    process does (:func:`dflash_audit.audit.candidate_runner.run_one`); returns
+    process does (:func:`dflash_audit.audit.sides.candidate_runner.run_one`); returns
     ``(SideOutputs, None)`` or ``(None, failing CheckResult "run")``."""
-    from dflash_audit.audit.candidate_process import CandidateCaseRun
-    from dflash_audit.audit.candidate_runner import run_one
+    from dflash_audit.audit.sides.candidate_process import CandidateCaseRun
+    from dflash_audit.audit.sides.candidate_runner import run_one
 
     status, out = run_one(candidate, case)
     if status["status"] == "ok":
@@ -332,7 +332,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
         digests = case_digests(cases_dir, names)
     with st.stage("import_check", "checking that the reference imports"):
         import_check.wait()
-    from dflash_audit.audit.candidate_process import (
+    from dflash_audit.audit.sides.candidate_process import (
         CandidateLoadError,
         candidate_side,
         run_candidate_process,

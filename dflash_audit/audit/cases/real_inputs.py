@@ -8,7 +8,7 @@ source bytes, seq_len, rows, target layers, seed, format version), under
 
     batch_00000.safetensors ...  the batches (dflash_audit.data.pipeline.write_batches)
     manifest.json                the pipeline's manifest
-    frozen.safetensors           the verifier's frozen weights (dflash_audit.audit.weights)
+    frozen.safetensors           the verifier's frozen weights (dflash_audit.audit.cases.weights)
     inputs.json                  verifier identity and config, data identity, key fields
 
 An entry is written to a temporary sibling and renamed, so a crash never leaves half of one.
@@ -27,7 +27,12 @@ from types import SimpleNamespace
 from typing import Any
 
 from dflash_audit.atomic import atomic_folder, file_sha256
-from dflash_audit.audit.weights import load_frozen, save_frozen, verifier_frozen_weights
+from dflash_audit.audit.cases.weights import (
+    load_frozen,
+    save_frozen,
+    verifier_frozen_weights,
+)
+from dflash_audit.data.verifier import ResolvedVerifier
 
 FORMAT_VERSION = 3
 FROZEN_FILE = "frozen.safetensors"
@@ -82,14 +87,15 @@ def cache_key(verifier_folder: Path, weights_sha256: str, data: dict[str, Any], 
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def load_real_inputs(verifier: str, data: str, seq_len: int, rows: int, target_layers: Any,
+def load_real_inputs(verifier: ResolvedVerifier, data: str, seq_len: int, rows: int, target_layers: Any,
                      seed: int = 0, cache_root: Path | None = None,
                      progress: Callable[[str], None] | None = None,
                      before_capture: Callable[[], None] | None = None) -> RealInputs:
     """Real batches for an audit, from the cache or built by the data pipeline.
 
     Args:
-        verifier: ``smollm2-135m`` or a local Hugging Face causal-LM folder.
+        verifier: the command's resolved verifier (:func:`dflash_audit.data.verifier.
+            resolve_verifier`).
         data: ``chitchat`` or a ``.jsonl`` / ``.json`` conversation file.
         seq_len, rows: T and the number of packed rows.
         target_layers: ``"speculators"`` | ``"zlab"`` | list of ids (speculators convention).
@@ -103,22 +109,13 @@ def load_real_inputs(verifier: str, data: str, seq_len: int, rows: int, target_l
         dflash_audit.data.DataError: bad verifier / data / layer ids / mask token.
         VerifierWeightsError: the verifier has no embedding or final norm.
     """
+    from dflash_audit.data.builtin_verifier import cache_dir
     from dflash_audit.data.pipeline import build_batches, load_batches, write_batches
-    from dflash_audit.data.verifier import (
-        BUILTIN_VERIFIERS,
-        builtin_verifier_dir,
-        cache_dir,
-        load_verifier,
-        resolve_verifier_path,
-    )
+    from dflash_audit.data.verifier import load_verifier
     from dflash_audit.data.verifier import weights_hash as folder_weights_hash
 
     ident = data_identity(data)  # fails fast on a missing source
-    if verifier in BUILTIN_VERIFIERS and not (builtin_verifier_dir(verifier) / "config.json"
-                                              ).is_file() and before_capture is not None:
-        before_capture()  # the one-time conversion of the built-in verifier is expensive
-        before_capture = None
-    _, folder = resolve_verifier_path(verifier, progress=progress)
+    folder = verifier.folder
     weights_sha = folder_weights_hash(str(folder))
     tl = list(target_layers) if isinstance(target_layers, (list, tuple)) else target_layers
     key = cache_key(folder, weights_sha, ident, seq_len, rows, tl, seed)
@@ -134,7 +131,7 @@ def load_real_inputs(verifier: str, data: str, seq_len: int, rows: int, target_l
     if before_capture is not None:
         before_capture()
     if progress:
-        progress(f"capturing {rows} real batch(es) of {seq_len} tokens with {verifier} "
+        progress(f"capturing {rows} real batch(es) of {seq_len} tokens with {verifier.name} "
                  "(cached afterwards)")
     model = load_verifier(verifier, progress=progress)
     batches = build_batches(model, data, seq_len, rows, target_layer_ids=tl, seed=seed,

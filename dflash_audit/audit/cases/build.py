@@ -1,0 +1,128 @@
+"""The cases stage of a compare: the profile checked against the verifier, the real batches
+(captured and cached, :mod:`.real_inputs`) and the synthetic cases (:mod:`.plan`), in the
+audit's dtype and device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dflash_audit.audit.options import MAX_BLOCK_SIZE, CompareOptions
+from dflash_audit.audit.progress import Stages
+from dflash_audit.audit.setup_error import CompareSetupError
+from dflash_audit.data.verifier import ResolvedVerifier, resolve_verifier
+
+
+def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
+               before_capture: Callable[[], None] | None = None
+               ) -> tuple[list[Any], dict[str, Any]]:
+    """The real cases (``--rows`` captured rows, cached) and the synthetic ones, plus the
+    report's ``inputs`` section. ``before_capture`` runs before a verifier capture (the compare
+    awaits the reference's import check there, so a broken reference costs no capture).
+
+    Raises:
+        CompareSetupError: bad verifier, data, layer ids, mask token, or a profile that does
+            not fit the verifier.
+    """
+    from dflash_audit.audit.cases.plan import (
+        plan_flex_padding_case,
+        plan_real_cases,
+        plan_synthetic_cases,
+    )
+    from dflash_audit.audit.cases.real_inputs import load_real_inputs
+    from dflash_audit.audit.cases.user_weights import (
+        UserWeightsError,
+        load_user_weights,
+    )
+    from dflash_audit.audit.precision import in_dtype
+    from dflash_audit.data.errors import DataError
+    from dflash_audit.model.config import ConfigError
+    from dflash_audit.profile import ProfileError
+
+    planned, info = [], {}
+    if profile.block_size > MAX_BLOCK_SIZE or (opts.rows and profile.block_size >= opts.seq_len):
+        raise CompareSetupError(
+            f"block_size {profile.block_size}: the audit takes block sizes up to "
+            f"{MAX_BLOCK_SIZE} and below --seq-len ({opts.seq_len}; a block that does not fit "
+            "a row leaves no anchor, and synthetic cases grow as block_size squared)")
+    if opts.weights is not None and not opts.rows:
+        raise CompareSetupError("--weights needs real cases (--rows >= 1): the synthetic cases "
+                                "have tiny dimensions a checkpoint cannot fit")
+    try:
+        user = load_user_weights(opts.weights) if opts.weights is not None else None
+        with st.stage("verifier_config", "checking the profile against the verifier"):
+            verifier = resolve_verifier(opts.verifier, progress=st.say)  # once per compare
+            try:  # before any capture, with or without --rows (issue 9)
+                profile_fits_verifier(profile, verifier)
+            except ProfileError as exc:
+                raise CompareSetupError(
+                    f"{exc}; {verifier_hint(profile, opts.verifier)}") from None
+        if opts.rows:
+            with st.stage("batches", "real batches (verifier + data)"):
+                real = load_real_inputs(verifier, opts.data, opts.seq_len, opts.rows,
+                                        profile.target_layers, seed=opts.seed,
+                                        cache_root=opts.cache_dir, progress=st.say,
+                                        before_capture=before_capture)
+            first = real.batches[0]
+            info = {"verifier": real.verifier, "data": real.data, "seq_len": opts.seq_len,
+                    "rows": len(real.batches), "rows_requested": opts.rows,
+                    "target_layer_ids": first.target_layer_ids,
+                    "mask_token_id": first.mask_token_id,
+                    "mask_token_reason": first.metadata.get("mask_token_reason"),
+                    "batch_cache": {"key": real.cache_key, "hit": real.cache_hit,
+                                    "dir": str(real.cache_dir)},
+                    "data_stats": real.stats}
+        with st.stage("cases", "building cases"):
+            if opts.rows:
+                planned += plan_real_cases(profile, real, opts.anchors, seed=opts.seed,
+                                           user_weights=user, weights_source=str(opts.weights))
+            planned += plan_synthetic_cases(profile, opts.cases, seed=opts.seed)
+            if opts.device == "cuda":  # Q and T+Q past and off the flex block size
+                planned.append(plan_flex_padding_case(profile, seed=opts.seed))
+            planned = [dataclasses.replace(p, case=in_dtype(p.case, opts.dtype or profile.dtype,
+                                                            opts.device)) for p in planned]
+    except UserWeightsError as exc:
+        raise CompareSetupError(str(exc)) from None
+    except (DataError, ProfileError, ConfigError, ValueError) as exc:
+        raise CompareSetupError(f"building the audit cases failed: {exc}") from None
+    if opts.weights is not None:
+        info["weights"] = str(Path(opts.weights).expanduser().resolve())
+    info.update({"audited_anchors": min(opts.anchors, profile.max_anchors),
+                 "synthetic_cases": opts.cases, "seed": opts.seed, "cases": len(planned)})
+    return planned, info
+
+
+def verifier_hint(profile: Any, verifier: str) -> str:
+    """What to do when the profile's target layers do not exist in ``verifier``: name the
+    verifier depth a drafter config.json was made for (its ``num_target_layers``)."""
+    made_for = ""
+    source = Path(str(profile.source or ""))
+    if source.suffix == ".json" and source.is_file():
+        try:
+            depth = json.loads(source.read_text()).get("num_target_layers")
+        except (OSError, ValueError, AttributeError):
+            depth = None
+        if isinstance(depth, int):
+            made_for = f" ({source.name} was made for a {depth}-layer verifier)"
+    return (f"audit the drafter with the verifier it was made for{made_for}: --verifier "
+            f"path/to/that/verifier/config.json (a proxy at its depth) or its folder, instead of "
+            f"{verifier}")
+
+
+def profile_fits_verifier(profile: Any, verifier: ResolvedVerifier) -> list[int]:
+    """The profile's target layer ids for the verifier, from its ``config.json`` only (no
+    weights loaded): what a real capture would refuse is refused without real rows too.
+
+    Raises:
+        ProfileError: an id or a mask token the verifier does not have; ValueError: its
+            config.json gives no ``num_hidden_layers``.
+    """
+    if verifier.num_layers is None:
+        raise ValueError(f"{verifier.folder / 'config.json'} has no num_hidden_layers")
+    if verifier.vocab_size is not None:
+        profile.check_mask_token(verifier.vocab_size, verifier.spec)
+    return profile.resolve_target_layer_ids(verifier.num_layers)

@@ -1,0 +1,93 @@
+"""The options of one audit (``dflash-audit compare``'s flags) and their defaults, checked
+before any work: what every stage of a compare receives.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_audit.audit.setup_error import CompareSetupError
+
+#: Seconds one case may take in the candidate's process before it fails (``--candidate-timeout``).
+DEFAULT_CANDIDATE_TIMEOUT_S = 600.0
+DEFAULT_PROFILE = "reference-model"
+DEFAULT_VERIFIER = "smollm2-135m"
+DEFAULT_DATA = "chitchat"
+DEFAULT_SEQ_LEN = 256
+DEFAULT_ROWS = 1
+DEFAULT_CASES = 12
+DEFAULT_ANCHORS = 16
+#: Largest block_size audited: synthetic cases have up to ~4 B^2 draft queries (DFlash
+#: drafters use 4-16).
+MAX_BLOCK_SIZE = 64
+#: Seeds data order, weights, anchors and synthetic cases. With 8 the first packed chitchat
+#: row of 256 SmolLM2 tokens holds 3 conversations (126 supervised tokens), so the real case
+#: crosses document boundaries.
+DEFAULT_SEED = 8
+REFERENCE_TIMEOUT_S = 1800.0
+MAX_MASK_PICTURES = 8
+
+
+@dataclass
+class CompareOptions:
+    """Arguments of one audit (the CLI's options; see :func:`compare_command`)."""
+
+    ref: str | None = None
+    ref_url: str | None = None
+    candidate: str | None = None
+    profile: str = DEFAULT_PROFILE
+    cases: int = DEFAULT_CASES
+    verifier: str = DEFAULT_VERIFIER
+    data: str = DEFAULT_DATA
+    seq_len: int = DEFAULT_SEQ_LEN
+    rows: int = DEFAULT_ROWS
+    anchors: int = DEFAULT_ANCHORS
+    seed: int = DEFAULT_SEED
+    out: Path = Path("reports")
+    offline: bool = False
+    progress: bool | None = None  # None: a progress bar when stderr is a terminal
+    cache_dir: Path | None = None  # batch cache + import marker (default: the user cache)
+    reference_timeout_s: float = REFERENCE_TIMEOUT_S
+    weights: Path | None = None  # a user's drafter checkpoint folder for the real cases
+    dtype: str | None = None  # fp32 | bf16; None: the profile's dtype
+    device: str = "cpu"  # cpu | cuda (both sides on the GPU, their flex-attention paths)
+    candidate_timeout_s: float = DEFAULT_CANDIDATE_TIMEOUT_S  # per case, candidate process
+
+
+def check_options(opts: CompareOptions) -> None:
+    """Validate the options that need no verifier, reference or candidate.
+
+    Raises:
+        CompareSetupError: a count out of range, nothing to audit, an unwritable ``--out``,
+            a bad ``--verifier`` spec, ``--device`` or ``--dtype``.
+    """
+    for name, value, low in (("--cases", opts.cases, 0), ("--rows", opts.rows, 0),
+                             ("--anchors", opts.anchors, 1)):
+        if value < low:
+            raise CompareSetupError(f"{name} must be >= {low}, got {value}")
+    if opts.rows == 0 and opts.cases == 0:
+        raise CompareSetupError("nothing to audit: --rows 0 and --cases 0")
+    if opts.rows and opts.seq_len < 16:
+        raise CompareSetupError(f"--seq-len must be an integer >= 16, got {opts.seq_len}")
+    existing = Path(opts.out).expanduser().absolute()
+    while not existing.exists():  # nothing is created before the run: only checked
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise CompareSetupError(f"--out {opts.out}: cannot write reports there ({existing} is "
+                                f"{'a file' if not existing.is_dir() else 'not writable'}); "
+                                "choose a writable folder")
+    from dflash_audit.data.errors import VerifierError
+    from dflash_audit.data.proxy_folder import check_proxy_spec
+
+    try:  # a family name or a config.json: checked before seconds of batch work
+        check_proxy_spec(opts.verifier)
+    except VerifierError as exc:
+        raise CompareSetupError(str(exc)) from None
+    from dflash_audit.audit.precision import check_device_and_dtype
+
+    try:
+        check_device_and_dtype(opts.device, opts.dtype)
+    except ValueError as exc:
+        raise CompareSetupError(str(exc)) from None
