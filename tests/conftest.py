@@ -1,12 +1,48 @@
-"""Shared fixtures: the real reference (speculators 0.9.0 source from the package index,
-resolved and cached by dflash_audit.reference_source) and a runner for audit cases."""
+"""Shared fixtures: the test session's own cache, the real reference (speculators 0.9.0
+source from the package index, resolved and cached by dflash_audit.reference_source) and a
+runner for audit cases.
+
+The suite never reads or writes the user's cache (``~/.cache/dflash-audit``): before any test
+module is imported, ``DFLASH_AUDIT_CACHE`` points at the suite's own persistent cache
+(``$DFLASH_AUDIT_TEST_CACHE``, default ``~/.cache/dflash-audit-tests``), shared by the xdist
+workers and built for that purpose: the expensive entries (the reference release, the converted
+verifier) are copied in once from the user's cache when it has them, under a file lock. A test
+that damages a cache entry works on a copy in its own ``tmp_path``.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
+
+#: Cache entries worth copying from the user's cache (else they are downloaded / converted).
+_SEEDED = (Path("reference") / "sdist", Path("verifiers") / "smollm2-135m")
+
+
+def _test_cache() -> Path:
+    """The suite's cache folder, seeded from the user's cache once (see the module docstring)."""
+    cache = Path(os.environ.get("DFLASH_AUDIT_TEST_CACHE",
+                                Path.home() / ".cache" / "dflash-audit-tests")).expanduser()
+    user = Path(os.environ.get("DFLASH_AUDIT_CACHE", Path.home() / ".cache" / "dflash-audit")
+                ).expanduser()
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache / ".seed.lock")):
+        for entry in _SEEDED:
+            if (user / entry).is_dir() and not (cache / entry).exists() and user != cache:
+                staging = cache / f".seeding-{entry.name}-{os.getpid()}"
+                shutil.copytree(user / entry, staging, symlinks=True,
+                                ignore=shutil.ignore_patterns("__pycache__"))
+                (cache / entry).parent.mkdir(parents=True, exist_ok=True)
+                staging.rename(cache / entry)
+    return cache
+
+
+os.environ["DFLASH_AUDIT_CACHE"] = str(_test_cache())
 
 from dflash_audit.audit.case import Case, SideOutputs
 
