@@ -65,6 +65,9 @@ def test_train_then_eval_through_the_cli(paths, tmp_path, reference_identity):
     assert evaluated["prompts"] == 3 and evaluated["generated_tokens"] == 24
     assert 1.0 <= evaluated["acceptance_length"] <= 4.0
     assert "acceptance length" in result.output
+    # progress on a non-TTY: a line (at most every 10 s, and at the end) with tokens done,
+    # prompts, the running acceptance length and tokens/s
+    assert "eval: tokens: 24/24" in result.output and "3/3 prompts, acceptance" in result.output
     # the latest pointer, and the run folder, mean the checkpoint it names
     for pointer in (tmp_path / "run" / "checkpoints" / "latest", tmp_path / "run"):
         _, again = evaluate(pointer)

@@ -147,6 +147,31 @@ def test_real_drafter_is_lossless_and_result_is_pooled(verifier):
     assert drafter.training is False
 
 
+def test_progress_is_reported_after_every_verify_step(verifier):
+    """The progress callback sees every verify step: its last report equals the result (tokens,
+    verify steps, acceptance length) and the prompt count only grows."""
+    drafter = drafter_for(verifier)
+    seen: list[ev.EvalProgress] = []
+    result = ev.evaluate_acceptance(drafter, verifier, PROMPTS, max_new_tokens=16,
+                                    batch_size=2, progress=seen.append)
+    # one report after each batch's prefill, one per verify step of that batch (its rows
+    # verify together: as many steps as its longest-running row)
+    order = sorted(range(len(PROMPTS)), key=lambda i: len(PROMPTS[i]))
+    batches = [[PROMPTS[i] for i in order[b:b + 2]] for b in range(0, len(order), 2)]
+    steps = [max(len(g.acceptance) for g in ev.speculative_generate_batch(
+        drafter, verifier, chunk, 16)) for chunk in batches]
+    assert len(seen) == len(batches) + sum(steps)
+    last = seen[-1]
+    assert (last.prompts_done, last.prompts) == (3, 3)
+    assert last.tokens == result.generated_tokens == 48 and last.max_tokens == 48
+    assert last.verify_steps == result.verify_steps
+    assert last.acceptance_length == pytest.approx(result.acceptance_length)
+    done = [p.prompts_done for p in seen]
+    assert done == sorted(done) and done[0] == 0
+    assert [p.tokens for p in seen] == sorted(p.tokens for p in seen)
+    assert "3/3 prompts, acceptance" in last.describe()
+
+
 def test_eos_stops_generation(verifier):
     drafter = drafter_for(verifier)
     prompt = PROMPTS[0]

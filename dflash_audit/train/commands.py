@@ -242,6 +242,21 @@ def run_eval(checkpoint: Path | None, untrained: bool, profile: str, seed: int,
     if not prompt_ids:
         raise TrainError(f"no held-out prompt found in {data!r}")
     eos = sorted(end_of_turn_ids(v.tokenizer, getattr(v.model, "generation_config", None)))
-    result = evaluate_acceptance(drafter, v.model, prompt_ids, max_new_tokens, eos).to_dict()
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    from dflash_audit.progress import progress_display
+
+    with progress_display((TextColumn("eval"), BarColumn(), MofNCompleteColumn(),
+                           TimeRemainingColumn(), TextColumn("{task.fields[info]}"))) as shown:
+        task = shown.add_task("eval: tokens", total=len(prompt_ids) * max_new_tokens, info="")
+        result = evaluate_acceptance(
+            drafter, v.model, prompt_ids, max_new_tokens, eos,
+            progress=lambda p: shown.update(task, completed=p.tokens, info=p.describe())
+        ).to_dict()
     result.update(drafter=what, prompt_sources=used)
     return result

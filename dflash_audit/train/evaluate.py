@@ -28,7 +28,7 @@ up to 30x slower (SmolLM2-135M, 2 cores) without changing a single greedy token.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -60,6 +60,35 @@ class EvalResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class EvalProgress:
+    """Where an evaluation stands, handed to a progress callback after every verify step.
+
+    ``prompts_done`` of ``prompts`` finished; ``tokens`` generated so far of at most
+    ``max_tokens`` (= prompts x max_new_tokens; eos ends a prompt early); ``verify_steps`` and
+    ``emitted`` (tokens emitted by those steps: accepted drafts + 1 each) give the running
+    acceptance length; ``elapsed_s`` wall seconds since the evaluation started."""
+
+    prompts_done: int
+    prompts: int
+    tokens: int
+    max_tokens: int
+    verify_steps: int
+    emitted: int
+    elapsed_s: float
+
+    @property
+    def acceptance_length(self) -> float:
+        """Running mean acceptance length (NaN before the first verify step)."""
+        return self.emitted / self.verify_steps if self.verify_steps else float("nan")
+
+    def describe(self) -> str:
+        """``12/32 prompts, acceptance 1.53, 14.2 tok/s`` for a progress line."""
+        rate = self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        return (f"{self.prompts_done}/{self.prompts} prompts, acceptance "
+                f"{self.acceptance_length:.3f}, {rate:.1f} tok/s")
 
 
 @dataclass
@@ -211,7 +240,9 @@ def speculative_generate(drafter: DFlashDrafter, verifier_model: Any, prompt: Se
 @torch.no_grad()
 def speculative_generate_batch(drafter: DFlashDrafter, verifier_model: Any,
                                prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                               eos_ids: Iterable[int] = ()) -> list[Generation]:
+                               eos_ids: Iterable[int] = (),
+                               on_step: Callable[[list[Generation]], None] | None = None
+                               ) -> list[Generation]:
     """:func:`speculative_generate` for several prompts at once: one verifier forward per
     verify step for all of them (on CPU the verifier's weight reads dominate, so this is
     several times faster). Same result per prompt.
@@ -252,6 +283,8 @@ def speculative_generate_batch(drafter: DFlashDrafter, verifier_model: Any,
         for i, g in enumerate(gens):
             g.tokens.append(last[i])
             active.append(last[i] not in eos and len(g.tokens) < max_new_tokens)
+        if on_step is not None:
+            on_step(gens)
         while any(active):
             block = torch.zeros(rows, k + 1, dtype=torch.long, device=device)
             drafts: list[list[int]] = [[] for _ in prompts]
@@ -282,6 +315,8 @@ def speculative_generate_batch(drafter: DFlashDrafter, verifier_model: Any,
                 contexts[i] = torch.cat([contexts[i], drafter.context(feats[i:i + 1, : n + 1])],
                                         dim=1)
                 next_pos[i] += n + 1
+            if on_step is not None:
+                on_step(gens)
     return gens
 
 
@@ -310,12 +345,14 @@ def greedy_generate(verifier_model: Any, prompt: Sequence[int], max_new_tokens: 
 
 def evaluate_acceptance(drafter: DFlashDrafter, verifier_model: Any,
                         prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
-                        eos_ids: Iterable[int] = (), progress: Any = None,
+                        eos_ids: Iterable[int] = (),
+                        progress: Callable[[EvalProgress], None] | None = None,
                         batch_size: int = 8) -> EvalResult:
     """Speculative decoding over ``prompts``; pooled mean acceptance length.
 
     Args:
-        progress: optional callable ``progress(done, total)`` called after each batch.
+        progress: optional callable, given an :class:`EvalProgress` after every verify step
+            (prompts done, tokens, running acceptance length): what a progress line shows.
         batch_size: prompts decoded together (:func:`speculative_generate_batch`).
 
     Raises:
@@ -333,15 +370,29 @@ def evaluate_acceptance(drafter: DFlashDrafter, verifier_model: Any,
     # similar lengths share a batch (less left padding in the prefill)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     gens: dict[int, Generation] = {}
+
+    def report(batch: list[Generation]) -> None:  # after every verify step
+        if progress is None:
+            return
+        everything = list(gens.values()) + batch
+        emitted = [sum(g.acceptance) for g in everything]
+        progress(EvalProgress(
+            prompts_done=len(gens) + sum(len(g.tokens) >= max_new_tokens
+                                         or bool(g.tokens and g.tokens[-1] in eos)
+                                         for g in batch),
+            prompts=len(prompts), tokens=sum(len(g.tokens) for g in everything),
+            max_tokens=len(prompts) * max_new_tokens,
+            verify_steps=sum(len(g.acceptance) for g in everything), emitted=sum(emitted),
+            elapsed_s=time.perf_counter() - start))
+
     try:
         with flush_denormal():
             for b in range(0, len(order), batch_size):
                 chunk = order[b:b + batch_size]
                 batch = speculative_generate_batch(
-                    drafter, verifier_model, [prompts[i] for i in chunk], max_new_tokens, eos)
+                    drafter, verifier_model, [prompts[i] for i in chunk], max_new_tokens, eos,
+                    on_step=report)
                 gens.update(zip(chunk, batch))
-                if progress is not None:
-                    progress(b + len(chunk), len(prompts))
     finally:
         drafter.train(was_training)
     for i in range(len(prompts)):

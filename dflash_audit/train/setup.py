@@ -141,7 +141,8 @@ def evaluate_drafter(model: DFlashDrafter, verifier: Any, prompts: list[list[int
     verifier.model.to(device)
     try:
         result = evaluate_acceptance(model, verifier.model, prompts, cfg.eval_max_new_tokens,
-                                     sorted(eos)).to_dict()
+                                     sorted(eos), progress=tracker.eval_progress(name)
+                                     ).to_dict()
     finally:
         verifier.model.to(home)
     tracker.log_eval(step, name, result)

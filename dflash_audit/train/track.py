@@ -17,6 +17,7 @@ import math
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,21 @@ class Tracker:
         if self._tb is not None:
             self._tb.add_scalar(f"eval/acceptance_length_{name}", result["acceptance_length"],
                                 step)
+
+    def eval_progress(self, name: str) -> Callable[[Any], None] | None:
+        """A progress callback for :func:`dflash_audit.train.evaluate.evaluate_acceptance` that
+        shows the ``name`` evaluation as a second task of the training display (tokens done
+        of the most possible, prompts, running acceptance length, tokens/s, ETA); None when
+        this tracker shows no progress."""
+        if not self.enabled or self._progress is None:
+            return None
+        task = self._progress.add_task(f"eval {name}", total=None, info="")
+
+        def update(p: Any) -> None:
+            self._progress.update(task, completed=p.tokens, total=p.max_tokens,
+                                  info=p.describe())
+
+        return update
 
     def message(self, text: str) -> None:
         """A line on stderr (through the progress bar's console when it is running)."""
