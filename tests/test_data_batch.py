@@ -177,3 +177,52 @@ def test_reference_offline_format(tmp_path):
     info = json.loads((out / "dflash_audit_reference_format.json").read_text())
     assert info["target_layer_ids"] == IDS and info["num_samples"] == 4
     assert len(split_documents(batches[0])) == 2
+
+
+def test_publish_batches_creates_replaces_and_cleans_up(tmp_path, monkeypatch):
+    """``dflash-audit data`` writes into a hidden sibling and publishes at the end: a new folder
+    appears whole, an existing one keeps its other files, a write that fails (a full disk, a
+    SIGTERM) leaves the folder as it was and no partial sibling, and a sibling left by a
+    killed run is removed by the next one."""
+    from dflash_audit.data import pipeline
+
+    out = tmp_path / "out"
+    paths = pipeline.publish_batches([make_batch(0), make_batch(1)], out)
+    assert [p.name for p in paths] == ["batch_00000.safetensors", "batch_00001.safetensors"]
+    assert torch.equal(load_batches(out)[1].input_ids, make_batch(1).input_ids)
+    (out / "notes.txt").write_text("mine")
+    stale = tmp_path / ".out.partial-999999999"  # a kill -9 of an earlier run
+    stale.mkdir()
+    pipeline.publish_batches([make_batch(2)], out)
+    assert sorted(p.name for p in out.iterdir()) == ["batch_00000.safetensors",
+                                                      "manifest.json", "notes.txt"]
+    assert not stale.exists()
+
+    def full_disk(batches, folder, reference_format=False):
+        folder.mkdir(parents=True)
+        (folder / "batch_00000.safetensors").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pipeline, "write_batches", full_disk)
+    with pytest.raises(OSError):
+        pipeline.publish_batches([make_batch(3)], out)
+    assert torch.equal(load_batches(out)[0].input_ids, make_batch(2).input_ids)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    with pytest.raises(OSError):
+        pipeline.publish_batches([make_batch(3)], tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+
+
+def test_sigterm_interrupts_like_ctrl_c():
+    """Inside ``data``'s work a SIGTERM raises KeyboardInterrupt, so the same cleanup runs."""
+    import os
+    import signal
+
+    from dflash_audit.data.pipeline import _terminated_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), _terminated_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs between bytecodes
+            pass
+    assert signal.getsignal(signal.SIGTERM) == before

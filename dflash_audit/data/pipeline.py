@@ -10,8 +10,11 @@ then each row is captured (one verifier forward per document).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
 import random
+import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -241,6 +244,69 @@ def write_batches(batches: Sequence[Batch], out_dir: str | Path,
     return paths
 
 
+def publish_batches(batches: Sequence[Batch], out: Path, reference_format: bool = False
+                    ) -> list[Path]:
+    """:func:`write_batches` into a hidden sibling of ``out`` first, then published: renamed to
+    ``out`` when it does not exist, else moved in (old batch files removed, the manifest
+    last). An interrupted write (Ctrl-C, SIGTERM, a full disk) leaves ``out`` as it was and
+    no partial folder; after a kill -9 the next run removes the stale sibling.
+
+    Returns:
+        The published batch file paths, in order.
+    """
+    out = Path(out)
+    for stale in out.parent.glob(f".{out.name}.partial-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if not (pid.isdigit() and Path(f"/proc/{pid}").exists()):
+            shutil.rmtree(stale, ignore_errors=True)
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        names = [p.name for p in write_batches(batches, staging, reference_format)]
+        if not out.exists():
+            os.replace(staging, out)
+            return [out / n for n in names]
+        for old in out.glob(BATCH_GLOB):
+            old.unlink()
+        for item in sorted(staging.iterdir(), key=lambda p: p.name == MANIFEST):
+            target = out / item.name
+            if target.is_dir():
+                shutil.rmtree(target)
+            os.replace(item, target)
+        return [out / n for n in names]
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _existing_parent(path: Path) -> Path:
+    """``path`` when it exists, else its nearest existing ancestor (nothing is created)."""
+    path = Path(path).expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt inside the block (main thread only), so cleanup runs
+    as it does for Ctrl-C."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def load_batches(directory: str | Path) -> list[Batch]:
     """Load and validate every ``batch_*.safetensors`` of a directory, in name order.
 
@@ -297,19 +363,17 @@ def data_command(
 
     console = Console(stderr=True)
     _check_args(seq_len, rows)
-    created = not out.exists()
-    ensure_writable_dir(out)  # before minutes of capture: a file, read-only, ...
-    try:
+    parent = _existing_parent(out)  # checked before minutes of capture; nothing created
+    if parent != out.expanduser().absolute() and not parent.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, f"--out {out}: {parent} is not a folder",
+                                 str(parent))
+    ensure_writable_dir(parent)
+    with _terminated_as_interrupt():
         batches = build_batches(verifier, data, seq_len, rows, target_layer_ids=target_layers,
                                 zlab_ids=zlab_ids, mask_token_id=mask_token_id, seed=seed,
                                 progress=True, regenerate=regenerate,
                                 max_new_tokens=max_new_tokens, max_turns=max_turns)
-        paths = write_batches(batches, out, reference_format=reference_format)
-    except BaseException:
-        if created:  # leave nothing behind: the folder this command made, if still empty
-            with contextlib.suppress(OSError):
-                out.rmdir()
-        raise
+        paths = publish_batches(batches, out, reference_format=reference_format)
     meta = batches[0].metadata
     tokens = sum(int(b.loss_mask.sum()) for b in batches)
     console.print(
