@@ -67,7 +67,8 @@ def test_keys_map_from_a_prefixed_layout_and_mismatches_are_named(checkpoint, tm
 
 def test_compare_with_the_checkpoint_config_and_weights(checkpoint, tmp_path):
     proc = _compare("--profile", str(checkpoint / "config.json"), "--weights", str(checkpoint),
-                    "--cases", "0", "--out", str(tmp_path / "reports"))
+                    "--cases", "0", "--anchors", "4", "--seq-len", "64",
+                    "--out", str(tmp_path / "reports"))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     report = json.loads(next((tmp_path / "reports").glob("*/report.json")).read_text())
     assert report["inputs"]["weights"] == str(checkpoint.resolve())
