@@ -1,0 +1,265 @@
+"""SpecForge 0.2.0's real DFlash training code audited as a candidate
+(``dflash_audit/audit/frameworks/specforge_adapter.py``): one ``dflash-audit compare`` under the
+zlab profile (seed 22: three single-document synthetic cases -- llama full, qwen3_5 mixed with a
+35-token window, gemma3_text full -- and one packed row of 4 documents), and the adapter's
+run-config reader, sampler and layer-id mapping.
+
+specforge is installed ``--no-deps`` from the package index into a session folder (pip's cache
+makes reruns fast). The differences asserted are the ones read in SpecForge next to the
+reference (``specforge/algorithms/common/dflash_family_model.py`` = dfm):
+anchors may sit in the row's last B positions (dfm:184-187); the sliding window starts at
+a+s-W+1, not a-W (dfm:73-76); labels are data tokens and the loss is divided by the sum of
+weights (dfm:361-362, 406-416); no decay by default (dfm:148); a saved partial_rotary_factor
+the draft does not rotate, and nested per-layer-type RoPE crashing its derivation
+(training/model_loading.py:211-258); no packed rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.reference
+ROOT = Path(__file__).resolve().parents[1]
+ADAPTER = "dflash_audit/audit/frameworks/specforge_adapter.py:candidate"
+
+
+@pytest.fixture(scope="session")
+def specforge_site(tmp_path_factory) -> Path:
+    """specforge==0.2.0 installed --no-deps into a session folder, importable in-process."""
+    site = tmp_path_factory.mktemp("specforge-site")
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                           "--target", str(site), "specforge==0.2.0"],
+                          capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode:
+        pytest.skip(f"cannot install specforge==0.2.0: {done.stderr.strip()[-300:]}")
+    sys.path.insert(0, str(site))
+    return site
+
+
+@pytest.fixture(scope="session")
+def report(specforge_site, reference_identity, tmp_path_factory) -> dict:
+    """One compare of SpecForge against the cached reference: {"rc", "json", "md", "by"}
+    with ``by[(case, check)]`` = the list of that case's results of that check."""
+    out = tmp_path_factory.mktemp("specforge-report")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(specforge_site)])}
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_audit.cli", "compare", "--candidate", ADAPTER,
+         "--profile", "zlab", "--cases", "4", "--seed", "22", "--rows", "0", "--offline",
+         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        check=False)
+    folders = sorted(p for p in out.iterdir() if (p / "report.json").is_file())
+    assert folders, done.stdout[-2000:] + done.stderr[-2000:]
+    data = json.loads((folders[-1] / "report.json").read_text())
+    by: dict = {}
+    for case in data["cases"]:
+        for r in case["results"]:
+            by.setdefault((case["name"], r["name"]), []).append(r)
+    return {"rc": done.returncode, "json": data, "md": (folders[-1] / "report.md").read_text(),
+            "by": by, "stdout": done.stdout}
+
+
+LLAMA, QWEN35, QWEN3, GEMMA = ("syn-000-llama-full", "syn-002-qwen3_5-mixed",
+                               "syn-001-qwen3-sliding", "syn-003-gemma3_text-full")
+RAN = (LLAMA, QWEN35, GEMMA)  # the single-document cases SpecForge can run
+
+
+def results(report, case, check):
+    return report["by"].get((case, check), [])
+
+
+def statuses(report, case, check):
+    return {r["status"] for r in results(report, case, check)}
+
+
+def test_compare_fails_and_names_specforge(report):
+    assert report["rc"] == 1, report["stdout"][-1500:]
+    assert report["json"]["verdict"] == "fail"
+    assert "SpecForge 0.2.0" in report["md"]
+
+
+def test_shared_math_is_identical(report):
+    """fc + hidden_norm, the context rule kv < a, the bidirectional block and the draft forward
+    are the same math: context and full-attention masks equal, full-attention logits exact."""
+    for case in RAN:
+        assert statuses(report, case, "context") == {"pass"}, case
+        full = [r for r in results(report, case, "mask")
+                if r["details"]["layer_type"] == "full_attention"]
+        assert full and all(r["status"] == "pass" for r in full), case
+    for case in (LLAMA, GEMMA):
+        assert statuses(report, case, "logits") == {"pass"}, case
+
+
+def test_sliding_window_bound_is_narrower(report):
+    """dfm:73-76: a sliding layer sees kv >= a + s - (W-1); the reference kv >= a - W. SpecForge
+    only ever attends to less (0 extra entries), first from the late slots of a block."""
+    sliding = [r for r in results(report, QWEN35, "mask")
+               if r["details"]["layer_type"] == "sliding_attention"]
+    assert [r["status"] for r in sliding] == ["fail"]
+    details = sliding[0]["details"]
+    assert details["extra_attention"] == 0 and details["missing_attention"] > 0
+    assert sliding[0]["first_diff"]["kv_position"] < sliding[0]["first_diff"]["anchor_position"]
+    logits = results(report, QWEN35, "logits")[0]
+    assert any("follows from the mask difference" in d for d in logits["diagnosis"])
+
+
+def test_anchor_sampler_differences_named(report):
+    """dfm:184-187: valid anchors are a < T-1 with loss_mask[a] and loss_mask[a+1]: the row's
+    last B positions are not excluded (named), and a supervised token followed by an
+    unsupervised one is never an anchor."""
+    for case in RAN:
+        r = results(report, case, "anchors")[0]
+        assert r["status"] == "fail", case
+        assert any("last block_size positions" in d for d in r["diagnosis"]), case
+
+
+def test_loss_differs(report):
+    """Hard CE against data tokens input_ids[a+s] (dfm:406-416) divided by the sum of weights
+    (dfm:361-362) against the reference's CE on argmax(verifier) / (sum(m) + 1e-5): the loss
+    fails on every case SpecForge ran (today's diagnosis: unexplained, summary recorded)."""
+    for case in RAN:
+        r = results(report, case, "loss")[0]
+        assert r["status"] == "fail", case
+        assert "total loss" in r["summary"]
+        grads = results(report, case, "gradients")[0]
+        assert grads["status"] == "fail" and any("follows from" in d for d in grads["diagnosis"])
+
+
+def test_derivation_differences_named(report):
+    q = results(report, QWEN35, "derivation")[0]
+    assert q["status"] == "fail"
+    assert "rope_partial_rotary_factor 0.25" in q["summary"]
+    assert "the draft layers do not apply" in q["summary"]
+    g = results(report, GEMMA, "derivation")[0]
+    assert g["status"] == "fail" and "KeyError: 'rope_type'" in g["summary"]
+    assert statuses(report, LLAMA, "derivation") == {"pass"}
+
+
+def test_defaults_named(report):
+    r = results(report, LLAMA, "defaults")[0]
+    assert "gamma: candidate None (no position decay)" in r["summary"]
+    assert "ce-data" in r["summary"]
+
+
+def test_packed_row_is_not_supported(report):
+    texts = [r["summary"] for rs in (results(report, QWEN3, c) for c in ("run", "supported"))
+             for r in rs]
+    assert any("not supported by SpecForge 0.2.0: a packed row of 4 documents" in t
+               for t in texts), texts
+
+
+def test_nothing_specforge_does_not_do_is_reported(report):
+    """No structure failure (fc over all target layers, ids mapped to the speculators
+    convention, block, mask token), no target-layer, causal-block, document or slot-0
+    hypothesis; the protocol only misses verifier targets, which SpecForge does not compute."""
+    for case in RAN:
+        assert "fail" not in statuses(report, case, "structure"), case
+        for r in results(report, case, "protocol"):
+            assert r["status"] == "pass" or "targets" in r["summary"], r["summary"]
+    words = json.dumps(report["json"]["diagnoses"]).lower()
+    for wrong in ("z-lab convention", "off by one", "cross-document", "causal attention inside",
+                  "slot 0", "double norm", "subset of the target layers"):
+        assert wrong not in words, wrong
+
+
+# --------------------------------------------------------------------- in-process parts
+def test_select_anchors_is_specforges_rule(specforge_site):
+    from dflash_audit.audit.frameworks.specforge_adapter import candidate
+
+    loss_mask = torch.zeros(1, 16)
+    loss_mask[0, 4:14] = 1
+    loss_mask[0, 2] = 1  # isolated: never an anchor in SpecForge
+    g = torch.Generator().manual_seed(0)
+    a, v = candidate.select_anchors(loss_mask, 512, 4, g)
+    assert sorted(a[v].tolist()) == list(range(4, 13))  # 12 is in the reference's excluded tail
+    a2, v2 = candidate.select_anchors(loss_mask, 3, 4, torch.Generator().manual_seed(0))
+    a3, _ = candidate.select_anchors(loss_mask, 3, 4, torch.Generator().manual_seed(0))
+    assert int(v2.sum()) == 3 and torch.equal(a2, a3) and a2.tolist() == sorted(a2.tolist())
+    _, valid = candidate.select_anchors(torch.tensor([[1.0, 0, 1, 0]]), 2, 2,
+                                           torch.Generator().manual_seed(0))
+    assert not valid.any()
+
+
+def test_layer_ids_map_and_refuse():
+    from dflash_audit.audit.frameworks.specforge_config import speculators_ids, zlab_ids
+
+    assert zlab_ids([2, 9, 15, 21, 28], 30) == [1, 8, 14, 20, 27]
+    assert speculators_ids([1, 8, 14, 20, 27]) == [2, 9, 15, 21, 28]
+    with pytest.raises(ValueError, match="embedding output"):
+        zlab_ids([0, 5], 12)
+    with pytest.raises(ValueError, match="after the final norm"):
+        zlab_ids([5, 12], 12)
+
+
+def _write(tmp_path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+OFFLINE = "model:\n  target_model_path: Qwen/Qwen3-8B\n{model}data:\n  hidden_states_path: /f\n"
+
+
+def test_read_run_config_defaults_and_explicit(specforge_site, tmp_path):
+    from dflash_audit.audit.frameworks.specforge_config import read_run_config
+
+    base = read_run_config(_write(tmp_path, OFFLINE.format(model="") +
+                                  "training:\n  strategy: dflash\n"))
+    assert (base["block_size"], base["num_draft_layers"], base["target_layers"]) == (
+        16, 1, "per-draft-layer")
+    assert (base["weighting"], base["gamma"], base["loss"], base["max_anchors"]) == (
+        "none", None, "ce-data", 512)
+    tuned = read_run_config(_write(tmp_path, OFFLINE.format(
+        model="  draft_num_hidden_layers: 5\n  draft_block_size: 8\n  mask_token_id: 7\n") +
+        "training:\n  strategy: dflash\n  loss_decay_gamma: 7.0\n  num_anchors: 64\n"
+        "  ttt_length: 3\n"))
+    assert (tuned["block_size"], tuned["num_draft_layers"], tuned["gamma"],
+            tuned["weighting"], tuned["mask_token_id"]) == (8, 5, 7.0, "fixed-exp-decay", 7)
+    assert "training.ttt_length" in tuned["unused_by_dflash"]
+    dpace = read_run_config(_write(tmp_path, OFFLINE.format(model="") +
+                                   "training:\n  strategy: dflash\n  loss_type: dpace\n"
+                                   "  dpace_alpha: 0.3\n"))
+    assert (dpace["weighting"], dpace["dpace_alpha"]) == ("dpace", 0.3)
+
+
+def test_read_run_config_refuses(specforge_site, tmp_path):
+    from dflash_audit.audit.frameworks.specforge_config import read_run_config
+
+    with pytest.raises(ValueError, match="strategy is 'eagle3'"):
+        read_run_config(_write(tmp_path, OFFLINE.format(model="")))
+    with pytest.raises(ValueError, match="dpace-cumulative-confidence-only"):
+        read_run_config(_write(tmp_path, OFFLINE.format(model="") + "training:\n  strategy: "
+                               "dflash\n  loss_type: dpace-cumulative-confidence-only\n"))
+    with pytest.raises(ValueError, match="not a valid SpecForge 0.2.0 run config.*no_such"):
+        read_run_config(_write(tmp_path, OFFLINE.format(model="  no_such: 1\n")))
+
+
+def test_every_schema_key_is_classified(specforge_site):
+    """Each key of SpecForge 0.2.0's run-config schema is read (profile or recipe), known to be
+    unused by DFlash, or known not to change training: none can be silently ignored."""
+    import typing
+
+    from pydantic import BaseModel
+    from specforge.config.schema import Config
+
+    from dflash_audit.audit.frameworks import specforge_config as s
+
+    def leaves(model, prefix=""):
+        for name, f in model.model_fields.items():
+            sub = [a for a in (typing.get_args(f.annotation) or (f.annotation,))
+                   if isinstance(a, type) and issubclass(a, BaseModel)]
+            if sub and not (prefix + name).startswith(s.NEUTRAL_PREFIXES):
+                yield from leaves(sub[0], prefix + name + ".")
+            else:
+                yield prefix + name
+
+    known = set(s.PROFILE_KEYS) | set(s.RECIPE_KEYS) | set(s.UNUSED_BY_DFLASH)
+    keys = list(leaves(Config))
+    assert len(keys) > 90
+    assert [k for k in keys if k not in known and not k.startswith(s.NEUTRAL_PREFIXES)] == []
