@@ -43,6 +43,12 @@ def _test_cache() -> Path:
 
 
 os.environ["DFLASH_AUDIT_CACHE"] = str(_test_cache())
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # the workers share the cores: one intra-op thread per process (the compares' sides
+    # included, through DFLASH_AUDIT_THREADS), so no process spins on a core another needs
+    os.environ.setdefault("DFLASH_AUDIT_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from dflash_audit.audit.case import Case, SideOutputs
 

@@ -1,6 +1,7 @@
 """The candidate in its own process: every way it can die, hang or misbehave is a failure of
 that case, with its cause and stderr tail; the other cases still run; nothing hangs."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,19 @@ def test_a_killed_compare_leaves_no_candidate_running(tmp_path):
     else:
         os.kill(runner, signal.SIGKILL)
         pytest.fail("the candidate runner outlived the process that started it")
+
+
+def test_threads_per_side_follow_dflash_audit_threads(monkeypatch):
+    """Each side's intra-op threads: every usable core, or ``$DFLASH_AUDIT_THREADS`` on a shared
+    machine; a value that is not a positive integer is a setup error naming it."""
+    from dflash_audit.audit.setup_error import CompareSetupError
+    from dflash_audit.audit.sides.run_sides import usable_cores
+
+    monkeypatch.delenv("DFLASH_AUDIT_THREADS", raising=False)
+    assert usable_cores() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("DFLASH_AUDIT_THREADS", "3")
+    assert usable_cores() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("DFLASH_AUDIT_THREADS", bad)
+        with pytest.raises(CompareSetupError, match=f"DFLASH_AUDIT_THREADS='{bad}'"):
+            usable_cores()

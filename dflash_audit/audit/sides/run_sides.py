@@ -133,10 +133,21 @@ class ImportCheck:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (at least one): each side gets all of them, as the
-    sides run one after the other."""
+    """The intra-op threads each side gets (at least one): ``$DFLASH_AUDIT_THREADS`` when set
+    (a machine shared with other jobs: more threads than free cores spin and slow every job),
+    else every core this process may run on, as the sides run one after the other.
+
+    Raises:
+        CompareSetupError: ``$DFLASH_AUDIT_THREADS`` is not a positive integer.
+    """
     import os
 
+    value = os.environ.get("DFLASH_AUDIT_THREADS", "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise CompareSetupError(f"DFLASH_AUDIT_THREADS={value!r}: give a positive number "
+                                    "of threads, or unset it to use every core")
+        return int(value)
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1))
 
