@@ -12,6 +12,7 @@ from dflash_audit.data.conversations import Conversation
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter
 from dflash_audit.model.verifier_weights import load_verifier_weights
+from dflash_audit.train import decode as dec
 from dflash_audit.train import evaluate as ev
 
 PROMPTS = [[1, 20, 21, 22, 23, 24, 25, 26], [1, 30, 31, 40, 41, 5, 6, 7, 8, 9, 10, 11, 12],
@@ -67,16 +68,16 @@ def test_propose_equals_training_forward_at_that_anchor(verifier, layout):
                           position_ids=torch.arange(T)[None],
                           anchor_positions=torch.tensor([p]), anchor_valid=torch.tensor([True]))
             context = drafter.context(hidden[:, :p])
-        logits = ev.propose_logits(drafter, context, int(ids[0, p]))
+        logits = dec.propose_logits(drafter, context, int(ids[0, p]))
         torch.testing.assert_close(logits, out.logits[0], atol=1e-5, rtol=1e-5)
-        drafts = ev.propose(drafter, context, int(ids[0, p]))
+        drafts = dec.propose(drafter, context, int(ids[0, p]))
         start = 0 if drafter.config.sample_from_anchor else 1
         expect = out.logits[0, start:].argmax(-1)
         if drafter.config.uses_draft_vocab:
             expect = expect + drafter.d2t[expect]  # verifier id = i + d2t[i]
             assert all(drafter.t2d[d] for d in drafts)
         assert drafts == expect.tolist()
-        assert len(drafts) == ev.num_drafts(drafter)
+        assert len(drafts) == dec.num_drafts(drafter)
 
 
 def _oracle(greedy_by_prompt, correct: int):
@@ -86,7 +87,7 @@ def _oracle(greedy_by_prompt, correct: int):
         p = context.shape[1]
         prompt_len, greedy = greedy_by_prompt[0]
         i = p - prompt_len  # index of last_token in the generated tokens
-        k = ev.num_drafts(drafter)
+        k = dec.num_drafts(drafter)
         truth = greedy[i + 1:i + 1 + k] + [0] * k
         return [t if j < correct else (t + 1) % 90 + 4 for j, t in enumerate(truth[:k])]
     return propose
@@ -95,11 +96,11 @@ def _oracle(greedy_by_prompt, correct: int):
 @pytest.mark.parametrize("correct", [0, 2, 3])
 def test_decoding_is_lossless_and_counts_acceptance(verifier, monkeypatch, correct):
     drafter = drafter_for(verifier)
-    K = ev.num_drafts(drafter)
+    K = dec.num_drafts(drafter)
     for prompt in PROMPTS:
-        greedy = ev.greedy_generate(verifier, prompt, 20)
-        monkeypatch.setattr(ev, "propose", _oracle([(len(prompt), greedy)], correct))
-        gen = ev.speculative_generate(drafter, verifier, prompt, 20)
+        greedy = dec.greedy_generate(verifier, prompt, 20)
+        monkeypatch.setattr(dec, "propose", _oracle([(len(prompt), greedy)], correct))
+        gen = dec.speculative_generate(drafter, verifier, prompt, 20)
         assert gen.tokens == greedy
         # every step but the last (cut by the budget) emits min(correct, K) + 1 tokens
         assert gen.acceptance[:-1] == [min(correct, K) + 1] * (len(gen.acceptance) - 1)
@@ -109,10 +110,10 @@ def test_decoding_is_lossless_and_counts_acceptance(verifier, monkeypatch, corre
 @pytest.mark.parametrize("correct", [0, 2])
 def test_batched_decoding_equals_one_by_one(verifier, monkeypatch, correct):
     drafter = drafter_for(verifier)
-    K = ev.num_drafts(drafter)
+    K = dec.num_drafts(drafter)
     truth = {}  # (position of the last token, last token) -> next K greedy tokens
     for prompt in PROMPTS:
-        greedy = ev.greedy_generate(verifier, prompt, 18)
+        greedy = dec.greedy_generate(verifier, prompt, 18)
         full = list(prompt) + greedy
         for i in range(len(prompt), len(full)):
             truth[(i, full[i])] = (full[i + 1:i + 1 + K] + [0] * K)[:K]
@@ -121,21 +122,21 @@ def test_batched_decoding_equals_one_by_one(verifier, monkeypatch, correct):
         right = truth.get((context.shape[1], last_token), [0] * K)
         return [t if j < correct else (t + 1) % 90 + 4 for j, t in enumerate(right)]
 
-    monkeypatch.setattr(ev, "propose", oracle)
-    batched = ev.speculative_generate_batch(drafter, verifier, PROMPTS, 18)
+    monkeypatch.setattr(dec, "propose", oracle)
+    batched = dec.speculative_generate_batch(drafter, verifier, PROMPTS, 18)
     for prompt, gen in zip(PROMPTS, batched):
-        single = ev.speculative_generate(drafter, verifier, prompt, 18)
-        assert gen.tokens == single.tokens == ev.greedy_generate(verifier, prompt, 18)
+        single = dec.speculative_generate(drafter, verifier, prompt, 18)
+        assert gen.tokens == single.tokens == dec.greedy_generate(verifier, prompt, 18)
         assert gen.acceptance == single.acceptance
         assert gen.acceptance[0] == correct + 1
 
 
 def test_real_drafter_is_lossless_and_result_is_pooled(verifier):
     drafter = drafter_for(verifier, seed=3)
-    batched = ev.speculative_generate_batch(drafter, verifier, PROMPTS, 16)
+    batched = dec.speculative_generate_batch(drafter, verifier, PROMPTS, 16)
     for prompt, gen in zip(PROMPTS, batched):
-        single = ev.speculative_generate(drafter, verifier, prompt, 16)
-        assert gen.tokens == single.tokens == ev.greedy_generate(verifier, prompt, 16)
+        single = dec.speculative_generate(drafter, verifier, prompt, 16)
+        assert gen.tokens == single.tokens == dec.greedy_generate(verifier, prompt, 16)
         assert gen.acceptance == single.acceptance
     result = ev.evaluate_acceptance(drafter, verifier, PROMPTS, max_new_tokens=16,
                                     batch_size=2)
@@ -158,7 +159,7 @@ def test_progress_is_reported_after_every_verify_step(verifier):
     # verify together: as many steps as its longest-running row)
     order = sorted(range(len(PROMPTS)), key=lambda i: len(PROMPTS[i]))
     batches = [[PROMPTS[i] for i in order[b:b + 2]] for b in range(0, len(order), 2)]
-    steps = [max(len(g.acceptance) for g in ev.speculative_generate_batch(
+    steps = [max(len(g.acceptance) for g in dec.speculative_generate_batch(
         drafter, verifier, chunk, 16)) for chunk in batches]
     assert len(seen) == len(batches) + sum(steps)
     last = seen[-1]
@@ -175,11 +176,11 @@ def test_progress_is_reported_after_every_verify_step(verifier):
 def test_eos_stops_generation(verifier):
     drafter = drafter_for(verifier)
     prompt = PROMPTS[0]
-    greedy = ev.greedy_generate(verifier, prompt, 12)
+    greedy = dec.greedy_generate(verifier, prompt, 12)
     eos = greedy[4]
-    gen = ev.speculative_generate(drafter, verifier, prompt, 12, eos_ids=[eos])
+    gen = dec.speculative_generate(drafter, verifier, prompt, 12, eos_ids=[eos])
     assert gen.tokens == greedy[: greedy.index(eos) + 1]
-    batched = ev.speculative_generate_batch(drafter, verifier, [prompt, PROMPTS[1]], 12,
+    batched = dec.speculative_generate_batch(drafter, verifier, [prompt, PROMPTS[1]], 12,
                                             eos_ids=[eos])
     assert batched[0].tokens == gen.tokens and batched[0].acceptance == gen.acceptance
 
