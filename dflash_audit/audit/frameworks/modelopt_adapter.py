@@ -1,0 +1,343 @@
+"""NVIDIA ModelOpt 0.47.0's real DFlash training code as a dflash-audit candidate
+(``nvidia-modelopt`` on PyPI: ``modelopt/torch/speculative/plugins/hf_dflash.py``
+``HFDFlashModel``, ``plugins/modeling_dflash.py`` ``DFlashModule``). Runs inside the candidate's
+process with modelopt importable; the contract is :mod:`dflash_audit.audit.frameworks`.
+
+What runs is ModelOpt's own code, offline, as its trainer runs it: a ``FakeBaseModel`` carrying
+the case's frozen verifier parts (embedding, lm_head, final norm; modeling_fakebase.py:75-170),
+``modelopt.torch.speculative.convert(base, [("dflash", settings)])``
+(:func:`dflash_audit.audit.frameworks.modelopt_config.dflash_settings`), the case's drafter
+weights loaded into ``dflash_module``, one offline ``.pt`` dump per conversation read back by
+ModelOpt's ``OfflineSupervisedDataset`` and ``EagleOfflineDataCollator`` (eagle/utils.py:83-218),
+``model(**batch)`` (hf_dflash.py:872-1060) and ``loss.backward()``. The adapter records:
+
+* the anchors: injected by replacing ``_sample_anchor_positions`` on the instance
+  (hf_dflash.py:605-644), in ModelOpt's per-row layout (:mod:`.modelopt_rows`);
+* the mask: ``_build_draft_attention_mask``'s return value (hf_dflash.py:677-730), wrapped;
+* the context: ``dflash_module.hidden_norm``'s output (forward hook, modeling_dflash.py:400);
+* the teacher and draft logits: the base ``lm_head``'s outputs (forward hook; called twice with
+  self-distillation, teacher [R,L,V] first, draft [R,N*B,V] second);
+* the targets, hard labels, aligned mask and per-slot weights: ``_compute_loss``'s own locals
+  ``teacher_logits`` (base logits at a+s-1), ``target_ids`` (input_ids[a+s]),
+  ``binary_eval_mask`` and ``flat_weights`` (mask x D-PACE or decay weights), read when it
+  returns (hf_dflash.py:764-870) -- never recomputed;
+* the loss, its gradients and ModelOpt's only metric ``train_acc``.
+
+Declared adapter choices (``PROVENANCE`` / ``settings.*``):
+
+* ``base_hidden_prenorm=True`` in every dump: the reference's ``verifier_last_hidden_states``
+  are pre-norm, so ModelOpt re-applies the base final norm (modeling_final_norm.py:119-145).
+  ModelOpt's offline default is post-norm (``hidden_states_prenorm`` absent -> False,
+  eagle/utils.py:161): a user feeding pre-norm states without the flag drops the final norm.
+* one conversation per row (:mod:`.modelopt_rows`); ModelOpt has no packed rows.
+* ``dflash_architecture_config`` holds the case's head geometry (heads, KV heads, head_dim,
+  MLP width, attention bias): what a user must write for the weights to load (ModelOpt
+  inherits none of it under transformers 5.19). RoPE, eps, activation stay ModelOpt's.
+* the transformers 5.19 work-around: ``DFlashModule._maybe_init_rotary_emb`` calls
+  ``Qwen3RotaryEmbedding(config=..., device=...)`` (modeling_dflash.py:380-388) and 5.19 has
+  no ``device`` argument (TypeError on the first forward); the adapter pre-sets ``rotary_emb``
+  to ``Qwen3RotaryEmbedding(config=dflash_module._rotary_config)``, the same module
+  (:func:`.modelopt_config.init_rotary`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_audit.audit.case import SideOutputs
+from dflash_audit.audit.frameworks import modelopt_config as mc
+from dflash_audit.audit.frameworks.modelopt_recipe import read_run_config  # noqa: F401
+from dflash_audit.audit.frameworks.modelopt_rows import (
+    plan_rows,
+    row_slices,
+    to_packed_context,
+    to_packed_mask,
+    to_slots,
+)
+from dflash_audit.model.config import SLIDING_ATTENTION, DFlashConfig
+from dflash_audit.model.loss import LossSpec
+
+NAME, VERSION = mc.NAME, mc.VERSION
+#: pip requirements installed ``--no-deps``: the wheel and what it needs to import
+#: (modelopt/torch/utils/robust_json.py:31 imports omegaconf, which needs antlr4 4.9.3;
+#: modelopt/torch/opt/searcher.py:32 imports pulp).
+REQUIREMENTS = ["nvidia-modelopt==0.47.0", "omegaconf==2.4.0", "antlr4-python3-runtime==4.9.3",
+                "pulp==3.3.2"]
+CAPABILITIES: dict[str, Any] = {
+    # one conversation per row, no document ids (eagle/utils.py:83-218)
+    "packed_rows": False,
+    # one mask for every layer (hf_dflash.py:1027-1035): all full, or all sliding; the block
+    # is bidirectional or causal independently of the window (config.py:152-184)
+    "layer_layouts": ["full", "sliding"],
+    "sliding_block": ["causal", "bidirectional"],
+    # verifier model types ModelOpt re-applies a final norm for (modeling_final_norm.py:84-100)
+    "families": ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3",
+                 "kimi_k2", "kimi_k25", "nemotron_h", "minimax_m3_vl_text"],
+    "draft_vocab": False,
+    # kl_div = soft cross-entropy vs the teacher (KL + H(teacher)); ce / ce-data = hard CE vs
+    # the data token (hf_dflash.py:846-859)
+    "losses": sorted(mc.LOSS_MODES),
+    "weightings": sorted(mc.WEIGHTING_OBJECTIVES),
+    "sample_from_anchor": False,
+    "dtypes": ["fp32", "bf16"],
+}
+_FRAMEWORK = "framework"
+PROVENANCE: dict[str, str] = {
+    "context": _FRAMEWORK, "mask.": _FRAMEWORK, "targets": _FRAMEWORK, "target_ids": _FRAMEWORK,
+    "logits": _FRAMEWORK, "aligned_loss_mask": _FRAMEWORK, "loss": _FRAMEWORK,
+    "loss_weights.": _FRAMEWORK, "grad.": _FRAMEWORK, "anchor_draws": _FRAMEWORK,
+    "anchor_draws_valid": _FRAMEWORK, "metrics.": _FRAMEWORK,
+    # the adapter's, not ModelOpt's: see the module docstring
+    "settings.base_hidden_prenorm": "adapter", "settings.rows": "adapter",
+    "settings.dflash_architecture_config": "adapter", "settings.rotary_emb": "adapter",
+    "structure.state_dict.frozen_names": "adapter",
+}
+_DRAFT_PARTS = ("fc", "hidden_norm", "layers", "norm")
+_FROZEN = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
+           "verifier_norm.weight")
+_LOCALS = ("teacher_logits", "target_ids", "binary_eval_mask", "flat_weights",
+           "safe_label_indices")
+
+
+@contextlib.contextmanager
+def _locals_on_return(code: Any, out: dict[str, Any]):
+    """Copy the locals :data:`_LOCALS` of the frame running ``code`` into ``out`` when it
+    returns (``sys.setprofile``; the function itself is unchanged)."""
+    previous = sys.getprofile()
+
+    def profile(frame, event, arg):
+        if event == "return" and frame.f_code is code:
+            out.update({k: frame.f_locals[k] for k in _LOCALS if k in frame.f_locals})
+
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+
+
+def modelopt_defaults() -> dict[str, Any]:
+    """ModelOpt's own ``DFlashConfig`` defaults (config.py:91-131), in the defaults check's
+    names: no decay factor (0.0, unused by the default D-PACE objective), self-distillation
+    (soft cross-entropy, reported as kl_div)."""
+    from modelopt.torch.speculative.config import DFlashConfig as ModelOptConfig
+
+    f = {k: v.default for k, v in ModelOptConfig.model_fields.items()}
+    return {"block_size": f["dflash_block_size"], "max_anchors": f["dflash_num_anchors"],
+            "weighting": "dpace" if f["dflash_loss_objective"] == "dpace" else
+            "fixed-exp-decay", "dpace_alpha": f["dflash_dpace_alpha"],
+            "gamma": f["dflash_loss_decay_factor"],
+            "loss": "kl_div (soft cross-entropy)" if f["dflash_self_logit_distillation"]
+            else "ce-data"}
+
+
+class ModelOptCandidate:
+    """ModelOpt 0.47.0's DFlash trainer as a candidate (see the module docstring)."""
+
+    name = f"{NAME} {VERSION}"
+
+    def select_anchors(self, loss_mask: torch.Tensor, max_anchors: int, block_size: int,
+                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """ModelOpt's own ``HFDFlashModel._sample_anchor_positions`` (hf_dflash.py:605-644)
+        on ``loss_mask`` [1,T] as one row, with ``dflash_block_size`` / ``_num_anchors`` its
+        only reads; it draws from torch's global RNG, which is forked and seeded from
+        ``generator``. Returns (anchor_positions [A] long, anchor_valid [A] bool), A =
+        ``max_anchors`` (ModelOpt's own count is at most A, padded with 0 / False)."""
+        from modelopt.torch.speculative.plugins.hf_dflash import HFDFlashModel
+
+        sampler = type("Sampler", (), {"dflash_block_size": block_size,
+                                       "_num_anchors": max_anchors})()
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        devices = [loss_mask.device] if loss_mask.is_cuda else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            anchors, keep = HFDFlashModel._sample_anchor_positions(
+                sampler, loss_mask.shape[-1], loss_mask.reshape(1, -1).float(), loss_mask.device)
+        positions = torch.zeros(max_anchors, dtype=torch.long, device=loss_mask.device)
+        valid = torch.zeros(max_anchors, dtype=torch.bool, device=loss_mask.device)
+        n = min(max_anchors, anchors.shape[1])
+        positions[:n], valid[:n] = anchors[0, :n], keep[0, :n]
+        return positions, valid
+
+    def derive_config(self, verifier_config: Any, config: DFlashConfig) -> dict[str, Any]:
+        """ModelOpt's own drafter-config derivation (:func:`.modelopt_config.derive`)."""
+        return mc.derive(verifier_config, config)
+
+    def run_case(self, config: DFlashConfig, loss: LossSpec, weights: dict[str, torch.Tensor],
+                 inputs: dict[str, torch.Tensor]) -> SideOutputs:
+        """One ModelOpt training step on the case (see the module docstring).
+
+        Raises:
+            NotSupported: the case asks for something ModelOpt cannot train (named).
+            RowLayoutError: the packed row cannot be cut into conversations.
+        """
+        from modelopt.torch.speculative.plugins.hf_dflash import HFDFlashModel
+
+        settings = mc.dflash_settings(config, loss, int(inputs["anchor_positions"].numel()))
+        layout = plan_rows(inputs, config.block_size)
+        device = inputs["input_ids"].device
+        base = mc.fake_base(config)
+        self._load_frozen(base, weights)
+        model = mc.convert(base, settings)
+        draft = {k: v for k, v in weights.items() if k.split(".")[0] in _DRAFT_PARTS}
+        model.dflash_module.load_state_dict(draft, strict=True)
+        model.to(device).train()
+
+        lm_calls: list[torch.Tensor] = []
+        context: list[torch.Tensor] = []
+        masks: list[torch.Tensor] = []
+        found: dict[str, Any] = {}
+        base.lm_head.register_forward_hook(lambda m, i, o: lm_calls.append(o.detach()))
+        model.dflash_module.hidden_norm.register_forward_hook(
+            lambda m, i, o: context.append(o.detach()))
+        build_mask = model._build_draft_attention_mask
+
+        def recorded_mask(*args: Any, **kwargs: Any) -> torch.Tensor:
+            masks.append(build_mask(*args, **kwargs))
+            return masks[-1]
+
+        model._build_draft_attention_mask = recorded_mask
+        anchors, keep = layout.anchors.to(device), layout.keep.to(device)
+        model._sample_anchor_positions = lambda seq_len, loss_mask, dev: (anchors, keep)
+        compute_loss = model._compute_loss
+        code = HFDFlashModel._compute_loss.__code__
+
+        def traced_loss(*args: Any, **kwargs: Any) -> Any:
+            with _locals_on_return(code, found):
+                return compute_loss(*args, **kwargs)
+
+        model._compute_loss = traced_loss
+        batch = self._batch(layout, inputs, device)
+        out = model(**batch)
+        out.loss.backward()
+        return self._outputs(config, loss, model, layout, inputs, out, lm_calls, context,
+                             masks, found)
+
+    @staticmethod
+    def _load_frozen(base: Any, weights: dict[str, torch.Tensor]) -> None:
+        """The case's frozen verifier parts into ModelOpt's base: one ``lm_head`` plays the
+        teacher head and the draft head (hf_dflash.py:1037, 150).
+
+        Raises:
+            NotSupported: the case's ``lm_head`` and ``verifier_lm_head`` differ.
+        """
+        head = weights["verifier_lm_head.weight"]
+        if "lm_head.weight" in weights and not torch.equal(weights["lm_head.weight"], head):
+            raise mc.NotSupported("a draft lm_head that differs from the verifier's (ModelOpt "
+                                  "uses the base lm_head for teacher and draft)")
+        with torch.no_grad():
+            base.embed_tokens.weight.copy_(weights["embed_tokens.weight"])
+            base.lm_head.weight.copy_(head)
+            base.norm.weight.copy_(weights["verifier_norm.weight"])
+
+    @staticmethod
+    def _batch(layout: Any, inputs: dict[str, torch.Tensor], device: torch.device
+               ) -> dict[str, Any]:
+        """ModelOpt's own offline dataset and collator on one ``.pt`` dump per conversation
+        (``input_ids``, ``hidden_states`` = the last hidden state, ``aux_hidden_states``,
+        ``loss_mask``, ``hidden_states_prenorm``), as its dump scripts write them."""
+        from modelopt.torch.speculative.eagle.utils import (
+            EagleOfflineDataCollator,
+            OfflineSupervisedDataset,
+        )
+
+        parts = {k: row_slices(layout, inputs[k]) for k in (
+            "input_ids", "verifier_last_hidden_states", "hidden_states", "loss_mask")}
+        with tempfile.TemporaryDirectory() as tmp:
+            files = []
+            for r in range(layout.rows):
+                files.append(str(Path(tmp) / f"conversation-{r}.pt"))
+                torch.save({"input_ids": parts["input_ids"][r].long().cpu(),
+                            "hidden_states": parts["verifier_last_hidden_states"][r].cpu(),
+                            "aux_hidden_states": parts["hidden_states"][r].cpu(),
+                            "loss_mask": parts["loss_mask"][r].long().cpu(),
+                            "hidden_states_prenorm": True}, files[-1])
+            dataset = OfflineSupervisedDataset(files, answer_only_loss=True)
+            batch = EagleOfflineDataCollator(layout.row_len)([dataset[i] for i in range(
+                layout.rows)])
+        outputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                   for k, v in batch.pop("base_model_outputs").items()}
+        return {**{k: v.to(device) for k, v in batch.items()}, "base_model_outputs": outputs}
+
+    def _outputs(self, config: DFlashConfig, loss: LossSpec, model: Any, layout: Any,
+                 inputs: dict[str, torch.Tensor], out: Any, lm_calls: list, context: list,
+                 masks: list, found: dict[str, Any]) -> SideOutputs:
+        """ModelOpt's recorded tensors in the reference's coordinates (:mod:`.modelopt_rows`)."""
+        T = int(inputs["input_ids"].shape[-1])
+        R, L = layout.rows, layout.row_len
+        kd = model.dflash_self_logit_distillation
+        provenance = dict(PROVENANCE)
+        tensors = {"context": to_packed_context(layout, context[-1], T),
+                   "logits": to_slots(layout, lm_calls[-1]).float(),
+                   "aligned_loss_mask": to_slots(layout, found["binary_eval_mask"].reshape(
+                       R, -1)).float(),
+                   "loss": out.loss.detach().float().reshape(())}
+        mask = to_packed_mask(layout, masks[-1], T)
+        tensors.update({f"mask.{t}": mask for t in dict.fromkeys(config.effective_layer_types)})
+        tensors[f"loss_weights.{mc.loss_term(loss)}"] = to_slots(layout, found["flat_weights"].reshape(
+            R, -1)).float()
+        if kd and "teacher_logits" in found:
+            tensors["targets"] = to_slots(layout, found["teacher_logits"]).float()
+        elif kd:  # Sum of weights <= 1: ModelOpt returns 0 * logits and gathers no teacher
+            index = (found["safe_label_indices"] - 1).clamp(min=0).reshape(R, -1)
+            teacher = lm_calls[0]
+            gathered = torch.stack([teacher[r, index[r]] for r in range(R)])
+            tensors["targets"] = to_slots(layout, gathered).float()
+            provenance["targets"] = "adapter"
+        else:
+            tensors["target_ids"] = to_slots(layout, found["target_ids"]).long()
+        module = model.dflash_module
+        tensors.update({f"grad.{n}": p.grad.detach().clone() for n, p in
+                        module.named_parameters() if p.requires_grad and p.grad is not None})
+        trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+        metrics = {"train_acc": float(out.train_acc[0][0]),
+                   "loss_sum": float(out.loss.detach()), "loss_total": 1.0}
+        side = SideOutputs(tensors=tensors, metrics=metrics,
+                           structure=self._structure(config, model),
+                           defaults=modelopt_defaults(), trainable=trainable)
+        if any(f.name == "metadata" for f in dataclasses.fields(SideOutputs)):
+            side.metadata = {"provenance": provenance, "modelopt": {
+                "rows": R, "row_len": L, "self_logit_distillation": bool(kd),
+                "loss_objective": model.dflash_loss_objective,
+                "loss_decay_factor": model.dflash_loss_decay_factor,
+                "swa_window_size": model.dflash_swa_window_size,
+                "draft_attention": model.dflash_draft_attention}}
+        return side
+
+    @staticmethod
+    def _structure(config: DFlashConfig, model: Any) -> dict[str, Any]:
+        """ModelOpt's built drafter in the structure check's terms: its fc, its layer ids in
+        the speculators convention (+1), what its mask does per layer, and the state dict of
+        ``dflash_module`` plus the base's frozen parts under the reference's names."""
+        module, base = model.dflash_module, model._base_model_lm_head
+        window = model.dflash_swa_window_size
+        n = module.config.num_hidden_layers
+        state = {k: (v, bool(getattr(dict(module.named_parameters()).get(k), "requires_grad",
+                                         False))) for k, v in module.state_dict().items()}
+        embed = model._base_model_embeddings.weight
+        norm = model._base_model_norm.weight
+        for key, t in (("embed_tokens.weight", embed), ("lm_head.weight", base.weight),
+                       ("verifier_lm_head.weight", base.weight), ("verifier_norm.weight", norm)):
+            state[key] = (t, bool(t.requires_grad))
+        return {
+            "fc_in_features": module.fc.in_features, "fc_out_features": module.fc.out_features,
+            "target_layer_ids": [i + 1 for i in model.target_layer_ids],
+            "block_size": model.dflash_block_size, "mask_token_id": model.mask_token_id,
+            "layer_types": [SLIDING_ATTENTION if window else "full_attention"] * n,
+            "sliding_window": window,
+            "sliding_window_non_causal": bool(window) and
+            model.dflash_draft_attention == "bidirectional",
+            "sample_from_anchor": False,
+            "state_dict": {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace(
+                "torch.", ""), "trainable": trainable} for k, (v, trainable) in state.items()},
+        }
+
+
+candidate = ModelOptCandidate()
