@@ -12,6 +12,9 @@ Data flow of one packed row (T tokens, A anchors, B = block_size, Q = A*B):
    previous position), or i = a_j + s with ``sample_from_anchor``        [1,Q,V_d]
 6. aligned_loss_mask = loss_mask[a_j + s] * anchor_valid_j, slot 0 zeroed unless
    ``sample_from_anchor``                                               [1,Q]
+7. target_ids = input_ids[a_j + s] (a_j + s + 1 with ``sample_from_anchor``): the data token
+   each slot is taught, what the ``ce-data`` loss trains on (SpecForge's objective; the
+   reference's losses all use the targets of step 5)                    [1,Q]
 
 Parameter and buffer names equal the reference's state-dict keys (speculators
 ``models/dflash/core.py``), so one state dict loads into both.
@@ -27,6 +30,7 @@ from torch import nn
 from dflash_audit.model.anchors import check_anchors
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
 from dflash_audit.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from dflash_audit.model.loss import data_target_ids
 from dflash_audit.model.mask import dense_mask, flex_block_mask
 
 FROZEN_PARAMETERS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
@@ -43,6 +47,7 @@ class DraftOutputs:
     logits: torch.Tensor | None = None  # [1,Q,V_d] draft logits
     aligned_loss_mask: torch.Tensor | None = None  # [1,Q] float 0/1
     block_indices: torch.Tensor | None = None  # [Q] a_j + s
+    target_ids: torch.Tensor | None = None  # [1,Q] int64 data token of each slot (ce-data)
     position_ids: torch.Tensor | None = None  # [1,T+Q] context then noise positions
 
 
@@ -196,4 +201,5 @@ class DFlashDrafter(nn.Module):
             aligned_loss_mask=self.aligned_loss_mask(loss_mask, idx, anchor_valid),
             block_indices=idx,
             position_ids=all_pos,
+            target_ids=data_target_ids(input_ids, idx, c.sample_from_anchor),
         )
