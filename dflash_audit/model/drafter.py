@@ -57,6 +57,31 @@ def block_indices(anchor_positions: torch.Tensor, block_size: int) -> torch.Tens
     return (anchor_positions.long()[:, None] + offsets[None, :]).reshape(-1)
 
 
+@torch.no_grad()
+def verifier_targets(verifier_last_hidden_states: torch.Tensor, indices: torch.Tensor,
+                     verifier_norm: nn.Module, verifier_lm_head: nn.Module,
+                     sample_from_anchor: bool = False) -> torch.Tensor:
+    """Target logits [1,Q,V_d] from [1,T,H] pre-norm last-layer states and [Q] block positions
+    ``a + s``: ``verifier_lm_head(verifier_norm(verifier_last_hidden_states[i]))`` with
+    ``i = a + s - 1`` (``a + s`` with ``sample_from_anchor``), wrapping modulo T like the
+    reference (speculators 0.9.0 ``models/dflash/core.py:436-453``), which only touches slot 0
+    of an anchor at 0, a slot the loss never sees."""
+    T = verifier_last_hidden_states.shape[1]
+    src = (indices - (0 if sample_from_anchor else 1)) % T
+    return verifier_lm_head(verifier_norm(verifier_last_hidden_states[:, src]))
+
+
+def aligned_loss_mask(loss_mask: torch.Tensor, indices: torch.Tensor, anchor_valid: torch.Tensor,
+                      block_size: int, sample_from_anchor: bool = False) -> torch.Tensor:
+    """[1,T] loss_mask, [Q] indices ``a + s``, [A] anchor_valid -> [1,Q] float mask of the
+    trained slots: ``loss_mask[a + s] * anchor_valid``, slot 0 zeroed unless
+    ``sample_from_anchor`` (speculators 0.9.0 ``models/dflash/core.py:472-484``)."""
+    m = loss_mask[:, indices].float() * anchor_valid.float().repeat_interleave(block_size)[None]
+    if not sample_from_anchor:
+        m[:, ::block_size] = 0.0
+    return m
+
+
 class DFlashDrafter(nn.Module):
     """DFlash draft model.
 
@@ -132,26 +157,17 @@ class DFlashDrafter(nn.Module):
                                       c.sliding_window_non_causal)
         return masks
 
-    @torch.no_grad()
     def targets(self, verifier_last_hidden_states: torch.Tensor, indices: torch.Tensor):
-        """[1,T,H] pre-norm last-layer states, [Q] block positions -> [1,Q,V_d] target logits.
-
-        Slot s of a block is taught by the verifier's prediction at position a + s - 1
-        (a + s with ``sample_from_anchor``); indices wrap modulo T like the reference, which
-        only touches slot 0 of an anchor at 0, a slot the loss never sees.
-        """
-        T = verifier_last_hidden_states.shape[1]
-        shift = 0 if self.config.sample_from_anchor else 1
-        src = (indices - shift) % T
-        return self.verifier_lm_head(self.verifier_norm(verifier_last_hidden_states[:, src]))
+        """[1,T,H] pre-norm last-layer states, [Q] block positions -> [1,Q,V_d] target logits
+        (:func:`verifier_targets`)."""
+        return verifier_targets(verifier_last_hidden_states, indices, self.verifier_norm,
+                                self.verifier_lm_head, self.config.sample_from_anchor)
 
     def aligned_loss_mask(self, loss_mask, indices, anchor_valid) -> torch.Tensor:
-        """[1,T] loss_mask, [Q] indices, [A] anchor_valid -> [1,Q] float mask of trained slots."""
-        B = self.config.block_size
-        m = loss_mask[:, indices].float() * anchor_valid.float().repeat_interleave(B)[None]
-        if not self.config.sample_from_anchor:
-            m[:, ::B] = 0.0
-        return m
+        """[1,T] loss_mask, [Q] indices, [A] anchor_valid -> [1,Q] float mask of trained slots
+        (:func:`aligned_loss_mask`)."""
+        return aligned_loss_mask(loss_mask, indices, anchor_valid, self.config.block_size,
+                                 self.config.sample_from_anchor)
 
     # --------------------------------------------------------------------- forward
     def forward(
