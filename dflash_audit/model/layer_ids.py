@@ -65,7 +65,7 @@ def resolve_target_layer_ids(num_layers: int,
     negative = [i for i in ids if i < 0]
     if negative:
         raise LayerIdError(f"target layer ids {negative} are negative{note}; negative ids are "
-                           "not wrapped, give ids in [0, N-1]")
+                           "not wrapped, give ids in [0, N]")
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:
         raise LayerIdError(f"target layer ids {dup} are duplicated in {ids}{note}")
