@@ -39,8 +39,6 @@ from dflash_audit.model.config import SLIDING_ATTENTION, DFlashConfig
 from dflash_audit.model.drafter import aligned_loss_mask, block_indices, verifier_targets
 from dflash_audit.model.layers import RMSNorm
 from dflash_audit.model.loss import (
-    LOSS_NAMES,
-    WEIGHTINGS,
     LossSpec,
     data_target_ids,
     dflash_loss,
@@ -51,19 +49,21 @@ from dflash_audit.model.metrics import dflash_metrics
 NAME = "z-lab dflash"
 VERSION = "0.1.0"
 REQUIREMENTS = ["dflash==0.1.0"]
-#: What the adapter can audit z-lab on (keys of ``frameworks.capabilities.Capabilities``).
-#: Packed rows: each block's context is its own document's prefix, as z-lab drafts one
-#: sequence; no draft vocabulary (z-lab drafts with the target's own head); slot 0 is never
-#: drafted (it holds the last accepted token), so no sample_from_anchor; losses and weightings
-#: are the adapter's, so all of ours.
+#: What the adapter can audit z-lab on (keys of ``frameworks.capabilities.Capabilities``;
+#: None = all). Packed rows: each block's context is its own document's prefix, as z-lab
+#: drafts one sequence; a non-causal window through ``is_causal = False``; no draft vocabulary
+#: (z-lab drafts with the target's own head); slot 0 is never drafted (it holds the last
+#: accepted token), so no sample_from_anchor; losses and weightings are the adapter's.
 CAPABILITIES: dict[str, Any] = {
     "packed_rows": True,
-    "layer_layouts": ["full", "sliding", "mixed"],
-    "verifier_families": "all",
-    "draft_vocabulary": False,
-    "losses": list(LOSS_NAMES),
-    "weightings": list(WEIGHTINGS),
+    "layouts": ["full", "sliding", "mixed"],
+    "block_attention": ["causal", "non_causal"],
+    "verifier_families": None,
+    "draft_vocab": False,
+    "losses": None,
+    "weightings": None,
     "sample_from_anchor": False,
+    "dtypes": ["fp32", "bf16"],
 }
 #: Who computes each output (see the module docstring).
 PROVENANCE: dict[str, str] = {
