@@ -42,7 +42,7 @@ from dflash_audit.audit.case import SideOutputs
 from dflash_audit.model.anchors import select_anchors
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter, DraftOutputs
-from dflash_audit.model.loss import LossSpec, dflash_loss
+from dflash_audit.model.loss import LossSpec, dflash_loss, uses_data_targets
 from dflash_audit.model.metrics import dflash_metrics
 
 
@@ -85,12 +85,14 @@ def side_outputs(model: nn.Module, config: DFlashConfig, out: DraftOutputs, loss
                  ) -> SideOutputs:
     """Loss, backward and packaging of one forward's outputs (shared by drafter candidates)."""
     result = dflash_loss(out.logits, out.targets, out.aligned_loss_mask, config.block_size,
-                         loss_spec, config.sample_from_anchor)
+                         loss_spec, config.sample_from_anchor, target_ids=out.target_ids)
     result.loss.backward()
     tensors = {"context": out.context.detach(), "targets": out.targets.detach().float(),
                "logits": out.logits.detach().float(),
                "aligned_loss_mask": out.aligned_loss_mask.detach().float(),
                "loss": result.loss.detach().reshape(())}
+    if uses_data_targets(loss_spec.loss):  # a hard-label loss: the tokens it teaches
+        tensors["target_ids"] = out.target_ids.detach().long()
     tensors.update({f"mask.{k}": m for k, m in out.masks.items()})
     tensors.update({f"loss_weights.{k}": w.detach().float() for k, w in result.weights.items()})
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]

@@ -10,11 +10,16 @@ File format (flat TOML, every key below; unknown keys are errors)::
     description = "..."               # str, informational
     block_size = 8                    # B, int >= 2
     gamma = 4.0                       # decay of fixed-exp-decay weights, float > 0
-    loss = "kl_div"                   # kl_div | rkl | jsd | ce | tv | nla | lk_hybrid | JSON mix
-    weighting = "fixed-exp-decay"     # fixed-exp-decay | dpace
+    loss = "kl_div"                   # kl_div | rkl | jsd | ce | tv | nla | lk_hybrid | ce-data
+                                      # | JSON mix; ce-data = CE against the data tokens
+                                      # input_ids[a+s] (SpecForge; the reference runs ce)
+    weighting = "fixed-exp-decay"     # fixed-exp-decay | dpace | none (w_0 = 0, w_s = 1; the
+                                      # reference runs fixed-exp-decay with gamma = inf)
     dpace_alpha = 0.5                 # (0, 1]
     max_anchors = 512                 # A used in training, int >= 1
-    target_layers = "speculators"     # list of verifier layer ids | "zlab" | "speculators"
+    target_layers = "speculators"     # list of verifier layer ids in [0, N] (N = the last
+                                      # layer, pre-norm) | "zlab" | "speculators" |
+                                      # "per-draft-layer" (z-lab/SpecForge: one per draft layer)
     num_draft_layers = 1              # int >= 1
     layer_layout = "full"             # "full" | "sliding" | list of "full"/"sliding" per layer
     sliding_window = 2048             # W in tokens; required when a layer is sliding
@@ -50,9 +55,9 @@ from dflash_audit.model.config import (
     DFlashConfig,
     default_target_layer_ids,
 )
-from dflash_audit.model.loss import WEIGHTINGS, LossSpec, parse_loss
+from dflash_audit.model.loss import WEIGHTINGS, LossSpec, parse_loss, uses_data_targets
 
-TARGET_LAYER_STYLES = ("zlab", "speculators")
+TARGET_LAYER_STYLES = ("zlab", "speculators", "per-draft-layer")
 LAYOUTS = ("full", "sliding")
 OPTIMIZERS = ("adamw", "muon")
 #: Compute dtypes a profile may name (``dtype``); bf16 = fp32 master weights under bf16
@@ -198,9 +203,14 @@ class Profile:
         want(is_num(self.gamma) and self.gamma > 0, "gamma", "must be a number > 0")
         want(isinstance(self.loss, str), "loss", "must be a string")
         try:
-            parse_loss(self.loss)
+            terms = parse_loss(self.loss)
         except ValueError as exc:
             raise ProfileError(f"field 'loss' = {self.loss!r}: {exc}") from None
+        want(not {"ce", "ce-data"} <= set(terms), "loss",
+             "mixes 'ce' and 'ce-data'; the reference runs 'ce' for 'ce-data', so the two "
+             "terms cannot be audited apart: keep one")
+        want(not uses_data_targets(self.loss) or self.draft_vocab_size is None, "loss",
+             "'ce-data' teaches the data tokens (verifier ids): drop draft_vocab_size")
         want(self.weighting in WEIGHTINGS, "weighting", f"must be one of {list(WEIGHTINGS)}")
         want(is_num(self.dpace_alpha) and 0 < self.dpace_alpha <= 1, "dpace_alpha",
              "must be a number in (0, 1]")
@@ -262,23 +272,27 @@ class Profile:
         return "mixed" if len(kinds) > 1 else ("sliding" if SLIDING_ATTENTION in kinds else "full")
 
     def resolve_target_layer_ids(self, num_verifier_layers: int) -> list[int]:
-        """Target layer ids (speculators convention) for an N-layer verifier.
+        """Target layer ids (speculators convention) for an N-layer verifier; id N (the last
+        layer's output before the final norm) is accepted, as the reference's
+        ``resolve_target_layer_ids`` does (speculators 0.9.0 ``models/utils.py:99-140``).
 
         Raises:
-            ProfileError: a style does not fit the verifier, or an id is >= N.
+            ProfileError: a style does not fit the verifier, or an id is > N.
         """
         if isinstance(self.target_layers, str):
             try:
-                return default_target_layer_ids(num_verifier_layers, style=self.target_layers)
+                return default_target_layer_ids(num_verifier_layers, style=self.target_layers,
+                                                num_draft_layers=self.num_draft_layers)
             except ConfigError as exc:
                 raise ProfileError(f"field 'target_layers' = {self.target_layers!r}: {exc}"
                                    ) from None
-        bad = [i for i in self.target_layers if i >= num_verifier_layers]
+        bad = [i for i in self.target_layers if i > num_verifier_layers]
         if bad:
             raise ProfileError(
                 f"field 'target_layers' = {list(self.target_layers)}: ids {bad} do not exist in "
                 f"a verifier with {num_verifier_layers} layers (use ids in [0, "
-                f"{num_verifier_layers - 1}], or 'speculators' / 'zlab')")
+                f"{num_verifier_layers}], {num_verifier_layers} being the last layer's output "
+                "before the final norm, or 'speculators' / 'zlab' / 'per-draft-layer')")
         return list(self.target_layers)
 
     def check_mask_token(self, vocab_size: int, verifier: str) -> None:

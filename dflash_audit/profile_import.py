@@ -9,9 +9,13 @@ Two formats are read:
   ``vocab_size``), ``sliding_window_non_causal``, ``sample_from_anchor`` and the
   ``transformer_layer_config``'s ``num_hidden_layers``, ``layer_types``, ``sliding_window``;
 * a **z-lab** DFlash config (``architectures: ["DFlashDraftModel"]`` with a ``dflash_config``
-  holding ``target_layer_ids`` and ``mask_token_id``, as z-lab/dflash's released drafters):
-  ``block_size``, ``num_hidden_layers``, ``layer_types`` / ``sliding_window``; z-lab's target
-  layer ids read ``hidden_states[id + 1]``, so the profile's ids are those + 1.
+  holding ``target_layer_ids`` and ``mask_token_id``, as z-lab/dflash's released drafters),
+  read as z-lab reads it (:func:`zlab_run_config`: ``dflash_config`` first, then the top
+  level; a value both give differently is refused): ``block_size``, ``num_hidden_layers``,
+  ``layer_types`` / ``sliding_window``, ``is_causal``; z-lab's target layer ids read
+  ``hidden_states[id + 1]``, so the profile's ids are those + 1. Serving values no profile
+  field holds (``output_multiplier``, ``final_logit_softcapping``, ``input_embedding_scale``
+  other than z-lab's defaults; DFlash2 configs) are refused, naming the key.
 
 A drafter config does not hold the training recipe (loss, weighting, gamma, D-PACE alpha,
 max_anchors, optimizer): those come from the built-in profile of the same origin
@@ -35,7 +39,9 @@ def drafter_config_format(d: dict[str, Any]) -> str | None:
     """``"speculators"``, ``"zlab"`` or None for a parsed ``config.json``."""
     if d.get("speculators_model_type") == "dflash" and "transformer_layer_config" in d:
         return "speculators"
-    if isinstance(d.get("dflash_config"), dict) and "target_layer_ids" in d["dflash_config"]:
+    dc = d.get("dflash_config")
+    if isinstance(dc, dict) and ("target_layer_ids" in dc or "num_target_layers" in d or any(
+            str(a).startswith("DFlash") for a in d.get("architectures") or [])):
         return "zlab"
     return None
 
@@ -70,9 +76,110 @@ def _int(value: Any, field: str) -> int:
         raise ValueError(f"{field} = {value!r} is not an integer") from None
 
 
-def _first(d: dict[str, Any], inner: dict[str, Any], key: str) -> Any:
-    """``d[key]`` when present (even 0 or null), else ``inner[key]`` (KeyError if neither)."""
-    return d[key] if key in d else inner[key]
+#: Values z-lab reads from ``dflash_config`` first, then from the top level
+#: (``_draft_value``, z-lab dflash 0.1.0 ``dflash/model.py:127-132``), with z-lab's default.
+ZLAB_DRAFT_VALUES = {"target_layer_ids": None, "block_size": 16, "mask_token_id": None,
+                     "input_embedding_scale": 1.0, "output_multiplier": 1.0,
+                     "final_logit_softcapping": None}
+#: DFlash2 values (``dflash/model.py:518-519, 641-642``), read the same way.
+ZLAB_DFLASH2_VALUES = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size")
+#: Top-level Qwen3Config keys z-lab's draft model reads (``dflash/model.py:338-367, 554-571``).
+ZLAB_ARCHITECTURE_KEYS = ("num_hidden_layers", "num_target_layers", "hidden_size",
+                          "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                          "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings",
+                          "hidden_act", "attention_bias", "attention_dropout", "layer_types",
+                          "sliding_window", "use_sliding_window", "is_causal", "rope_theta",
+                          "rope_parameters", "rope_scaling")
+
+
+def zlab_run_config(d: dict[str, Any], source: str) -> dict[str, Any]:
+    """Every value of a z-lab DFlash ``config.json`` (parsed) that changes what z-lab's
+    drafter computes, as z-lab reads it: ``dflash_config`` first, then the top level, then
+    z-lab's default (:data:`ZLAB_DRAFT_VALUES`), and the architecture keys
+    (:data:`ZLAB_ARCHITECTURE_KEYS`, ``None`` when absent). ``target_layer_ids`` absent:
+    ``build_target_layer_ids(num_target_layers, num_hidden_layers)``, as z-lab's model does.
+
+    Returns ``{"architecture", "dflash2" (its values or None), "target_layer_ids" (z-lab ids),
+    "target_layer_ids_source", "target_layer_ids_speculators" (+1), the draft values, the
+    architecture keys, "ignored" (``dflash_config`` keys z-lab does not read)}``.
+
+    Raises:
+        ValueError: a value given both in ``dflash_config`` and at the top level with
+            different values (e.g. ``block_size``: z-lab serves the ``dflash_config`` one, a
+            trainer reading the top level trains another; the message names the key), no
+            ``dflash_config`` object, or neither ``target_layer_ids`` nor
+            ``num_target_layers``.
+    """
+    from dflash_audit.model.config import zlab_build_target_layer_ids
+
+    dc = d.get("dflash_config")
+    if not isinstance(dc, dict):
+        raise ValueError(f"{source}: no dflash_config object: not a z-lab DFlash config")
+    out: dict[str, Any] = {"architecture": (d.get("architectures") or [None])[0]}
+    for key, default in {**ZLAB_DRAFT_VALUES, **dict.fromkeys(ZLAB_DFLASH2_VALUES)}.items():
+        if key in dc and key in d and dc[key] != d[key]:
+            raise ValueError(f"{source}: {key} is {dc[key]!r} in dflash_config and {d[key]!r} "
+                             f"at the top level; z-lab serves the dflash_config value, a "
+                             f"trainer that reads the top level trains the other: make them "
+                             f"agree (or keep one)")
+        out[key] = dc[key] if key in dc else d.get(key, default)
+    dflash2 = {k: out.pop(k) for k in ZLAB_DFLASH2_VALUES}
+    out["dflash2"] = dflash2 if out["architecture"] == "DFlash2DraftModel" or any(
+        v is not None for v in dflash2.values()) else None
+    for key in ZLAB_ARCHITECTURE_KEYS:
+        out[key] = d.get(key)
+    if out["target_layer_ids"] is not None:
+        out["target_layer_ids_source"] = ("dflash_config" if "target_layer_ids" in dc
+                                          else "top level")
+    elif out["num_target_layers"] is not None and out["num_hidden_layers"] is not None:
+        out["target_layer_ids"] = zlab_build_target_layer_ids(
+            _int(out["num_target_layers"], "num_target_layers"),
+            _int(out["num_hidden_layers"], "num_hidden_layers"))
+        out["target_layer_ids_source"] = "build_target_layer_ids(num_target_layers, " \
+                                         "num_hidden_layers)"
+    else:
+        raise ValueError(f"{source}: neither target_layer_ids nor num_target_layers: z-lab "
+                         "cannot tell which verifier layers the drafter reads")
+    out["target_layer_ids_speculators"] = [_int(i, "target_layer_ids") + 1
+                                           for i in out["target_layer_ids"]]
+    out["ignored"] = sorted(k for k in dc if k not in ZLAB_DRAFT_VALUES
+                            and k not in ZLAB_DFLASH2_VALUES)
+    return out
+
+
+#: z-lab serving values a profile has no field for: a config that sets them is refused as a
+#: profile (the audit would run without them), naming the key.
+_ZLAB_UNPROFILED = {"input_embedding_scale": 1.0, "output_multiplier": 1.0,
+                    "final_logit_softcapping": None}
+
+
+def _zlab_fields(d: dict[str, Any], source: str) -> tuple[dict[str, Any], Any, Any, int]:
+    """(profile fields, layer_types, sliding_window, draft layers) of a z-lab config.
+
+    Raises:
+        ValueError: see :func:`zlab_run_config`, a DFlash2 config, a serving value the
+            profile cannot express, or ``is_causal = true`` (causal full-attention layers).
+    """
+    run = zlab_run_config(d, source)
+    if run["dflash2"] is not None:
+        raise ValueError(f"{source}: a DFlash2 config ({run['dflash2']}); the audit's profile "
+                         "describes DFlash drafters only")
+    for key, neutral in _ZLAB_UNPROFILED.items():
+        value = run[key]
+        if value is not None and value != neutral and not (neutral is None and float(value) <= 0):
+            raise ValueError(f"{source}: {key} = {value!r} changes z-lab's drafter and no profile "
+                             f"field holds it; the audit would run without it (z-lab's default "
+                             f"is {neutral!r})")
+    if run["is_causal"]:
+        raise ValueError(f"{source}: is_causal = true makes every z-lab draft layer causal, "
+                         "full-attention ones too; no profile layout holds that")
+    fields = {"block_size": _int(run["block_size"], "block_size"),
+              "target_layers": run["target_layer_ids_speculators"],
+              "mask_token_id": run["mask_token_id"]}
+    if run["is_causal"] is False:
+        fields["sliding_window_non_causal"] = True
+    n = _int(run["num_hidden_layers"], "num_hidden_layers")
+    return fields, run["layer_types"], run["sliding_window"], n
 
 
 def profile_fields(d: dict[str, Any], source: str) -> tuple[str, dict[str, Any]]:
@@ -108,17 +215,13 @@ def profile_fields(d: dict[str, Any], source: str) -> tuple[str, dict[str, Any]]
                 if draft_vocab < vocab:
                     fields["draft_vocab_size"] = draft_vocab
         else:
-            dc = d["dflash_config"]
-            n = _int(d["num_hidden_layers"], "num_hidden_layers")
-            fields = {"block_size": _int(_first(d, dc, "block_size"), "block_size"),
-                      "target_layers": [_int(i, "target_layer_ids") + 1
-                                        for i in dc["target_layer_ids"]],
-                      "mask_token_id": dc.get("mask_token_id", d.get("mask_token_id"))}
-            layer_types, window = d.get("layer_types"), d.get("sliding_window")
+            fields, layer_types, window, n = _zlab_fields(d, source)
         if fields.get("mask_token_id") is not None:
             fields["mask_token_id"] = _int(fields["mask_token_id"], "mask_token_id")
         window = _int(window, "sliding_window") if window is not None else None
     except (KeyError, TypeError, ValueError) as exc:
+        if fmt == "zlab" and isinstance(exc, ValueError) and str(exc).startswith(source):
+            raise  # already one line naming the file and the key
         what = f"the field {exc}" if isinstance(exc, KeyError) else str(exc)
         raise ValueError(f"{source}: {fmt} DFlash config without a usable value: {what}; fix "
                          "it or give a TOML profile") from None

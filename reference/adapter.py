@@ -171,6 +171,38 @@ def api_defaults(core) -> dict:
     return defaults
 
 
+#: Profile values the reference has no equivalent for, and what it runs instead (reported in
+#: outputs.json ``defaults.runs_instead``; the audit's ``defaults`` check names them).
+NO_DECAY = ("the reference has no weighting 'none': it ran fixed-exp-decay with gamma = inf "
+            "(weights 0, 1, 1, ...: the same per-slot weights)")
+DATA_CE = ("the reference has no loss 'ce-data' (CE against the data tokens input_ids[a+s]): "
+           "it ran its 'ce' against the argmax of the verifier's logits instead")
+
+
+def reference_loss_spec(loss_spec: dict) -> tuple[dict, dict, dict]:
+    """The loss the reference runs for a profile's ``loss_spec``, the reference's name of each
+    profile term (``{reference name: profile name}``) and what it runs instead of a value it
+    lacks (``{field: sentence}``): weighting ``none`` -> ``fixed-exp-decay`` with
+    ``gamma = inf`` (``losses/utils.py:17-48`` then gives exp(-0) = 1 on slots >= 1, 0 at slot
+    0), loss ``ce-data`` -> ``ce`` (``losses/eager.py``: CE against argmax(targets))."""
+    spec, instead = dict(loss_spec), {}
+    if spec["weighting"] == "none":
+        spec.update(weighting="fixed-exp-decay", gamma=float("inf"))
+        instead["weighting"] = NO_DECAY
+    try:
+        mix = json.loads(spec["loss"])
+    except json.JSONDecodeError:
+        mix = {spec["loss"]: 1.0}
+    if not isinstance(mix, dict):
+        mix = {spec["loss"]: 1.0}
+    names = {("ce" if n == "ce-data" else n): n for n in mix}
+    if "ce-data" in mix:
+        instead["loss"] = DATA_CE
+        renamed = {("ce" if n == "ce-data" else n): c for n, c in mix.items()}
+        spec["loss"] = "ce" if len(renamed) == 1 else json.dumps(renamed)
+    return spec, names, instead
+
+
 def train_step(case: Path, profile: dict, inputs: dict, weights: dict, core,
                resolve_loss_config, low_dtype, device: str):
     """One forward + backward of the reference on a case, under ``torch.autocast(device,
@@ -180,7 +212,8 @@ def train_step(case: Path, profile: dict, inputs: dict, weights: dict, core,
 
     import torch
 
-    drafter, loss_spec = profile["drafter"], profile["loss"]
+    drafter = profile["drafter"]
+    loss_spec, term_names, _ = reference_loss_spec(profile["loss"])
     torch.manual_seed(0)
     config = build_config(drafter, case)
     if device != "cpu":  # the reference's own flex-attention path (its default)
@@ -255,8 +288,8 @@ def train_step(case: Path, profile: dict, inputs: dict, weights: dict, core,
     }
     for kind, mask in captured["masks"].items():
         tensors[f"mask.{kind}"] = mask.contiguous()
-    for name, w in zip(loss_config, captured["decay"]):
-        tensors[f"loss_weights.{name}"] = w
+    for name, w in zip(loss_config, captured["decay"]):  # named by the profile's terms
+        tensors[f"loss_weights.{term_names.get(name, name)}"] = w
     for name, p in model.named_parameters():
         if p.requires_grad and p.grad is not None:
             tensors[f"grad.{name}"] = p.grad.detach().clone()
@@ -283,6 +316,7 @@ def run_case(case: Path, core, resolve_loss_config) -> None:
                                               resolve_loss_config, None, device)
         noise = measure_noise(tensors, exact, metrics, exact_metrics)
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    runs_instead = reference_loss_spec(profile["loss"])[2]
     anchors = inputs["anchor_positions"]
     select = core.select_anchors
     # the reference's own anchor sampler, drawn K times (it uses the global RNG); a ref whose
@@ -323,7 +357,8 @@ def run_case(case: Path, core, resolve_loss_config) -> None:
         "noise": noise,
         "trainable": trainable,
         "structure": structure,
-        "defaults": api_defaults(core),
+        "defaults": {**api_defaults(core), **({"runs_instead": runs_instead}
+                                               if runs_instead else {})},
     }, indent=1, sort_keys=True))
 
 

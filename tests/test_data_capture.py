@@ -111,8 +111,11 @@ def test_default_and_named_layer_ids():
 def test_zlab_ids_are_shifted_by_one():
     assert resolve_target_layer_ids(30, [1, 8, 15], zlab_ids=True) == [2, 9, 16]
     assert resolve_target_layer_ids(30, "0,28", zlab_ids=True) == [1, 29]
+    # z-lab 29 becomes 30 = the last layer's output before the final norm, which the
+    # reference accepts (ids in [0, N]); 30 becomes 31, which no verifier layer gives
+    assert resolve_target_layer_ids(30, [29], zlab_ids=True) == [30]
     with pytest.raises(LayerIdError, match="z-lab ids"):
-        resolve_target_layer_ids(30, [29], zlab_ids=True)  # becomes 30 = the last layer
+        resolve_target_layer_ids(30, [30], zlab_ids=True)
     with pytest.raises(LayerIdError, match="explicit ids only"):
         resolve_target_layer_ids(30, "zlab", zlab_ids=True)
 
@@ -120,7 +123,7 @@ def test_zlab_ids_are_shifted_by_one():
 @pytest.mark.parametrize("ids, message", [
     ([-1, 3], "negative"),
     ([1, 31], "out of range"),
-    ([1, 30], "last layer"),
+    ([1, 31], r"\[0, 30\]"),
     ([2, 2, 5], "duplicated"),
     ([], "empty"),
     ("1,x", "comma list"),

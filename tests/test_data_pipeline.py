@@ -193,7 +193,7 @@ def test_cli_writes_batches_and_reference_format(tiny_dir, jsonl, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--target-layers", "1,8"], "last layer"),
+    (["--target-layers", "1,9"], "out of range"),
     (["--target-layers", "-1"], "negative"),
     (["--mask-token-id", "2"], "pad"),
     (["--seq-len", "4"], "--seq-len"),

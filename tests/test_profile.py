@@ -254,10 +254,16 @@ def test_a_drafter_config_is_refused_never_truncated(tmp_path, path, value, mess
 
 def test_zlab_block_size_zero_is_not_replaced_by_the_inner_one(tmp_path):
     file = tmp_path / "config.json"
+    file.write_text(json.dumps({**ZLAB_CONFIG, "block_size": 0}))
+    with pytest.raises(ProfileError, match="'block_size' = 0: must be an integer >= 2"):
+        Profile.load(str(file))
+    # given twice and disagreeing: z-lab serves dflash_config's, a trainer may read the top
+    # level's: refused, naming the key (never one silently preferred)
     file.write_text(json.dumps({**ZLAB_CONFIG, "block_size": 0,
                                 "dflash_config": {**ZLAB_CONFIG["dflash_config"],
                                                   "block_size": 8}}))
-    with pytest.raises(ProfileError, match="'block_size' = 0: must be an integer >= 2"):
+    with pytest.raises(ProfileError, match="block_size is 8 in dflash_config and 0 at the "
+                                           "top level"):
         Profile.load(str(file))
     inner_only = {k: v for k, v in ZLAB_CONFIG.items() if k != "block_size"}
     file.write_text(json.dumps({**inner_only, "dflash_config": {

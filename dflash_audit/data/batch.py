@@ -123,8 +123,8 @@ class Batch:
         H, N = md["hidden_size"], md["num_verifier_layers"]
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
             fail(f"metadata target_layer_ids must be a non-empty list of ints, got {ids!r}")
-        if ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= N:
-            fail(f"metadata target_layer_ids {ids} must be ascending, unique, in [0, {N - 1}]")
+        if ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] > N:  # N: the last layer, pre-norm
+            fail(f"metadata target_layer_ids {ids} must be ascending, unique, in [0, {N}]")
         if tuple(self.verifier_last_hidden_states.shape) != (1, T, H):
             fail(f"verifier_last_hidden_states has shape "
                  f"{tuple(self.verifier_last_hidden_states.shape)}, expected (1, {T}, {H})")

@@ -43,8 +43,10 @@ class LayerCapture:
     """Context manager: hooks that record the residual stream at ``target_layer_ids`` and
     the last decoder layer's output (pre final norm) during one forward.
 
-    After a forward, ``captured[L]`` holds ``[B, t, H]`` for every target id L and
-    ``captured["last"]`` the last layer's output. Hooks are removed on exit.
+    After a forward, ``captured[L]`` holds ``[B, t, H]`` for every target id L < N and
+    ``captured["last"]`` the last layer's output, which is also target id N's (the reference
+    accepts ids in [0, N]; speculators 0.9.0 ``models/utils.py:99-140``). Hooks are removed on
+    exit.
     """
 
     def __init__(self, model: Any, target_layer_ids: Sequence[int]):
@@ -63,6 +65,8 @@ class LayerCapture:
 
     def __enter__(self) -> LayerCapture:
         for layer_id in self.target_layer_ids:  # input of layer L = after L layers
+            if layer_id == len(self.layers):  # id N: the last layer's output, hooked below
+                continue
             self._handles.append(self.layers[layer_id].register_forward_pre_hook(
                 self._pre_hook(layer_id), with_kwargs=True))
         self._handles.append(self.layers[-1].register_forward_hook(self._last_hook))
@@ -84,8 +88,10 @@ def capture_row(model: Any, input_ids: torch.Tensor, document_ids: torch.Tensor,
         model: HF causal LM (fp32, eval).
         input_ids: ``[1, T]`` int64.
         document_ids: ``[1, T]`` int64, 0..k-1 per document, -1 on padding.
-        target_layer_ids: ascending ids in our convention (see
-            :func:`resolve_target_layer_ids`).
+        target_layer_ids: ascending ids in our convention, in [0, N] (see
+            :func:`dflash_audit.model.layer_ids.resolve_target_layer_ids`; id N is the
+            last layer's output before the final norm, the same plane as
+            ``verifier_last_hidden_states``).
 
     Returns:
         ``hidden_states`` float32 ``[1, T, n*H]`` (target layers concatenated in ascending
@@ -107,7 +113,8 @@ def capture_row(model: Any, input_ids: torch.Tensor, document_ids: torch.Tensor,
             decoder(input_ids=doc_ids, position_ids=torch.arange(end - start).unsqueeze(0),
                     use_cache=False)
             for j, layer_id in enumerate(ids):
-                hidden_states[0, start:end, j * hidden:(j + 1) * hidden] = cap.captured[layer_id][0]
+                plane = cap.captured["last" if layer_id == len(cap.layers) else layer_id]
+                hidden_states[0, start:end, j * hidden:(j + 1) * hidden] = plane[0]
             last[0, start:end] = cap.captured["last"][0]
             cap.captured.clear()
     return hidden_states, last

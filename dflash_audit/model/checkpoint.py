@@ -149,7 +149,7 @@ def validate_checkpoint(path: str | Path, num_verifier_layers: int,
 
     Rules (speculators 0.9.0, ``models/dflash/core.py``): ``speculative_tokens`` of the
     greedy proposal = ``block_size`` (``sample_from_anchor``) else ``block_size - 1``; every
-    ``aux_hidden_state_layer_ids`` entry in [0, N-1] for an N-layer verifier (the same rule,
+    ``aux_hidden_state_layer_ids`` entry in [0, N] for an N-layer verifier (the same rule,
     and message, as ``dflash-audit data``); ``fc.weight`` reads ``len(ids) * H`` features;
     with a draft vocabulary, ``t2d`` (bool, [V]) has ``draft_vocab_size`` True entries and
     ``d2t`` ([V_d]) maps draft id i to target id ``i + d2t[i]``, the i-th True position of

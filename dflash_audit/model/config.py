@@ -316,27 +316,49 @@ def draft_rope_parameters(vc: Any, head_dim: int) -> dict[str, Any]:
     return rope
 
 
-def default_target_layer_ids(num_verifier_layers: int, style: str = "zlab") -> list[int]:
+def zlab_build_target_layer_ids(num_verifier_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's / SpecForge's ``build_target_layer_ids(N, L)`` in z-lab ids (k reads HF
+    ``output_hidden_states[k + 1]``): ``[N // 2]`` for one draft layer, else
+    ``round(1 + i * (N - 4) / (L - 1))`` for i < L (z-lab dflash 0.1.0 ``dflash/model.py:25-34``,
+    SpecForge 0.2.0 ``specforge/modeling/draft/dflash.py:271-281``; Python's ``round``, half to
+    even, as theirs). Written from that formula; ``tests/test_framework_zlab.py`` compares it
+    with z-lab's own function."""
+    n, k = int(num_verifier_layers), int(num_draft_layers)
+    if k == 1:
+        return [n // 2]
+    return [round(1 + (i * (n - 4)) / (k - 1)) for i in range(k)]
+
+
+def default_target_layer_ids(num_verifier_layers: int, style: str = "zlab",
+                             num_draft_layers: int | None = None) -> list[int]:
     """Default ``target_layer_ids`` for an N-layer verifier, speculators convention.
 
     ``style="zlab"``: 5 evenly spaced layers as in z-lab/dflash ``build_target_layer_ids``
     (their ids ``round(1 + i*(N-4)/4)`` for i=0..4, from 1 to N-3, read
     ``output_hidden_states[id + 1]``, so ours are those + 1: 2 .. N-2).
+    ``style="per-draft-layer"``: the same function with one target layer per draft layer,
+    ``build_target_layer_ids(N, num_draft_layers)`` + 1 (:func:`zlab_build_target_layer_ids`;
+    z-lab's and SpecForge's default when the draft config names no ids: 1 draft layer ->
+    ``[N//2 + 1]``).
     ``style="speculators"``: the reference's own default ``[2, N//2, N-3]``
     (``speculators/models/utils.py: resolve_target_layer_ids``).
 
     Raises:
-        ConfigError: unknown style, or a verifier too shallow for the ids.
+        ConfigError: unknown style, ``per-draft-layer`` without ``num_draft_layers``, or a
+            verifier too shallow for the ids.
     """
     n = num_verifier_layers
     if style == "speculators":
         ids = [2, n // 2, n - 3]
-    elif style == "zlab":
-        count = 5
-        zlab = [int(round(1 + i * (n - 4) / (count - 1))) for i in range(count)]
-        ids = [i + 1 for i in zlab]
+    elif style in ("zlab", "per-draft-layer"):
+        count = 5 if style == "zlab" else num_draft_layers
+        if not isinstance(count, int) or count < 1:
+            raise ConfigError("target layer style 'per-draft-layer' needs the number of draft "
+                              f"layers (got {count!r})")
+        ids = [i + 1 for i in zlab_build_target_layer_ids(n, count)]
     else:
-        raise ConfigError(f"unknown target layer style {style!r}; use 'zlab' or 'speculators'")
+        raise ConfigError(f"unknown target layer style {style!r}; use 'zlab', "
+                          "'per-draft-layer' or 'speculators'")
     if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= n:
         raise ConfigError(f"default {style} target layers {ids} invalid for {n} verifier layers "
                           "(too shallow for this style); give explicit target_layers ids below "

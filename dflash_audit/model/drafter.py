@@ -12,6 +12,9 @@ Data flow of one packed row (T tokens, A anchors, B = block_size, Q = A*B):
    previous position), or i = a_j + s with ``sample_from_anchor``        [1,Q,V_d]
 6. aligned_loss_mask = loss_mask[a_j + s] * anchor_valid_j, slot 0 zeroed unless
    ``sample_from_anchor``                                               [1,Q]
+7. target_ids = input_ids[a_j + s] (a_j + s + 1 with ``sample_from_anchor``): the data token
+   each slot is taught, what the ``ce-data`` loss trains on (SpecForge's objective; the
+   reference's losses all use the targets of step 5)                    [1,Q]
 
 Parameter and buffer names equal the reference's state-dict keys (speculators
 ``models/dflash/core.py``), so one state dict loads into both.
@@ -27,6 +30,7 @@ from torch import nn
 from dflash_audit.model.anchors import check_anchors
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
 from dflash_audit.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from dflash_audit.model.loss import data_target_ids
 from dflash_audit.model.mask import dense_mask, flex_block_mask
 
 FROZEN_PARAMETERS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
@@ -43,6 +47,7 @@ class DraftOutputs:
     logits: torch.Tensor | None = None  # [1,Q,V_d] draft logits
     aligned_loss_mask: torch.Tensor | None = None  # [1,Q] float 0/1
     block_indices: torch.Tensor | None = None  # [Q] a_j + s
+    target_ids: torch.Tensor | None = None  # [1,Q] int64 data token of each slot (ce-data)
     position_ids: torch.Tensor | None = None  # [1,T+Q] context then noise positions
 
 
@@ -50,6 +55,31 @@ def block_indices(anchor_positions: torch.Tensor, block_size: int) -> torch.Tens
     """[A] anchors -> [A*B] packed positions ``a_j + s`` (s = 0..B-1), int64."""
     offsets = torch.arange(block_size, device=anchor_positions.device)
     return (anchor_positions.long()[:, None] + offsets[None, :]).reshape(-1)
+
+
+@torch.no_grad()
+def verifier_targets(verifier_last_hidden_states: torch.Tensor, indices: torch.Tensor,
+                     verifier_norm: nn.Module, verifier_lm_head: nn.Module,
+                     sample_from_anchor: bool = False) -> torch.Tensor:
+    """Target logits [1,Q,V_d] from [1,T,H] pre-norm last-layer states and [Q] block positions
+    ``a + s``: ``verifier_lm_head(verifier_norm(verifier_last_hidden_states[i]))`` with
+    ``i = a + s - 1`` (``a + s`` with ``sample_from_anchor``), wrapping modulo T like the
+    reference (speculators 0.9.0 ``models/dflash/core.py:436-453``), which only touches slot 0
+    of an anchor at 0, a slot the loss never sees."""
+    T = verifier_last_hidden_states.shape[1]
+    src = (indices - (0 if sample_from_anchor else 1)) % T
+    return verifier_lm_head(verifier_norm(verifier_last_hidden_states[:, src]))
+
+
+def aligned_loss_mask(loss_mask: torch.Tensor, indices: torch.Tensor, anchor_valid: torch.Tensor,
+                      block_size: int, sample_from_anchor: bool = False) -> torch.Tensor:
+    """[1,T] loss_mask, [Q] indices ``a + s``, [A] anchor_valid -> [1,Q] float mask of the
+    trained slots: ``loss_mask[a + s] * anchor_valid``, slot 0 zeroed unless
+    ``sample_from_anchor`` (speculators 0.9.0 ``models/dflash/core.py:472-484``)."""
+    m = loss_mask[:, indices].float() * anchor_valid.float().repeat_interleave(block_size)[None]
+    if not sample_from_anchor:
+        m[:, ::block_size] = 0.0
+    return m
 
 
 class DFlashDrafter(nn.Module):
@@ -127,26 +157,17 @@ class DFlashDrafter(nn.Module):
                                       c.sliding_window_non_causal)
         return masks
 
-    @torch.no_grad()
     def targets(self, verifier_last_hidden_states: torch.Tensor, indices: torch.Tensor):
-        """[1,T,H] pre-norm last-layer states, [Q] block positions -> [1,Q,V_d] target logits.
-
-        Slot s of a block is taught by the verifier's prediction at position a + s - 1
-        (a + s with ``sample_from_anchor``); indices wrap modulo T like the reference, which
-        only touches slot 0 of an anchor at 0, a slot the loss never sees.
-        """
-        T = verifier_last_hidden_states.shape[1]
-        shift = 0 if self.config.sample_from_anchor else 1
-        src = (indices - shift) % T
-        return self.verifier_lm_head(self.verifier_norm(verifier_last_hidden_states[:, src]))
+        """[1,T,H] pre-norm last-layer states, [Q] block positions -> [1,Q,V_d] target logits
+        (:func:`verifier_targets`)."""
+        return verifier_targets(verifier_last_hidden_states, indices, self.verifier_norm,
+                                self.verifier_lm_head, self.config.sample_from_anchor)
 
     def aligned_loss_mask(self, loss_mask, indices, anchor_valid) -> torch.Tensor:
-        """[1,T] loss_mask, [Q] indices, [A] anchor_valid -> [1,Q] float mask of trained slots."""
-        B = self.config.block_size
-        m = loss_mask[:, indices].float() * anchor_valid.float().repeat_interleave(B)[None]
-        if not self.config.sample_from_anchor:
-            m[:, ::B] = 0.0
-        return m
+        """[1,T] loss_mask, [Q] indices, [A] anchor_valid -> [1,Q] float mask of trained slots
+        (:func:`aligned_loss_mask`)."""
+        return aligned_loss_mask(loss_mask, indices, anchor_valid, self.config.block_size,
+                                 self.config.sample_from_anchor)
 
     # --------------------------------------------------------------------- forward
     def forward(
@@ -196,4 +217,5 @@ class DFlashDrafter(nn.Module):
             aligned_loss_mask=self.aligned_loss_mask(loss_mask, idx, anchor_valid),
             block_indices=idx,
             position_ids=all_pos,
+            target_ids=data_target_ids(input_ids, idx, c.sample_from_anchor),
         )

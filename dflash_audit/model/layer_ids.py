@@ -25,14 +25,20 @@ def resolve_target_layer_ids(num_layers: int,
     (``[2, N//2, N-3]``), a comma list ``"1,5,9"`` or a sequence of ints. With
     ``zlab_ids=True`` explicit ids are read as z-lab ids and shifted by +1.
 
+    Id N (the last layer's output before the final norm, the plane
+    ``verifier_last_hidden_states`` also holds) is accepted, as the reference's
+    ``resolve_target_layer_ids`` accepts ids in [0, N] (speculators 0.9.0
+    ``models/utils.py:99-140``; its launch script's ``--include-last-layer``).
+
     Raises:
-        LayerIdError: unknown style, unparsable list, negative / out-of-range / duplicate
-            ids, the last layer id N (captured separately as verifier_last_hidden_states),
-            or ``zlab_ids`` with a style name.
+        LayerIdError: unknown style, unparsable list, negative / out-of-range (> N) /
+            duplicate ids, or ``zlab_ids`` with a style name.
     """
     n = int(num_layers)
     if target_layer_ids is None or (isinstance(target_layer_ids, str)
                                     and target_layer_ids.strip() in LAYER_STYLES):
+        # "per-draft-layer" needs the draft depth: a profile resolves it
+        # (dflash_audit.profile.Profile.resolve_target_layer_ids)
         style = "zlab" if target_layer_ids is None else target_layer_ids.strip()
         if zlab_ids:
             raise LayerIdError(f"--zlab-ids converts explicit ids only; the {style!r} default "
@@ -59,16 +65,13 @@ def resolve_target_layer_ids(num_layers: int,
     negative = [i for i in ids if i < 0]
     if negative:
         raise LayerIdError(f"target layer ids {negative} are negative{note}; negative ids are "
-                           "not wrapped, give ids in [0, N-1]")
+                           "not wrapped, give ids in [0, N]")
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:
         raise LayerIdError(f"target layer ids {dup} are duplicated in {ids}{note}")
-    if n in ids:
-        raise LayerIdError(
-            f"target layer id {n} is the last layer of this {n}-layer verifier{note}; it is "
-            "captured separately as verifier_last_hidden_states, use ids in [0, N-1]")
     out = [i for i in ids if i > n]
     if out:
-        raise LayerIdError(f"target layer ids {out} out of range [0, {n - 1}] for a verifier "
-                           f"with {n} layers{note}")
+        raise LayerIdError(f"target layer ids {out} out of range [0, {n}] for a verifier "
+                           f"with {n} layers{note} (id {n} = the last layer's output before "
+                           "the final norm)")
     return sorted(ids)

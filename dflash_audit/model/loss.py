@@ -5,6 +5,11 @@ with mix coefficients c_k, aligned mask m and per-slot weights w. The denominato
 supervised tokens, not weights (speculators ``losses/utils.py: loss_function``).
 
 Per-slot weights:
+* ``none``: ``w_0 = 0``, ``w_s = 1`` for s >= 1 (every slot 1 with ``sample_from_anchor``):
+  SpecForge's default ``loss_decay_gamma=None`` (specforge 0.2.0
+  ``algorithms/common/dflash_family_model.py:350-360``); the reference has no such weighting
+  and runs ``fixed-exp-decay`` with ``gamma = inf`` instead, whose weights are the same
+  (``reference/adapter.py: reference_loss_spec``);
 * ``fixed-exp-decay`` (DFlash paper, arXiv 2602.06036 sec. 3.3): ``w_0 = 0``,
   ``w_s = exp(-(s-1)/gamma)`` for s >= 1; with ``sample_from_anchor`` ``w_s = exp(-s/gamma)``.
 * ``dpace``: confidence-weighted suffix sums inside each block (D-PACE):
@@ -26,7 +31,7 @@ import torch.nn.functional as F
 LOSS_REDUCTION_EPS = 1e-5
 NLA_EPS = 1e-5
 LK_HYBRID_ETA = 3.0
-WEIGHTINGS = ("fixed-exp-decay", "dpace")
+WEIGHTINGS = ("fixed-exp-decay", "dpace", "none")
 
 
 #: dtype the divergences' softmaxes run in: float32, as the reference (speculators
@@ -104,10 +109,50 @@ def lk_hybrid(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return lam * kl_div(logits, targets) + (1.0 - lam) * (1.0 - overlap)
 
 
+def data_ce(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against the data tokens (hard labels): ``target_ids`` [1,Q] int64 holds
+    ``input_ids[a+s]``, the token slot s is taught (``a+s+1`` with ``sample_from_anchor``),
+    as SpecForge 0.2.0 trains (``algorithms/common/dflash_family_model.py:406-416``,
+    ``F.cross_entropy(lm_head(hidden), target_ids)`` at ``:332-383``). [1,Q,V] x [1,Q] ->
+    [1,Q] fp32. The reference has no such loss (it runs ``ce`` against argmax of the
+    verifier's logits instead)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), target_ids.long().flatten(),
+                           reduction="none").view(target_ids.shape)
+
+
 LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "kl_div": kl_div, "rkl": reverse_kl, "jsd": js_div, "ce": hard_ce,
     "tv": total_variation, "nla": neg_log_acceptance, "lk_hybrid": lk_hybrid,
 }
+#: Losses against the data tokens (``target_ids``) instead of the verifier's logits.
+LABEL_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "ce-data": data_ce,
+}
+#: Every loss name a profile may give (alone or in a JSON mix).
+LOSS_NAMES = (*LOSSES, *LABEL_LOSSES)
+
+
+def term_loss(name: str, logits: torch.Tensor, targets: torch.Tensor | None,
+              target_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The elementwise values [1,Q] fp32 of loss ``name``: a divergence of ``logits`` from
+    ``targets`` [1,Q,V_d] (:data:`LOSSES`) or a loss against ``target_ids`` [1,Q]
+    (:data:`LABEL_LOSSES`).
+
+    Raises:
+        ValueError: ``name`` is unknown, or a label loss gets no ``target_ids``.
+    """
+    if name in LABEL_LOSSES:
+        if target_ids is None:
+            raise ValueError(f"loss {name!r} needs target_ids (the data tokens input_ids[a+s])")
+        return LABEL_LOSSES[name](logits, target_ids)
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; use {sorted(LOSS_NAMES)}")
+    return LOSSES[name](logits, targets)
+
+
+def uses_data_targets(spec: str) -> bool:
+    """Whether the loss ``spec`` (a name or a JSON mix) trains on the data tokens."""
+    return any(name in LABEL_LOSSES for name in parse_loss(spec))
 
 
 def parse_loss(spec: str) -> dict[str, float]:
@@ -116,18 +161,18 @@ def parse_loss(spec: str) -> dict[str, float]:
     Raises:
         ValueError: unknown name, empty or malformed mix, non-numeric coefficient.
     """
-    if spec in LOSSES:
+    if spec in LOSS_NAMES:
         return {spec: 1.0}
     try:
         mix = json.loads(spec)
     except json.JSONDecodeError:
-        raise ValueError(f"unknown loss {spec!r}: use one of {sorted(LOSSES)} or a JSON mix "
+        raise ValueError(f"unknown loss {spec!r}: use one of {sorted(LOSS_NAMES)} or a JSON mix "
                          "such as '{\"ce\": 0.1, \"tv\": 0.9}'") from None
     if not isinstance(mix, dict) or not mix:
         raise ValueError(f"a loss mix must be a non-empty JSON object, got {spec!r}")
     for name, coef in mix.items():
-        if name not in LOSSES:
-            raise ValueError(f"unknown loss {name!r} in mix; use {sorted(LOSSES)}")
+        if name not in LOSS_NAMES:
+            raise ValueError(f"unknown loss {name!r} in mix; use {sorted(LOSS_NAMES)}")
         if isinstance(coef, bool) or not isinstance(coef, (int, float)):
             raise ValueError(f"coefficient of {name!r} must be a number, got {coef!r}")
     return {name: float(coef) for name, coef in mix.items()}
@@ -150,6 +195,16 @@ class LossSpec:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
         if not 0 < self.dpace_alpha <= 1:
             raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
+
+
+def uniform_weights(block_size: int, sample_from_anchor: bool = False) -> torch.Tensor:
+    """Weighting ``none``: [B] fp32, 0 at slot 0 and 1 elsewhere (all 1 with
+    ``sample_from_anchor``), SpecForge 0.2.0 with ``loss_decay_gamma=None``
+    (``algorithms/common/dflash_family_model.py:350-360``)."""
+    w = torch.ones(block_size, dtype=torch.float32)
+    if not sample_from_anchor:
+        w[0] = 0.0
+    return w
 
 
 def exp_decay_weights(block_size: int, gamma: float, sample_from_anchor: bool = False
@@ -180,6 +235,9 @@ def slot_weights(spec: LossSpec, elementwise_loss: torch.Tensor, mask: torch.Ten
     """Per-position weight w [1,Q] for one loss term."""
     if spec.weighting == "dpace":
         return dpace_weights(elementwise_loss, mask, block_size, spec.dpace_alpha)
+    if spec.weighting == "none":
+        w = uniform_weights(block_size, sample_from_anchor).to(mask.device)
+        return w.repeat(mask.shape[1] // block_size)[None]
     w = exp_decay_weights(block_size, spec.gamma, sample_from_anchor).to(mask.device)
     return w.repeat(mask.shape[1] // block_size)[None]
 
@@ -193,11 +251,17 @@ class LossResult:
 
 def dflash_loss(logits: torch.Tensor, targets: torch.Tensor, aligned_loss_mask: torch.Tensor,
                 block_size: int, spec: LossSpec = LossSpec(),
-                sample_from_anchor: bool = False) -> LossResult:
+                sample_from_anchor: bool = False,
+                target_ids: torch.Tensor | None = None) -> LossResult:
     """Total DFlash loss.
 
     Args:
         logits, targets: [1,Q,V_d]; aligned_loss_mask: [1,Q] 0/1; Q a multiple of block_size.
+        target_ids: [1,Q] int64 data tokens each slot is taught, needed by ``ce-data``
+            (:func:`data_target_ids`).
+
+    Raises:
+        ValueError: a ``ce-data`` term without ``target_ids``.
 
     Returns:
         LossResult with the scalar loss (fp32, differentiable), each term's value and the
@@ -208,9 +272,19 @@ def dflash_loss(logits: torch.Tensor, targets: torch.Tensor, aligned_loss_mask: 
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
     terms, weights = {}, {}
     for name, coef in parse_loss(spec.loss).items():
-        elementwise = LOSSES[name](logits, targets) * m  # [1,Q]
+        elementwise = term_loss(name, logits, targets, target_ids) * m  # [1,Q]
         w = slot_weights(spec, elementwise, m, block_size, sample_from_anchor)
         term = (elementwise * w).sum() / denom
         terms[name], weights[name] = term.detach(), w
         total = total + coef * term
     return LossResult(total, terms, weights)
+
+
+def data_target_ids(input_ids: torch.Tensor, indices: torch.Tensor,
+                    sample_from_anchor: bool = False) -> torch.Tensor:
+    """The data token each slot is taught: [1,T] ``input_ids``, [Q] block positions ``a+s`` ->
+    [1,Q] int64 ``input_ids[a+s]`` (``a+s+1`` with ``sample_from_anchor``: the token the
+    verifier's prediction at ``a+s`` is for), wrapping modulo T like the targets
+    (SpecForge 0.2.0 ``algorithms/common/dflash_family_model.py:406-416``)."""
+    T = input_ids.shape[1]
+    return input_ids[:, (indices + int(sample_from_anchor)) % T].long()

@@ -63,8 +63,13 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
                     f"{exc}; {verifier_hint(profile, opts.verifier)}") from None
         if opts.rows:
             with st.stage("batches", "real batches (verifier + data)"):
+                # a style the data pipeline cannot resolve alone (per-draft-layer needs the
+                # draft depth) goes as the profile's ids
+                layers = (profile.resolve_target_layer_ids(verifier.num_layers)
+                          if profile.target_layers == "per-draft-layer"
+                          else profile.target_layers)
                 real = load_real_inputs(verifier, opts.data, opts.seq_len, opts.rows,
-                                        profile.target_layers, seed=opts.seed,
+                                        layers, seed=opts.seed,
                                         cache_root=opts.cache_dir, progress=st.say,
                                         before_capture=before_capture)
             first = real.batches[0]

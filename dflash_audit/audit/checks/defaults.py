@@ -2,8 +2,11 @@
 max_anchors / dpace_alpha next to the profile's explicit value.
 
 Never fails (both sides run the profile's explicit values); exact comparison, loss names by
-their first word. Hypotheses name: a candidate default that differs from the reference's (a
-run without an explicit profile would train differently), and a candidate that reports
+their first word. Where the profile names a value the reference has no equivalent for
+(weighting ``none``, loss ``ce-data``), the reference reports what it ran instead
+(``defaults.runs_instead``, ``reference/adapter.py: reference_loss_spec``) and this check warns
+with those sentences. Hypotheses name: a candidate default that differs from the reference's
+(a run without an explicit profile would train differently), and a candidate that reports
 ``gamma = None`` (no position decay by default).
 """
 
@@ -64,19 +67,24 @@ def check_defaults(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResu
         elif field == "gamma" and _reports_none(cand.defaults, field) and r is not None:
             fields[field]["candidate_reports_none"] = True
             differing.append(f"gamma: candidate None (no position decay), reference {r!r}")
-    status = WARN if differing else PASS
+    instead = dict(ref.defaults.get("runs_instead") or {})
+    status = WARN if differing or instead else PASS
     reported = "" if cand.defaults else "; the candidate reports no defaults"
     summary = ("defaults differ (both sides ran the profile's explicit values): "
                + "; ".join(differing) if differing else
                "both sides ran the profile's explicit values" + reported)
+    if instead:
+        summary = ("; ".join(f"{k}: {v}" for k, v in instead.items())
+                   + ("; " + summary if differing else ""))
     return CheckResult("defaults", case.name, status, summary,
                        candidate=dict(cand.defaults), reference=dict(ref.defaults),
-                       details={"fields": fields})
+                       details={"fields": fields, "reference_runs_instead": instead})
 
 
 def diagnose_defaults(ev: Evidence, result: CheckResult) -> list[str]:
     """Each default of the candidate that differs from the reference's."""
-    out = []
+    out = [f"{field}: {sentence}" for field, sentence in
+           result.details.get("reference_runs_instead", {}).items()]
     for name, v in result.details.get("fields", {}).items():
         c, r = v["candidate_default"], v["reference_default"]
         if v.get("candidate_reports_none"):

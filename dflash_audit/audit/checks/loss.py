@@ -259,6 +259,8 @@ def diagnose_weights(ev: Evidence, part: dict[str, Any]) -> list[str]:
         if fit["constant_per_slot"] and not ref_fit.get("constant_per_slot", True):
             return ["fixed per-slot weights where the profile says D-PACE"]
         return []
+    if spec.weighting == "none":
+        return no_decay_causes(fit, ev.config.sample_from_anchor)
     causes = weight_formula_causes(fit["per_slot"], fit.get("gamma"), spec.gamma,
                                    ev.config.sample_from_anchor, ev.config.block_size)
     if causes:
@@ -269,6 +271,24 @@ def diagnose_weights(ev: Evidence, part: dict[str, Any]) -> list[str]:
         return []
     return [f"per-slot weights scaled by {math.exp((s0 - s0_ref) / g):.4g} (e.g. normalised per "
             "block)"]
+
+
+def no_decay_causes(fit: dict[str, Any], sample_from_anchor: bool) -> list[str]:
+    """Name candidate weights that are not the ``none`` weighting's (w_0 = 0 unless
+    sample_from_anchor, every other trained slot 1; SpecForge's ``loss_decay_gamma=None``)."""
+    out = []
+    w0 = fit["per_slot"].get(0)
+    if not sample_from_anchor and w0 is not None and abs(w0) > 1e-6:
+        out.append(f"slot 0 weighted (w_0 = {w0:.3g}; reference 0): the anchor slot is not "
+                   "masked out of the loss")
+    if fit.get("gamma") is not None:
+        out.append(f"per-slot weights decay (gamma {fit['gamma']:.4g} fitted from the weights) "
+                   "where the profile's weighting 'none' gives every trained slot weight 1")
+    elif any(abs(w - 1.0) > 1e-3 for s, w in fit["per_slot"].items() if s > 0):
+        other = {s: round(w, 4) for s, w in fit["per_slot"].items() if s > 0}
+        out.append(f"per-slot weights {other} where the profile's weighting 'none' gives every "
+                   "trained slot weight 1")
+    return out
 
 
 def own_dpace_weights_match(ev: Evidence, term: str) -> bool:

@@ -7,8 +7,9 @@ attention inside the block where the reference is bidirectional (or the reverse)
 of other blocks visible (a causal mask over all Q noise positions, or no block rule), the
 context rule kv <= anchor, kv < anchor - 1 or any other offset kv < anchor + k fitted from the
 candidate's mask (k >= 2: the block's own verifier states leak, as in SpecForge issue 470), the
-sliding window missing, applied in a full-attention layer or off by one, and cross-document
-leakage (document_ids not applied).
+sliding window missing, applied in a full-attention layer, off by one, or measured from each
+query (``kv >= anchor + s - W + 1``, the inference-cache rule of z-lab, SpecForge and ModelOpt)
+instead of from the anchor, and cross-document leakage (document_ids not applied).
 """
 
 from __future__ import annotations
@@ -102,6 +103,10 @@ class MaskHypothesis:
     documents: bool = True
     causal_block: bool = False
     blocks: str = "own"
+    #: the window measured from each query: ``kv >= anchor + s - W + 1`` (``query_pos -
+    #: kv < W`` over [context ; block], as z-lab 0.1.0 ``_attention_mask``, SpecForge and
+    #: ModelOpt build it) instead of from the anchor (``kv >= anchor - W``)
+    query_window: bool = False
 
 
 def expected_mask_hypothesis(case: Case, layer_type: str) -> MaskHypothesis:
@@ -120,10 +125,14 @@ def build_mask(case: Case, h: MaskHypothesis) -> torch.Tensor:
     T = doc.numel()
     a = case.inputs["anchor_positions"].long()
     docs = doc if h.documents else torch.where(doc != -1, 0, -1)
-    base = dense_mask(docs, a, B, h.window)[:, :T]
-    block = dense_mask(docs, a, B, NO_WINDOW if h.causal_block else None)[:, T:]
     qa = a.repeat_interleave(B)[:, None]  # [Q, 1]
     kv = torch.arange(T)[None, :]  # [1, T]
+    if h.query_window and h.window is not None:
+        slot = (torch.arange(qa.shape[0]) % B)[:, None]
+        base = dense_mask(docs, a, B, None)[:, :T] & (kv >= qa + slot - h.window + 1)
+    else:
+        base = dense_mask(docs, a, B, h.window)[:, :T]
+    block = dense_mask(docs, a, B, NO_WINDOW if h.causal_block else None)[:, T:]
     if h.offset > 0:  # kv < anchor + offset: positions at and after the anchor become visible
         base |= ((kv >= qa) & (kv < qa + h.offset) & (docs[None, :] == docs[qa])
                  & (docs[qa] != -1))
@@ -155,18 +164,20 @@ def mask_hypotheses(case: Case, layer_type: str,
                     fitted_offset: int | None = None) -> Iterator[MaskHypothesis]:
     """Block scope (own, earlier, all) x block rule (causal / bidirectional) x context offset
     (<, <=, < a-1, and ``fitted_offset``) x window (expected, none, W-1, W+1, W) x documents
-    (respected, ignored)."""
+    (respected, ignored) x window origin (the anchor, or each query: ``query_window``)."""
     exp = expected_mask_hypothesis(case, layer_type)
     W = case.config.sliding_window
     windows = list(dict.fromkeys([exp.window, None] + ([W, W - 1, W + 1] if W else [])))
     windows = [w for w in windows if w is None or w >= 0]
     offsets = list(dict.fromkeys([0, 1, -1] + ([fitted_offset] if fitted_offset is not None
                                                else [])))
-    for blocks, causal, offset, window, docs in itertools.product(
+    for blocks, causal, offset, window, docs, from_query in itertools.product(
             ("own", "earlier", "all"), (exp.causal_block, not exp.causal_block), offsets,
-            windows, (True, False)):
+            windows, (True, False), (False, True)):
+        if from_query and window is None:
+            continue
         if blocks != "all" or causal == exp.causal_block:  # "all" ignores the block rule
-            yield MaskHypothesis(offset, window, docs, causal, blocks)
+            yield MaskHypothesis(offset, window, docs, causal, blocks, from_query)
 
 
 def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> list[str]:
@@ -205,6 +216,11 @@ def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> 
     elif h.offset < -1:
         out.append(f"context rule kv < anchor - {-h.offset} (reference: kv < anchor): the "
                    f"{-h.offset} positions before the anchor are hidden")
+    if h.query_window:
+        out.append("sliding window measured from each query: kv >= anchor + s - W + 1 "
+                   "(W - 1 - s context tokens for slot s, the inference-cache rule "
+                   "query_pos - kv < W) where the reference bounds it from the anchor: "
+                   "kv >= anchor - W (W tokens for every slot)")
     if h.window != exp.window:
         if h.window is None:
             out.append(f"sliding window missing (reference: kv >= anchor - {exp.window})")

@@ -15,14 +15,28 @@ import torch
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.replay.evidence import Evidence, follows_from
 from dflash_audit.audit.tolerance import closeness, grad_tolerance, tolerance
+from dflash_audit.model.drafter import block_indices
 from dflash_audit.model.loss import (
+    LOSS_NAMES,
     LOSS_REDUCTION_EPS,
-    LOSSES,
     LossSpec,
+    data_target_ids,
     dpace_weights,
     parse_loss,
     slot_weights,
+    term_loss,
 )
+
+#: How a loss against the data tokens is named (profile ``loss = "ce-data"``; SpecForge).
+DATA_TOKENS = ("targets are the data tokens input_ids[a+s] (hard labels, as SpecForge trains), "
+               "not the verifier's prediction")
+
+
+def case_target_ids(case: Case) -> torch.Tensor:
+    """[1,Q] the data token each slot of ``case`` is taught (what ``ce-data`` trains on)."""
+    inputs, c = case.inputs, case.config
+    idx = block_indices(inputs["anchor_positions"], c.block_size)
+    return data_target_ids(inputs["input_ids"], idx, c.sample_from_anchor)
 
 
 def loss_formula_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict[str, float], str]]:
@@ -30,7 +44,7 @@ def loss_formula_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict[str, float
     token-count (reference), weight-sum, all-slot and per-block denominators; the reference
     first."""
     profile = parse_loss(ev.case.loss.loss)
-    mixes = [("profile", profile)] + [(n, {n: 1.0}) for n in LOSSES if {n: 1.0} != profile]
+    mixes = [("profile", profile)] + [(n, {n: 1.0}) for n in LOSS_NAMES if {n: 1.0} != profile]
     for (name, mix), denom in itertools.product(mixes, ("tokens", "weights", "slots", "blocks")):
         yield name, mix, denom
 
@@ -52,13 +66,14 @@ def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str,
     B, spec = ev.config.block_size, ev.case.loss
     total = 0.0
     own_weights = [v for k, v in t.items() if k.startswith("loss_weights.")]
+    labels = case_target_ids(ev.case)
     for name, coef in mix.items():
         if name not in cache:
-            cache[name] = LOSSES[name](t["logits"], t["targets"]) * m
+            cache[name] = term_loss(name, t["logits"], t["targets"], labels) * m
         el = cache[name]
         if f"loss_weights.{name}" in t:
             w = t[f"loss_weights.{name}"].reshape(1, -1)
-        elif own_weights and spec.weighting == "fixed-exp-decay":
+        elif own_weights and spec.weighting in ("fixed-exp-decay", "none"):
             w = own_weights[0].reshape(1, -1)
         else:
             w = slot_weights(LossSpec(name, spec.weighting, spec.gamma, spec.dpace_alpha), el, m,
@@ -82,7 +97,10 @@ def reduce_term(el: torch.Tensor, w: torch.Tensor, m: torch.Tensor, block_size: 
 def formula_causes(ev: Evidence, name: str, denom: str) -> list[str]:
     """How a loss formula hypothesis deviates from the profile's, in words."""
     causes = []
-    if name != "profile":
+    if name == "ce-data":
+        causes.append(f"{DATA_TOKENS} (loss 'ce-data' where the profile says "
+                      f"{ev.case.loss.loss!r})")
+    elif name != "profile":
         hard = name == "ce" and "ce" not in parse_loss(ev.case.loss.loss)
         causes.append(f"loss computed as {name!r} where the profile says {ev.case.loss.loss!r}"
                       + (" (hard-label CE instead of soft divergence)" if hard else ""))
@@ -139,7 +157,7 @@ def gradient_formula_causes(ev: Evidence, max_replays: int = 5) -> list[str]:
     for name, mix, denom in close[:max_replays]:
         total = 0.0
         for term, coef in mix.items():
-            el = LOSSES[term](out.logits, out.targets) * m
+            el = term_loss(term, out.logits, out.targets, out.target_ids) * m
             if denom == WEIGHTS_WITH_GRAD:
                 w = dpace_weights.__wrapped__(el, m, B, spec.dpace_alpha)  # without no_grad
             else:
@@ -176,6 +194,11 @@ def diagnose_loss_total(ev: Evidence, masks: Iterable[tuple[str, torch.Tensor]] 
             return []
         if abs(value - cl) <= tol["atol"] + tol["rtol"] * abs(cl):
             if name == "profile" and denom == "tokens":
+                if data_targets_substituted(ev):
+                    return [f"{DATA_TOKENS}: the profile's loss {ev.case.loss.loss!r} trains on "
+                            "the data tokens and the reference, which has no such loss, ran "
+                            "'ce' against the argmax of the verifier's logits instead (the "
+                            "candidate's loss follows from its logits and the data tokens)"]
                 upstream = follows_from("loss", ev)
                 why = f"; the difference {upstream}" if upstream else ""
                 return ["the candidate's loss formula conforms (the reference's formula on "
@@ -249,3 +272,10 @@ def own_loss(case: Case, side: SideOutputs) -> float | None:
     """The reference's loss formula (profile mix, fp32 softmax, supervised-token denominator) on
     one side's own logits, targets, aligned mask and weights; None without logits/targets."""
     return recompute_loss(Evidence(case, side, side), parse_loss(case.loss.loss), "tokens")
+
+
+def data_targets_substituted(ev: Evidence) -> bool:
+    """The profile trains on the data tokens (``ce-data``) and the reference ran its ``ce``
+    instead (it reports so in its defaults' ``runs_instead``)."""
+    return "ce-data" in parse_loss(ev.case.loss.loss) and "loss" in (
+        ev.ref.defaults.get("runs_instead") or {})
