@@ -171,11 +171,14 @@ def framework_launch(spec: str, *, python: str | None = None, offline: bool = Fa
     pythonpath: list[str] = []
     env: dict[str, str] = {}
     if fs.key == SPECULATORS:
-        from dflash_audit.audit.frameworks.speculators_source import resolve_speculators
+        from dflash_audit.audit.frameworks.speculators_source import (
+            display_version,
+            resolve_speculators,
+        )
 
         identity, paths, env = resolve_speculators(fs.ref, url=url, offline=offline)
         pythonpath += paths
-        info.update(version=identity.version or identity.short_id, ref=fs.ref or identity.spec,
+        info.update(version=display_version(identity), ref=fs.ref or identity.spec,
                     source=identity.to_dict())
     elif python is None:
         from dflash_audit.audit.frameworks.install import install_framework

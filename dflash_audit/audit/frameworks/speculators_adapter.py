@@ -26,7 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from dflash_audit.audit.case import SideOutputs
-from dflash_audit.audit.frameworks.speculators_source import FRAMEWORK_SOURCE_ENV
+from dflash_audit.audit.frameworks.speculators_source import (
+    FRAMEWORK_SOURCE_ENV,
+    FRAMEWORK_VERSION_ENV,
+)
 from dflash_audit.reference_source.identity import adapter_path
 
 NAME = "speculators"
@@ -69,10 +72,9 @@ if not Path(speculators.__file__).resolve().is_relative_to(Path(SOURCE).resolve(
 if not hasattr(getattr(core, "DFlashDraftModel", None), "_backbone_forward"):
     raise ImportError(f"the speculators tree {SOURCE} has no DFlashDraftModel."
                       "_backbone_forward: the adapter cannot drive this ref")
-try:
-    from speculators.version import version as VERSION  # noqa: E402, N812
-except ImportError:
-    VERSION = getattr(speculators, "__version__", None) or "unknown"
+#: As the parent resolved it (``0.9.0``, ``main@c05b95b``), else the tree's own.
+VERSION = os.environ.get(FRAMEWORK_VERSION_ENV) or getattr(speculators, "__version__", None) \
+    or "unknown"
 #: The training CLI (``train/cli.py``) holds the derivation the glue runs; trees without it
 #: (main@c05b95b) get no ``derive_config`` (the derivation check says "not provided").
 HAS_DERIVATION = importlib.util.find_spec("speculators.train.cli") is not None

@@ -12,6 +12,19 @@ from dflash_audit.audit.setup_error import CompareSetupError
 #: Where :mod:`.speculators_adapter` (in the candidate process) finds the candidate's
 #: speculators source (``<tree>/src``).
 FRAMEWORK_SOURCE_ENV = "DFLASH_AUDIT_FRAMEWORK_SOURCE"
+#: The tree's version as resolved here (release version, else ``git describe`` or commit),
+#: for trees whose package carries none (a git checkout without a generated version.py).
+FRAMEWORK_VERSION_ENV = "DFLASH_AUDIT_FRAMEWORK_VERSION"
+
+
+def display_version(identity: Any) -> str:
+    """The version a report names for a resolved speculators tree: ``REF@commit`` (and the
+    tree's own version) for a git ref, the release version for a release, else the tree's
+    version or short id."""
+    if identity.kind == "git" and identity.commit:
+        own = f" ({identity.version})" if identity.version else ""
+        return f"{identity.ref or 'commit'}@{identity.commit[:7]}{own}"
+    return str(identity.version or identity.short_id)
 
 
 def resolve_speculators(ref: str | None, *, url: str | None = None, offline: bool = False
@@ -41,4 +54,5 @@ def resolve_speculators(ref: str | None, *, url: str | None = None, offline: boo
         raise CompareSetupError(f"--candidate framework:{ref or 'speculators'}: {exc}"
                                 ) from None
     src = str(Path(identity.src_dir).resolve())
-    return identity, [src], {FRAMEWORK_SOURCE_ENV: src}
+    return identity, [src], {FRAMEWORK_SOURCE_ENV: src,
+                             FRAMEWORK_VERSION_ENV: display_version(identity)}
