@@ -20,6 +20,7 @@ choices.
 from __future__ import annotations
 
 import ast
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from dflash_audit.audit.sides.launch import CandidateLaunch
 PREFIX = "framework:"
 FOLDER = Path(__file__).resolve().parent
 SUFFIX = "_adapter.py"
+ADAPTER_PATH_ENV = "DFLASH_AUDIT_ADAPTER_PATH"
 #: Frameworks this project audits, with their pinned versions: named in the choices even when
 #: their adapter module is not in this build.
 KNOWN: dict[str, tuple[str, str]] = {
@@ -105,14 +107,30 @@ def adapter_constants(path: Path) -> dict[str, Any]:
     return out
 
 
+def adapter_folders() -> list[Path]:
+    """Where adapter modules are looked for: this package, then the folders of
+    ``$DFLASH_AUDIT_ADAPTER_PATH`` (os.pathsep-separated; an adapter in development, run as
+    top-level module ``<key>_adapter`` with its folder on the candidate's path)."""
+    extra = [Path(p).expanduser() for p in os.environ.get(ADAPTER_PATH_ENV, "").split(
+        os.pathsep) if p.strip()]
+    return [FOLDER, *extra]
+
+
 def available_adapters() -> dict[str, dict[str, Any]]:
-    """``{key: constants}`` of every ``<key>_adapter.py`` in this package that defines NAME and
-    VERSION (the speculators adapter included)."""
-    out = {}
-    for path in sorted(FOLDER.glob(f"*{SUFFIX}")):
-        constants = adapter_constants(path)
-        if "NAME" in constants and "VERSION" in constants:
-            out[path.name[: -len(SUFFIX)]] = {**constants, "path": str(path)}
+    """``{key: constants}`` of every ``<key>_adapter.py`` of :func:`adapter_folders` that
+    defines NAME and VERSION (the speculators adapter included; this package's first), with
+    ``path`` and ``module`` (its import name) added."""
+    out: dict[str, dict[str, Any]] = {}
+    for folder in adapter_folders():
+        for path in sorted(folder.glob(f"*{SUFFIX}")):
+            key = path.name[: -len(SUFFIX)]
+            constants = adapter_constants(path)
+            if key in out or "NAME" not in constants or "VERSION" not in constants:
+                continue
+            module = (f"dflash_audit.audit.frameworks.{key}_adapter" if folder == FOLDER
+                      else f"{key}_adapter")
+            out[key] = {**constants, "path": str(path), "module": module,
+                        "folder": None if folder == FOLDER else str(folder)}
     return out
 
 
@@ -165,10 +183,10 @@ def framework_launch(spec: str, *, python: str | None = None, offline: bool = Fa
     """
     fs = parse_framework_spec(spec)
     constants = lookup(fs)
-    module = f"dflash_audit.audit.frameworks.{fs.key}_adapter"
+    module = constants["module"]
     info: dict[str, Any] = {"key": fs.key, "name": constants["NAME"], "spec": spec,
                             "version": str(constants["VERSION"]), "module": module}
-    pythonpath: list[str] = []
+    pythonpath: list[str] = [constants["folder"]] if constants.get("folder") else []
     env: dict[str, str] = {}
     if fs.key == SPECULATORS:
         from dflash_audit.audit.frameworks.speculators_source import (
