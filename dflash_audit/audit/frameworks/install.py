@@ -117,12 +117,12 @@ def install_framework(name: str, version: str, requirements: Sequence[str], *,
         except subprocess.TimeoutExpired:
             raise FrameworkInstallError(
                 f"installing {name} {version} did not finish in {PIP_TIMEOUT_S:g} s (`"
-                f"{shlex.join(cmd)}`): is the package index reachable?") from None
+                f"{command}`): is the package index reachable?") from None
         if proc.returncode != 0:
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-6:])
             raise FrameworkInstallError(
-                f"installing {name} {version} into the tool's cache failed (`"
-                f"{shlex.join(cmd)}` exit {proc.returncode}):\n{tail}\nCheck that the package "
+                f"installing {name} {version} into the tool's cache failed (`{command}` exit "
+                f"{proc.returncode}):\n{tail}\nCheck that the package "
                 "index is reachable, or install the framework into an environment of yours "
                 "and pass --candidate-python PATH")
         (tmp / MANIFEST).write_text(json.dumps({
