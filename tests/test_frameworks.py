@@ -243,3 +243,11 @@ def test_target_ids_replace_targets_in_the_protocol(profile):
     assert [f.key for f in validate_outputs(out, case)] == ["target_ids"]
     del out.tensors["target_ids"]
     assert [f.key for f in validate_outputs(out, case)] == ["targets"]
+
+
+def test_an_unsupported_dtype_is_listed_not_failed(profile):
+    planned, notes = framework_cases([], profile, 1, 0, Capabilities(dtypes=("fp32",)),
+                                     "TestFW 1.0", dtype="bf16")
+    assert planned[0].case.unsupported == [
+        "not supported by TestFW 1.0: dtype bf16 (supported: fp32)"]
+    assert notes[0].startswith("not supported by TestFW 1.0: dtype bf16")

@@ -89,7 +89,8 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
                 from dflash_audit.audit.cases.supported import framework_cases
 
                 planned, notes = framework_cases(planned, profile, opts.cases, opts.seed,
-                                                 capabilities, framework_label)
+                                                 capabilities, framework_label,
+                                                 opts.dtype or profile.dtype)
                 info["unsupported"] = notes
             else:
                 planned += plan_synthetic_cases(profile, opts.cases, seed=opts.seed)

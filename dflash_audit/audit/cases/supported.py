@@ -23,15 +23,20 @@ from dflash_audit.audit.frameworks.capabilities import Capabilities, single_docu
 TRIES_PER_CASE = 6
 
 
-def _fit(p: PlannedCase, caps: Capabilities, seed: int) -> tuple[PlannedCase, list[str]]:
+def _fit(p: PlannedCase, caps: Capabilities, seed: int, dtype: str
+         ) -> tuple[PlannedCase, list[str]]:
     """``p`` as the framework can run it (cut to one document when only packing is in the
-    way) and the reasons it still cannot (empty: supported)."""
-    reasons = caps.unsupported(p.case)
+    way) and the reasons it still cannot (empty: supported) in the audit's ``dtype``."""
+
+    def why(case: Any) -> list[str]:
+        return caps.unsupported(dataclasses.replace(case, dtype=dtype))
+
+    reasons = why(p.case)
     if reasons and not caps.packed_rows and any(r.startswith("packed rows") for r in reasons):
         cut = single_document(p.case, seed=seed)
         if cut is not None:
             p = PlannedCase(cut, p.kind, {**layout_facts(cut), "cut_to_first_document": True})
-            reasons = caps.unsupported(cut)
+            reasons = why(cut)
     return p, reasons
 
 
@@ -42,12 +47,14 @@ def _mark(p: PlannedCase, reasons: list[str], label: str) -> PlannedCase:
 
 
 def framework_cases(real: list[PlannedCase], profile: Any, count: int, seed: int,
-                    caps: Capabilities, label: str) -> tuple[list[PlannedCase], list[str]]:
+                    caps: Capabilities, label: str, dtype: str = "fp32"
+                    ) -> tuple[list[PlannedCase], list[str]]:
     """The real cases fitted to ``caps`` and ``count`` synthetic cases the framework supports.
 
     Args:
         real: the real cases (:func:`dflash_audit.audit.cases.plan.plan_real_cases`).
         label: the framework as the report names it (``SpecForge 0.2.0``).
+        dtype: the dtype the cases will run in (``fp32`` / ``bf16``).
 
     Returns:
         ``(planned cases, notes)``: notes list each distinct reason a case was cut or left
@@ -57,7 +64,7 @@ def framework_cases(real: list[PlannedCase], profile: Any, count: int, seed: int
     skipped: dict[str, list[str]] = {}
     cut: list[str] = []
     for p in real:
-        fitted, reasons = _fit(p, caps, seed)
+        fitted, reasons = _fit(p, caps, seed, dtype)
         if fitted.case is not p.case:
             cut.append(p.case.name)
         planned.append(_mark(fitted, reasons, label) if reasons else fitted)
@@ -68,7 +75,7 @@ def framework_cases(real: list[PlannedCase], profile: Any, count: int, seed: int
     i = 0
     while len(synthetic) < count and i < max(count, 1) * TRIES_PER_CASE:
         p = synthetic_planned(profile, i, count, seed)
-        fitted, reasons = _fit(p, caps, seed * 7919 + i)
+        fitted, reasons = _fit(p, caps, seed * 7919 + i, dtype)
         i += 1
         if fitted.case is not p.case and not reasons:
             cut.append(p.case.name)
