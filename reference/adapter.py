@@ -332,9 +332,24 @@ def run_case(case: Path, core, resolve_loss_config) -> None:
         tensors["anchor_draws_valid"] = torch.stack([v.bool().cpu() for _, v in draws])
     save_file({k: v.contiguous() for k, v in tensors.items()}, case / "outputs.safetensors")
 
+    structure = structure_summary(model, missing, unexpected)
+    (case / "outputs.json").write_text(json.dumps({
+        "metrics": metrics,
+        "noise": noise,
+        "trainable": trainable,
+        "structure": structure,
+        "defaults": {**api_defaults(core), **({"runs_instead": runs_instead}
+                                               if runs_instead else {})},
+    }, indent=1, sort_keys=True))
+
+
+def structure_summary(model, missing, unexpected) -> dict:
+    """Structural facts of the reference's built model (fc shape, target ids, block size, mask
+    token, layer types, window, norm class, state-dict keys / shapes / trainable, load
+    mismatches): the ``structure`` of outputs.json."""
     state = model.state_dict()
     params = dict(model.named_parameters())
-    structure = {
+    return {
         "fc_in_features": model.fc.in_features,
         "fc_out_features": model.fc.out_features,
         "target_layer_ids": list(model.target_layer_ids),
@@ -352,14 +367,6 @@ def run_case(case: Path, core, resolve_loss_config) -> None:
         "load_missing_keys": list(missing),
         "load_unexpected_keys": list(unexpected),
     }
-    (case / "outputs.json").write_text(json.dumps({
-        "metrics": metrics,
-        "noise": noise,
-        "trainable": trainable,
-        "structure": structure,
-        "defaults": {**api_defaults(core), **({"runs_instead": runs_instead}
-                                               if runs_instead else {})},
-    }, indent=1, sort_keys=True))
 
 
 @functools.lru_cache(maxsize=8)

@@ -117,6 +117,9 @@ class Case:
     device: str = "cpu"
     #: per-quantity {"atol", "rtol"} derived from measured noise (None: the dtype's table)
     tolerances: dict[str, dict[str, float]] | None = None
+    #: why the audited framework cannot run this case (its CAPABILITIES); non-empty: the
+    #: candidate skips ``run_case`` and only its anchor sampler and derivation are audited
+    unsupported: list[str] = field(default_factory=list)
 
     def write(self, folder: Path) -> Path:
         """Write the case into ``folder/<name>`` and return that path."""
@@ -128,7 +131,9 @@ class Case:
         (path / "profile.json").write_text(json.dumps(
             {"drafter": self.config.to_dict(), "loss": dataclasses.asdict(self.loss),
              "description": self.description, "anchor_draws": ANCHOR_DRAWS,
-             "dtype": self.dtype, "device": self.device}, indent=1))
+             "dtype": self.dtype, "device": self.device,
+             **({"unsupported": list(self.unsupported)} if self.unsupported else {})},
+            indent=1))
         if self.verifier is not None:
             self.verifier.write_derive_request(path, self.config)
         return path
@@ -150,7 +155,8 @@ class Case:
                    weights=load_file(path / "weights.safetensors"),
                    description=profile.get("description", ""),
                    dtype=profile.get("dtype", "fp32"), device=profile.get("device", "cpu"),
-                   verifier=CaseVerifier.read(path))
+                   verifier=CaseVerifier.read(path),
+                   unsupported=list(profile.get("unsupported") or []))
 
 
 @dataclass
@@ -167,6 +173,10 @@ class SideOutputs:
     derivation: dict[str, Any] | None = None
     #: the reference's own low-precision noise per quantity (dflash_audit.audit.precision)
     noise: dict[str, float] = field(default_factory=dict)
+    #: free-form facts of the side's run; ``"provenance"``: ``{output key or prefix ending in
+    #: ".": "framework" | "adapter"}``, who computed each output for this case
+    #: (:mod:`dflash_audit.audit.frameworks.provenance`)
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def read(cls, case_dir: Path) -> SideOutputs:
@@ -180,6 +190,8 @@ class SideOutputs:
         return cls(tensors=load_file(case_dir / "outputs.safetensors"), metrics=meta["metrics"],
                    structure=meta["structure"], defaults=meta.get("defaults", {}),
                    trainable=meta.get("trainable", []), noise=meta.get("noise", {}),
+                   metadata=meta.get("metadata") if isinstance(meta.get("metadata"), dict)
+                   else {},
                    derivation=json.loads(derived.read_text()) if derived.is_file() else None)
 
     def write(self, case_dir: Path) -> None:
@@ -202,7 +214,8 @@ class SideOutputs:
         (case_dir / "outputs.json").write_text(json.dumps({
             "metrics": {k: _metric_value(v) for k, v in self.metrics.items()},
             "structure": self.structure, "defaults": self.defaults,
-            "trainable": list(self.trainable)}, indent=1, sort_keys=True, default=repr))
+            "trainable": list(self.trainable), "metadata": self.metadata}, indent=1,
+            sort_keys=True, default=repr))
         if self.derivation is not None:
             (case_dir / "derivation.json").write_text(json.dumps(self.derivation, indent=1))
 

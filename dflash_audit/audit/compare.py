@@ -39,6 +39,13 @@ from pathlib import Path
 from typing import Any
 
 from dflash_audit.audit.cases.build import plan_cases
+from dflash_audit.audit.frameworks.registry import (
+    SPECULATORS,
+    candidate_launch,
+    framework_facts,
+    is_framework_spec,
+    parse_framework_spec,
+)
 from dflash_audit.audit.judge import check_all
 from dflash_audit.audit.options import CompareOptions, check_options
 from dflash_audit.audit.progress import Stages
@@ -76,6 +83,24 @@ def _notes(reference: dict[str, Any]) -> list[str]:
     return notes
 
 
+def reference_url(opts: CompareOptions) -> str | None:
+    """``--ref-url`` for the reference: not when it is meant for a ``framework:speculators@REF``
+    candidate while the reference is a release or a path (it clones the candidate's ref)."""
+    from dflash_audit.reference_source import parse_spec
+
+    if opts.ref_url and is_framework_spec(opts.candidate):
+        fs = parse_framework_spec(opts.candidate)
+        ref_is_git = bool(opts.ref) and opts.ref.strip().startswith(f"{SPECULATORS}@")
+        try:
+            candidate_is_git = fs.key == SPECULATORS and bool(fs.ref) and parse_spec(
+                fs.ref)[0] == "git"
+        except ReferenceError:  # a bad ref: named when the candidate is resolved
+            candidate_is_git = False
+        if candidate_is_git and not ref_is_git:
+            return None
+    return opts.ref_url
+
+
 def run_compare(opts: CompareOptions) -> CompareOutcome:
     """Run one audit and write its report (see the module docstring).
 
@@ -99,20 +124,27 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
         except ProfileError as exc:
             raise CompareSetupError(str(exc)) from None
         with st.stage("resolve_reference", "resolving the reference"):
-            identity = resolve_reference(opts.ref, opts.ref_url, opts.offline)
+            identity = resolve_reference(opts.ref, reference_url(opts), opts.offline)
             reference_code = reference_code_digest(identity)  # before any candidate code runs
+        with st.stage("resolve_candidate", "resolving the candidate"):
+            launch = candidate_launch(opts.candidate, python=opts.candidate_python,
+                                      offline=opts.offline, url=opts.ref_url)
         import_check = ImportCheck(identity, import_ok_marker(identity, opts.cache_dir))
         with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-") as tmp:
             with st.stage("load_candidate", "loading the candidate (own process)"):
                 try:  # never imported here: its import may exit, crash or print
-                    candidate = load_candidate_identity(opts.candidate, Path(tmp) / ".load")
+                    candidate = load_candidate_identity(launch, Path(tmp) / ".load")
                 except CandidateLoadError as exc:
                     raise CompareSetupError(f"candidate: {exc}") from None
-            planned, inputs_info = plan_cases(opts, profile, st, import_check.wait)
+            framework = framework_facts(launch, candidate)
+            planned, inputs_info = plan_cases(
+                opts, profile, st, import_check.wait,
+                capabilities=framework["capabilities"] if framework else None,
+                framework_label=framework["label"] if framework else "")
             outputs = run_both_sides(opts, identity, planned, Path(tmp), st, import_check,
-                                     reference_code)
+                                     reference_code, launch=launch)
             tolerance = measured_tolerances(planned, Path(tmp))
-            records, pictures = check_all(planned, outputs, Path(tmp), st)
+            records, pictures = check_all(planned, outputs, Path(tmp), st, framework)
             ref_info = _reference_info(identity, Path(tmp))
             staging = Path(tmp) / ".canary"
             canary = stage_canary(planned, Path(tmp), Path(tmp) / CANDIDATE_OUTPUTS, staging)
@@ -120,6 +152,11 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
             report = _build_report(opts, profile, ref_info, candidate, records, pictures,
                                    inputs_info, created_at, st.timing,
                                    covered_verifiers(planned))
+            if framework is not None:
+                report.candidate["framework"] = {
+                    **{k: v for k, v in framework.items() if k != "capabilities"},
+                    "capabilities": framework["capabilities"].to_dict()}
+                report.notes += inputs_info.get("unsupported", [])
             report.tolerance = tolerance
             if canary is not None and report.verdict == "pass":  # what train reruns
                 report.candidate["canary"] = canary

@@ -37,8 +37,16 @@ def compare_command(
              "$DFLASH_AUDIT_REF_URL. Default: https://github.com/vllm-project/speculators.")
     ] = None,
     candidate: Annotated[Optional[str], typer.Option(  # noqa: UP007
-        help="module:attr or path/to/file.py:attr (an object with run_case, or a factory). "
-             "Default: dflash-audit's own drafter.")] = None,
+        help="module:attr or path/to/file.py:attr (an object with run_case, or a factory), "
+             "or framework:NAME[==VERSION] to audit a training framework's own DFlash code "
+             "(specforge, modelopt, zlab; installed by the tool into its cache) or "
+             "framework:speculators@REF|==X.Y.Z|:path:DIR (the reference at another ref or "
+             "release). Default: dflash-audit's own drafter.")] = None,
+    candidate_python: Annotated[Optional[str], typer.Option(  # noqa: UP007
+        "--candidate-python", metavar="PATH",
+        help="Run the candidate's process under this interpreter (an environment where the "
+             "framework is installed; it must import torch; dflash_audit is put on its "
+             "PYTHONPATH). Default: this interpreter.")] = None,
     profile: Annotated[str, typer.Option(
         help="Built-in profile (reference-model, reference-train-cli, zlab), a TOML file, or "
              "a drafter's config.json (speculators DFlash checkpoint or z-lab DFlash config).")
@@ -89,7 +97,8 @@ def compare_command(
                           cases=cases, verifier=verifier, data=data, seq_len=seq_len,
                           rows=rows, anchors=anchors, seed=seed, out=out, offline=offline,
                           weights=weights, dtype=dtype, device=device,
-                          candidate_timeout_s=candidate_timeout)
+                          candidate_timeout_s=candidate_timeout,
+                          candidate_python=candidate_python)
     raise typer.Exit(main(opts))
 
 
@@ -114,10 +123,14 @@ def main(opts: CompareOptions) -> int:
     checks = report.checks()
     failed = [c["name"] for c in checks if c["status"] == "fail"]
     warned = [c["name"] for c in checks if c["status"] == "warn"]
+    by_adapter = sorted({r.name for r in report.results if (r.details or {}).get("provenance")})
+    unsupported = sum(1 for c in report.cases if c.layout.get("unsupported"))
     line = (f"verdict: {report.verdict.upper()} ({len(report.cases)} cases, {len(checks)} "
             f"checks{', failing: ' + ', '.join(failed) if failed else ''}"
-            f"{', warnings: ' + ', '.join(warned) if warned else ''}) in "
-            f"{report.timing.get('total', 0.0):.1f} s")
+            f"{', warnings: ' + ', '.join(warned) if warned else ''}"
+            f"{', computed by the adapter: ' + ', '.join(by_adapter) if by_adapter else ''}"
+            f"{f', {unsupported} cases not supported by the framework' if unsupported else ''}"
+            f") in {report.timing.get('total', 0.0):.1f} s")
     print(line)
     causes = [d["cause"] for d in report.diagnoses() if d.get("status") == "fail"]
     for cause in causes[:3]:  # root causes come first (report.diagnoses' order)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.checks import REGISTRY
+from dflash_audit.audit.hard_labels import DATA_TOKENS_CAUSE, data_token_slots
 from dflash_audit.audit.replay.evidence import Evidence, SearchMemo, unexplained
 from dflash_audit.audit.result import FAIL, PASS, CheckResult
 
@@ -48,6 +49,8 @@ def diagnose(case: Case, cand: SideOutputs, ref: SideOutputs,
             causes = DIAGNOSERS.get(result.name, lambda e, r: [])(ev, result)
         except Exception as err:  # noqa: BLE001 - a diagnosis must not hide the finding
             causes = [f"diagnosis could not run: {type(err).__name__}: {err}"]
+        if result.name in ("loss", "metrics") and data_token_slots(case, cand, ref):
+            causes = [f"follows from the targets difference ({DATA_TOKENS_CAUSE})", *causes]
         if not causes and result.status == FAIL:
             causes = [unexplained(result)]
         result.diagnosis = causes

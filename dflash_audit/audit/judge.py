@@ -53,10 +53,33 @@ def check_case(case: Any, cand: Any, ref: Any, memo: Any = None) -> list[Any]:
     return results
 
 
-def check_all(planned: list[Any], outputs: dict[str, Any], cases_dir: Path, st: Stages
-              ) -> tuple[list[Any], list[Any]]:
+def check_without_step(case: Any, cand: Any, ref: Any) -> list[Any]:
+    """A case outside the framework's capabilities (``case.unsupported``): its WARN
+    ``supported`` result, then only the checks that need no training step (anchors,
+    derivation); a check that raises is a failing result naming the error."""
+    from dflash_audit.audit.checks import REGISTRY
+    from dflash_audit.audit.frameworks.provenance import WITHOUT_STEP, unsupported_result
+    from dflash_audit.audit.result import FAIL, CheckResult
+
+    results = [unsupported_result(case)]
+    for entry in REGISTRY:
+        if entry.name not in WITHOUT_STEP:
+            continue
+        try:
+            out = entry.check(case, cand, ref)
+        except Exception as err:  # noqa: BLE001 - reported, not swallowed
+            out = CheckResult(entry.name, case.name, FAIL,
+                              f"check could not run: {type(err).__name__}: {err}")
+        results.extend(out if isinstance(out, list) else [out])
+    return results
+
+
+def check_all(planned: list[Any], outputs: dict[str, Any], cases_dir: Path, st: Stages,
+              framework: dict[str, Any] | None = None) -> tuple[list[Any], list[Any]]:
     """Checks + diagnosis of every case; returns the case records and the mask pictures
     (differing masks first, else one example per layer type from a real case).
+    ``framework`` (``{"label", "provenance"}`` of an audited framework): results on values
+    its adapter computed are marked (:mod:`dflash_audit.audit.frameworks.provenance`).
 
     Raises:
         CompareSetupError: the reference wrote no outputs for a case.
@@ -75,11 +98,23 @@ def check_all(planned: list[Any], outputs: dict[str, Any], cases_dir: Path, st: 
                 raise CompareSetupError(f"the reference wrote no usable outputs for case "
                                         f"{name}: {exc}") from None
             cand, failure = outputs.pop(name)
-            results = [failure] if failure is not None else check_case(p.case, cand, ref,
-                                                                           memo)
+            if failure is not None:
+                results = [failure]
+            elif p.case.unsupported:
+                results = check_without_step(p.case, cand, ref)
+            else:
+                results = check_case(p.case, cand, ref, memo)
+            if framework is not None and failure is None:
+                from dflash_audit.audit.frameworks.provenance import (
+                    case_provenance,
+                    mark_provenance,
+                )
+
+                mark_provenance(results, case_provenance(framework.get("provenance"), cand),
+                                framework.get("label", "the framework"), cand)
             records.append(CaseRecord(name=name, kind=p.kind, description=p.case.description,
                                       layout=p.layout, results=results))
-            for pic in mask_pictures(name, p.case, cand, ref):
+            for pic in [] if p.case.unsupported else mask_pictures(name, p.case, cand, ref):
                 if pic.differs and len(differing) < MAX_MASK_PICTURES:
                     differing.append(pic)
                 elif (not pic.differs and p.kind == "real"

@@ -54,6 +54,8 @@ class CompareOptions:
     dtype: str | None = None  # fp32 | bf16; None: the profile's dtype
     device: str = "cpu"  # cpu | cuda (both sides on the GPU, their flex-attention paths)
     candidate_timeout_s: float = DEFAULT_CANDIDATE_TIMEOUT_S  # per case, candidate process
+    #: interpreter of the candidate's process (where the framework is installed); None: ours
+    candidate_python: str | None = None
 
 
 def check_options(opts: CompareOptions) -> None:

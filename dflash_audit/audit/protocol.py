@@ -58,6 +58,9 @@ OUTPUT_SPEC: tuple[OutputSpec, ...] = (
     OutputSpec("loss_weights.<term>", ("1", "Q"), "float", "per-slot weight of a loss term"),
     OutputSpec("grad.<parameter>", None, "float", "gradient of a trainable parameter",
                required=False),
+    OutputSpec("target_ids", ("1", "Q"), "int", "the token each slot is taught (verifier "
+               "vocabulary): hard-label trainers, instead of or besides targets",
+               required=False),
     OutputSpec("anchor_draws", ("K", "A"), "int", "the side's own anchor positions, K draws",
                required=False),
     OutputSpec("anchor_draws_valid", ("K", "A"), "bool", "validity of those anchors",
@@ -201,6 +204,8 @@ def validate_outputs(out: SideOutputs, case: Case, side: str = "candidate") -> l
     dtype = case_dtype(case)
     has_weights = any(k.startswith("loss_weights.") for k in out.tensors)
     for key in required_keys(case):
+        if key == "targets" and "target_ids" in out.tensors:
+            continue  # a hard-label trainer: its target_ids are compared instead
         if key not in out.tensors:
             spec = spec_for(key)
             other_term = key.startswith("loss_weights.") and has_weights

@@ -90,8 +90,15 @@ def files_fingerprint(source_files: list[str] | list[Path], profile_fingerprint:
                       ) -> dict[str, Any]:
     """:func:`candidate_fingerprint` from the candidate's source file paths (as the candidate
     process reports them in its identity, so the candidate is never imported here)."""
-    paths = sorted(Path(f).resolve() for f in source_files)
-    files = {_display_name(p): file_sha256(p) for p in paths if p.is_file()}
+    paths = [p for p in sorted({Path(f).resolve() for f in source_files}) if p.is_file()]
+    names = [_display_name(p) for p in paths]
+    for i, p in enumerate(paths):  # a framework's losses/utils.py beside its dflash/utils.py
+        depth = 2
+        while names.count(names[i]) > 1 and depth <= len(p.parts):
+            names = [("/".join(q.parts[-depth:]) if n == names[i] else n)
+                     for q, n in zip(paths, names)]
+            depth += 1
+    files = {n: file_sha256(p) for n, p in zip(names, paths)}
     return {"fingerprint": canonical_sha256({"files": files, "profile": profile_fingerprint}),
             "files": files}
 

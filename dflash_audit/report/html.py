@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_audit.report.markdown import fmt_num, reference_rows
+from dflash_audit.report.markdown import fmt_num, framework_lines, reference_rows
 from dflash_audit.report.schema import MaskPicture, Report
 
 MAX_ROWS = 256
@@ -190,6 +190,10 @@ def render_html(report: Report) -> str:
              _e(fmt_num(c["worst_max_abs_diff"])), _e(fmt_num(c["worst_max_rel_diff"])),
              (f"<code>{_e(c['first_failure']['case'])}</code>: {_e(c['first_failure']['summary'])}"
               if c["first_failure"] else "")] for c in report.checks()]
+    framework = framework_lines(report)
+    if framework:
+        parts.append("<h2>Framework</h2><ul>" + "".join(f"<li>{_e(line)}</li>"
+                                                        for line in framework) + "</ul>")
     parts += ["<h2>Checks</h2>", _table(["check", "status", "results ✓ / ✗ / ⚠", "worst max abs",
                                          "worst max rel", "first failure"], rows)]
     diagnoses = report.diagnoses()

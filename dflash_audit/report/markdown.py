@@ -91,6 +91,29 @@ def _what(report: Report) -> list[str]:
     return lines
 
 
+def framework_lines(report: Report) -> list[str]:
+    """What an audit of a framework's own code says about the framework: which outputs its
+    adapter (not the framework) computed, and the cases it does not support (plain text)."""
+    fw = report.candidate.get("framework")
+    if not fw:
+        return []
+    adapter = sorted(k for k, v in (fw.get("provenance") or {}).items() if v == "adapter")
+    by_adapter = sorted({r.name for r in report.results
+                         if (r.details or {}).get("provenance")})
+    lines = [f"Framework audited: {fw.get('label')} ({fw.get('spec')}; "
+             f"{fw.get('install') or (fw.get('source') or {}).get('source_dir') or ''})."]
+    lines.append("Outputs computed by the adapter, not the framework: "
+                 + (", ".join(adapter) if adapter else "none")
+                 + (f" (checks marked: {', '.join(by_adapter)})" if by_adapter else "") + ".")
+    unsupported = sum(1 for c in report.cases if c.layout.get("unsupported"))
+    if unsupported:
+        lines.append(f"{unsupported} case(s) not supported by {fw.get('label')}: only the "
+                     "anchors and derivation checks ran on them.")
+    lines += [n for n in report.notes if n.startswith("not supported by")
+              or "takes one document per row" in n]
+    return lines
+
+
 def checks_table(report: Report) -> list[str]:
     """The table of checks aggregated over cases."""
     lines = ["| check | status | results ✓ / ✗ / ⚠ | worst max abs diff | worst max rel diff "
@@ -123,7 +146,10 @@ def tolerance_table(report: Report) -> list[str]:
 
 def render_markdown(report: Report) -> str:
     """The text of ``report.md``."""
-    out = [verdict_line(report), "", *_what(report), "", "### Checks", "",
+    fw = framework_lines(report)
+    out = [verdict_line(report), "", *_what(report), "",
+           *(["### Framework", "", *[f"- {_cell(line, 400)}" for line in fw], ""] if fw
+             else []), "### Checks", "",
            *checks_table(report), "",
            "One result per case (per case and layer type for mask). A check passes when "
            "|c - r| <= atol + rtol·|r| everywhere, so a large relative diff on values near "
@@ -157,7 +183,8 @@ def render_markdown(report: Report) -> str:
         parts = ", ".join(f"{k} {v:.1f} s" for k, v in timing.items() if k != "total")
         out += ["", f"Timing: total {timing.get('total', sum(timing.values())):.1f} s ({parts})."]
     for note in report.notes:
-        out.append(f"\n> {_cell(note, 400)}")
+        if note not in fw:
+            out.append(f"\n> {_cell(note, 400)}")
     out += ["", (f"<sub>report fingerprint `{report.fingerprint}` · {report.created_at} · "
                  "dflash-audit</sub>"), ""]
     return "\n".join(out)

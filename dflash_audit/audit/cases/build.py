@@ -18,11 +18,16 @@ from dflash_audit.data.verifier import ResolvedVerifier, resolve_verifier
 
 
 def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
-               before_capture: Callable[[], None] | None = None
+               before_capture: Callable[[], None] | None = None, *,
+               capabilities: Any = None, framework_label: str = ""
                ) -> tuple[list[Any], dict[str, Any]]:
     """The real cases (``--rows`` captured rows, cached) and the synthetic ones, plus the
     report's ``inputs`` section. ``before_capture`` runs before a verifier capture (the compare
     awaits the reference's import check there, so a broken reference costs no capture).
+    ``capabilities`` (a framework's :class:`~dflash_audit.audit.frameworks.capabilities.
+    Capabilities`, named ``framework_label``): the cases are those it supports
+    (:func:`dflash_audit.audit.cases.supported.framework_cases`), and ``inputs["unsupported"]``
+    lists what was cut or left out.
 
     Raises:
         CompareSetupError: bad verifier, data, layer ids, mask token, or a profile that does
@@ -85,7 +90,15 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
             if opts.rows:
                 planned += plan_real_cases(profile, real, opts.anchors, seed=opts.seed,
                                            user_weights=user, weights_source=str(opts.weights))
-            planned += plan_synthetic_cases(profile, opts.cases, seed=opts.seed)
+            if capabilities is not None and capabilities != type(capabilities)():
+                from dflash_audit.audit.cases.supported import framework_cases
+
+                planned, notes = framework_cases(planned, profile, opts.cases, opts.seed,
+                                                 capabilities, framework_label,
+                                                 opts.dtype or profile.dtype)
+                info["unsupported"] = notes
+            else:
+                planned += plan_synthetic_cases(profile, opts.cases, seed=opts.seed)
             if opts.device == "cuda":  # Q and T+Q past and off the flex block size
                 planned.append(plan_flex_padding_case(profile, seed=opts.seed))
             planned = [dataclasses.replace(p, case=in_dtype(p.case, opts.dtype or profile.dtype,

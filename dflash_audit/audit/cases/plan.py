@@ -194,47 +194,50 @@ def _synthetic_target_layers(profile: Profile, n_layers: int) -> list[int]:
 
 def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[PlannedCase]:
     """``count`` synthetic cases over a seeded spread (see the module docstring)."""
+    return [synthetic_planned(profile, i, count, seed) for i in range(count)]
+
+
+def synthetic_planned(profile: Profile, i: int, count: int, seed: int = 0) -> PlannedCase:
+    """Synthetic case ``i`` of an audit of ``count`` synthetic cases (the spread of the module
+    docstring; ``i >= count`` continues it, for a framework whose capabilities skip cases)."""
     V = SYNTHETIC_VERIFIER["vocab_size"]
     ids = _synthetic_target_layers(profile, SYNTHETIC_VERIFIER["num_hidden_layers"])
     draft_vocab = V // 2 if profile.draft_vocab_size is not None else None
     loss = profile.loss_spec()
-    planned = []
-    for i in range(count):
-        rng = random.Random(seed * 1_000_003 + i)
-        layout = SYNTHETIC_LAYOUTS[i % len(SYNTHETIC_LAYOUTS)]
-        if layout == "mixed":
-            types = rng.choice([("sliding", "full"), ("full", "sliding")])
-        else:
-            types = (layout,) * rng.choice((1, 1, 2))
-        block = profile.block_size if i < len(SYNTHETIC_LAYOUTS) else rng.choice(
-            SYNTHETIC_BLOCK_SIZES)
-        # the last case past the first pass over the families: one long document
-        long_row = i == count - 1 and i >= len(FAMILIES)
-        seq_len = LONG_SEQ_LEN if long_row else rng.randint(max(3 * block, 24), max(96, 4 * block))
-        docs = 1 if long_row else rng.randint(1, 4)
-        pad = rng.randint(0, min(8, seq_len // 4))
-        window = rng.randint(1, seq_len // 2) if rng.random() < 0.8 else rng.randint(
-            seq_len, 2 * seq_len)
-        variant = profile.replace(block_size=block, num_draft_layers=len(types),
-                                  layer_layout=list(types), sliding_window=window,
-                                  draft_vocab_size=draft_vocab)
-        # one case in four has more anchor slots than valid anchors: padding anchors
-        anchors = seq_len if rng.random() < 0.25 else rng.randint(1, 10)
-        anchors = 8 if long_row else anchors
-        family = FAMILIES[i % len(FAMILIES)]
-        verifier_config = synthetic_verifier_config(
-            family, rng if i >= len(FAMILIES) else None)
-        config = variant.to_drafter_config(verifier_config, mask_token_id=V - 1,
-                                           target_layer_ids=ids)
-        case = synthetic_case(f"syn-{i:03d}-{family}-{variant.layout_name}", config, loss,
-                              seed=seed * 1_000_003 + i, seq_len=seq_len, num_documents=docs,
-                              pad=pad, max_anchors=anchors)
-        case.verifier = CaseVerifier(name=f"family:{family}", config=verifier_config,
-                                     target_layers=profile.target_layers)
-        if long_row:
-            pin_last_anchor(case)
-        planned.append(PlannedCase(case, "synthetic", layout_facts(case)))
-    return planned
+    rng = random.Random(seed * 1_000_003 + i)
+    layout = SYNTHETIC_LAYOUTS[i % len(SYNTHETIC_LAYOUTS)]
+    if layout == "mixed":
+        types = rng.choice([("sliding", "full"), ("full", "sliding")])
+    else:
+        types = (layout,) * rng.choice((1, 1, 2))
+    block = profile.block_size if i < len(SYNTHETIC_LAYOUTS) else rng.choice(
+        SYNTHETIC_BLOCK_SIZES)
+    # the last case past the first pass over the families: one long document
+    long_row = i == count - 1 and i >= len(FAMILIES)
+    seq_len = LONG_SEQ_LEN if long_row else rng.randint(max(3 * block, 24), max(96, 4 * block))
+    docs = 1 if long_row else rng.randint(1, 4)
+    pad = rng.randint(0, min(8, seq_len // 4))
+    window = rng.randint(1, seq_len // 2) if rng.random() < 0.8 else rng.randint(
+        seq_len, 2 * seq_len)
+    variant = profile.replace(block_size=block, num_draft_layers=len(types),
+                              layer_layout=list(types), sliding_window=window,
+                              draft_vocab_size=draft_vocab)
+    # one case in four has more anchor slots than valid anchors: padding anchors
+    anchors = seq_len if rng.random() < 0.25 else rng.randint(1, 10)
+    anchors = 8 if long_row else anchors
+    family = FAMILIES[i % len(FAMILIES)]
+    verifier_config = synthetic_verifier_config(
+        family, rng if i >= len(FAMILIES) else None)
+    config = variant.to_drafter_config(verifier_config, mask_token_id=V - 1,
+                                       target_layer_ids=ids)
+    case = synthetic_case(f"syn-{i:03d}-{family}-{variant.layout_name}", config, loss,
+                          seed=seed * 1_000_003 + i, seq_len=seq_len, num_documents=docs,
+                          pad=pad, max_anchors=anchors)
+    case.verifier = CaseVerifier(name=f"family:{family}", config=verifier_config,
+                                 target_layers=profile.target_layers)
+    if long_row:
+        pin_last_anchor(case)
+    return PlannedCase(case, "synthetic", layout_facts(case))
 
 
 def pin_last_anchor(case: Case) -> None:

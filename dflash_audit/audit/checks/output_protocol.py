@@ -28,7 +28,7 @@ from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 #: Output keys (prefixes) each comparison reads: a check all of whose keys broke the protocol
 #: on a side is reported as not compared.
 CHECK_KEYS: dict[str, tuple[str, ...]] = {
-    "mask": ("mask.",), "context": ("context",), "targets": ("targets",),
+    "mask": ("mask.",), "context": ("context",), "targets": ("targets", "target_ids"),
     "logits": ("logits",), "loss": ("loss", "aligned_loss_mask", "loss_weights."),
     "gradients": ("grad.",), "metrics": ("metrics",), "anchors": ("anchor_draws",)}
 MAX_NAMED = 3

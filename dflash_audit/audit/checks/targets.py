@@ -5,7 +5,10 @@ Hypotheses (every source x norm count x shift, the reference formula first) name
 a target layer instead of the verifier's last layer N, targets from post-norm states (the
 verifier's final norm applied twice) or without it, the other verifier_norm gain convention or
 a hard-coded eps, targets not shifted / shifted twice / offset, and a draft-vocabulary mapping
-slip (not reduced to V_d, d2t read as absolute ids instead of offsets).
+slip (not reduced to V_d, d2t read as absolute ids instead of offsets). A hard-label trainer's
+``target_ids`` [1,Q] are compared exactly (token ids) with the argmax of the reference's targets
+(:mod:`dflash_audit.audit.hard_labels`); its hypothesis names targets that are the data tokens
+input_ids[a+s] instead of the verifier's prediction.
 """
 
 from __future__ import annotations
@@ -18,6 +21,12 @@ import torch
 
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import slot_check
+from dflash_audit.audit.hard_labels import (
+    DATA_TOKENS_CAUSE,
+    compare_hard_labels,
+    data_token_slots,
+    reference_label_ids,
+)
 from dflash_audit.audit.replay.architecture import COMMON_NORM_EPS
 from dflash_audit.audit.replay.evidence import (
     CONFIRM_SAMPLE,
@@ -26,14 +35,42 @@ from dflash_audit.audit.replay.evidence import (
     search_hypotheses,
     vocab_sample,
 )
-from dflash_audit.audit.result import CheckResult
+from dflash_audit.audit.result import FAIL, PASS, CheckResult
+from dflash_audit.audit.slots import slot_coordinates
 from dflash_audit.model.drafter import block_indices
 from dflash_audit.model.layers import RMSNorm
 
 
 def check_targets(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResult:
-    """Verifier target logits [1,Q,V_d] on supervised slots."""
+    """Verifier target logits [1,Q,V_d] on supervised slots; a hard-label candidate's
+    ``target_ids`` [1,Q] against the reference's argmax token there."""
+    if "target_ids" in cand.tensors and "targets" in ref.tensors:
+        return check_target_ids(case, cand, ref)
     return slot_check("targets", case, cand, ref)
+
+
+def check_target_ids(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResult:
+    """``target_ids`` [1,Q] long vs the argmax of the reference's targets (verifier ids)
+    on the reference's supervised slots, exact."""
+    try:
+        c = compare_hard_labels(case, cand, ref)
+    except ValueError as exc:
+        return CheckResult("targets", case.name, FAIL, f"target_ids: {exc}")
+    details = {"compared": f"{c.compared} supervised slots (hard labels)",
+               "num_bad": int(c.differ.sum()), "data_token_slots": c.data_token}
+    if c.ok:
+        return CheckResult("targets", case.name, PASS, f"target_ids equal the reference's "
+                           f"argmax target on {c.compared} supervised slots (hard labels)",
+                           details=details)
+    q = int(c.differ.nonzero()[0])
+    first = slot_coordinates(case, q)
+    return CheckResult(
+        "targets", case.name, FAIL,
+        f"target_ids differ from the reference's argmax target on {int(c.differ.sum())} of "
+        f"{c.compared} supervised slots (hard labels); first at "
+        + ", ".join(f"{k} {v}" for k, v in first.items()),
+        candidate=int(cand.tensors["target_ids"].reshape(-1)[q]),
+        reference=int(reference_label_ids(case, ref)[q]), first_diff=first, details=details)
 
 
 @dataclass(frozen=True)
@@ -154,7 +191,13 @@ def diagnose_vocab(ev: Evidence, key: str) -> list[str]:
 
 
 def diagnose_targets(ev: Evidence, result: CheckResult) -> list[str]:
-    """Search every (source, norm, shift) formula for the candidate's targets."""
+    """Search every (source, norm, shift) formula for the candidate's targets; hard labels:
+    whether they are the data tokens."""
+    if "target_ids" in ev.cand.tensors:
+        if data_token_slots(ev.case, ev.cand, ev.ref):
+            return [DATA_TOKENS_CAUSE]
+        return ["hard labels (target_ids) that are neither the verifier's argmax prediction "
+                "nor the data tokens input_ids[a+s]"]
     c = ev.cand.tensors["targets"]
     if c.shape != ev.ref.tensors["targets"].shape:
         return diagnose_vocab(ev, "targets")

@@ -28,7 +28,8 @@ def stage_canary(planned: list[Any], cases_dir: Path, outputs_dir: Path, staging
 
     for p in planned:
         out = Path(outputs_dir) / p.case.name
-        if p.kind != "synthetic" or not (out / "outputs.safetensors").is_file():
+        if p.kind != "synthetic" or p.case.unsupported or not (
+                out / "outputs.safetensors").is_file():
             continue
         shutil.rmtree(staging, ignore_errors=True)
         shutil.copytree(Path(cases_dir) / p.case.name, staging / "case")

@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from dflash_audit.audit.sides.candidate_runner import (
     LOAD_ERROR,
     STATUS,
 )
+from dflash_audit.audit.sides.launch import CandidateLaunch, launch_env
 from dflash_audit.candidate import CandidateError
 
 #: Default of ``--candidate-timeout``: seconds one case may take (a real case with the
@@ -134,18 +134,15 @@ def death_summary(returncode: int) -> tuple[str, str]:
                     "abort)")
 
 
-def runner_env(threads: int | None) -> dict[str, str]:
-    """Our environment, with this dflash_audit first on PYTHONPATH (the runner imports the
-    same code) and unbuffered output (tails are complete when the process is killed)."""
-    import dflash_audit
+def runner_env(threads: int | None, launch: CandidateLaunch | None = None) -> dict[str, str]:
+    """The candidate process's environment (:func:`dflash_audit.audit.sides.launch.launch_env`):
+    this dflash_audit first on PYTHONPATH, then the launch's folders, unbuffered output."""
+    return launch_env(launch, threads)
 
-    env = dict(os.environ)
-    root = str(Path(dflash_audit.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    env["PYTHONUNBUFFERED"] = "1"
-    if threads:
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
-    return env
+
+def as_launch(spec: str | CandidateLaunch | None) -> CandidateLaunch:
+    """A candidate spec (``module:attr``, ``file.py:attr``, None) or launch as a launch."""
+    return spec if isinstance(spec, CandidateLaunch) else CandidateLaunch(spec=spec)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -163,14 +160,14 @@ def _read_status(folder: Path) -> dict[str, Any] | None:
         return None
 
 
-def run_candidate_process(spec: str | None, cases_dir: Path, names: list[str], out_dir: Path,
+def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, names: list[str], out_dir: Path,
                           timeout_s: float = DEFAULT_CANDIDATE_TIMEOUT_S, *,
                           threads: int | None = None,
                           startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
                           on_case: Callable[[CandidateCaseRun], None] = lambda run: None
                           ) -> dict[str, CandidateCaseRun]:
-    """Run the candidate ``spec`` (``module:attr``, ``file.py:attr`` or None: our drafter) on
-    the cases ``names`` of ``cases_dir`` in its own process; outputs land in
+    """Run the candidate ``spec`` (``module:attr``, ``file.py:attr``, None: our drafter, or a
+    :class:`CandidateLaunch`: interpreter, spec and path of a framework adapter) on the cases ``names`` of ``cases_dir`` in its own process; outputs land in
     ``out_dir/<case>/`` (read them with :func:`read_candidate_outputs`).
 
     Args:
@@ -185,6 +182,8 @@ def run_candidate_process(spec: str | None, cases_dir: Path, names: list[str], o
     Raises:
         CandidateLoadError: the runner could not load the candidate (bad spec, import error).
     """
+    launch = as_launch(spec)
+    spec = launch.spec
     out_dir = Path(out_dir)
     logs = out_dir / ".logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -195,13 +194,13 @@ def run_candidate_process(spec: str | None, cases_dir: Path, names: list[str], o
         attempt += 1
         stdout, stderr = logs / f"stdout-{attempt}.txt", logs / f"stderr-{attempt}.txt"
         (out_dir / HEARTBEAT).unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "dflash_audit.audit.sides.candidate_runner", str(cases_dir),
+        cmd = [launch.executable, "-m", "dflash_audit.audit.sides.candidate_runner", str(cases_dir),
                str(out_dir), *(["--candidate", spec] if spec else []),
                *(["--threads", str(threads)] if threads else []),
                *[a for n in remaining for a in ("--case", n)]]
         with stdout.open("wb") as fo, stderr.open("wb") as fe:
             proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
-                                    env=runner_env(threads), start_new_session=True)
+                                    env=runner_env(threads, launch), start_new_session=True)
         try:
             current, since, timed_out = _watch(proc, out_dir, remaining, results, timeout_s,
                                                startup_timeout_s, stdout, stderr, on_case)
@@ -308,8 +307,8 @@ def candidate_side(runs: dict[str, CandidateCaseRun], out_dir: Path) -> dict[str
     return side
 
 
-def load_candidate_identity(spec: str | None, out_dir: Path, timeout_s: float =
-                            DEFAULT_STARTUP_TIMEOUT_S) -> dict[str, Any]:
+def load_candidate_identity(spec: str | CandidateLaunch | None, out_dir: Path,
+                            timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> dict[str, Any]:
     """Load the candidate in a runner process (``--load-only``) and return its
     ``candidate.json`` (name, class, source_files, has_select_anchors): the setup check that
     replaces importing the candidate into our process.
@@ -318,14 +317,17 @@ def load_candidate_identity(spec: str | None, out_dir: Path, timeout_s: float =
         CandidateLoadError: it cannot be loaded (message from the runner), or the process
             died, hung or wrote nothing (with the tail of its stderr).
     """
+    launch = as_launch(spec)
+    spec = launch.spec
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / IDENTITY).unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "dflash_audit.audit.sides.candidate_runner", str(out_dir),
+    cmd = [launch.executable, "-m", "dflash_audit.audit.sides.candidate_runner", str(out_dir),
            str(out_dir), "--load-only", *(["--candidate", spec] if spec else [])]
     try:
         proc = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL,
-                              env=runner_env(None), timeout=timeout_s, start_new_session=True)
+                              env=runner_env(None, launch), timeout=timeout_s,
+                              start_new_session=True)
     except subprocess.TimeoutExpired:
         raise CandidateLoadError(f"loading the candidate {spec!r} took more than "
                                  f"{timeout_s:g} s") from None

@@ -50,7 +50,8 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 
 def run_one(candidate: Any, case: Any) -> tuple[dict[str, Any], Any]:
     """Run the candidate on one case: cloned inputs on the case's device, torch seed 0, the
-    case's autocast (bf16: fp32 master weights under bf16 autocast, as in training), outputs
+    case's autocast (no ``run_case`` for a case outside a framework's capabilities,
+    ``case.unsupported``) (bf16: fp32 master weights under bf16 autocast, as in training), outputs
     moved to the CPU; then K draws of its ``select_anchors`` and its ``derive_config`` for the
     case's verifier, when it has them.
 
@@ -73,8 +74,12 @@ def run_one(candidate: Any, case: Any) -> tuple[dict[str, Any], Any]:
     torch.manual_seed(0)
     stage = "run_case"
     try:
-        with autocast(case):
-            out = candidate.run_case(case.config, case.loss, weights, inputs)
+        if case.unsupported:  # outside the framework's capabilities: no training step
+            out = SideOutputs(tensors={}, metrics={}, structure={},
+                              metadata={"unsupported": list(case.unsupported)})
+        else:
+            with autocast(case):
+                out = candidate.run_case(case.config, case.loss, weights, inputs)
         if not isinstance(out, SideOutputs):
             return {"status": "protocol", "summary": f"run_case returned "
                     f"{type(out).__name__}, not SideOutputs", "traceback": ""}, None
@@ -129,16 +134,31 @@ def publish(out_dir: Path, name: str, status: dict[str, Any], outputs: Any) -> N
         (tmp / STATUS).write_text(json.dumps(status))
 
 
+#: Constants of a framework adapter module (dflash_audit.audit.frameworks) reported to the
+#: parent: it never imports the adapter (the framework is importable only in this process).
+ADAPTER_CONSTANTS = ("NAME", "VERSION", "PROVENANCE", "CAPABILITIES", "REQUIREMENTS")
+
+
 def identity(candidate: Any, spec: str | None) -> dict[str, Any]:
     """What the parent needs to know about the loaded candidate: its report name, class,
-    source files (:func:`dflash_audit.report.fingerprint.candidate_source_files`) and whether
-    it has its own anchor sampler."""
+    source files (:func:`dflash_audit.report.fingerprint.candidate_source_files`), whether
+    it has its own anchor sampler, and -- for a framework adapter module -- its contract
+    constants (``adapter``: {NAME, VERSION, PROVENANCE, CAPABILITIES, REQUIREMENTS}, JSON
+    values) plus the files of the framework it imported (``framework_files``)."""
     from dflash_audit.report.fingerprint import candidate_source_files
 
-    return {"name": str(getattr(candidate, "name", None) or spec or type(candidate).__name__),
-            "class": f"{type(candidate).__module__}.{type(candidate).__qualname__}",
-            "source_files": [str(f) for f in candidate_source_files(candidate)],
-            "has_select_anchors": callable(getattr(candidate, "select_anchors", None))}
+    out = {"name": str(getattr(candidate, "name", None) or spec or type(candidate).__name__),
+           "class": f"{type(candidate).__module__}.{type(candidate).__qualname__}",
+           "source_files": [str(f) for f in candidate_source_files(candidate)],
+           "has_select_anchors": callable(getattr(candidate, "select_anchors", None))}
+    module = sys.modules.get((spec or "").rpartition(":")[0])
+    if module is not None and all(hasattr(module, k) for k in ("NAME", "VERSION")):
+        out["adapter"] = json.loads(json.dumps(
+            {k: getattr(module, k, None) for k in ADAPTER_CONSTANTS}, default=str))
+        files = getattr(module, "FRAMEWORK_FILES", None)
+        if callable(files):
+            out["source_files"] += [str(f) for f in files()]
+    return out
 
 
 def die_with_parent() -> None:

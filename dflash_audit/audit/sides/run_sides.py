@@ -318,7 +318,8 @@ def changed_files(before: dict[str, str], after: dict[str, str]) -> list[str]:
 
 def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], cases_dir: Path,
                    st: Stages, import_check: ImportCheck,
-                   reference_code: dict[str, str] | None = None) -> dict[str, Any]:
+                   reference_code: dict[str, str] | None = None, launch: Any = None
+                   ) -> dict[str, Any]:
     """Write the cases, run the candidate on each (in its own process, all cores,
     ``opts.candidate_timeout_s`` per case), then -- once the candidate's process is gone --
     the reference on all of them; a candidate that raises, exits, crashes, is killed or times
@@ -326,8 +327,10 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     sees the reference's outputs nor the reference process: before the reference starts, the
     case inputs and the reference's code (``reference_code``, :func:`reference_code_digest`
     taken before the candidate was loaded) must be unchanged, and afterwards its outputs must
-    be the files it reported writing. Returns ``{case name: (SideOutputs | None, failing
-    "run" result | None)}``.
+    be the files it reported writing. ``launch``: how the candidate process starts
+    (:class:`dflash_audit.audit.sides.launch.CandidateLaunch`; None: ``opts.candidate`` under
+    this interpreter). Returns ``{case name: (SideOutputs | None, failing "run" result |
+    None)}``.
 
     Raises:
         CompareSetupError: the reference does not import or its run failed; the candidate
@@ -354,7 +357,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     try:
         with st.stage("candidate", f"candidate on {len(planned)} cases (own process)",
                       total=len(planned)) as advance:
-            runs = run_candidate_process(opts.candidate, cand_cases, names, out_dir,
+            runs = run_candidate_process(launch or opts.candidate, cand_cases, names, out_dir,
                                          opts.candidate_timeout_s, threads=threads,
                                          on_case=lambda run: advance(1))
     except CandidateLoadError as exc:

@@ -1,0 +1,97 @@
+"""The cases of a framework audit: the real rows and a synthetic spread the framework supports
+(its adapter's CAPABILITIES, :class:`dflash_audit.audit.frameworks.capabilities.Capabilities`).
+
+- A packed row (several documents or padding) for a framework without packed rows becomes a
+  single-document variant: the row cut to its first document (:func:`single_document`).
+- Synthetic cases outside the capabilities are skipped and the spread continues (case
+  ``count``, ``count + 1``, ... of the same seeded sequence, so it still cycles over the
+  verifier families and layouts the framework supports) until the budget is filled.
+- What stays unsupported is listed ("not supported by SpecForge 0.2.0: ..."), never failed;
+  where the budget cannot be filled with supported cases, unsupported ones fill it with only
+  the checks that need no training step (anchors, derivation), ``case.unsupported`` set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from dflash_audit.audit.cases.plan import PlannedCase, layout_facts, synthetic_planned
+from dflash_audit.audit.frameworks.capabilities import Capabilities, single_document
+
+#: Synthetic candidates tried per synthetic case asked for, before unsupported ones fill in.
+TRIES_PER_CASE = 6
+
+
+def _fit(p: PlannedCase, caps: Capabilities, seed: int, dtype: str
+         ) -> tuple[PlannedCase, list[str]]:
+    """``p`` as the framework can run it (cut to one document when only packing is in the
+    way) and the reasons it still cannot (empty: supported) in the audit's ``dtype``."""
+
+    def why(case: Any) -> list[str]:
+        return caps.unsupported(dataclasses.replace(case, dtype=dtype))
+
+    reasons = why(p.case)
+    if reasons and not caps.packed_rows and any(r.startswith("packed rows") for r in reasons):
+        cut = single_document(p.case, seed=seed)
+        if cut is not None:
+            p = PlannedCase(cut, p.kind, {**layout_facts(cut), "cut_to_first_document": True})
+            reasons = why(cut)
+    return p, reasons
+
+
+def _mark(p: PlannedCase, reasons: list[str], label: str) -> PlannedCase:
+    case = dataclasses.replace(p.case, unsupported=[f"not supported by {label}: {r}"
+                                                    for r in reasons])
+    return PlannedCase(case, p.kind, {**p.layout, "unsupported": case.unsupported})
+
+
+def framework_cases(real: list[PlannedCase], profile: Any, count: int, seed: int,
+                    caps: Capabilities, label: str, dtype: str = "fp32"
+                    ) -> tuple[list[PlannedCase], list[str]]:
+    """The real cases fitted to ``caps`` and ``count`` synthetic cases the framework supports.
+
+    Args:
+        real: the real cases (:func:`dflash_audit.audit.cases.plan.plan_real_cases`).
+        label: the framework as the report names it (``SpecForge 0.2.0``).
+        dtype: the dtype the cases will run in (``fp32`` / ``bf16``).
+
+    Returns:
+        ``(planned cases, notes)``: notes list each distinct reason a case was cut or left
+        out, with the cases it concerns.
+    """
+    planned: list[PlannedCase] = []
+    skipped: dict[str, list[str]] = {}
+    cut: list[str] = []
+    for p in real:
+        fitted, reasons = _fit(p, caps, seed, dtype)
+        if fitted.case is not p.case:
+            cut.append(p.case.name)
+        planned.append(_mark(fitted, reasons, label) if reasons else fitted)
+        for r in reasons:
+            skipped.setdefault(r, []).append(p.case.name)
+    synthetic: list[PlannedCase] = []
+    spares: list[tuple[PlannedCase, list[str]]] = []
+    i = 0
+    while len(synthetic) < count and i < max(count, 1) * TRIES_PER_CASE:
+        p = synthetic_planned(profile, i, count, seed)
+        fitted, reasons = _fit(p, caps, seed * 7919 + i, dtype)
+        i += 1
+        if fitted.case is not p.case and not reasons:
+            cut.append(p.case.name)
+        if reasons:
+            for r in reasons:
+                skipped.setdefault(r, []).append(p.case.name)
+            spares.append((fitted, reasons))
+            continue
+        synthetic.append(fitted)
+    for fitted, reasons in spares[: count - len(synthetic)]:
+        synthetic.append(_mark(fitted, reasons, label))
+    notes = [f"not supported by {label}: {r} (cases {', '.join(names[:4])}"
+             + (f" and {len(names) - 4} more" if len(names) > 4 else "") + ")"
+             for r, names in skipped.items()]
+    if cut:
+        notes.append(f"{label} takes one document per row: packed rows were cut to their "
+                     f"first document ({', '.join(cut[:4])}"
+                     + (f" and {len(cut) - 4} more" if len(cut) > 4 else "") + ")")
+    return planned + synthetic, notes

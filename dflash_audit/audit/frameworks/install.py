@@ -1,0 +1,132 @@
+"""A framework installed by the tool at its pinned version, into the tool's cache -- never into
+the user's environment -- for the candidate process to import (like the reference's sdist,
+:mod:`dflash_audit.reference_source.sdist`).
+
+Cache entry ``<cache>/frameworks/<name>-<version>/`` (``<cache>`` = ``$DFLASH_AUDIT_CACHE``
+or ``~/.cache/dflash-audit``)::
+
+    site/            pip install --no-deps --target of the adapter's REQUIREMENTS
+    manifest.json    {"requirements", "python", "installed_at", "files": {path: sha256}}
+
+The entry is built in a temporary sibling and renamed (a crash never leaves half of one).
+Each use checks ``site/`` against the manifest (``__pycache__`` aside: importing writes it); a
+damaged entry, or one made for other requirements, is installed again -- offline it is an
+error that names the folder and the command to run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+from dflash_audit.atomic import atomic_folder, file_sha256
+from dflash_audit.audit.setup_error import CompareSetupError
+
+CACHE_ENV = "DFLASH_AUDIT_CACHE"
+SITE = "site"
+MANIFEST = "manifest.json"
+PIP_TIMEOUT_S = 900.0
+
+
+class FrameworkInstallError(CompareSetupError):
+    """The framework cannot be installed into (or found in) the tool's cache (exit 2)."""
+
+
+def frameworks_cache(cache_dir: Path | str | None = None) -> Path:
+    """``<cache>/frameworks``: ``cache_dir``, else ``$DFLASH_AUDIT_CACHE``, else
+    ``~/.cache/dflash-audit``."""
+    base = cache_dir or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dflash-audit"
+    return Path(base).expanduser() / "frameworks"
+
+
+def site_manifest(site: Path) -> dict[str, str]:
+    """``{relative path: sha256}`` of every file under ``site`` except bytecode caches."""
+    return {p.relative_to(site).as_posix(): file_sha256(p) for p in sorted(site.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}
+
+
+def entry_problems(entry: Path, requirements: Sequence[str]) -> list[str]:
+    """How a cache entry differs from what it must be: "no manifest", "made for other
+    requirements", "missing X", "changed Y", "extra Z.py"; empty when intact."""
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text())
+        expected = dict(manifest["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ["no manifest"]
+    if list(manifest.get("requirements", [])) != list(requirements):
+        return [f"made for other requirements ({manifest.get('requirements')})"]
+    found = site_manifest(entry / SITE) if (entry / SITE).is_dir() else {}
+    problems = [f"missing {k}" for k in expected if k not in found]
+    problems += [f"changed {k}" for k in expected if k in found and found[k] != expected[k]]
+    problems += [f"extra {k}" for k in found if k not in expected and k.endswith(".py")]
+    return problems
+
+
+def pip_command(requirements: Sequence[str], target: Path,
+                pip_args: Sequence[str] = ()) -> list[str]:
+    """``python -m pip install --no-deps --target TARGET REQUIREMENTS`` (this interpreter)."""
+    return [sys.executable, "-m", "pip", "install", "--no-deps", "--no-input",
+            "--disable-pip-version-check", "--no-compile", "--target", str(target),
+            *pip_args, *requirements]
+
+
+def install_framework(name: str, version: str, requirements: Sequence[str], *,
+                      offline: bool = False, cache_dir: Path | str | None = None,
+                      pip_args: Sequence[str] = ()) -> Path:
+    """The ``site/`` folder holding ``requirements`` for framework ``name`` ``version``,
+    installed on first use (and again when the entry is damaged or stale).
+
+    Args:
+        requirements: pip requirement strings (pinned), installed with ``--no-deps``.
+        offline: use only the cache; a missing or damaged entry is an error saying what to run.
+        cache_dir: cache base (default ``$DFLASH_AUDIT_CACHE`` / ``~/.cache/dflash-audit``).
+        pip_args: extra pip arguments (e.g. ``--no-index --find-links DIR``).
+
+    Returns:
+        ``<cache>/frameworks/<name>-<version>/site`` (put it on the candidate's PYTHONPATH).
+
+    Raises:
+        FrameworkInstallError: offline without a usable entry; pip failed or timed out.
+    """
+    entry = frameworks_cache(cache_dir) / f"{name}-{version}"
+    problems = entry_problems(entry, requirements) if entry.exists() else ["not installed"]
+    if not problems:
+        return entry / SITE
+    command = shlex.join(pip_command(requirements, entry / SITE, pip_args))
+    if offline:
+        raise FrameworkInstallError(
+            f"offline, and {name} {version} is not usable in the tool's cache ({entry}: "
+            f"{'; '.join(problems[:3])}). Run once without --offline (the tool installs it "
+            f"there with `{command}`), or drop --offline.")
+    if problems != ["not installed"]:
+        print(f"dflash-audit: the cached {name} {version} in {entry} is "
+              f"{'; '.join(problems[:3])}; installing it again", file=sys.stderr)
+    if not requirements:
+        raise FrameworkInstallError(f"the {name} adapter declares no REQUIREMENTS to install")
+    with atomic_folder(entry) as tmp:
+        cmd = pip_command(requirements, tmp / SITE, pip_args)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S,
+                                  stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise FrameworkInstallError(
+                f"installing {name} {version} did not finish in {PIP_TIMEOUT_S:g} s (`"
+                f"{command}`): is the package index reachable?") from None
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-6:])
+            raise FrameworkInstallError(
+                f"installing {name} {version} into the tool's cache failed (`{command}` exit "
+                f"{proc.returncode}):\n{tail}\nCheck that the package "
+                "index is reachable, or install the framework into an environment of yours "
+                "and pass --candidate-python PATH")
+        (tmp / MANIFEST).write_text(json.dumps({
+            "requirements": list(requirements), "python": sys.version.split()[0],
+            "installed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "files": site_manifest(tmp / SITE)}, indent=1, sort_keys=True))
+    return entry / SITE

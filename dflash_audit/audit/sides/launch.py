@@ -1,0 +1,106 @@
+"""How the candidate's process starts: which interpreter, which candidate spec, and what goes
+on its path -- the same for a user's ``module:attr`` and for a framework adapter
+(:mod:`dflash_audit.audit.frameworks.registry` builds the latter: the framework's cached
+install folder or source tree on ``PYTHONPATH``, ``--candidate-python`` as the interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class CandidateLaunch:
+    """What :mod:`.candidate_process` starts.
+
+    ``spec``: the candidate spec the runner loads (``module:attr``, ``file.py:attr`` or None:
+    our drafter); ``python``: the interpreter (None: this one); ``pythonpath``: folders put on
+    the process's ``PYTHONPATH`` after dflash_audit's package root and before the inherited
+    ones; ``env``: extra environment variables; ``framework``: ``{"key", "name", "version",
+    "spec", ...}`` of an audited framework (None for a plain candidate), for the report.
+    """
+
+    spec: str | None = None
+    python: str | None = None
+    pythonpath: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    framework: dict[str, Any] | None = None
+
+    @property
+    def executable(self) -> str:
+        """The interpreter the candidate process runs under."""
+        return self.python or sys.executable
+
+
+def package_root() -> str:
+    """The folder holding this ``dflash_audit`` package (what the runner must import)."""
+    import dflash_audit
+
+    return str(Path(dflash_audit.__file__).resolve().parent.parent)
+
+
+def launch_env(launch: CandidateLaunch | None, threads: int | None) -> dict[str, str]:
+    """Our environment, with dflash_audit's package root first on PYTHONPATH (the runner
+    imports the same code), then the launch's folders, unbuffered output (tails are complete
+    when the process is killed), the launch's variables, and ``threads`` intra-op threads."""
+    launch = launch or CandidateLaunch()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([package_root(), *launch.pythonpath,
+                                         *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(launch.env)
+    if threads:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    return env
+
+
+#: What the candidate process imports before any candidate code: checked under
+#: ``--candidate-python`` so a wrong interpreter is one clear message, not a dead runner.
+PROBE = ("import importlib, sys\n"
+         "for name in ('torch', 'safetensors'):\n"
+         "    try:\n"
+         "        importlib.import_module(name)\n"
+         "    except Exception as exc:\n"
+         "        print(f'{name}\\t{type(exc).__name__}: {exc}'); sys.exit(5)\n"
+         "try:\n"
+         "    import dflash_audit.audit.sides.candidate_runner, dflash_audit.candidate\n"
+         "except Exception as exc:\n"
+         "    print(f'dflash_audit\\t{type(exc).__name__}: {exc}'); sys.exit(5)\n")
+
+
+def check_interpreter(launch: CandidateLaunch, timeout_s: float = 120.0) -> None:
+    """Check that ``launch.python`` exists and, with dflash_audit's package root on its
+    PYTHONPATH, imports torch, safetensors and dflash_audit's candidate runner.
+
+    Raises:
+        ValueError: one line naming the interpreter, what it cannot import and what to do.
+    """
+    import subprocess
+
+    python = launch.executable
+    where = f"--candidate-python {python}"
+    if not Path(python).is_file() or not os.access(python, os.X_OK):
+        raise ValueError(f"{where}: no such executable interpreter; pass the python of the "
+                         "environment where the framework is installed (e.g. .venv/bin/python)")
+    try:
+        proc = subprocess.run([python, "-c", PROBE], capture_output=True, text=True,
+                              env=launch_env(launch, 1), timeout=timeout_s,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ValueError(f"{where} could not be started: {exc}") from None
+    if proc.returncode == 0:
+        return
+    module, _, error = proc.stdout.strip().partition("\t")
+    if module in ("torch", "safetensors"):
+        raise ValueError(f"{where} cannot import {module} ({error}); install it into that "
+                         f"environment ({python} -m pip install {module})")
+    if module == "dflash_audit":
+        raise ValueError(f"{where} cannot import dflash_audit's candidate runner from "
+                         f"{package_root()} (put on its PYTHONPATH): {error}; that environment "
+                         "needs dflash-audit's dependencies (torch, safetensors, transformers)")
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    raise ValueError(f"{where} does not run Python code (exit {proc.returncode}: {tail[0]})")

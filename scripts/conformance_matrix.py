@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""The conformance matrix: every built-in framework adapter audited against the pinned
+reference, as one markdown table (framework and version x check -> status and named cause).
+
+Usage::
+
+    python scripts/conformance_matrix.py [--cases N] [--rows R] [--offline]
+        [--framework KEY ...] [--out matrix.md] [--reports DIR]
+
+Each framework is one ``dflash-audit compare --candidate framework:KEY==VERSION`` (the
+speculators adapter: ``framework:speculators==<the lock's version>``, its self-test) with the
+given case counts; adapters that land in ``dflash_audit/audit/frameworks/`` are picked up
+(:func:`dflash_audit.audit.frameworks.registry.available_adapters`), and known frameworks whose
+adapter is not in this build get a row saying so. A framework that cannot be set up (exit 2)
+gets a row with the setup error. Exit code 0 when every row was produced (whatever the
+verdicts), 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ICON = {"pass": "✅", "fail": "❌", "warn": "⚠️"}
+CELL = 90
+
+
+def _cell(text: Any, limit: int = CELL) -> str:
+    s = " ".join(str(text).split()).replace("|", "\\|")
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def framework_specs(only: list[str] | None) -> list[tuple[str, str | None]]:
+    """``(key, candidate spec | None)`` of every framework: None where its adapter is not in
+    this build."""
+    from dflash_audit.audit.frameworks.registry import KNOWN, SPECULATORS, available_adapters
+    from dflash_audit.reference_source import load_lock
+
+    found = available_adapters()
+    rows: list[tuple[str, str | None]] = []
+    for key, c in found.items():
+        spec = (f"framework:{load_lock().spec}" if key == SPECULATORS
+                else f"framework:{key}=={c['VERSION']}")
+        rows.append((key, spec))
+    rows += [(key, None) for key in KNOWN if key not in found]
+    return [r for r in rows if not only or r[0] in only]
+
+
+def audit(spec: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """One compare of ``spec``: ``{"label", "verdict", "checks": {name: (status, cause)},
+    "error"}``."""
+    from dflash_audit.audit.compare import run_compare
+    from dflash_audit.audit.options import CompareOptions
+    from dflash_audit.audit.setup_error import CompareSetupError
+
+    opts = CompareOptions(candidate=spec, cases=args.cases, rows=args.rows, offline=args.offline,
+                          out=out, progress=False)
+    try:
+        outcome = run_compare(opts)
+    except CompareSetupError as exc:
+        return {"label": spec, "verdict": "setup error", "checks": {}, "error": str(exc)}
+    report = outcome.report
+    fw = report.candidate.get("framework") or {}
+    checks = {}
+    for c in report.checks():
+        cause = (c["diagnosis"][0] if c["diagnosis"] else
+                 (c["first_failure"] or {}).get("summary", "")) if c["status"] != "pass" else ""
+        checks[c["name"]] = (c["status"], cause)
+    return {"label": fw.get("label") or spec, "verdict": report.verdict, "checks": checks,
+            "error": None, "folder": str(outcome.folder)}
+
+
+def render(rows: list[dict[str, Any]], check_names: list[str]) -> str:
+    """The markdown table (and one line per setup error)."""
+    lines = ["| framework | verdict | " + " | ".join(check_names) + " |",
+             "|---|---|" + "---|" * len(check_names)]
+    for r in rows:
+        cells = []
+        for name in check_names:
+            status, cause = r["checks"].get(name, ("", ""))
+            cells.append(f"{ICON.get(status, '')} {status}" + (f": {_cell(cause)}" if cause
+                                                              else "") if status else "—")
+        lines.append(f"| {_cell(r['label'], 60)} | {r['verdict']} | " + " | ".join(cells) + " |")
+    notes = [f"- {r['label']}: {_cell(r['error'], 400)}" for r in rows if r.get("error")]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="conformance_matrix.py", description=__doc__.split(
+        "\n\n")[0])
+    parser.add_argument("--cases", type=int, default=4, help="synthetic cases per framework")
+    parser.add_argument("--rows", type=int, default=0, help="real rows per framework")
+    parser.add_argument("--offline", action="store_true", help="use only the caches")
+    parser.add_argument("--framework", action="append", default=None,
+                        help="only this framework key (repeatable)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the table here")
+    parser.add_argument("--reports", type=Path, default=None,
+                        help="keep each framework's report folder here (default: discarded)")
+    args = parser.parse_args(argv)
+    from dflash_audit.audit.checks import REGISTRY
+
+    specs = framework_specs(args.framework)
+    if not specs:
+        print(f"no framework matches {args.framework}", file=sys.stderr)
+        return 2
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="dflash-audit-matrix-") as tmp:
+        for key, spec in specs:
+            if spec is None:
+                rows.append({"label": key, "verdict": "not available in this build",
+                             "checks": {}, "error": None})
+                continue
+            print(f"conformance_matrix: auditing {spec}", file=sys.stderr)
+            rows.append(audit(spec, args, args.reports or Path(tmp)))
+    names = [c.name for c in REGISTRY]
+    names += sorted({n for r in rows for n in r["checks"] if n not in names})
+    text = render(rows, names)
+    sys.stdout.write(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Framework audits end to end against the real reference (speculators 0.9.0):
+
+- the speculators adapter's self-test: ``framework:speculators==0.9.0`` against the reference
+  0.9.0 passes with nothing but passes (the adapter adds nothing), and
+  ``framework:speculators@v0.9.0`` from a local git clone against ``--ref path:`` too;
+- an adapter in development (``$DFLASH_AUDIT_ADAPTER_PATH``) whose framework is installed from
+  a real wheel into the tool's cache, with a declared adapter-computed loss and capabilities
+  (one document per row, three verifier families): the loss check says so without failing,
+  every case is one the framework supports, every report format shows it;
+- hard labels (``target_ids``): the data tokens named, the verifier's argmax passing.
+
+One compare per scenario (module-scoped) shared by the assertions."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import git
+import pytest
+import torch
+from data_support import SAMPLE_CONVERSATIONS, make_tiny_verifier, write_jsonl
+from framework_support import build_wheel, write_adapter
+from typer.testing import CliRunner
+
+from dflash_audit.audit.cases.plan import plan_synthetic_cases
+from dflash_audit.audit.compare import run_compare
+from dflash_audit.audit.hard_labels import DATA_TOKENS_CAUSE, data_tokens
+from dflash_audit.audit.judge import check_case
+from dflash_audit.audit.options import CompareOptions
+from dflash_audit.audit.sides.run_sides import run_candidate
+from dflash_audit.candidate import DrafterCandidate, side_outputs
+from dflash_audit.cli import app
+from dflash_audit.profile import Profile
+
+pytestmark = pytest.mark.reference
+
+
+def _statuses(report) -> set[tuple[str, str]]:
+    return {(r.name, r.status) for r in report.results}
+
+
+# ------------------------------------------------------------- speculators self-test
+@pytest.fixture(scope="module")
+def self_test(tmp_path_factory):
+    """framework:speculators==0.9.0 vs --ref speculators==0.9.0 on a real row of a tiny
+    verifier (its tokenizer resolves the mask token on both sides) + 2 synthetic cases."""
+    tmp = tmp_path_factory.mktemp("self-test")
+    verifier = make_tiny_verifier(tmp / "verifier", layers=8)
+    data = write_jsonl(tmp / "chats.jsonl", SAMPLE_CONVERSATIONS)
+    return run_compare(CompareOptions(
+        candidate="framework:speculators==0.9.0", ref="speculators==0.9.0",
+        verifier=str(verifier), data=str(data), seq_len=96, rows=1, anchors=6, cases=2,
+        seed=0, out=tmp / "reports", cache_dir=tmp / "cache", progress=False, offline=True))
+
+
+def test_speculators_self_test_passes_with_nothing_but_passes(self_test):
+    assert self_test.exit_code == 0
+    assert {s for _, s in _statuses(self_test.report)} == {"pass"}
+    names = {n for n, _ in _statuses(self_test.report)}
+    assert {"derivation", "targets", "loss", "gradients", "metrics", "anchors"} <= names
+
+
+def test_self_test_report_names_the_framework(self_test):
+    fw = json.loads((self_test.folder / "report.json").read_text())["candidate"]["framework"]
+    assert fw["label"] == "speculators 0.9.0" and fw["provenance"] == {}
+    assert fw["source"]["kind"] == "sdist" and fw["capabilities"]["packed_rows"] is True
+    md = (self_test.folder / "report.md").read_text()
+    assert "Framework audited: speculators 0.9.0" in md
+    assert "Outputs computed by the adapter, not the framework: none." in md
+    assert self_test.report.candidate["name"] == "speculators 0.9.0 (framework:speculators)"
+
+
+@pytest.fixture(scope="module")
+def tagged_clone(reference_identity, tmp_path_factory):
+    """A local git repository of the 0.9.0 source with tag v0.9.0."""
+    path = tmp_path_factory.mktemp("origin") / "speculators"
+    shutil.copytree(reference_identity.source_dir, path)
+    repo = git.Repo.init(path, initial_branch="main")
+    with repo.config_writer() as cfg:
+        cfg.set_value("user", "name", "dflash-audit tests")
+        cfg.set_value("user", "email", "tests@example.invalid")
+    repo.git.add(A=True)
+    repo.index.commit("speculators 0.9.0 release source")
+    repo.create_tag("v0.9.0", message="release 0.9.0")
+    return path
+
+
+def test_speculators_git_tag_against_a_path_reference(tagged_clone, reference_identity,
+                                                      tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))  # the clone goes here
+    outcome = run_compare(CompareOptions(
+        candidate="framework:speculators@v0.9.0", ref=f"path:{reference_identity.source_dir}",
+        ref_url=str(tagged_clone), rows=0, cases=1, seed=0, out=tmp_path / "reports",
+        cache_dir=tmp_path / "compare-cache", progress=False))
+    assert outcome.exit_code == 0, [(r.name, r.summary) for r in outcome.report.results
+                                    if r.status != "pass"]
+    fw = outcome.report.candidate["framework"]
+    assert fw["source"]["kind"] == "git" and fw["source"]["ref"] == "v0.9.0"
+    assert fw["version"].startswith("v0.9.0@") and fw["version"].endswith("(0.9.0)")
+    assert any((tmp_path / "cache" / "reference" / "git" / "mirrors").iterdir())
+
+
+# ------------------------------------------------- an adapter in development (TestFW)
+CAPS = '{"packed_rows": False, "verifier_families": ["llama", "qwen3", "mistral"]}'
+
+
+@pytest.fixture(scope="module")
+def testfw(reference_identity, tmp_path_factory):
+    """`dflash-audit compare --candidate framework:testfw` (CLI) with the adapter folder on
+    $DFLASH_AUDIT_ADAPTER_PATH and the tool's cache in a temporary folder."""
+    tmp = tmp_path_factory.mktemp("testfw")
+    wheel = build_wheel(tmp / "wheels")
+    write_adapter(tmp / "adapters", wheel, CAPS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DFLASH_AUDIT_ADAPTER_PATH", str(tmp / "adapters"))
+        mp.setenv("DFLASH_AUDIT_CACHE", str(tmp / "cache"))
+        result = CliRunner().invoke(app, [
+            "compare", "--candidate", "framework:testfw==1.0", "--ref",
+            f"path:{reference_identity.source_dir}", "--rows", "0", "--cases", "4",
+            "--seed", "0", "--out", str(tmp / "reports")])
+    folder = Path(result.output.rsplit("report: ", 1)[1].split()[0])
+    return {"result": result, "folder": folder, "cache": tmp / "cache",
+            "report": json.loads((folder / "report.json").read_text())}
+
+
+def test_testfw_is_installed_into_the_tools_cache(testfw):
+    site = testfw["cache"] / "frameworks" / "testfw-1.0" / "site"
+    assert (site / "demo_fw_pkg" / "__init__.py").is_file()
+    report = testfw["report"]
+    assert report["candidate"]["name"] == "testfw (package 1.0)"  # imported from there
+    assert report["candidate"]["framework"]["install"] == str(site)
+
+
+def test_adapter_computed_loss_warns_and_does_not_fail(testfw):
+    result, report = testfw["result"], testfw["report"]
+    assert result.exit_code == 0 and report["verdict"] == "pass"
+    loss = [r for c in report["cases"] for r in c["results"] if r["name"] == "loss"]
+    assert loss and all(r["status"] == "warn" for r in loss)
+    assert all(r["summary"].startswith("loss: computed by the adapter, not audited as TestFW "
+                                       "1.0's (loss, ") for r in loss)
+    others = {r["status"] for c in report["cases"] for r in c["results"] if r["name"] in (
+        "logits", "targets", "gradients", "mask")}
+    assert others == {"pass"}
+    assert "computed by the adapter: loss" in result.output  # the terminal line
+
+
+def test_testfw_cases_are_ones_it_supports(testfw):
+    report = testfw["report"]
+    assert len(report["cases"]) == 4
+    layouts = [c["layout"] for c in report["cases"]]
+    assert all(lay["documents"] == 1 and lay["padding"] == 0 for lay in layouts)
+    assert {lay["verifier_model_type"] for lay in layouts} == {"llama", "qwen3", "mistral"}
+    assert any(n.startswith("not supported by TestFW 1.0: verifier family 'qwen3_5")
+               for n in report["notes"])
+
+
+def test_every_report_format_shows_the_adapter_mark(testfw):
+    folder = testfw["folder"]
+    md, html = (folder / "report.md").read_text(), (folder / "report.html").read_text()
+    assert "### Framework" in md and "Outputs computed by the adapter, not the framework: " \
+        "loss, loss_weights." in md
+    assert "not supported by TestFW 1.0" in md and "not supported by TestFW 1.0" in html
+    assert "loss: computed by the adapter, not audited as TestFW 1.0&#x27;s" in html
+    junit = ET.parse(folder / "junit.xml").getroot()
+    outs = [tc.find("system-out").text for tc in junit.iter("testcase")
+            if tc.get("classname") == "dflash_audit.loss"]
+    assert outs and all(o.startswith("WARN: loss: computed by the adapter") for o in outs)
+    assert not any(tc.find("failure") is not None for tc in junit.iter("testcase"))
+
+
+# --------------------------------------------------------------------------- hard labels
+class DataTokenLabels(DrafterCandidate):
+    """Trains on the data tokens input_ids[a+s] (a one-hot target) and returns them as
+    target_ids: the SpecForge-style hard labels."""
+
+    def run_case(self, config, loss, weights, inputs):
+        model = self.build(config).float()
+        model.load_state_dict(weights, strict=True)
+        out = model(**{k: inputs[k] for k in (
+            "hidden_states", "input_ids", "loss_mask", "verifier_last_hidden_states",
+            "document_ids", "position_ids", "anchor_positions", "anchor_valid")})
+        ids = inputs["input_ids"][0, out.block_indices % inputs["input_ids"].shape[-1]]
+        onehot = 30.0 * torch.nn.functional.one_hot(ids, out.targets.shape[-1]).float()[None]
+        result = side_outputs(model, config, dataclasses.replace(out, targets=onehot), loss)
+        result.tensors["target_ids"] = ids[None].long()
+        del result.tensors["targets"]
+        return result
+
+
+class ArgmaxLabels(DrafterCandidate):
+    """The reference's targets, returned as their argmax token per slot (and trained soft)."""
+
+    def run_case(self, config, loss, weights, inputs):
+        result = super().run_case(config, loss, weights, inputs)
+        result.tensors["target_ids"] = result.tensors.pop("targets")[0].argmax(-1)[None]
+        return result
+
+
+@pytest.fixture(scope="module")
+def label_case(run_reference_cases):
+    case = plan_synthetic_cases(Profile.load("reference-model"), 1, seed=3)[0].case
+    return case, run_reference_cases([case])[case.name]
+
+
+def test_data_token_labels_are_named(label_case):
+    case, ref = label_case
+    cand, failure = run_candidate(DataTokenLabels(), case)
+    assert failure is None
+    assert torch.equal(cand.tensors["target_ids"][0], data_tokens(case))
+    results = {r.name: r for r in check_case(case, cand, ref)}
+    assert results["protocol"].status == "pass"
+    assert results["targets"].status == "fail"
+    assert "target_ids differ from the reference's argmax target" in results["targets"].summary
+    assert results["targets"].diagnosis == [DATA_TOKENS_CAUSE]
+    assert results["loss"].status == "fail"
+    assert results["loss"].diagnosis[0] == (f"follows from the targets difference "
+                                            f"({DATA_TOKENS_CAUSE})")
+
+
+def test_argmax_labels_pass(label_case):
+    case, ref = label_case
+    cand, _ = run_candidate(ArgmaxLabels(), case)
+    results = {r.name: r for r in check_case(case, cand, ref)}
+    assert results["targets"].status == "pass"
+    assert results["targets"].summary.startswith("target_ids equal the reference's argmax")
+    assert results["loss"].status == "pass"

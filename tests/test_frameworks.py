@@ -1,0 +1,253 @@
+"""The framework-audit infrastructure without a reference run: spec parsing and the registry,
+the cached install (a real wheel, real pip), --candidate-python, capabilities and the case
+planner, provenance marking, hard labels in the output protocol."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from framework_support import build_wheel, write_adapter
+from typer.testing import CliRunner
+
+from dflash_audit.audit.cases.plan import plan_synthetic_cases
+from dflash_audit.audit.cases.supported import framework_cases
+from dflash_audit.audit.frameworks import registry
+from dflash_audit.audit.frameworks.capabilities import (
+    Capabilities,
+    CapabilitiesError,
+    single_document,
+)
+from dflash_audit.audit.frameworks.install import (
+    FrameworkInstallError,
+    install_framework,
+    site_manifest,
+)
+from dflash_audit.audit.frameworks.provenance import mark_provenance, who_computed
+from dflash_audit.audit.frameworks.registry import (
+    FrameworkError,
+    candidate_launch,
+    parse_framework_spec,
+)
+from dflash_audit.audit.protocol import validate_outputs
+from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
+from dflash_audit.audit.sides.candidate_runner import run_one
+from dflash_audit.candidate import DrafterCandidate
+from dflash_audit.cli import app
+from dflash_audit.profile import Profile
+
+
+# ------------------------------------------------------------------------- spec + registry
+@pytest.mark.parametrize("spec, expected", [
+    ("framework:specforge", ("specforge", None, None)),
+    ("framework:SpecForge==0.2.0", ("specforge", "0.2.0", None)),
+    ("framework:speculators@main", ("speculators", None, "speculators@main")),
+    ("framework:speculators==0.9.0", ("speculators", None, "speculators==0.9.0")),
+    ("framework:speculators:path:/x/y", ("speculators", None, "path:/x/y")),
+    ("framework:path:/x/y", ("speculators", None, "path:/x/y")),
+    ("framework:speculators", ("speculators", None, None)),
+])
+def test_parse_framework_spec(spec, expected):
+    fs = parse_framework_spec(spec)
+    assert (fs.key, fs.version, fs.ref) == expected
+
+
+@pytest.mark.parametrize("spec", ["framework:", "framework:specforge==", "framework:speculators@"])
+def test_bad_framework_specs_name_the_choices(spec):
+    with pytest.raises(FrameworkError, match="framework:speculators@REF"):
+        parse_framework_spec(spec)
+
+
+def test_unknown_and_unavailable_frameworks(monkeypatch):
+    with pytest.raises(FrameworkError, match=r"unknown framework 'nope'.*speculators@REF"):
+        candidate_launch("framework:nope")
+    monkeypatch.setitem(registry.KNOWN, "future", ("Future Trainer", "3.1.4"))
+    with pytest.raises(FrameworkError, match=r"Future Trainer 3\.1\.4 is not available in this "
+                                             r"build .*future_adapter\.py is missing"):
+        candidate_launch("framework:future==3.1.4")
+    assert "framework:future==3.1.4 (Future Trainer; not available in this build)" in \
+        registry.choices_text()
+
+
+def test_cli_unknown_framework_exits_2_without_traceback(tmp_path):
+    result = CliRunner().invoke(app, ["compare", "--candidate", "framework:nope", "--offline",
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "unknown framework 'nope'" in result.output and "Traceback" not in result.output
+
+
+def test_the_speculators_adapter_is_registered_from_its_source():
+    found = registry.available_adapters()
+    assert found["speculators"]["NAME"] == "speculators"
+    assert found["speculators"]["REQUIREMENTS"] == []
+    assert found["speculators"]["module"] == "dflash_audit.audit.frameworks.speculators_adapter"
+
+
+# ------------------------------------------------------------------------------ install
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    return build_wheel(tmp_path_factory.mktemp("wheels"))
+
+
+def test_install_caches_verifies_and_repairs(tmp_path, wheel, capsys):
+    with pytest.raises(FrameworkInstallError, match=r"offline, and testfw 1\.0 is not usable.*"
+                                                    r"pip install --no-deps .*--target"):
+        install_framework("testfw", "1.0", [str(wheel)], offline=True, cache_dir=tmp_path)
+    site = install_framework("testfw", "1.0", [str(wheel)], cache_dir=tmp_path)
+    assert site == tmp_path / "frameworks" / "testfw-1.0" / "site"
+    assert (site / "demo_fw_pkg" / "__init__.py").read_text() == "VERSION = '1.0'\n"
+    manifest = json.loads((site.parent / "manifest.json").read_text())
+    assert manifest["requirements"] == [str(wheel)]
+    assert manifest["files"] == site_manifest(site)
+    # a second use, offline: the cache only (nothing is installed)
+    stamp = (site.parent / "manifest.json").stat().st_mtime_ns
+    assert install_framework("testfw", "1.0", [str(wheel)], offline=True,
+                             cache_dir=tmp_path) == site
+    assert (site.parent / "manifest.json").stat().st_mtime_ns == stamp
+    (site / "__pycache__").mkdir()  # what importing it writes does not count as damage
+    (site / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    assert install_framework("testfw", "1.0", [str(wheel)], offline=True, cache_dir=tmp_path)
+    (site / "demo_fw_pkg" / "__init__.py").write_text("VERSION = 'tampered'\n")
+    with pytest.raises(FrameworkInstallError, match="changed demo_fw_pkg/__init__.py"):
+        install_framework("testfw", "1.0", [str(wheel)], offline=True, cache_dir=tmp_path)
+    install_framework("testfw", "1.0", [str(wheel)], cache_dir=tmp_path)  # rebuilt
+    assert (site / "demo_fw_pkg" / "__init__.py").read_text() == "VERSION = '1.0'\n"
+    assert "is changed demo_fw_pkg/__init__.py; installing it again" in capsys.readouterr().err
+
+
+def test_pip_failure_is_a_setup_error(tmp_path):
+    with pytest.raises(FrameworkInstallError, match="(?s)failed .*--candidate-python"):
+        install_framework("testfw", "1.0", [str(tmp_path / "missing-1.0-py3-none-any.whl")],
+                          cache_dir=tmp_path)
+    assert not (tmp_path / "frameworks" / "testfw-1.0").exists()
+
+
+def test_adapter_in_development_plugs_in(tmp_path, wheel, monkeypatch):
+    folder = tmp_path / "adapters"
+    write_adapter(folder, wheel, "{}")
+    monkeypatch.setenv(registry.ADAPTER_PATH_ENV, str(folder))
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(FrameworkError, match=r"TestFW 2\.0 is not supported; its adapter is "
+                                             r"pinned to 1\.0 \(--candidate framework:testfw==1\.0"):
+        candidate_launch("framework:testfw==2.0")
+    launch = candidate_launch("framework:testfw==1.0")
+    assert launch.spec == "testfw_adapter:candidate"
+    assert launch.pythonpath == [str(folder), str(tmp_path / "cache" / "frameworks" /
+                                                   "testfw-1.0" / "site")]
+
+
+# -------------------------------------------------------------------- --candidate-python
+def test_candidate_python_is_checked(tmp_path):
+    with pytest.raises(FrameworkError, match="no such executable interpreter"):
+        candidate_launch(None, python=str(tmp_path / "nope" / "python"))
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")],
+                   check=True)
+    with pytest.raises(FrameworkError, match=r"cannot import torch .*install it into that "
+                                             r"environment"):
+        candidate_launch(None, python=str(tmp_path / "venv" / "bin" / "python"))
+    assert candidate_launch(None, python=sys.executable).executable == sys.executable
+
+
+# ------------------------------------------------------------------ capabilities + plan
+@pytest.fixture(scope="module")
+def profile():
+    return Profile.load("reference-model")
+
+
+def test_capabilities_from_dict_and_reasons(profile):
+    with pytest.raises(CapabilitiesError, match=r"unknown CAPABILITIES key\(s\) \['packing'\]"):
+        Capabilities.from_dict({"packing": False})
+    caps = Capabilities.from_dict({"packed_rows": False, "losses": ["ce"],
+                                   "layouts": ["full"], "verifier_families": ["llama"]})
+    case = plan_synthetic_cases(profile, 3, seed=0)[1].case  # qwen3, sliding
+    reasons = caps.unsupported(case)
+    assert "loss 'kl_div' (supported: ce)" in reasons
+    assert "sliding draft-layer layout (supported: full)" in reasons
+    assert "verifier family 'qwen3' (supported: llama)" in reasons
+    assert Capabilities().unsupported(case) == []
+
+
+def test_single_document_cuts_a_packed_row(profile):
+    packed = next(p.case for p in plan_synthetic_cases(profile, 12, seed=0)
+                  if int(p.case.inputs["document_ids"].max()) >= 1)
+    cut = single_document(packed)
+    T0 = int((packed.inputs["document_ids"][0] == 0).sum())
+    assert cut.inputs["input_ids"].shape == (1, T0)
+    assert torch.equal(cut.inputs["hidden_states"], packed.inputs["hidden_states"][:, :T0])
+    assert bool((cut.inputs["document_ids"] == 0).all())
+    valid = cut.inputs["anchor_positions"][cut.inputs["anchor_valid"]]
+    assert cut.inputs["anchor_positions"].numel() == packed.inputs["anchor_positions"].numel()
+    assert bool((valid < T0 - cut.config.block_size).all())
+    assert cut.name == packed.name + "-doc0"
+
+
+def test_framework_cases_fill_the_budget_with_supported_cases(profile):
+    caps = Capabilities(packed_rows=False, verifier_families=("llama", "qwen3", "mistral"))
+    planned, notes = framework_cases([], profile, 6, 0, caps, "TestFW 1.0")
+    assert len(planned) == 6 and not any(p.case.unsupported for p in planned)
+    families = {p.case.config.verifier_model_type for p in planned}
+    assert families == {"llama", "qwen3", "mistral"}  # still spread over what it supports
+    assert all(int(p.case.inputs["document_ids"].max()) == 0 and
+               not bool((p.case.inputs["document_ids"] < 0).any()) for p in planned)
+    assert any(n.startswith("not supported by TestFW 1.0: verifier family 'gemma3_text'")
+               for n in notes)
+    assert any("takes one document per row" in n for n in notes)
+
+
+def test_unsupported_profile_leaves_cases_for_anchors_and_derivation(profile):
+    caps = Capabilities(losses=("ce",))
+    planned, notes = framework_cases([], profile, 2, 0, caps, "TestFW 1.0")
+    assert len(planned) == 2
+    assert all(p.case.unsupported == ["not supported by TestFW 1.0: loss 'kl_div' (supported: "
+                                      "ce)"] for p in planned)
+    status, out = run_one(DrafterCandidate(), planned[0].case)  # no training step is run
+    assert status["status"] == "ok" and set(out.tensors) == {"anchor_draws",
+                                                             "anchor_draws_valid"}
+    assert out.derivation and "head_dim" in out.derivation
+
+
+# -------------------------------------------------------------------------- provenance
+def test_provenance_marks_adapter_values():
+    prov = {"loss": "adapter", "grad.": "adapter", "grad.fc.weight": "framework"}
+    assert who_computed("loss", prov) == "adapter"
+    assert who_computed("grad.norm.weight", prov) == "adapter"
+    assert who_computed("grad.fc.weight", prov) == "framework"
+    assert who_computed("logits", prov) == "framework"
+    results = [CheckResult("loss", "c", PASS, "loss 0.5 matches"),
+               CheckResult("logits", "c", PASS, "logits match"),
+               CheckResult("targets", "c", FAIL, "targets differ", diagnosis=["x"])]
+    mark_provenance(results, {"loss": "adapter", "targets": "adapter"}, "z-lab dflash 0.1.0")
+    loss, logits, targets = results
+    assert loss.status == WARN and loss.summary.startswith(
+        "loss: computed by the adapter, not audited as z-lab dflash 0.1.0's (loss)")
+    assert logits.status == PASS and "provenance" not in logits.details
+    assert targets.status == FAIL and targets.summary.startswith("[targets: computed by the "
+                                                                 "adapter")
+    assert targets.diagnosis[0].endswith("may be the adapter's, not z-lab dflash 0.1.0's")
+
+
+# -------------------------------------------------------------------------- hard labels
+def test_target_ids_replace_targets_in_the_protocol(profile):
+    case = plan_synthetic_cases(profile, 1, seed=0)[0].case
+    _, out = run_one(DrafterCandidate(), case)
+    assert validate_outputs(out, case) == []
+    Q = case.inputs["anchor_positions"].numel() * case.config.block_size
+    out.tensors["target_ids"] = out.tensors.pop("targets")[0].argmax(-1)[None]
+    assert out.tensors["target_ids"].shape == (1, Q)
+    assert validate_outputs(out, case) == []
+    out.tensors["target_ids"] = out.tensors["target_ids"].float()
+    assert [f.key for f in validate_outputs(out, case)] == ["target_ids"]
+    del out.tensors["target_ids"]
+    assert [f.key for f in validate_outputs(out, case)] == ["targets"]
+
+
+def test_an_unsupported_dtype_is_listed_not_failed(profile):
+    planned, notes = framework_cases([], profile, 1, 0, Capabilities(dtypes=("fp32",)),
+                                     "TestFW 1.0", dtype="bf16")
+    assert planned[0].case.unsupported == [
+        "not supported by TestFW 1.0: dtype bf16 (supported: fp32)"]
+    assert notes[0].startswith("not supported by TestFW 1.0: dtype bf16")
