@@ -93,15 +93,20 @@ def check_masks(case: Case, cand: SideOutputs, ref: SideOutputs) -> list[CheckRe
 
 @dataclass(frozen=True)
 class MaskHypothesis:
-    """Context part: kv < anchor + offset, window bound W (None: none), documents respected or
-    not. Block part: causal or bidirectional, over the query's own block (``blocks="own"``),
-    its own and every earlier block (``"earlier"``) or all blocks (``"all"``)."""
+    """Context part: kv < anchor + offset, window bound W (None: none) measured from the
+    anchor (``kv >= a - W`` for every slot, the reference) or from the query's own position
+    (``per_query``: ``kv >= a + s - W + 1``, i.e. ``a + s - kv < W``, the inference-time rule of
+    SpecForge ``create_dflash_sdpa_mask``, ModelOpt ``_build_draft_attention_mask`` and z-lab
+    ``_attention_mask``), documents respected or not. Block part: causal or bidirectional, over
+    the query's own block (``blocks="own"``), its own and every earlier block (``"earlier"``)
+    or all blocks (``"all"``)."""
 
     offset: int = 0
     window: int | None = None
     documents: bool = True
     causal_block: bool = False
     blocks: str = "own"
+    per_query: bool = False
 
 
 def expected_mask_hypothesis(case: Case, layer_type: str) -> MaskHypothesis:
@@ -120,10 +125,14 @@ def build_mask(case: Case, h: MaskHypothesis) -> torch.Tensor:
     T = doc.numel()
     a = case.inputs["anchor_positions"].long()
     docs = doc if h.documents else torch.where(doc != -1, 0, -1)
-    base = dense_mask(docs, a, B, h.window)[:, :T]
-    block = dense_mask(docs, a, B, NO_WINDOW if h.causal_block else None)[:, T:]
     qa = a.repeat_interleave(B)[:, None]  # [Q, 1]
     kv = torch.arange(T)[None, :]  # [1, T]
+    if h.per_query and h.window is not None:  # a + s - kv < W, s the query's slot
+        s = (torch.arange(qa.shape[0]) % B)[:, None]
+        base = dense_mask(docs, a, B, None)[:, :T] & (kv >= qa + s - h.window + 1)
+    else:
+        base = dense_mask(docs, a, B, h.window)[:, :T]
+    block = dense_mask(docs, a, B, NO_WINDOW if h.causal_block else None)[:, T:]
     if h.offset > 0:  # kv < anchor + offset: positions at and after the anchor become visible
         base |= ((kv >= qa) & (kv < qa + h.offset) & (docs[None, :] == docs[qa])
                  & (docs[qa] != -1))
@@ -154,19 +163,23 @@ def fitted_context_offset(case: Case, mask: torch.Tensor, rows: torch.Tensor) ->
 def mask_hypotheses(case: Case, layer_type: str,
                     fitted_offset: int | None = None) -> Iterator[MaskHypothesis]:
     """Block scope (own, earlier, all) x block rule (causal / bidirectional) x context offset
-    (<, <=, < a-1, and ``fitted_offset``) x window (expected, none, W-1, W+1, W) x documents
-    (respected, ignored)."""
+    (<, <=, < a-1, and ``fitted_offset``) x window (expected, none, W-1, W+1, W; each bound
+    from the anchor or from the query's own position) x documents (respected, ignored): every
+    combination, so two deviations at once (a per-query window without the same-document
+    rule, as SpecForge and ModelOpt build it) are named together."""
     exp = expected_mask_hypothesis(case, layer_type)
     W = case.config.sliding_window
     windows = list(dict.fromkeys([exp.window, None] + ([W, W - 1, W + 1] if W else [])))
     windows = [w for w in windows if w is None or w >= 0]
     offsets = list(dict.fromkeys([0, 1, -1] + ([fitted_offset] if fitted_offset is not None
                                                else [])))
-    for blocks, causal, offset, window, docs in itertools.product(
+    for blocks, causal, offset, window, docs, per_query in itertools.product(
             ("own", "earlier", "all"), (exp.causal_block, not exp.causal_block), offsets,
-            windows, (True, False)):
+            windows, (True, False), (False, True)):
+        if per_query and window is None:
+            continue
         if blocks != "all" or causal == exp.causal_block:  # "all" ignores the block rule
-            yield MaskHypothesis(offset, window, docs, causal, blocks)
+            yield MaskHypothesis(offset, window, docs, causal, blocks, per_query)
 
 
 def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> list[str]:
@@ -205,7 +218,15 @@ def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> 
     elif h.offset < -1:
         out.append(f"context rule kv < anchor - {-h.offset} (reference: kv < anchor): the "
                    f"{-h.offset} positions before the anchor are hidden")
-    if h.window != exp.window:
+    if h.per_query and h.window is not None:
+        where = ("" if exp.window is not None else
+                 " (in a full-attention layer, where the reference has no window)")
+        ref_rule = (f"the reference's kv >= a - {exp.window} for every slot of the block"
+                    if exp.window is not None else "no window")
+        out.append(f"sliding window measured from the query's own position: kv >= a + s - "
+                   f"{h.window} + 1 (a + s - kv < W, the inference-time rule) instead of "
+                   f"{ref_rule}{where}")
+    elif h.window != exp.window:
         if h.window is None:
             out.append(f"sliding window missing (reference: kv >= anchor - {exp.window})")
         elif exp.window is None:

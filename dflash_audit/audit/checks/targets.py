@@ -159,6 +159,9 @@ def diagnose_targets(ev: Evidence, result: CheckResult) -> list[str]:
     if c.shape != ev.ref.tensors["targets"].shape:
         return diagnose_vocab(ev, "targets")
     slots = ev.sup.nonzero().squeeze(-1)
+    hard = data_token_targets(ev, slots, hard=True)
+    if hard:
+        return hard
     stages = [(sample(slots), vocab_sample(c.shape[-1])), (sample(slots, CONFIRM_SAMPLE), None)]
     found = search_hypotheses(ev, target_hypotheses(ev.case),
                               lambda h, sel: predict_targets(ev.case, h, *sel),
@@ -166,4 +169,23 @@ def diagnose_targets(ev: Evidence, result: CheckResult) -> list[str]:
                                            else c[:, sel[0]][..., sel[1]]),
                               stages, cap=256)  # cheap: an lm_head on sampled columns
     causes = [d for h in found for d in describe_target_hypothesis(ev.case, h)]
-    return list(dict.fromkeys(causes))
+    return list(dict.fromkeys(causes)) or data_token_targets(ev, slots, hard=False)
+
+
+def data_token_targets(ev: Evidence, slots: torch.Tensor, hard: bool) -> list[str]:
+    """"targets are the data tokens input_ids[a+s]" when the argmax of the candidate's targets
+    is the data token on every supervised slot where the reference's is not everywhere (and,
+    with ``hard``, the candidate's distributions are one-hot: probability > 0.99)."""
+    c, r = ev.cand.tensors["targets"][0, slots], ev.ref.tensors["targets"][0, slots]
+    labels = ev.data_labels[slots]
+    if not slots.numel() or bool((labels < 0).any()) or not torch.equal(c.argmax(-1), labels) \
+            or torch.equal(r.argmax(-1), labels):
+        return []
+    one_hot = bool((c.float().softmax(-1).max(-1).values > 0.99).all())
+    if hard != one_hot:
+        return []
+    kind = "hard labels: one-hot targets" if one_hot else "their argmax"
+    ref_pos = "a+s" if ev.config.sample_from_anchor else "a+s-1"
+    return [f"targets are the data tokens input_ids[a+s] ({kind}, as SpecForge trains) instead "
+            f"of the verifier's prediction at {ref_pos}, verifier_lm_head(verifier_norm("
+            f"verifier_last_hidden_states[{ref_pos}])): the reference distils the verifier"]
