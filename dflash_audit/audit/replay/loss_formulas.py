@@ -79,8 +79,7 @@ def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str,
                               and len(mix) == 1):  # one term: the weights it reported
             w = own_weights[0].reshape(1, -1)
         else:
-            w = slot_weights(LossSpec(spec.loss, spec.weighting, spec.gamma, spec.dpace_alpha), el, m,
-                             B, ev.config.sample_from_anchor)
+            w = slot_weights(spec, el, m, B, ev.config.sample_from_anchor)
         total += coef * float(reduce_term(el, w, m, B, denom))
     return total
 
