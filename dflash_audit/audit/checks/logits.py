@@ -254,8 +254,11 @@ def diagnose_logits(ev: Evidence, result: CheckResult) -> list[str]:
                                            ("targets", "targets")) if check not in ev.failing]
     cg = {k[5:]: v for k, v in ev.cand.tensors.items() if k.startswith("grad.")}
     rg = {k[5:]: v for k, v in ev.ref.tensors.items() if k.startswith("grad.")}
-    where = where_it_starts(cg, rg, conforming)
-    if where:
+    if "gradients" not in ev.failing:
+        lines.append("where it starts: not in what is trained: every gradient conforms, so the "
+                     "difference is in the logits the candidate reports, not in the ones its "
+                     "loss backpropagates")
+    elif where := where_it_starts(cg, rg, conforming):
         lines.append(where)
     lines.append(f"tried and ruled out: {tried_families(outcome.tried)} (each alone and, for "
                  "the closest, in pairs)")
