@@ -74,8 +74,8 @@ DEFAULT_ROPE_THETA = 10_000.0
 def config_class_defaults(differing: dict[str, dict[str, Any]]) -> list[str]:
     """The differing geometry fields whose candidate values are all the config class's
     defaults (:data:`CONFIG_CLASS_DEFAULTS`), when at least two are."""
-    keys = [k for k, v in differing.items() if k in CONFIG_CLASS_DEFAULTS
-            and same_value(v["candidate"], CONFIG_CLASS_DEFAULTS[k])]
+    keys = [k for k, default in CONFIG_CLASS_DEFAULTS.items() if k in differing
+            and same_value(differing[k]["candidate"], default)]
     return keys if len(keys) >= 2 else []
 
 
