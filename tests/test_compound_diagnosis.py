@@ -114,7 +114,7 @@ def loss_replay(case, cand, ref, mix, denom):
 
 
 W = MIXED.sliding_window
-PER_QUERY = ("sliding window measured from the query's own position: kv >= a + s - 8 + 1")
+PER_QUERY = "sliding window measured from the query's own position: kv >= a + s - W + 1"
 LEAK = "cross-document leakage"
 PACKED = ("position ids: context not restarting per document (0..T-1), noise block a+s "
           "(packed position, not restarting per document)")

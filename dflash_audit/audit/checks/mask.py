@@ -221,11 +221,13 @@ def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> 
     if h.per_query and h.window is not None:
         where = ("" if exp.window is not None else
                  " (in a full-attention layer, where the reference has no window)")
-        ref_rule = (f"the reference's kv >= a - {exp.window} for every slot of the block"
+        ref_rule = ("the reference's kv >= a - W for every slot of the block"
                     if exp.window is not None else "no window")
-        out.append(f"sliding window measured from the query's own position: kv >= a + s - "
-                   f"{h.window} + 1 (a + s - kv < W, the inference-time rule) instead of "
-                   f"{ref_rule}{where}")
+        off = "" if h.window == exp.window or exp.window is None else (
+            f"; and W off by {h.window - exp.window:+d}")
+        out.append(f"sliding window measured from the query's own position: kv >= a + s - W + 1 "
+                   f"(a + s - kv < W, the inference-time rule) instead of {ref_rule}{where}"
+                   f"{off} (W = {h.window})")
     elif h.window != exp.window:
         if h.window is None:
             out.append(f"sliding window missing (reference: kv >= anchor - {exp.window})")
