@@ -8,8 +8,11 @@ correct mask misused by the attention (a boolean mask added to the scores, ...),
 position conventions, the noise block's slot 0 holding mask_token_id or a neighbour
 instead of the anchor token, mask_token_id falling back to another token, RoPE
 partial_rotary_factor applied or ignored, mask variants (when the candidate returned no
-masks), draft-layer slips (:mod:`dflash_audit.audit.replay.architecture`), and a draft-vocabulary
-mapping slip.
+masks), draft-layer slips (:mod:`dflash_audit.audit.replay.architecture`: RoPE on interleaved
+pairs among them), and a draft-vocabulary mapping slip. Hypotheses are tried on top of the
+candidate's own upstream values and, where none alone reproduces the logits, in greedy pairs
+(:mod:`dflash_audit.audit.replay.compound`); a difference nothing reproduces says where it
+starts (:mod:`dflash_audit.audit.replay.locate`) and what was tried.
 """
 
 from __future__ import annotations

@@ -8,8 +8,11 @@ a wrong decay gamma or decay formula, no position decay, slot 0's weight under
 sample_from_anchor, weights normalised per block; on a case that cannot separate two formulas,
 both in one cause with the slots a separating case needs), D-PACE vs fixed-exp-decay weighting
 (only on a case whose reference weights vary between blocks), D-PACE weights that follow from
-an upstream difference, another loss (e.g. hard-label CE instead of a soft divergence) and the
-loss normalised by the sum of weights, averaged over all Q slots or per block, a loss reduced
+an upstream difference or from another loss kind (a consequence, listed after it), D-PACE
+confidences computed from cross-entropy against the data tokens (ModelOpt), another loss (e.g.
+hard-label CE instead of a soft divergence, soft cross-entropy KL + H(p)) and the loss
+normalised by the sum of weights, averaged over all Q slots or per block or divided by the
+batch size (under either weighting), a loss reduced
 under another mask than the aligned_loss_mask the candidate reports, and a loss scaled by a
 constant (told from any other difference by the gradients: all scaled by the same factor);
 among several loss formulas that reproduce the total, only those with the fewest deviations,

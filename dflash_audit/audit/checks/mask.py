@@ -7,8 +7,10 @@ attention inside the block where the reference is bidirectional (or the reverse)
 of other blocks visible (a causal mask over all Q noise positions, or no block rule), the
 context rule kv <= anchor, kv < anchor - 1 or any other offset kv < anchor + k fitted from the
 candidate's mask (k >= 2: the block's own verifier states leak, as in SpecForge issue 470), the
-sliding window missing, applied in a full-attention layer or off by one, and cross-document
-leakage (document_ids not applied).
+sliding window missing, applied in a full-attention layer, off by one or measured from the
+query's own position (``kv >= a + s - W + 1``, the inference-time rule of SpecForge / ModelOpt /
+z-lab), and cross-document leakage (document_ids not applied); every combination of them, so
+two at once are named together.
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@ is broken, :mod:`dflash_audit.audit.protocol`); differing values warn: metrics a
 trained on. Hypotheses name: acceptance-length
 definitions that differ (leading-run vs product-of-marginals, as the reference changed between
 versions), accuracy over the other slot range (slot 0 counted or skipped against
-``sample_from_anchor``), a metric the candidate computes differently from the reference's
-definition on its own logits, an acceptance length off by one (the bonus token counted twice
-or left out), and metric values that follow from an upstream difference.
+``sample_from_anchor``), accuracy measured against the data tokens (SpecForge / ModelOpt),
+a metric the candidate computes differently from the reference's definition on its own
+logits, an acceptance length off by one (the bonus token counted twice or left out; only where
+the case tells the readings apart), and metric values that follow from an upstream
+difference.
 """
 
 from __future__ import annotations

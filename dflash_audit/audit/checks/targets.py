@@ -4,8 +4,10 @@ at the dtype's assert_close tolerance (:data:`dflash_audit.audit.tolerance.TOLER
 Hypotheses (every source x norm count x shift, the reference formula first) name: targets from
 a target layer instead of the verifier's last layer N, targets from post-norm states (the
 verifier's final norm applied twice) or without it, the other verifier_norm gain convention or
-a hard-coded eps, targets not shifted / shifted twice / offset, and a draft-vocabulary mapping
-slip (not reduced to V_d, d2t read as absolute ids instead of offsets).
+a hard-coded eps, targets not shifted / shifted twice / offset, targets that are the data tokens
+``input_ids[a+s]`` (hard labels, SpecForge), and a draft-vocabulary mapping slip (not reduced to
+V_d, d2t read as absolute ids instead of offsets). Matches are judged at the targets' own
+scale (:func:`dflash_audit.audit.replay.evidence.match_tolerance`).
 """
 
 from __future__ import annotations
