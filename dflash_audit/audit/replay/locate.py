@@ -5,7 +5,10 @@ A difference inside one component (e.g. the query/key path of the draft attentio
 layout, a score scale) changes every gradient through the loss, but the gradients of that
 component's own parameters the most, relative to their scale. :func:`where_it_starts` ranks the
 components by ``max |g_cand - g_ref| / max |g_ref|`` and names the first in forward order
-among those within a factor 2 of the worst, with the upstream checks that conform.
+among those near the worst, with the upstream checks that conform. A component whose forward
+output is known to conform (the context, when its check passes) is not named: its gradient
+differs only through what reads it. The attention's input norm counts with the query/key path
+(it feeds the queries; a score difference moves both).
 """
 
 from __future__ import annotations
@@ -15,10 +18,9 @@ import re
 import torch
 
 #: Parameter name pattern -> (component label, position in the forward within a layer).
-_PARTS = ((re.compile(r"self_attn\.(q_proj|k_proj|q_norm|k_norm)\."), "attention, the query/key "
-           "path", 1), (re.compile(r"self_attn\.(v_proj|o_proj)\."), "attention, the "
-                        "value/output path", 2),
-          (re.compile(r"input_layernorm\."), "attention input norm", 0),
+_PARTS = ((re.compile(r"(self_attn\.(q_proj|k_proj|q_norm|k_norm)|input_layernorm)\."),
+           "attention, the query/key path", 1),
+          (re.compile(r"self_attn\.(v_proj|o_proj)\."), "attention, the value/output path", 2),
           (re.compile(r"(mlp\.|post_attention_layernorm\.)"), "MLP", 3))
 
 
@@ -58,7 +60,7 @@ STANDS_OUT, NEAR = 1.5, 0.8
 
 
 def where_it_starts(cand_grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor],
-                    conforming: list[str]) -> str | None:
+                    conforming: list[str]) -> str | None:  # noqa: C901
     """``"where it starts: draft layer 0 attention, the query/key path (the first component in
     forward order whose gradients differ most relative to their scale: q_norm 0.54, k_norm
     0.47; largest anywhere 0.64, median component 0.35); the masks, context and targets
@@ -74,7 +76,11 @@ def where_it_starts(cand_grads: dict[str, torch.Tensor], ref_grads: dict[str, to
     scores: dict[tuple[int, str], float] = {}
     for name, value in rel.items():
         key = component(name)
+        if key[0] == 0 and "context" in conforming:  # its forward conforms
+            continue
         scores[key] = max(scores.get(key, 0.0), value)
+    if not scores:
+        return None
     top = max(scores.values())
     ranked = sorted(scores.values())
     median = ranked[len(ranked) // 2]
