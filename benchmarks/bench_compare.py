@@ -8,7 +8,8 @@ audit does, with our conformant drafter (a pass). Run 3 reuses it with a shipped
 candidate (``--fail-candidate``, default ``examples/candidates/bool_mask_added.py``: its logits
 difference is found by the replay hypothesis search, the costly part of a failing audit's
 diagnosis). Run 4 does the same with ``--compound-candidate`` (default
-``examples/candidates/three_causes.py``: three simultaneous causes). All runs write their reports into a temporary folder. Prints each run's wall time
+``examples/candidates/three_causes.py``: three simultaneous causes). All runs write their
+reports into a temporary folder. Prints each run's wall time
 and stages (from report.json), the warm time against the target and the failing / passing
 ratio against the budget (a failing audit costs at most ``--fail-ratio`` x a passing one),
 then the cost of each verifier family (:func:`family_costs`, skipped with ``--no-families``).

@@ -34,8 +34,8 @@ def is_note(cause: str) -> bool:
 #: weights a weight fallback lists (": candidate {...}"), where an unexplained difference
 #: starts ("... (the first component ...: q_norm 0.54 ...)").
 PER_CASE_TAIL = re.compile(r"(?<=reproduces the candidate) \(.*\)$|(?<=reproduces them): "
-                           r"candidate \{.*$| \(W = \d+\)$|(?<=^where it starts: )(.*?) \((the first|every) "
-                           r"component.*$")
+                           r"candidate \{.*$| \(W = \d+\)$|(?<=^where it starts: )(.*?) "
+                           r"\((the first|every) component.*$")
 
 
 def cause_key(cause: str) -> str:
