@@ -218,7 +218,8 @@ def diagnose_logits(ev: Evidence, result: CheckResult) -> list[str]:
         return ev.close(c[:, stages[1]], predict(kw, stages[1]))
 
     parts = " and ".join(given)
-    if given and probe(given)[0] and confirm(given):
+    matched, baseline = probe(given)
+    if given and matched and confirm(given):
         return [f"follows from the {and_list(upstream)} difference: our drafter fed the "
                 f"candidate's own {parts} reproduces the candidate's logits"]
     # budgeted: a cap, greedy pairs, what reproduced on earlier cases first
@@ -227,7 +228,7 @@ def diagnose_logits(ev: Evidence, result: CheckResult) -> list[str]:
     skipped = ev.memo.exhausted(key) if ev.memo else []
     if ev.memo:
         hypotheses = ev.memo.order(key, hypotheses)
-    outcome = compound_search(hypotheses, given, ev.config, probe, confirm)
+    outcome = compound_search(hypotheses, given, ev.config, probe, confirm, baseline=baseline)
     if ev.memo:
         ev.memo.record(key, ev.case.name, outcome.labels or None, full=not skipped)
     if outcome.labels:

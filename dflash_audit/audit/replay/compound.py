@@ -73,7 +73,8 @@ class CompoundOutcome:
 def compound_search(hypotheses: Iterable[Hypothesis], base: dict[str, Any], base_config: Any,
                     probe: Callable[[dict[str, Any]], tuple[bool, float]],
                     confirm: Callable[[dict[str, Any]], bool],
-                    max_causes: int = MAX_CAUSES, seeds: int = SEEDS) -> CompoundOutcome:
+                    max_causes: int = MAX_CAUSES, seeds: int = SEEDS,
+                    baseline: float | None = None) -> CompoundOutcome:
     """The fewest hypotheses that, on top of ``base``, reproduce the candidate.
 
     Args:
@@ -83,14 +84,16 @@ def compound_search(hypotheses: Iterable[Hypothesis], base: dict[str, Any], base
         probe: ``kwargs -> (matches on the cheap sample, mean |diff| there)``.
         confirm: ``kwargs -> matches on the confirmation sample``.
         max_causes: the most hypotheses combined; seeds: partial hypotheses extended per level.
+        baseline: ``probe(base)``'s mean |diff| when the caller has it (saves a replay).
 
     Returns:
         :class:`CompoundOutcome` (``labels`` [] when nothing reproduced).
     """
     hyps = list(hypotheses)
     replays = 0
-    _, baseline = probe(base)
-    replays += 1
+    if baseline is None:
+        _, baseline = probe(base)
+        replays += 1
     level: list[tuple[list[str], dict[str, Any], float]] = [([], base, baseline)]
     for _depth in range(max_causes):
         scored: list[tuple[float, list[str], dict[str, Any]]] = []

@@ -5,6 +5,7 @@ X difference``) and the fallback "unexplained difference".
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -146,8 +147,10 @@ class Evidence:
 def match_tolerance(tol: dict[str, float], predicted: torch.Tensor) -> dict[str, float]:
     """``tol`` with ``atol = max(atol, MATCH_REL * max|predicted|)`` over finite values."""
     p = predicted.detach()
-    finite = p[torch.isfinite(p)] if p.numel() else p
-    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    scale = float(p.abs().max()) if p.numel() else 0.0
+    if not math.isfinite(scale):  # rare: leave the non-finite values out
+        finite = p[torch.isfinite(p)]
+        scale = float(finite.abs().max()) if finite.numel() else 0.0
     return {"atol": max(float(tol["atol"]), MATCH_REL * scale), "rtol": float(tol["rtol"])}
 
 
