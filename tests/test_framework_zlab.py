@@ -96,7 +96,7 @@ def test_one_step_equals_our_drafter_in_full_attention_and_shows_zlabs_window(zl
             assert torch.equal(z.tensors[key][rows], ours.tensors[key][rows])
         else:  # z-lab's own mask: the window counted from each query, a + s - W + 1
             zlab_rule = build_mask(case, MaskHypothesis(window=window, causal_block=True,
-                                                        query_window=True))
+                                                        per_query=True))
             assert torch.equal(z.tensors[key][rows], zlab_rule[rows])
             assert not torch.equal(z.tensors[key][rows], ours.tensors[key][rows])
         # every output is attributed, and only z-lab's own computations to the framework
@@ -129,7 +129,7 @@ def test_compare_finds_the_window_bound_and_passes_full_attention(zlab_compare):
         sliding = results.get(("mask", "sliding_attention"))
         if sliding and sliding["status"] == "fail":
             causes += sliding["diagnosis"]
-    assert causes and all("measured from each query: kv >= anchor + s - W + 1" in d
+    assert causes and all("measured from the query's own position: kv >= a + s - W + 1" in d
                           for d in causes), causes
     assert {c["name"] for c in windowed} >= {
         name for name, c in by_case.items()
@@ -145,6 +145,7 @@ ZLAB_CONFIG = {  # the real z-lab config of the reference's converter tests (res
 
 def test_read_run_config_reads_what_zlab_reads_and_refuses_disagreement(zlab_site, tmp_path):
     from dflash.model import DFlashDraftModel  # noqa: F401 - the adapter's framework imports
+
     from dflash_audit.audit.frameworks.zlab_adapter import read_run_config
 
     file = tmp_path / "config.json"

@@ -133,12 +133,18 @@ def main(opts: CompareOptions) -> int:
             f") in {report.timing.get('total', 0.0):.1f} s")
     print(line)
     causes = [d["cause"] for d in report.diagnoses() if d.get("status") == "fail"]
-    for cause in causes[:3]:  # root causes come first (report.diagnoses' order)
+    roots = [d["cause"] for d in report.root_causes()] or causes[:3]
+    for cause in roots[:MAX_ROOT_CAUSES]:  # the named root causes, grouped across cases
         print(f"  cause: {cause}")
-    if len(causes) > 3:
-        print(f"  ... {len(causes) - 3} more in report.md")
+    if len(causes) > min(len(roots), MAX_ROOT_CAUSES):
+        print(f"  ... {len(causes) - min(len(roots), MAX_ROOT_CAUSES)} more (consequences, "
+              "unexplained differences) in report.md")
     print(f"report: {outcome.folder}")
     return guarded_exit_code(outcome.exit_code, outcome.folder)
+
+
+#: Named root causes a FAIL's terminal summary lists before pointing to report.md.
+MAX_ROOT_CAUSES = 8
 
 
 def guarded_exit_code(code: int, folder: Path) -> int:

@@ -13,7 +13,12 @@ import torch
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.slots import slot_coordinates, supervised_slots
-from dflash_audit.audit.tolerance import closeness, fmt_diff, tolerance
+from dflash_audit.audit.tolerance import (
+    closeness,
+    fmt_diff,
+    magnitude_tolerance,
+    tolerance,
+)
 
 
 def not_provided(name: str, case: Case, what: str, side: str = "candidate",
@@ -38,6 +43,7 @@ def tensor_result(name: str, case: Case, cand: SideOutputs, ref: SideOutputs,
                            f"{name} shape {list(c.shape)} != reference {list(r.shape)}",
                            candidate=list(c.shape), reference=list(r.shape), tolerance=tol)
     cs, rs = select(c), select(r)
+    tol = magnitude_tolerance(case, name, rs.detach().float(), tol)
     res = closeness(cs, rs, **tol)
     details = {"compared": where, "num_compared": int(rs.numel()), "num_bad": res.num_bad,
                "num_non_finite": res.num_non_finite}

@@ -58,7 +58,10 @@ def check_without_step(case: Any, cand: Any, ref: Any) -> list[Any]:
     ``supported`` result, then only the checks that need no training step (anchors,
     derivation); a check that raises is a failing result naming the error."""
     from dflash_audit.audit.checks import REGISTRY
-    from dflash_audit.audit.frameworks.provenance import WITHOUT_STEP, unsupported_result
+    from dflash_audit.audit.frameworks.provenance import (
+        WITHOUT_STEP,
+        unsupported_result,
+    )
     from dflash_audit.audit.result import FAIL, CheckResult
 
     results = [unsupported_result(case)]

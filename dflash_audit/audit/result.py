@@ -18,16 +18,30 @@ def is_downstream(cause: str) -> bool:
     return DOWNSTREAM.search(cause) is not None
 
 
+#: Lines of a diagnosis that are not a named cause: the fallback "unexplained difference" and
+#: what accompanies it (where it starts, what was tried, the search not repeated).
+NOTE = re.compile(r"^(unexplained difference|where it starts:|tried and ruled out:|not only the "
+                  r"|the full hypothesis search was not repeated)")
+
+
+def is_note(cause: str) -> bool:
+    """Whether a diagnosis line is an unexplained difference or one of its notes, not a named
+    cause (named causes lead a report, these follow them)."""
+    return NOTE.search(cause) is not None
+
+
 #: The per-case numbers a cause may end with: an unexplained difference's "(max abs ...)", the
-#: weights a weight fallback lists (": candidate {...}").
+#: weights a weight fallback lists (": candidate {...}"), where an unexplained difference
+#: starts ("... (the first component ...: q_norm 0.54 ...)").
 PER_CASE_TAIL = re.compile(r"(?<=reproduces the candidate) \(.*\)$|(?<=reproduces them): "
-                           r"candidate \{.*$")
+                           r"candidate \{.*$| \(W = \d+\)$|(?<=^where it starts: )(.*?) "
+                           r"\((the first|every) component.*$")
 
 
 def cause_key(cause: str) -> str:
     """A cause without its per-case numbers: the same unexplained difference on several cases
     is one cause (one bullet listing its cases), not one per case."""
-    return PER_CASE_TAIL.sub("", cause)
+    return PER_CASE_TAIL.sub(lambda m: m.group(1) or "", cause)
 
 
 @dataclass

@@ -144,25 +144,44 @@ def tolerance_table(report: Report) -> list[str]:
     return [*lines, ""]
 
 
+def _bullet(d: dict[str, Any]) -> str:
+    cases = ", ".join(f"`{c}`" for c in d["cases"][:4])
+    more = f" (+{len(d['cases']) - 4} more)" if len(d["cases"]) > 4 else ""
+    numbers = "; numbers per case in report.json" if d.get("per_case") else ""
+    return (f"- {ICON.get(d['status'], '')} {_cell(d['cause'], 300)} — checks: "
+            f"{', '.join(d['checks'])}; cases: {cases}{more}{numbers}")
+
+
+def root_cause_lines(report: Report) -> list[str]:
+    """A FAIL's named root causes, grouped across cases, before anything else (empty on a
+    pass or when no cause was named)."""
+    roots = report.root_causes() if report.verdict == "fail" else []
+    if not roots:
+        return []
+    return ["### Root causes", "", *(_bullet(d) for d in roots[:MAX_DIAGNOSES]),
+            *([f"- … {len(roots) - MAX_DIAGNOSES} more in report.json"]
+              if len(roots) > MAX_DIAGNOSES else []), ""]
+
+
 def render_markdown(report: Report) -> str:
-    """The text of ``report.md``."""
+    """The text of ``report.md``: verdict, what was compared, a FAIL's named root causes, the
+    framework an adapter drove (if any), the checks, then the other diagnoses (consequences,
+    unexplained differences, warnings)."""
+    roots = root_cause_lines(report)
     fw = framework_lines(report)
-    out = [verdict_line(report), "", *_what(report), "",
+    out = [verdict_line(report), "", *_what(report), "", *roots,
            *(["### Framework", "", *[f"- {_cell(line, 400)}" for line in fw], ""] if fw
              else []), "### Checks", "",
            *checks_table(report), "",
            "One result per case (per case and layer type for mask). A check passes when "
            "|c - r| <= atol + rtol·|r| everywhere, so a large relative diff on values near "
            "zero can pass.", "", *tolerance_table(report)]
-    diagnoses = report.diagnoses()
+    shown = {d["cause"] for d in report.root_causes()} if roots else set()
+    diagnoses = [d for d in report.diagnoses() if d["cause"] not in shown]
     if diagnoses:
-        out += ["### Diagnoses", ""]
+        out += ["### Diagnoses" if not roots else "### Consequences and other diagnoses", ""]
         for d in diagnoses[:MAX_DIAGNOSES]:
-            cases = ", ".join(f"`{c}`" for c in d["cases"][:4])
-            more = f" (+{len(d['cases']) - 4} more)" if len(d["cases"]) > 4 else ""
-            numbers = "; numbers per case in report.json" if d.get("per_case") else ""
-            out.append(f"- {ICON.get(d['status'], '')} {_cell(d['cause'], 300)} — checks: "
-                       f"{', '.join(d['checks'])}; cases: {cases}{more}{numbers}")
+            out.append(_bullet(d))
         if len(diagnoses) > MAX_DIAGNOSES:
             out.append(f"- … {len(diagnoses) - MAX_DIAGNOSES} more in report.json")
         out.append("")

@@ -52,6 +52,7 @@ from dflash_audit.audit.result import (
     CheckResult,
     cause_key,
     is_downstream,
+    is_note,
 )
 from dflash_audit.report.fingerprint import report_fingerprint
 
@@ -174,7 +175,14 @@ class Report:
                 counts[cause] += 1
         return sorted(seen.values(), key=lambda e: (e["status"] != FAIL,
                                                     is_downstream(e["cause"]),
+                                                    is_note(e["cause"]),
                                                     -counts[e["cause"]]))
+
+    def root_causes(self) -> list[dict[str, Any]]:
+        """The named root causes of failing results (:meth:`diagnoses` without consequences,
+        unexplained differences and their notes), grouped across cases, most frequent first."""
+        return [d for d in self.diagnoses() if d["status"] == FAIL
+                and not is_downstream(d["cause"]) and not is_note(d["cause"])]
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -25,9 +25,11 @@ A sampler whose signature names ``document_ids`` gets the case's packed-document
 1071) is named against the reference's "per row" sampling (and the other way round).
 
 Hypotheses name (the comparison names them itself): per document vs per row sampling, anchors
-not random (every draw the same), anchors outside the packed row, anchors
-drawn from the last block_size positions of the row or where loss_mask is 0, more than the last
-block_size positions excluded, positions the reference draws never drawn, another number of
+not random (every draw the same), anchors outside the packed row, anchors admitted at T-B
+(ModelOpt: its block ends inside the row) or drawn from past it, anchors where loss_mask is 0,
+more than the last block_size positions excluded, an anchor that also needs loss_mask[a+1]
+(SpecForge) or block_size-1 further tokens of its own document, positions the reference draws
+never drawn, one anchor fewer than there are valid positions (ModelOpt) or another number of
 anchors per draw, anchors drawn with replacement, and per-position frequencies that differ.
 """
 
@@ -76,10 +78,35 @@ def _positions(ps: list[int], limit: int = 8) -> str:
                                                else "")
 
 
-def support_findings(case: Case, extra: list[int], missing: list[int]
-                     ) -> list[tuple[str, str]]:
-    """(cause, evidence) for positions only one side draws: beyond the row, in its last
-    block_size positions, outside the loss mask, a tail excluded in excess, or others."""
+def rule_sets(case: Case) -> dict[str, set[int]]:
+    """Positions the reference admits that a stricter anchor rule excludes, per rule: an anchor
+    that also needs ``loss_mask[a+1]`` (SpecForge ``_sample_anchor_positions``), and one that
+    needs B-1 further tokens of its own document."""
+    T, B = case.inputs["loss_mask"].shape[-1], case.config.block_size
+    lm = case.inputs["loss_mask"][0].bool()
+    doc = case.inputs["document_ids"][0]
+    admitted = [p for p in range(T - B) if lm[p]]
+    return {"next": {p for p in admitted if not lm[p + 1]},
+            "document": {p for p in admitted if doc[p + B - 1] != doc[p]}}
+
+
+#: The named stricter rules of :func:`rule_sets`.
+RULE_CAUSES = {
+    "next": "an anchor also needs loss_mask[a+1] (SpecForge's rule: the last supervised token "
+            "before an unsupervised one is never an anchor); the reference admits every "
+            "supervised position a < T - block_size",
+    "document": "an anchor needs block_size-1 further tokens of its own document (no block "
+                "crosses a document boundary); the reference admits every supervised position "
+                "a < T - block_size of the packed row",
+}
+
+
+def support_findings(case: Case, extra: list[int], missing: list[int],
+                     never: set[int] | None = None) -> list[tuple[str, str]]:
+    """(cause, evidence) for positions only one side draws: anchors admitted at T-B, drawn
+    from past it or beyond the row, outside the loss mask, a tail excluded in excess, a
+    stricter rule (:func:`rule_sets`) or others. ``never``: the positions the reference admits
+    that the candidate never drew (default ``missing``)."""
     T, B = case.inputs["loss_mask"].shape[-1], case.config.block_size
     lm = case.inputs["loss_mask"][0].bool()
     out = []
@@ -88,19 +115,29 @@ def support_findings(case: Case, extra: list[int], missing: list[int]
     unmasked = [p for p in extra if 0 <= p < T - B and not lm[p]]
     if beyond:
         out.append(("anchors outside the packed row", f"positions {_positions(beyond)}, T={T}"))
-    if tail:
+    if tail == [T - B]:
+        out.append(("anchors admitted at T-B (a <= T - block_size, ModelOpt's rule): the block "
+                    "of an anchor at T-B ends at T-1, inside the row, but the reference also "
+                    "excludes it (valid_mask[:, -block_size:] = False)",
+                    f"position {T - B} of T={T}, block_size={B}"))
+    elif tail:
         out.append(("anchors drawn from the last block_size positions of the row; the reference "
-                    "excludes them (their blocks would run past the row)",
+                    "excludes them (a block from a > T - block_size runs past the row)",
                     f"positions {_positions(tail)} of T={T}, block_size={B}"))
     if unmasked:
         out.append(("anchors drawn where loss_mask is 0; the reference draws only supervised "
                     "positions", f"positions {_positions(unmasked)}"))
     if missing:
+        never = set(missing) if never is None else never
         cut = min(missing)
+        rules = [rule for rule, ps in rule_sets(case).items() if ps and ps == never]
         if missing == [p for p in range(cut, T - B) if lm[p]]:
             out.append(("more than the last block_size positions excluded from anchors",
                         f"none drawn from position {cut} on; the reference draws up to "
                         f"{T - B - 1} (T={T}, block_size={B})"))
+        elif len(rules) == 1:
+            out.append((RULE_CAUSES[rules[0]], f"never drawn: positions "
+                        f"{_positions(sorted(never))}"))
         else:
             out.append(("positions the reference draws are never drawn",
                         f"positions {_positions(missing)}"))
@@ -145,10 +182,15 @@ def check_anchor_draws(case: Case, cand: SideOutputs, ref: SideOutputs) -> Check
     # a position the reference drew n times and the candidate never: by chance with
     # probability ~exp(-n) when both sample alike (a long row, few anchors: ~2 draws each)
     missing = sorted(p for p in r_set - c_set if int(r_counts[p]) >= MIN_MISSING_DRAWS)
-    found += [] if found else support_findings(case, sorted(c_set - r_set), missing)
+    never = set(r_set) - c_set
+    found += [] if found else support_findings(case, sorted(c_set - r_set), missing, never)
     c_count, r_count = sorted(set(cv.sum(1).tolist())), sorted(set(rv.sum(1).tolist()))
     if c_count != r_count and not found:  # with another support the count follows from it
-        found.append(("another number of anchors per draw than the reference's "
+        one_fewer = len(r_count) == 1 and r_count[0] < A and c_count == [r_count[0] - 1]
+        found.append(("one anchor fewer per draw than there are valid positions "
+                      "(min(max_anchors, valid) - 1, ModelOpt's count); the reference draws "
+                      "min(max_anchors, valid)" if one_fewer else
+                      "another number of anchors per draw than the reference's "
                       "min(max_anchors, valid positions)",
                       f"{_positions(c_count)} per draw, reference {_positions(r_count)}"))
     repeats = sum(int(row[ok].unique().numel() < int(ok.sum())) for row, ok in zip(c, cv))

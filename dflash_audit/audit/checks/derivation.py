@@ -18,7 +18,10 @@ candidate does not report is not compared; a candidate without ``derive_config``
 reference's own code cannot derive (e.g. Olmo3: its config has no ``head_dim``) is a reference
 limitation (``warn``), not a candidate failure.
 
-Hypotheses name: a RoPE base taken from the wrong place (a 1e6 fallback where a nested
+Hypotheses name: a derive_config that raised (with its error), geometry left at a config
+class's defaults (heads, head_dim, MLP size, eps not inherited: ModelOpt under transformers 5),
+``rope_theta`` set as an attribute the rotary embedding never reads, a RoPE base taken from the
+wrong place (a 1e6 fallback where a nested
 per-layer-type ``rope_parameters`` gives the ``sliding_attention`` entry), a saved
 ``partial_rotary_factor`` the draft layers do not apply, a norm convention, head_dim or eps
 not taken from the verifier, and any other field as "<field> X where the reference derives Y".
@@ -56,6 +59,38 @@ def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
     return a == b
+
+
+#: Geometry fields a derived drafter config must take from the verifier, and what a config
+#: class fills in first when it is built before they are copied (transformers 5.19
+#: ``Qwen3Config()``: ModelOpt 0.47's ``modify`` "setdefault"s attributes that already exist).
+CONFIG_CLASS_DEFAULTS = {"num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
+                         "intermediate_size": 22016, "rms_norm_eps": 1e-6,
+                         "max_position_embeddings": 32768}
+#: transformers' default RoPE base (``rope_parameters`` of a config built without one).
+DEFAULT_ROPE_THETA = 10_000.0
+
+
+def config_class_defaults(differing: dict[str, dict[str, Any]]) -> list[str]:
+    """The differing geometry fields whose candidate values are all the config class's
+    defaults (:data:`CONFIG_CLASS_DEFAULTS`), when at least two are."""
+    keys = [k for k, default in CONFIG_CLASS_DEFAULTS.items() if k in differing
+            and same_value(differing[k]["candidate"], default)]
+    return keys if len(keys) >= 2 else []
+
+
+def rope_attribute_cause(case: Case, cand: dict[str, Any], differing: dict) -> str | None:
+    """"rope_theta set as an attribute ..." when the draft layers run transformers' default
+    base while the candidate's saved config carries the verifier's (``saved.rope_theta``)."""
+    d = differing.get("rope_theta")
+    saved = cand.get("saved.rope_theta")
+    if d is None or saved is None or not same_value(d["candidate"], DEFAULT_ROPE_THETA) or \
+            not same_value(saved, d["reference"]):
+        return None
+    return (f"rope_theta set as a config attribute ({saved:g}, what the saved config.json says) "
+            f"that transformers 5's rotary embedding never reads (it reads rope_parameters): "
+            f"the draft layers run theta {DEFAULT_ROPE_THETA:g} where the verifier's "
+            f"rope_parameters give {d['reference']:g}")
 
 
 def _verifier_rope(case: Case) -> dict[str, Any]:
@@ -130,7 +165,8 @@ def check_derivation(case: Case, cand: SideOutputs, ref: SideOutputs) -> list[Ch
         return result(WARN, "not provided: the candidate has no derive_config(verifier_config, "
                       "config)")
     if "error" in c:
-        return result(FAIL, f"the candidate's derive_config failed: {c['error']}")
+        return result(FAIL, f"the candidate's derive_config raised {c['error']}",
+                      details={"candidate_error": c["error"]})
     keys = _compared_keys(case, c, r)
     differing = {k: {"candidate": c[k], "reference": r[k]}  # failing fields before warn-only
                  for k in sorted(keys, key=lambda k: k in WARN_KEYS)
@@ -138,11 +174,17 @@ def check_derivation(case: Case, cand: SideOutputs, ref: SideOutputs) -> list[Ch
     details = {"compared": keys, "not_reported": sorted(set(r) - set(c) - META_KEYS),
                "differing": differing}
     if differing:
-        words = [name_difference(k, v["candidate"], v["reference"], case)
-                 for k, v in differing.items()]
         status = WARN if set(differing) <= WARN_KEYS else FAIL
-        return result(status, f"{len(differing)} of {len(keys)} derived fields differ for "
-                      f"verifier {name}: " + "; ".join(words),
+        failing = {k: v for k, v in differing.items() if status == WARN or k not in WARN_KEYS}
+        words = [name_difference(k, v["candidate"], v["reference"], case)
+                 for k, v in failing.items()]
+        notes = [name_difference(k, v["candidate"], v["reference"], case)
+                 for k, v in differing.items() if k not in failing]
+        details["warnings"] = notes  # choices, never shown as part of a failure
+        return result(status, f"{len(failing)} of {len(keys)} derived fields differ for "
+                      f"verifier {name}: " + "; ".join(words)
+                      + (f" (and {len(notes)} warning-only field(s), see details)" if notes
+                         else ""),
                       candidate={k: v["candidate"] for k, v in differing.items()},
                       reference={k: v["reference"] for k, v in differing.items()},
                       details=details)
@@ -154,5 +196,24 @@ def diagnose_derivation(ev: Evidence, result: CheckResult) -> list[str]:
     """Each differing field, named (rope base source, saved partial factor, norm
     convention, ...)."""
     case = ev.case
-    return [name_difference(k, v["candidate"], v["reference"], case)
-            for k, v in result.details.get("differing", {}).items()]
+    if "candidate_error" in result.details:
+        return [f"derive_config raised {result.details['candidate_error']}"]
+    differing = dict(result.details.get("differing", {}))
+    if result.status == FAIL:  # a warning-only field is never shown as part of a failure
+        differing = {k: v for k, v in differing.items() if k not in WARN_KEYS}
+    causes = []
+    defaults = config_class_defaults(differing)
+    if defaults:
+        values = ", ".join(f"{k} {differing[k]['candidate']:g}" for k in defaults)
+        refs = ", ".join(f"{differing[k]['reference']:g}" for k in defaults)
+        causes.append(f"the drafter config does not inherit the verifier's {', '.join(defaults)}"
+                      f" ({refs}): its {values} are the config class's defaults (transformers "
+                      "Qwen3Config), so the class filled its defaults before the verifier's "
+                      "values were copied (a setdefault on attributes that already exist)")
+        differing = {k: v for k, v in differing.items() if k not in defaults}
+    rope = rope_attribute_cause(case, ev.cand.derivation or {}, differing)
+    if rope:
+        causes.append(rope)
+        differing.pop("rope_theta")
+    return causes + [name_difference(k, v["candidate"], v["reference"], case)
+                     for k, v in differing.items()]

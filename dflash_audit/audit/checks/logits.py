@@ -8,8 +8,11 @@ correct mask misused by the attention (a boolean mask added to the scores, ...),
 position conventions, the noise block's slot 0 holding mask_token_id or a neighbour
 instead of the anchor token, mask_token_id falling back to another token, RoPE
 partial_rotary_factor applied or ignored, mask variants (when the candidate returned no
-masks), draft-layer slips (:mod:`dflash_audit.audit.replay.architecture`), and a draft-vocabulary
-mapping slip.
+masks), draft-layer slips (:mod:`dflash_audit.audit.replay.architecture`: RoPE on interleaved
+pairs among them), and a draft-vocabulary mapping slip. Hypotheses are tried on top of the
+candidate's own upstream values and, where none alone reproduces the logits, in greedy pairs
+(:mod:`dflash_audit.audit.replay.compound`); a difference nothing reproduces says where it
+starts (:mod:`dflash_audit.audit.replay.locate`) and what was tried.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dflash_audit.audit.replay.architecture import (
     architecture_hypotheses,
     mask_misuse_hypotheses,
 )
+from dflash_audit.audit.replay.compound import compound_search, tried_families
 from dflash_audit.audit.replay.evidence import (
     CONFIRM_SAMPLE,
     MAX_HYPOTHESES,
@@ -42,6 +46,7 @@ from dflash_audit.audit.replay.evidence import (
     shifted,
     unexplained,
 )
+from dflash_audit.audit.replay.locate import where_it_starts
 from dflash_audit.audit.replay.replay import replay
 from dflash_audit.audit.result import CheckResult
 from dflash_audit.audit.slots import as_bool_mask
@@ -176,8 +181,11 @@ def mask_replay_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict]]:
 
 
 def diagnose_logits(ev: Evidence, result: CheckResult) -> list[str]:
-    """Replay our drafter with the candidate's own context / masks, then each logit
-    hypothesis (:func:`logit_hypotheses`); the first ones that reproduce the logits."""
+    """Replay our drafter with the candidate's own context / masks (what the upstream checks
+    established), then the logit hypotheses (:func:`logit_hypotheses`) on top of them, alone
+    and in pairs (:func:`dflash_audit.audit.replay.compound.compound_search`): the fewest
+    causes that together reproduce the logits. Where nothing does, where the difference
+    starts (:func:`dflash_audit.audit.replay.locate.where_it_starts`) and what was tried."""
     c = ev.cand.tensors["logits"]
     if c.shape != ev.ref.tensors["logits"].shape:
         return diagnose_vocab(ev, "logits")
@@ -194,31 +202,68 @@ def diagnose_logits(ev: Evidence, result: CheckResult) -> list[str]:
     slots = sup.nonzero().squeeze(-1)
     stages = [sample(slots), sample(slots, CONFIRM_SAMPLE)]
 
-    def matches(kw: dict) -> bool:
-        return all(ev.close(c[:, s], replay(ev.case, slots=s, **kw)) for s in stages)
+    def predict(kw: dict, s: torch.Tensor) -> torch.Tensor:
+        if ev.memo:
+            ev.memo.spend()
+        return replay(ev.case, slots=s, **kw)
+
+    def probe(kw: dict) -> tuple[bool, float]:
+        observed, predicted = c[:, stages[0]], predict(kw, stages[0])
+        if observed.shape != predicted.shape:
+            return False, float("inf")
+        err = float((observed.float() - predicted.float()).abs().mean())
+        return ev.close(observed, predicted), err
+
+    def confirm(kw: dict) -> bool:
+        return ev.close(c[:, stages[1]], predict(kw, stages[1]))
 
     parts = " and ".join(given)
-    if given and matches(given):
+    matched, baseline = probe(given)
+    if given and matched and confirm(given):
         return [f"follows from the {and_list(upstream)} difference: our drafter fed the "
                 f"candidate's own {parts} reproduces the candidate's logits"]
-    # budgeted: a cap, the first that reproduces, what reproduced on earlier cases first
+    # budgeted: a cap, greedy pairs, what reproduced on earlier cases first
     hypotheses = list(itertools.islice(logit_hypotheses(ev), MAX_HYPOTHESES))
-    key = ("logits",)  # one fruitless full search per audit (the replays are the costly part)
+    key = ("logits",)
     skipped = ev.memo.exhausted(key) if ev.memo else []
     if ev.memo:
         hypotheses = ev.memo.order(key, hypotheses)
-    found = next((label for label, kw in hypotheses if matches(kw)), None)
+    outcome = compound_search(hypotheses, given, ev.config, probe, confirm, baseline=baseline)
     if ev.memo:
-        ev.memo.record(key, ev.case.name, found, full=not skipped)
-    if found:
-        return [found]
+        ev.memo.record(key, ev.case.name, outcome.labels or None, full=not skipped)
+    if outcome.labels:
+        causes = list(outcome.labels)
+        change = "this change" if len(causes) == 1 else f"these {len(causes)} changes"
+        if given:
+            causes.append(f"follows from the {and_list(upstream)} difference together with "
+                          f"{change}: our drafter fed the candidate's own {parts} and "
+                          f"{change} reproduces the candidate's logits")
+        elif len(causes) > 1:
+            causes.append(f"the {len(causes)} causes above together: our drafter with all of "
+                          "them reproduces the candidate's logits (no one of them alone does)")
+        return causes
     if skipped:
-        return [unexplained(result), f"the full hypothesis search was not repeated on this case: "
-                f"it reproduced nothing on {and_list(skipped)}; only causes found on other "
-                "cases were tried"]
+        return [unexplained(result), "the full hypothesis search was not repeated on this case: "
+                f"the audit's replay budget is spent (it reproduced nothing on "
+                f"{and_list(skipped)}); only causes found on other cases were tried"]
+    if not given and (up := follows_from("logits", ev)):
+        return [up]
+    lines = [unexplained(result)]
     if given:  # the upstream difference is real but does not account for the logits
-        return [unexplained(result), f"not only the {and_list(upstream)} difference: our drafter "
-                f"fed the candidate's own {parts} does not reproduce the candidate's logits, "
-                "so its draft layers differ as well"]
-    upstream = follows_from("logits", ev)
-    return [upstream] if upstream else []
+        lines.append(f"not only the {and_list(upstream)} difference: our drafter fed the "
+                     f"candidate's own {parts} does not reproduce the candidate's logits, alone "
+                     f"or together with any of the {len(outcome.tried)} hypotheses tried (and "
+                     "pairs of the closest), so its draft layers differ as well")
+    conforming = [name for check, name in (("mask", "masks"), ("context", "context"),
+                                           ("targets", "targets")) if check not in ev.failing]
+    cg = {k[5:]: v for k, v in ev.cand.tensors.items() if k.startswith("grad.")}
+    rg = {k[5:]: v for k, v in ev.ref.tensors.items() if k.startswith("grad.")}
+    if "gradients" not in ev.failing:
+        lines.append("where it starts: not in what is trained: every gradient conforms, so the "
+                     "difference is in the logits the candidate reports, not in the ones its "
+                     "loss backpropagates")
+    elif where := where_it_starts(cg, rg, conforming):
+        lines.append(where)
+    lines.append(f"tried and ruled out: {tried_families(outcome.tried)} (each alone and, for "
+                 "the closest, in pairs)")
+    return lines

@@ -8,8 +8,11 @@ a wrong decay gamma or decay formula, no position decay, slot 0's weight under
 sample_from_anchor, weights normalised per block; on a case that cannot separate two formulas,
 both in one cause with the slots a separating case needs), D-PACE vs fixed-exp-decay weighting
 (only on a case whose reference weights vary between blocks), D-PACE weights that follow from
-an upstream difference, another loss (e.g. hard-label CE instead of a soft divergence) and the
-loss normalised by the sum of weights, averaged over all Q slots or per block, a loss reduced
+an upstream difference or from another loss kind (a consequence, listed after it), D-PACE
+confidences computed from cross-entropy against the data tokens (ModelOpt), another loss (e.g.
+hard-label CE instead of a soft divergence, soft cross-entropy KL + H(p)) and the loss
+normalised by the sum of weights, averaged over all Q slots or per block or divided by the
+batch size (under either weighting), a loss reduced
 under another mask than the aligned_loss_mask the candidate reports, and a loss scaled by a
 constant (told from any other difference by the gradients: all scaled by the same factor);
 among several loss formulas that reproduce the total, only those with the fewest deviations,
@@ -34,11 +37,14 @@ from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import not_provided
 from dflash_audit.audit.replay.evidence import Evidence, follows_from
 from dflash_audit.audit.replay.loss_formulas import (
+    AUDIT_LOSS_NAMES,
+    audit_term_loss,
+    case_target_ids,
     diagnose_loss_total,
     own_loss,
 )
 from dflash_audit.audit.replay.weight_formulas import weight_formula_causes
-from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
+from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult, is_downstream
 from dflash_audit.audit.slots import slot_coordinates, supervised_slots
 from dflash_audit.audit.tolerance import closeness, fmt_diff, tolerance, worst
 from dflash_audit.model.loss import (
@@ -137,8 +143,9 @@ def _compare_weights(case: Case, cand: SideOutputs, ref: SideOutputs, key: str,
     slots = sup.nonzero().squeeze(-1)
     q = int(slots[res.first_bad[0]])
     gc, gr = (out["candidate_fit"] or {}).get("gamma"), (out["reference_fit"] or {}).get("gamma")
-    implied = (f" (implied gamma: candidate {fmt_diff(gc) if gc else '-'}, reference "
-               f"{fmt_diff(gr) if gr else '-'})")
+    implied = "" if case.loss.weighting == "dpace" else (  # D-PACE weights imply no gamma
+        f" (implied gamma: candidate {fmt_diff(gc) if gc else '-'}, reference "
+        f"{fmt_diff(gr) if gr else '-'})")
     return {**out, "status": FAIL, "num_bad": res.num_bad,
             "first_diff": {**slot_coordinates(case, q), "term": term,
                            "candidate": float(c[q]), "reference": float(r[q])},
@@ -256,6 +263,21 @@ def diagnose_weights(ev: Evidence, part: dict[str, Any]) -> list[str]:
             return [f"{upstream}: D-PACE weights depend on the per-slot loss, and the "
                     "reference's D-PACE formula on the candidate's own logits and targets "
                     "reproduces its weights"] if upstream else []
+        if dpace_match(ev, part["term"], data_token_ce(ev)):
+            return [f"D-PACE confidences computed from cross-entropy against the data tokens "
+                    f"input_ids[a+s] (exp(-CE)), not from the {part['term']!r} loss term they "
+                    "weight (the reference: c_s = (1-alpha) exp(-l_s) + alpha of that term's "
+                    "per-token loss; speculators losses/utils.py dpace_loss_decay)"]
+        t = ev.cand.tensors
+        for kind in AUDIT_LOSS_NAMES:
+            if kind != part["term"] and "logits" in t and "targets" in t and \
+                    t["logits"].shape == t["targets"].shape and dpace_match(
+                        ev, part["term"], audit_term_loss(kind, t["logits"].float(),
+                                                          t["targets"].float(),
+                                                          case_target_ids(ev.case))):
+                return [f"follows from the loss kind difference: D-PACE weights depend on the "
+                        f"per-token loss, and D-PACE on the candidate's own {kind!r} per-token "
+                        "loss reproduces its weights"]
         if fit["constant_per_slot"] and not ref_fit.get("constant_per_slot", True):
             return ["fixed per-slot weights where the profile says D-PACE"]
         return []
@@ -291,6 +313,32 @@ def no_decay_causes(fit: dict[str, Any], sample_from_anchor: bool) -> list[str]:
     return out
 
 
+def data_token_ce(ev: Evidence) -> torch.Tensor | None:
+    """[1,Q] cross-entropy of the candidate's logits against the data tokens input_ids[a+s]
+    (0 where the token is outside the draft vocabulary), or None without logits."""
+    logits = ev.cand.tensors.get("logits")
+    if logits is None:
+        return None
+    labels = ev.data_labels
+    ce = torch.nn.functional.cross_entropy(logits[0].float(), labels.clamp_min(0),
+                                           reduction="none")
+    return (ce * (labels >= 0)).reshape(1, -1)
+
+
+def dpace_match(ev: Evidence, term: str, elementwise: torch.Tensor | None) -> bool:
+    """Whether the reference's D-PACE formula on a per-token loss [1,Q] (masked by the
+    candidate's aligned mask) reproduces the candidate's weights of ``term``."""
+    key = f"loss_weights.{term}"
+    t = ev.cand.tensors
+    if elementwise is None or key not in t:
+        return False
+    m = t.get("aligned_loss_mask", ev.ref.tensors.get("aligned_loss_mask")).reshape(1, -1).float()
+    w = slot_weights(ev.case.loss, elementwise.reshape(1, -1) * m, m, ev.config.block_size,
+                     ev.config.sample_from_anchor)
+    sup = ev.sup
+    return bool(closeness(t[key].reshape(-1)[sup].float(), w.reshape(-1)[sup], **ev.tol).ok)
+
+
 def own_dpace_weights_match(ev: Evidence, term: str) -> bool:
     """Whether D-PACE on the candidate's own logits / targets / aligned mask reproduces its
     weights of ``term`` (then a weight difference follows from those inputs)."""
@@ -313,6 +361,7 @@ def diagnose_loss(ev: Evidence, result: CheckResult) -> list[str]:
     if parts.get("aligned_loss_mask", {}).get("status") == FAIL:
         c = ev.cand.tensors["aligned_loss_mask"].reshape(-1).bool()
         causes += [label for label, m in aligned_mask_hypotheses(ev) if torch.equal(m, c)][:1]
+    consequences: list[str] = []  # weights that follow from a cause named below come last
     for key, part in parts.items():
         if key.startswith("loss_weights.") and part.get("status") == FAIL:
             named = diagnose_weights(ev, part)
@@ -322,12 +371,14 @@ def diagnose_loss(ev: Evidence, result: CheckResult) -> list[str]:
                       (part.get("reference_fit") or {}).get("per_slot", {}).items()}
                 named = [f"per-slot weights of {part['term']!r} differ and no tested weight "
                          f"formula reproduces them: candidate {cw}, reference {rw} (slot: weight)"]
-            causes += named
+            causes += [n for n in named if not is_downstream(n)]
+            consequences += [n for n in named if is_downstream(n)]
     if parts.get("loss_from_logits", {}).get("status") == FAIL:
         causes += diagnose_loss_precision(ev, parts["loss_from_logits"])
     if parts.get("total", {}).get("status") == FAIL:
         total = diagnose_loss_total(ev, aligned_mask_hypotheses(ev))
-        if causes and total and total[0].startswith("the candidate's loss formula conforms"):
+        if (causes or consequences) and total and total[0].startswith(
+                "the candidate's loss formula conforms"):
             total = []  # the named weight / mask cause already explains the total
         causes += total
-    return list(dict.fromkeys(causes))
+    return list(dict.fromkeys(causes + consequences))

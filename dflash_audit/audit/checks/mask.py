@@ -7,9 +7,10 @@ attention inside the block where the reference is bidirectional (or the reverse)
 of other blocks visible (a causal mask over all Q noise positions, or no block rule), the
 context rule kv <= anchor, kv < anchor - 1 or any other offset kv < anchor + k fitted from the
 candidate's mask (k >= 2: the block's own verifier states leak, as in SpecForge issue 470), the
-sliding window missing, applied in a full-attention layer, off by one, or measured from each
-query (``kv >= anchor + s - W + 1``, the inference-cache rule of z-lab, SpecForge and ModelOpt)
-instead of from the anchor, and cross-document leakage (document_ids not applied).
+sliding window missing, applied in a full-attention layer, off by one or measured from the
+query's own position (``kv >= a + s - W + 1``, the inference-time rule of SpecForge / ModelOpt /
+z-lab), and cross-document leakage (document_ids not applied); every combination of them, so
+two at once are named together.
 """
 
 from __future__ import annotations
@@ -94,19 +95,20 @@ def check_masks(case: Case, cand: SideOutputs, ref: SideOutputs) -> list[CheckRe
 
 @dataclass(frozen=True)
 class MaskHypothesis:
-    """Context part: kv < anchor + offset, window bound W (None: none), documents respected or
-    not. Block part: causal or bidirectional, over the query's own block (``blocks="own"``),
-    its own and every earlier block (``"earlier"``) or all blocks (``"all"``)."""
+    """Context part: kv < anchor + offset, window bound W (None: none) measured from the
+    anchor (``kv >= a - W`` for every slot, the reference) or from the query's own position
+    (``per_query``: ``kv >= a + s - W + 1``, i.e. ``a + s - kv < W``, the inference-time rule of
+    SpecForge ``create_dflash_sdpa_mask``, ModelOpt ``_build_draft_attention_mask`` and z-lab
+    ``_attention_mask``), documents respected or not. Block part: causal or bidirectional, over
+    the query's own block (``blocks="own"``), its own and every earlier block (``"earlier"``)
+    or all blocks (``"all"``)."""
 
     offset: int = 0
     window: int | None = None
     documents: bool = True
     causal_block: bool = False
     blocks: str = "own"
-    #: the window measured from each query: ``kv >= anchor + s - W + 1`` (``query_pos -
-    #: kv < W`` over [context ; block], as z-lab 0.1.0 ``_attention_mask``, SpecForge and
-    #: ModelOpt build it) instead of from the anchor (``kv >= anchor - W``)
-    query_window: bool = False
+    per_query: bool = False
 
 
 def expected_mask_hypothesis(case: Case, layer_type: str) -> MaskHypothesis:
@@ -127,9 +129,9 @@ def build_mask(case: Case, h: MaskHypothesis) -> torch.Tensor:
     docs = doc if h.documents else torch.where(doc != -1, 0, -1)
     qa = a.repeat_interleave(B)[:, None]  # [Q, 1]
     kv = torch.arange(T)[None, :]  # [1, T]
-    if h.query_window and h.window is not None:
-        slot = (torch.arange(qa.shape[0]) % B)[:, None]
-        base = dense_mask(docs, a, B, None)[:, :T] & (kv >= qa + slot - h.window + 1)
+    if h.per_query and h.window is not None:  # a + s - kv < W, s the query's slot
+        s = (torch.arange(qa.shape[0]) % B)[:, None]
+        base = dense_mask(docs, a, B, None)[:, :T] & (kv >= qa + s - h.window + 1)
     else:
         base = dense_mask(docs, a, B, h.window)[:, :T]
     block = dense_mask(docs, a, B, NO_WINDOW if h.causal_block else None)[:, T:]
@@ -163,21 +165,23 @@ def fitted_context_offset(case: Case, mask: torch.Tensor, rows: torch.Tensor) ->
 def mask_hypotheses(case: Case, layer_type: str,
                     fitted_offset: int | None = None) -> Iterator[MaskHypothesis]:
     """Block scope (own, earlier, all) x block rule (causal / bidirectional) x context offset
-    (<, <=, < a-1, and ``fitted_offset``) x window (expected, none, W-1, W+1, W) x documents
-    (respected, ignored) x window origin (the anchor, or each query: ``query_window``)."""
+    (<, <=, < a-1, and ``fitted_offset``) x window (expected, none, W-1, W+1, W; each bound
+    from the anchor or from the query's own position) x documents (respected, ignored): every
+    combination, so two deviations at once (a per-query window without the same-document
+    rule, as SpecForge and ModelOpt build it) are named together."""
     exp = expected_mask_hypothesis(case, layer_type)
     W = case.config.sliding_window
     windows = list(dict.fromkeys([exp.window, None] + ([W, W - 1, W + 1] if W else [])))
     windows = [w for w in windows if w is None or w >= 0]
     offsets = list(dict.fromkeys([0, 1, -1] + ([fitted_offset] if fitted_offset is not None
                                                else [])))
-    for blocks, causal, offset, window, docs, from_query in itertools.product(
+    for blocks, causal, offset, window, docs, per_query in itertools.product(
             ("own", "earlier", "all"), (exp.causal_block, not exp.causal_block), offsets,
             windows, (True, False), (False, True)):
-        if from_query and window is None:
+        if per_query and window is None:
             continue
         if blocks != "all" or causal == exp.causal_block:  # "all" ignores the block rule
-            yield MaskHypothesis(offset, window, docs, causal, blocks, from_query)
+            yield MaskHypothesis(offset, window, docs, causal, blocks, per_query)
 
 
 def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> list[str]:
@@ -216,12 +220,17 @@ def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> 
     elif h.offset < -1:
         out.append(f"context rule kv < anchor - {-h.offset} (reference: kv < anchor): the "
                    f"{-h.offset} positions before the anchor are hidden")
-    if h.query_window:
-        out.append("sliding window measured from each query: kv >= anchor + s - W + 1 "
-                   "(W - 1 - s context tokens for slot s, the inference-cache rule "
-                   "query_pos - kv < W) where the reference bounds it from the anchor: "
-                   "kv >= anchor - W (W tokens for every slot)")
-    if h.window != exp.window:
+    if h.per_query and h.window is not None:
+        where = ("" if exp.window is not None else
+                 " (in a full-attention layer, where the reference has no window)")
+        ref_rule = ("the reference's kv >= a - W for every slot of the block"
+                    if exp.window is not None else "no window")
+        off = "" if h.window == exp.window or exp.window is None else (
+            f"; and W off by {h.window - exp.window:+d}")
+        out.append(f"sliding window measured from the query's own position: kv >= a + s - W + 1 "
+                   f"(a + s - kv < W, the inference-time rule) instead of {ref_rule}{where}"
+                   f"{off} (W = {h.window})")
+    elif h.window != exp.window:
         if h.window is None:
             out.append(f"sliding window missing (reference: kv >= anchor - {exp.window})")
         elif exp.window is None:

@@ -6,14 +6,18 @@ is broken, :mod:`dflash_audit.audit.protocol`); differing values warn: metrics a
 trained on. Hypotheses name: acceptance-length
 definitions that differ (leading-run vs product-of-marginals, as the reference changed between
 versions), accuracy over the other slot range (slot 0 counted or skipped against
-``sample_from_anchor``), a metric the candidate computes differently from the reference's
-definition on its own logits, an acceptance length off by one (the bonus token counted twice
-or left out), and metric values that follow from an upstream difference.
+``sample_from_anchor``), accuracy measured against the data tokens (SpecForge / ModelOpt),
+a metric the candidate computes differently from the reference's definition on its own
+logits, an acceptance length off by one (the bonus token counted twice or left out; only where
+the case tells the readings apart), and metric values that follow from an upstream
+difference.
 """
 
 from __future__ import annotations
 
 import math
+
+import torch
 
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import not_provided
@@ -147,7 +151,9 @@ def _near_ties_only(case: Case, cand: SideOutputs, ref: SideOutputs) -> bool:
 
 def eal_offset_causes(ev: Evidence, result: CheckResult) -> list[str]:
     """An EAL that is one of the definitions of :data:`EAL_DEFINITIONS` on the candidate's own
-    tensors plus or minus 1: the bonus token counted twice, or left out."""
+    tensors plus or minus 1: the bonus token counted twice, or left out. Named only where the
+    case tells the readings apart: never when the candidate's number equals a definition on its
+    own tensors (the reference's among them), and only when exactly one definition +-1 fits."""
     diff = result.details.get("differences", {}).get("eal")
     t = ev.cand.tensors
     if not diff or not {"logits", "targets", "aligned_loss_mask"} <= set(t):
@@ -157,12 +163,34 @@ def eal_offset_causes(ev: Evidence, result: CheckResult) -> list[str]:
     own = {"leading-run": m["eal_sum"] / m["eal_total"] if m["eal_total"] else None,
            "product-of-marginals": m["eal_product"]}
     ce = diff["candidate"]
-    for name, value in own.items():
-        for d, why in ((1, "the bonus token counted twice"), (-1, "the bonus token left out")):
-            if value is not None and abs(ce - (value + d)) <= 1e-5 * max(1.0, abs(ce)):
-                return [f"acceptance length off by {d:+d}: the candidate's EAL {ce:.4g} is the "
-                        f"{name!r} definition on its own logits ({value:.4g}) {d:+d} ({why})"]
-    return []
+
+    def same(a: float, b: float) -> bool:
+        return abs(a - b) <= 1e-5 * max(1.0, abs(a))
+
+    if any(v is not None and same(ce, v) for v in own.values()):
+        return []  # the number is a definition itself: no offset to name
+    fits = [(name, value, d, why) for name, value in own.items() if value is not None
+            for d, why in ((1, "the bonus token counted twice"), (-1, "the bonus token left out"))
+            if same(ce, value + d)]
+    if len(fits) != 1:
+        return []
+    name, value, d, why = fits[0]
+    return [f"acceptance length off by {d:+d}: the candidate's EAL {ce:.4g} is the "
+            f"{name!r} definition on its own logits ({value:.4g}) {d:+d} ({why})"]
+
+
+def data_token_accuracy(ev: Evidence, keys: list[str]) -> bool:
+    """Whether the candidate's differing metrics ``keys`` are the reference's definitions with
+    the data tokens input_ids[a+s] as labels instead of argmax of its targets."""
+    t = ev.cand.tensors
+    labels = ev.data_labels
+    if bool((labels < 0).any()):
+        return False
+    V = t["logits"].shape[-1]
+    hard = torch.nn.functional.one_hot(labels, V).float()[None]
+    other = dflash_metrics(t["logits"], hard, t["aligned_loss_mask"], ev.config.block_size,
+                           ev.config.sample_from_anchor)
+    return all(k in other and abs(other[k] - ev.cand.metrics[k]) <= 1e-6 for k in keys)
 
 
 def diagnose_metrics(ev: Evidence, result: CheckResult) -> list[str]:
@@ -181,7 +209,12 @@ def diagnose_metrics(ev: Evidence, result: CheckResult) -> list[str]:
                              ev.config.block_size, ev.config.sample_from_anchor)
         odd = [k for k in result.details.get("differences", {})
                if k in own and k in ev.cand.metrics and abs(own[k] - ev.cand.metrics[k]) > 1e-6]
-        if odd and _slot_range_flipped(ev, odd):
+        if odd and data_token_accuracy(ev, odd):
+            out.append("accuracy measured against the data tokens input_ids[a+s] instead of "
+                       "argmax of the verifier's targets (SpecForge / ModelOpt train_acc): "
+                       f"{comma_list(odd[:4])} follow that definition on the candidate's own "
+                       "logits")
+        elif odd and _slot_range_flipped(ev, odd):
             sfa = ev.config.sample_from_anchor
             out.append(f"accuracy and acceptance metrics computed over slots "
                        f"{'1' if sfa else '0'}..B-1 where the reference counts slots "

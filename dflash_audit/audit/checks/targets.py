@@ -4,11 +4,12 @@ at the dtype's assert_close tolerance (:data:`dflash_audit.audit.tolerance.TOLER
 Hypotheses (every source x norm count x shift, the reference formula first) name: targets from
 a target layer instead of the verifier's last layer N, targets from post-norm states (the
 verifier's final norm applied twice) or without it, the other verifier_norm gain convention or
-a hard-coded eps, targets not shifted / shifted twice / offset, and a draft-vocabulary mapping
-slip (not reduced to V_d, d2t read as absolute ids instead of offsets). A hard-label trainer's
-``target_ids`` [1,Q] are compared exactly (token ids) with the argmax of the reference's targets
-(:mod:`dflash_audit.audit.hard_labels`); its hypothesis names targets that are the data tokens
-input_ids[a+s] instead of the verifier's prediction.
+a hard-coded eps, targets not shifted / shifted twice / offset, targets that are the data tokens
+``input_ids[a+s]`` (hard labels, SpecForge), and a draft-vocabulary mapping slip (not reduced to
+V_d, d2t read as absolute ids instead of offsets). A hard-label trainer's ``target_ids`` [1,Q]
+are compared exactly (token ids) with the argmax of the reference's targets
+(:mod:`dflash_audit.audit.hard_labels`). Matches are judged at the targets' own scale
+(:func:`dflash_audit.audit.replay.evidence.match_tolerance`).
 """
 
 from __future__ import annotations
@@ -202,6 +203,9 @@ def diagnose_targets(ev: Evidence, result: CheckResult) -> list[str]:
     if c.shape != ev.ref.tensors["targets"].shape:
         return diagnose_vocab(ev, "targets")
     slots = ev.sup.nonzero().squeeze(-1)
+    hard = data_token_targets(ev, slots, hard=True)
+    if hard:
+        return hard
     stages = [(sample(slots), vocab_sample(c.shape[-1])), (sample(slots, CONFIRM_SAMPLE), None)]
     found = search_hypotheses(ev, target_hypotheses(ev.case),
                               lambda h, sel: predict_targets(ev.case, h, *sel),
@@ -209,4 +213,23 @@ def diagnose_targets(ev: Evidence, result: CheckResult) -> list[str]:
                                            else c[:, sel[0]][..., sel[1]]),
                               stages, cap=256)  # cheap: an lm_head on sampled columns
     causes = [d for h in found for d in describe_target_hypothesis(ev.case, h)]
-    return list(dict.fromkeys(causes))
+    return list(dict.fromkeys(causes)) or data_token_targets(ev, slots, hard=False)
+
+
+def data_token_targets(ev: Evidence, slots: torch.Tensor, hard: bool) -> list[str]:
+    """"targets are the data tokens input_ids[a+s]" when the argmax of the candidate's targets
+    is the data token on every supervised slot where the reference's is not everywhere (and,
+    with ``hard``, the candidate's distributions are one-hot: probability > 0.99)."""
+    c, r = ev.cand.tensors["targets"][0, slots], ev.ref.tensors["targets"][0, slots]
+    labels = ev.data_labels[slots]
+    if not slots.numel() or bool((labels < 0).any()) or not torch.equal(c.argmax(-1), labels) \
+            or torch.equal(r.argmax(-1), labels):
+        return []
+    one_hot = bool((c.float().softmax(-1).max(-1).values > 0.99).all())
+    if hard != one_hot:
+        return []
+    kind = "hard labels: one-hot targets" if one_hot else "their argmax"
+    ref_pos = "a+s" if ev.config.sample_from_anchor else "a+s-1"
+    return [f"targets are the data tokens input_ids[a+s] ({kind}, as SpecForge trains) instead "
+            f"of the verifier's prediction at {ref_pos}, verifier_lm_head(verifier_norm("
+            f"verifier_last_hidden_states[{ref_pos}])): the reference distils the verifier"]

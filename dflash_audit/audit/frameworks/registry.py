@@ -252,7 +252,10 @@ def framework_facts(launch: CandidateLaunch, identity: dict[str, Any]) -> dict[s
     Raises:
         FrameworkError: the module lacks NAME / VERSION, or its CAPABILITIES are malformed.
     """
-    from dflash_audit.audit.frameworks.capabilities import Capabilities, CapabilitiesError
+    from dflash_audit.audit.frameworks.capabilities import (
+        Capabilities,
+        CapabilitiesError,
+    )
 
     if launch.framework is None:
         return None

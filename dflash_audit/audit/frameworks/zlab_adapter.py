@@ -36,7 +36,11 @@ from torch import nn
 from dflash_audit.audit.case import SideOutputs
 from dflash_audit.audit.frameworks.kit import record_calls, record_outputs
 from dflash_audit.model.config import SLIDING_ATTENTION, DFlashConfig
-from dflash_audit.model.drafter import aligned_loss_mask, block_indices, verifier_targets
+from dflash_audit.model.drafter import (
+    aligned_loss_mask,
+    block_indices,
+    verifier_targets,
+)
 from dflash_audit.model.layers import RMSNorm
 from dflash_audit.model.loss import (
     LossSpec,

@@ -84,8 +84,36 @@ def _set_scaling(scale: float) -> Callable[[DFlashDrafter], None]:
     return _each_layer(lambda layer: setattr(layer.self_attn, "scaling", scale))
 
 
+def interleaved_rope_weights(c: DFlashConfig, weights: dict[str, torch.Tensor]
+                             ) -> dict[str, torch.Tensor]:
+    """The case's weights with each head's query / key features reordered so that our RoPE
+    (``rotate_half``: feature i pairs with i + d/2, the reference's Qwen3 layout) computes
+    what RoPE on interleaved pairs (x0,x1),(x2,x3)... (GPT-J / Meta layout) computes with the
+    original weights: feature j of the new layout is feature P[j] = 2j (j < d/2) or
+    2(j - d/2) + 1 of the old. q·k is invariant under one permutation of both, RMSNorm's
+    scale under any; q_proj / k_proj rows and the q_norm / k_norm gains move with it."""
+    hd = c.head_dim
+    perm = torch.cat([torch.arange(0, hd, 2), torch.arange(1, hd, 2)])
+    out = dict(weights)
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}.self_attn."
+        for proj, heads in (("q_proj", c.num_attention_heads), ("k_proj", c.num_key_value_heads)):
+            rows = (torch.arange(heads)[:, None] * hd + perm[None]).reshape(-1)
+            for kind in ("weight", "bias"):
+                key = f"{p}{proj}.{kind}"
+                if key in weights:
+                    out[key] = weights[key][rows]
+        for norm in ("q_norm", "k_norm"):
+            out[f"{p}{norm}.weight"] = weights[f"{p}{norm}.weight"][perm]
+    return out
+
+
 def weight_hypotheses(c: DFlashConfig, weights: dict[str, torch.Tensor]) -> Iterator[Hypothesis]:
-    """Weights read in another layout: tiled grouped-query heads, MLP gate / up swapped."""
+    """Weights read in another layout: RoPE on interleaved pairs, tiled grouped-query heads,
+    MLP gate / up swapped."""
+    yield ("RoPE applied to interleaved pairs (x0,x1),(x2,x3)... (GPT-J / Meta layout) in the "
+           "draft layers, where the reference rotates halves (rotate_half: x_i with "
+           "x_(i+head_dim/2))"), {"weights": interleaved_rope_weights(c, weights)}
     if 1 < c.num_key_value_heads < c.num_attention_heads:
         yield ("grouped-query attention: key/value heads tiled (query head h reads kv head "
                "h % n_kv, Tensor.repeat) instead of grouped (kv head h // group, "

@@ -5,6 +5,7 @@ X difference``) and the fallback "unexplained difference".
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -24,9 +25,16 @@ from dflash_audit.model.drafter import block_indices
 SEARCH_SAMPLE, SEARCH_VOCAB, CONFIRM_SAMPLE = 8, 256, 512
 #: The most hypotheses one check's search tries (the budget of a failing audit's diagnosis).
 MAX_HYPOTHESES = 96
-#: Full replay searches per check that may end unexplained before later cases only try what
-#: reproduced elsewhere (:class:`SearchMemo`).
-FULL_SEARCHES = 1
+#: Replays of the drafter one audit's diagnoses may spend on searches (a three-cause candidate
+#: needs a few hundred on the default audit); once spent, later searches try only the
+#: hypotheses that reproduced on earlier cases, and say so (:class:`SearchMemo`).
+MAX_REPLAYS = 3000
+#: A recomputation under a hypothesis matches the candidate within the check's tolerance or,
+#: for a quantity of large magnitude, within MATCH_REL x max|prediction|: fp32 rounding of a
+#: K-term reduction grows with the magnitude of its terms (real SmolLM2 targets reach |6500|,
+#: where the fixed fp32 atol 1e-5 is 1.5e-9 relative, below fp32's resolution of 1.2e-7).
+#: 1e-5 is ~84 ulps of the largest value; distinct hypotheses differ by >= 1e-3 relative.
+MATCH_REL = 1e-5
 #: Which checks a check's values depend on.
 UPSTREAM: dict[str, tuple[str, ...]] = {
     "logits": ("structure", "context", "mask"),
@@ -41,33 +49,40 @@ class SearchMemo:
     """What the costly hypothesis searches (replays of the drafter) found on one audit's
     earlier cases, so that a failing audit stays within a small factor of a passing one.
 
-    Labels that reproduced a case are tried first on later cases; once a check's full search
-    left FULL_SEARCHES cases unexplained, later cases try only the labels that reproduced
-    somewhere (deterministic: it depends on the case order only). Keys are ``(check, ...)``:
-    a check may key by more (e.g. the layer layout) to search each kind of case in full.
+    Labels that reproduced a case are tried first on every later case (a cause found on one
+    case is tried on all); a search that found nothing does not stop the full search on the
+    next case. Only once the audit has spent MAX_REPLAYS replays do later searches try just
+    the labels that reproduced somewhere (deterministic: it depends on the case order only).
+    Keys are ``(check, ...)``.
     """
 
-    found: dict[tuple, dict[str, int]] = field(default_factory=dict)
+    found: dict[str, dict[str, int]] = field(default_factory=dict)
     unexplained: dict[tuple, list[str]] = field(default_factory=dict)
+    replays: int = 0
+    budget: int = MAX_REPLAYS
 
     def order(self, key: tuple, hypotheses: list) -> list:
         """``(label, ...)`` hypotheses, those that reproduced before first (most often first);
-        only those once the search of ``key`` is exhausted (:meth:`exhausted`)."""
+        only those once the audit's replay budget is spent (:meth:`exhausted`)."""
         seen = self.found.get(key[0], {})
         ranked = sorted(hypotheses, key=lambda h: -seen.get(h[0], 0))
         return [h for h in ranked if h[0] in seen] if self.exhausted(key) else ranked
 
     def exhausted(self, key: tuple) -> list[str]:
-        """The cases whose full search found nothing, once there are FULL_SEARCHES of them."""
-        cases = self.unexplained.get(key, [])
-        return cases if len(cases) >= FULL_SEARCHES else []
+        """The cases whose full search found nothing, once the replay budget is spent (then
+        later searches are not full); [] while it lasts."""
+        return self.unexplained.get(key, []) if self.replays >= self.budget else []
 
-    def record(self, key: tuple, case: str, label: str | None, full: bool) -> None:
-        """One search's outcome: the label that reproduced, or none after a full search."""
-        if label is not None:
+    def spend(self, n: int = 1) -> None:
+        """Count ``n`` replays against the audit's budget."""
+        self.replays += n
+
+    def record(self, key: tuple, case: str, label: str | list[str] | None, full: bool) -> None:
+        """One search's outcome: the label(s) that reproduced, or none after a full search."""
+        for one in ([label] if isinstance(label, str) else label or []):
             counts = self.found.setdefault(key[0], {})
-            counts[label] = counts.get(label, 0) + 1
-        elif full:
+            counts[one] = counts.get(one, 0) + 1
+        if not label and full:
             self.unexplained.setdefault(key, []).append(case)
 
 
@@ -106,10 +121,37 @@ class Evidence:
     def block_idx(self) -> torch.Tensor:  # [Q] a_j + s
         return block_indices(self.inputs["anchor_positions"].long(), self.config.block_size)
 
+    @cached_property
+    def data_labels(self) -> torch.Tensor:  # [Q] int64
+        """The data token at each slot's own position, ``input_ids[a + s]`` (what SpecForge
+        and ModelOpt without KD train against), as a draft-vocabulary index (-1 where the
+        token is not in the draft vocabulary)."""
+        T = self.inputs["input_ids"].shape[-1]
+        tokens = self.inputs["input_ids"][0, self.block_idx % T].long()
+        if "d2t" not in self.case.weights:
+            return tokens
+        d2t = self.case.weights["d2t"].long()
+        inverse = torch.full((self.config.vocab_size,), -1, dtype=torch.long)
+        inverse[torch.arange(d2t.numel()) + d2t] = torch.arange(d2t.numel())
+        return inverse[tokens]
+
     def close(self, cand: torch.Tensor, predicted: torch.Tensor,
               tol: dict[str, float] | None = None) -> bool:
-        return cand.shape == predicted.shape and closeness(cand, predicted,
-                                                           **(tol or self.tol)).ok
+        """Whether a hypothesis' prediction reproduces the candidate's values: within
+        ``tol`` (default the case's), its atol raised to the prediction's own scale
+        (:func:`match_tolerance`)."""
+        return cand.shape == predicted.shape and closeness(
+            cand, predicted, **match_tolerance(tol or self.tol, predicted)).ok
+
+
+def match_tolerance(tol: dict[str, float], predicted: torch.Tensor) -> dict[str, float]:
+    """``tol`` with ``atol = max(atol, MATCH_REL * max|predicted|)`` over finite values."""
+    p = predicted.detach()
+    scale = float(p.abs().max()) if p.numel() else 0.0
+    if not math.isfinite(scale):  # rare: leave the non-finite values out
+        finite = p[torch.isfinite(p)]
+        scale = float(finite.abs().max()) if finite.numel() else 0.0
+    return {"atol": max(float(tol["atol"]), MATCH_REL * scale), "rtol": float(tol["rtol"])}
 
 
 def sample(indices: torch.Tensor, k: int = SEARCH_SAMPLE) -> torch.Tensor:

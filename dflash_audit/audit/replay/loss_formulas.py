@@ -39,13 +39,43 @@ def case_target_ids(case: Case) -> torch.Tensor:
     return data_target_ids(inputs["input_ids"], idx, c.sample_from_anchor)
 
 
+def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Soft cross-entropy ``-sum_v p_v log q_v`` = KL(p || q) + H(p), p = softmax(targets),
+    q = softmax(logits): [1,Q,V] x2 -> [1,Q] fp32. KL's gradient, a larger value (ModelOpt
+    ``hf_dflash.py`` ``_compute_loss``, the KD term ``-(softmax(teacher) * log_softmax(draft))``);
+    not a reference loss, only a hypothesis."""
+    log_q = torch.log_softmax(logits.float(), -1)
+    return -(torch.softmax(targets.float(), -1) * log_q).sum(-1)
+
+
+#: The profile's losses plus what frameworks compute instead (hypotheses only).
+AUDIT_LOSS_NAMES = (*LOSS_NAMES, "soft_ce")
+
+
+def audit_term_loss(name: str, logits: torch.Tensor, targets: torch.Tensor | None,
+                    target_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[1,Q] fp32 elementwise values of a loss hypothesis: ``soft_ce``
+    (:func:`soft_cross_entropy`) or any profile loss (:func:`dflash_audit.model.loss.term_loss`).
+
+    Raises:
+        ValueError: an unknown name, or a label loss without ``target_ids``.
+    """
+    if name == "soft_ce":
+        return soft_cross_entropy(logits, targets)
+    return term_loss(name, logits, targets, target_ids)
+#: Denominators of a loss hypothesis: supervised tokens (the reference), sum of weights, all
+#: Q slots, per block, the batch size (one packed row: the plain weighted sum).
+DENOMINATORS = ("tokens", "weights", "slots", "blocks", "batch")
+
+
 def loss_formula_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict[str, float], str]]:
-    """(label, loss mix, denominator) for every single loss and the profile's mix, under the
-    token-count (reference), weight-sum, all-slot and per-block denominators; the reference
+    """(label, loss mix, denominator) for every single loss (the reference's and soft
+    cross-entropy) and the profile's mix, under every :data:`DENOMINATORS`; the reference
     first."""
     profile = parse_loss(ev.case.loss.loss)
-    mixes = [("profile", profile)] + [(n, {n: 1.0}) for n in LOSS_NAMES if {n: 1.0} != profile]
-    for (name, mix), denom in itertools.product(mixes, ("tokens", "weights", "slots", "blocks")):
+    mixes = [("profile", profile)] + [(n, {n: 1.0}) for n in AUDIT_LOSS_NAMES
+                                      if {n: 1.0} != profile]
+    for (name, mix), denom in itertools.product(mixes, DENOMINATORS):
         yield name, mix, denom
 
 
@@ -69,15 +99,15 @@ def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str,
     labels = case_target_ids(ev.case)
     for name, coef in mix.items():
         if name not in cache:
-            cache[name] = term_loss(name, t["logits"], t["targets"], labels) * m
+            cache[name] = audit_term_loss(name, t["logits"], t["targets"], labels) * m
         el = cache[name]
         if f"loss_weights.{name}" in t:
             w = t[f"loss_weights.{name}"].reshape(1, -1)
-        elif own_weights and spec.weighting in ("fixed-exp-decay", "none"):
+        elif own_weights and (spec.weighting in ("fixed-exp-decay", "none")
+                              or len(own_weights) == 1 and len(mix) == 1):  # its own weights
             w = own_weights[0].reshape(1, -1)
         else:
-            w = slot_weights(LossSpec(name, spec.weighting, spec.gamma, spec.dpace_alpha), el, m,
-                             B, ev.config.sample_from_anchor)
+            w = slot_weights(spec, el, m, B, ev.config.sample_from_anchor)
         total += coef * float(reduce_term(el, w, m, B, denom))
     return total
 
@@ -90,7 +120,7 @@ def reduce_term(el: torch.Tensor, w: torch.Tensor, m: torch.Tensor, block_size: 
         num, cnt = (el * w).reshape(-1, block_size).sum(-1), m.reshape(-1, block_size).sum(-1)
         return (num[cnt > 0] / cnt[cnt > 0]).mean() if bool((cnt > 0).any()) else num.sum() * 0
     d = {"tokens": m.sum() + LOSS_REDUCTION_EPS, "weights": (m * w).sum() + LOSS_REDUCTION_EPS,
-         "slots": torch.tensor(float(m.numel()))}[denom]
+         "slots": torch.tensor(float(m.numel())), "batch": torch.tensor(1.0)}[denom]
     return (el * w).sum() / d
 
 
@@ -100,6 +130,10 @@ def formula_causes(ev: Evidence, name: str, denom: str) -> list[str]:
     if name == "ce-data":
         causes.append(f"{DATA_TOKENS} (loss 'ce-data' where the profile says "
                       f"{ev.case.loss.loss!r})")
+    elif name == "soft_ce":
+        causes.append(f"soft cross-entropy -sum p log q (= KL + the teacher's entropy H(p): "
+                      f"KL's gradient, a larger value) where the profile says "
+                      f"{ev.case.loss.loss!r}")
     elif name != "profile":
         hard = name == "ce" and "ce" not in parse_loss(ev.case.loss.loss)
         causes.append(f"loss computed as {name!r} where the profile says {ev.case.loss.loss!r}"
@@ -112,6 +146,9 @@ def formula_causes(ev: Evidence, name: str, denom: str) -> list[str]:
     elif denom == "blocks":
         causes.append("loss averaged per block (over its supervised tokens), then over "
                       "blocks, instead of over all supervised tokens of the row")
+    elif denom == "batch":
+        causes.append("loss divided by the batch size (1 row: the weighted sum of per-token "
+                      "losses) instead of the number of supervised tokens")
     return causes
 
 
@@ -157,11 +194,11 @@ def gradient_formula_causes(ev: Evidence, max_replays: int = 5) -> list[str]:
     for name, mix, denom in close[:max_replays]:
         total = 0.0
         for term, coef in mix.items():
-            el = term_loss(term, out.logits, out.targets, out.target_ids) * m
+            el = audit_term_loss(term, out.logits, out.targets, out.target_ids) * m
             if denom == WEIGHTS_WITH_GRAD:
                 w = dpace_weights.__wrapped__(el, m, B, spec.dpace_alpha)  # without no_grad
             else:
-                w = slot_weights(LossSpec(term, spec.weighting, spec.gamma, spec.dpace_alpha),
+                w = slot_weights(LossSpec(spec.loss, spec.weighting, spec.gamma, spec.dpace_alpha),
                                  el.detach(), m, B, ev.config.sample_from_anchor)
             total = total + coef * reduce_term(el, w, m, B, "tokens" if denom ==
                                                WEIGHTS_WITH_GRAD else denom)
@@ -216,8 +253,8 @@ def diagnose_loss_total(ev: Evidence, masks: Iterable[tuple[str, torch.Tensor]] 
     # case (rkl ~ kl_div near uniform targets), a second deviation is then not evidence
     fewest = min(map(len, found), default=0)
     best = ["; ".join(causes) for causes in found if len(causes) == fewest]
-    if len(best) <= 1:
-        return best
+    if len(best) <= 1:  # one formula: each of its deviations is a cause of its own
+        return next(causes for causes in found if len(causes) == fewest)
     return [f"{' or '.join(best)}: these give the same total on this case and cannot be told "
             "apart here (one cause, not several); a case where the drafter's and the verifier's "
             "distributions differ more (fitted weights, real data) separates them"]
