@@ -227,7 +227,16 @@ def test_provenance_marks_adapter_values():
     assert logits.status == PASS and "provenance" not in logits.details
     assert targets.status == FAIL and targets.summary.startswith("[targets: computed by the "
                                                                  "adapter")
-    assert targets.diagnosis[0].endswith("may be the adapter's, not z-lab dflash 0.1.0's")
+    assert "may be the adapter's, not z-lab dflash 0.1.0's]" in targets.summary
+    assert targets.diagnosis == ["x"]  # the note is no cause: root causes stay the checks' own
+    # a mask result reads only its own layer type's mask: z-lab's sliding mask is z-lab's
+    masks = [CheckResult("mask", "c", FAIL, "sliding masks differ",
+                         details={"layer_type": "sliding_attention"}, diagnosis=["window"]),
+             CheckResult("mask", "c", PASS, "full masks agree",
+                         details={"layer_type": "full_attention"})]
+    mark_provenance(masks, {"mask.full_attention": "adapter"}, "z-lab dflash 0.1.0")
+    assert masks[0].summary == "sliding masks differ" and masks[0].diagnosis == ["window"]
+    assert masks[1].status == WARN and "mask.full_attention" in masks[1].summary
 
 
 # -------------------------------------------------------------------------- hard labels

@@ -38,10 +38,14 @@ def who_computed(key: str, provenance: dict[str, str]) -> str:
     return provenance[max(prefixes, key=len)] if prefixes else FRAMEWORK
 
 
-def adapter_keys(check: str, provenance: dict[str, str], outputs: Any = None) -> list[str]:
+def adapter_keys(check: str, provenance: dict[str, str], outputs: Any = None,
+                 layer_type: str | None = None) -> list[str]:
     """The output keys a check reads that the adapter computed (``outputs``: the candidate's
-    SideOutputs, to resolve families such as ``mask.`` / ``grad.`` to its keys)."""
+    SideOutputs, to resolve families such as ``mask.`` / ``grad.`` to its keys; a ``mask``
+    result of one ``layer_type`` reads only ``mask.<layer_type>``)."""
     keys = CHECK_KEYS.get(check, ())
+    if check == "mask" and layer_type:
+        keys = (f"mask.{layer_type}",)
     present = list(getattr(outputs, "tensors", {}) or {}) if outputs is not None else []
     out = []
     for k in keys:
@@ -64,22 +68,24 @@ def case_provenance(declared: dict[str, str] | None, outputs: Any) -> dict[str, 
 def mark_provenance(results: list[CheckResult], provenance: dict[str, str], label: str,
                     outputs: Any = None) -> list[CheckResult]:
     """Mark, in place, every result whose candidate values came from the adapter: a PASS
-    becomes a WARN "<check>: computed by the adapter, not audited as <label>'s"; a FAIL or
-    WARN keeps its status with that note first in its summary and diagnosis.
-    ``details["provenance"]`` lists the adapter's keys. Returns ``results``."""
+    becomes a WARN "<check>: computed by the adapter, not audited as <label>'s" (that note its
+    diagnosis); a FAIL or WARN keeps its status and its diagnosis (the note is no cause) with
+    the note first in its summary. ``details["provenance"]`` lists the adapter's keys.
+    Returns ``results``."""
     for r in results:
-        keys = adapter_keys(r.name, provenance, outputs)
+        keys = adapter_keys(r.name, provenance, outputs, r.details.get("layer_type"))
         if not keys:
             continue
         note = (f"{r.name}: computed by the adapter, not audited as {label}'s "
                 f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})")
         r.details = {**r.details, "provenance": {"adapter": keys}}
         if r.status == PASS:
-            r.status, r.summary = WARN, f"{note}; {r.summary}"
+            r.status, r.summary, r.diagnosis = WARN, f"{note}; {r.summary}", [note]
+        elif r.status == FAIL:
+            r.summary = f"[{note}: a difference here may be the adapter's, not {label}'s] " \
+                        f"{r.summary}"
         else:
             r.summary = f"[{note}] {r.summary}"
-        r.diagnosis = [f"{note}: a difference here may be the adapter's, not {label}'s",
-                       *r.diagnosis] if r.status == FAIL else [note, *r.diagnosis]
     return results
 
 
