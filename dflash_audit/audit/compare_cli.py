@@ -136,9 +136,14 @@ def main(opts: CompareOptions) -> int:
     roots = [d["cause"] for d in report.root_causes()] or causes[:3]
     for cause in roots[:MAX_ROOT_CAUSES]:  # the named root causes, grouped across cases
         print(f"  cause: {cause}")
-    if len(causes) > min(len(roots), MAX_ROOT_CAUSES):
-        print(f"  ... {len(causes) - min(len(roots), MAX_ROOT_CAUSES)} more (consequences, "
-              "unexplained differences) in report.md")
+    rest = [c for c in causes if c not in roots[:MAX_ROOT_CAUSES]]
+    if rest:
+        kinds = [k for k, hit in (
+            ("more root causes", any(c in roots for c in rest)),
+            ("consequences", any(c.startswith("follows from") for c in rest)),
+            ("unexplained differences", any(c.startswith("unexplained") for c in rest))) if hit]
+        what = f" ({', '.join(kinds)})" if kinds else ""
+        print(f"  ... {len(rest)} more{what} in report.md")
     print(f"report: {outcome.folder}")
     return guarded_exit_code(outcome.exit_code, outcome.folder)
 
