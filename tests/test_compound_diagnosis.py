@@ -380,3 +380,26 @@ def test_unexplained_logits_say_where_they_start(ours):
                                      "path"), r.diagnosis
     assert r.diagnosis[1].endswith("the masks, context and targets conform")
     assert r.diagnosis[2].startswith("tried and ruled out: ")
+
+
+def test_a_window_that_also_bounds_the_block_is_named():
+    """z-lab's inference mask applies ``query_pos - key_pos < W`` to every key: with W < B the
+    window also hides earlier slots of the block itself. Named as the per-query window that
+    also bounds the block (our drafter is the reference side here: it conforms)."""
+    config = DFlashConfig(**BASE, block_size=5, sliding_window=3,
+                          layer_types=(SLIDING_ATTENTION, SLIDING_ATTENTION))
+    case = synthetic_case("window-in-block", config, LossSpec(), seed=3, seq_len=48,
+                          num_documents=1, pad=0)
+    ours = DrafterCandidate().run_case(case.config, case.loss, case.weights, dict(case.inputs))
+    exp = expected_mask_hypothesis(case, SLIDING_ATTENTION)
+    zlab = build_mask(case, dataclasses.replace(exp, per_query=True, window_in_block=True))
+    cand = dataclasses.replace(ours, tensors={**ours.tensors,
+                                              "mask.sliding_attention": zlab})
+    assert not torch.equal(zlab, build_mask(case, dataclasses.replace(exp, per_query=True)))
+    results = run_checks(case, cand, ours)
+    diagnose(case, cand, ours, results)
+    mask = next(r for r in results if r.name == "mask"
+                and r.details.get("layer_type") == SLIDING_ATTENTION)
+    assert mask.status == "fail"
+    assert any(d.startswith(PER_QUERY) and "it also bounds the block itself" in d
+               for d in mask.diagnosis), mask.diagnosis

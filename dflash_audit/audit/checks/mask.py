@@ -109,6 +109,10 @@ class MaskHypothesis:
     causal_block: bool = False
     blocks: str = "own"
     per_query: bool = False
+    #: with ``per_query``: the window also bounds the block's own keys (slot s sees slot j
+    #: only when s - j < W), as z-lab 0.1.0 ``_attention_mask`` applies query_pos - key_pos <
+    #: W to every key; it differs from the context-only rule only when W < block_size
+    window_in_block: bool = False
 
 
 def expected_mask_hypothesis(case: Case, layer_type: str) -> MaskHypothesis:
@@ -145,6 +149,8 @@ def build_mask(case: Case, h: MaskHypothesis) -> torch.Tensor:
         block = k <= q if h.causal_block else k // B <= q // B
     elif h.blocks == "all":  # every noise token (the block rule is moot)
         block = torch.ones_like(block)
+    if h.per_query and h.window_in_block and h.window is not None:
+        block = block & ((q % B) - (k % B) < h.window)
     return torch.cat([base, block], 1)
 
 
@@ -182,6 +188,8 @@ def mask_hypotheses(case: Case, layer_type: str,
             continue
         if blocks != "all" or causal == exp.causal_block:  # "all" ignores the block rule
             yield MaskHypothesis(offset, window, docs, causal, blocks, per_query)
+            if per_query and window < case.config.block_size:
+                yield MaskHypothesis(offset, window, docs, causal, blocks, per_query, True)
 
 
 def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> list[str]:
@@ -227,9 +235,12 @@ def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> 
                     if exp.window is not None else "no window")
         off = "" if h.window == exp.window or exp.window is None else (
             f"; and W off by {h.window - exp.window:+d}")
+        block = (f"; it also bounds the block itself (slot s sees slot j only when s - j < W; "
+                 f"reference: the whole {'causal ' if exp.causal_block else ''}block)"
+                 if h.window_in_block else "")
         out.append(f"sliding window measured from the query's own position: kv >= a + s - W + 1 "
                    f"(a + s - kv < W, the inference-time rule) instead of {ref_rule}{where}"
-                   f"{off} (W = {h.window})")
+                   f"{off} (W = {h.window}){block}")
     elif h.window != exp.window:
         if h.window is None:
             out.append(f"sliding window missing (reference: kv >= anchor - {exp.window})")
