@@ -79,6 +79,11 @@ def compare_command(
         "--candidate-timeout", metavar="SECONDS", min=1.0,
         help="Seconds the candidate (in its own process) may take per case; a case over it "
              "fails (exit 1).")] = DEFAULT_CANDIDATE_TIMEOUT_S,
+    require_sandbox: Annotated[Optional[bool], typer.Option(  # noqa: UP007
+        "--require-sandbox/--no-require-sandbox",
+        help="Refuse (exit 2) when the candidate's sandbox (bubblewrap) cannot start. "
+             "Default: on when CI=true, else off (the report then says 'candidate ran "
+             "without a sandbox').")] = None,
 ) -> None:
     """Audit a DFlash drafter against the real reference; write reports/<time>-<ref>/.
 
@@ -89,7 +94,8 @@ def compare_command(
                           cases=cases, verifier=verifier, data=data, seq_len=seq_len,
                           rows=rows, anchors=anchors, seed=seed, out=out, offline=offline,
                           weights=weights, dtype=dtype, device=device,
-                          candidate_timeout_s=candidate_timeout)
+                          candidate_timeout_s=candidate_timeout,
+                          require_sandbox=require_sandbox)
     raise typer.Exit(main(opts))
 
 
@@ -119,6 +125,8 @@ def main(opts: CompareOptions) -> int:
             f"{', warnings: ' + ', '.join(warned) if warned else ''}) in "
             f"{report.timing.get('total', 0.0):.1f} s")
     print(line)
+    if not report.candidate.get("sandbox", {}).get("sandboxed", True):
+        print("  note: candidate ran without a sandbox (see report.json candidate.sandbox)")
     causes = [d["cause"] for d in report.diagnoses() if d.get("status") == "fail"]
     for cause in causes[:3]:  # root causes come first (report.diagnoses' order)
         print(f"  cause: {cause}")

@@ -54,6 +54,15 @@ class CompareOptions:
     dtype: str | None = None  # fp32 | bf16; None: the profile's dtype
     device: str = "cpu"  # cpu | cuda (both sides on the GPU, their flex-attention paths)
     candidate_timeout_s: float = DEFAULT_CANDIDATE_TIMEOUT_S  # per case, candidate process
+    #: refuse (exit 2) when the candidate's sandbox cannot start; None: on when CI=true
+    require_sandbox: bool | None = None
+
+    @property
+    def sandbox_required(self) -> bool:
+        """``require_sandbox``, defaulting to on under CI (``$CI`` = true)."""
+        if self.require_sandbox is not None:
+            return self.require_sandbox
+        return os.environ.get("CI", "").lower() in ("true", "1", "yes")
 
 
 def check_options(opts: CompareOptions) -> None:

@@ -141,7 +141,8 @@ class Report:
         return report_fingerprint(self.verdict, self.reference,
                                   self.candidate.get("fingerprint", ""),
                                   self.profile.get("fingerprint", ""),
-                                  sorted(self.verifiers) if self.verifiers else None)
+                                  sorted(self.verifiers) if self.verifiers else None,
+                                  self.candidate.get("canary"))
 
     # ------------------------------------------------------------- aggregation
     def checks(self) -> list[dict[str, Any]]:

@@ -15,11 +15,15 @@ training run when all of these hold:
   (:func:`dflash_audit.report.fingerprint.verifier_fingerprint`; a proxy audited with
   ``--verifier path/to/config.json`` covers the real model of that config);
 * ``fingerprint`` equals :func:`dflash_audit.report.fingerprint.report_fingerprint` of the
-  above (a hand-edited verdict or fingerprint is refused).
+  above and of the canary entry (a hand-edited verdict or fingerprint is refused);
+* ``signature`` is this machine's HMAC of the whole report
+  (:func:`dflash_audit.report.fingerprint.signature_problem`): a report written by hand or by
+  another tool is refused, however right its fingerprint;
+* it records a canary (``candidate.canary``): a report without one is refused.
 
-Then ``train`` reruns the candidate on the report's canary case and refuses when its outputs
-differ from the audited ones (:func:`dflash_audit.audit.sides.canary.verify_canary`: the gate checks
-behaviour, not only source).
+Then, before step 1, ``train`` runs the canary case through its own step on the very model it
+is about to train and refuses when the loss, metrics or gradients differ from the audited ones
+(:func:`dflash_audit.train.canary.run_canary`: the gate checks behaviour, not only source).
 
 Exit codes of a refusal (:class:`GateError.exit_code`): **2** when no report matches (none
 found, or the newest differs in candidate / profile / reference, or it is unreadable or
@@ -79,6 +83,8 @@ class ReportFields:
     profile_name: str = ""
     created_at: str = ""
     verifiers: dict[str, Any] | None = None  # None: a report from before verifier coverage
+    canary: dict[str, Any] | None = None  # candidate.canary
+    signature_problem: str | None = None  # None: signed by this machine's report key
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class GateResult:
     candidate_fingerprint: str
     profile_fingerprint: str
     reference: dict[str, Any] = field(default_factory=dict)
+    canary: dict[str, Any] | None = None
 
     def checkpoint_metadata(self) -> dict[str, str]:
         """safetensors metadata (str -> str) recorded in every checkpoint."""
@@ -115,10 +122,13 @@ def read_report(path: Path) -> ReportFields:
         if size > MAX_REPORT_BYTES:
             raise GateError(f"{path} is {size / 2**20:.0f} MiB: not a `dflash-audit compare` "
                             f"report (they are far under {MAX_REPORT_BYTES // 2**20} MiB)")
+        from dflash_audit.report.fingerprint import signature_problem
+
         d = json.loads(Path(path).read_text())
         if isinstance(d, dict) and "kind" in d and "schema_version" not in d:
             raise GateError(f"{path} is a {d['kind']!r} report, not a `dflash-audit compare` "
                             "report; pass the compare report's path to --report")
+        canary = d["candidate"].get("canary")
         return ReportFields(
             path=Path(path), verdict=str(d["verdict"]), fingerprint=str(d["fingerprint"]),
             candidate_fingerprint=str(d["candidate"]["fingerprint"]),
@@ -126,7 +136,9 @@ def read_report(path: Path) -> ReportFields:
             reference=dict(d["reference"]),
             candidate_name=str(d["candidate"].get("name") or d["candidate"].get("spec") or ""),
             profile_name=str(d["profile"].get("name") or ""),
-            created_at=str(d.get("created_at") or ""), verifiers=d.get("verifiers"))
+            created_at=str(d.get("created_at") or ""), verifiers=d.get("verifiers"),
+            canary=canary if isinstance(canary, dict) else None,
+            signature_problem=signature_problem(d))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise GateError(f"cannot read audit report {path}: {type(exc).__name__}: {exc}") from None
 
@@ -242,7 +254,8 @@ def _integrity_ok(report: ReportFields) -> bool:
 
     return report.fingerprint == report_fingerprint(
         report.verdict, report.reference, report.candidate_fingerprint,
-        report.profile_fingerprint, sorted(report.verifiers) if report.verifiers else None)
+        report.profile_fingerprint, sorted(report.verifiers) if report.verifiers else None,
+        report.canary)
 
 
 def find_reports(reports_dir: Path) -> list[Path]:
@@ -286,9 +299,17 @@ def check_gate(expected: Expected, report: Path | None = None,
         if diffs:
             first_mismatch = first_mismatch or (fields, diffs)
             continue
+        if fields.signature_problem is not None:
+            raise GateError(f"audit report {path} is not one this machine's `dflash-audit "
+                            f"compare` wrote: {fields.signature_problem}; refusing it.\n{how}")
         if not _integrity_ok(fields):
             raise GateError(f"audit report {path} does not carry a valid fingerprint (edited by "
                             f"hand or written by another tool); refusing it.\n{how}")
+        if fields.verdict == "pass" and fields.canary is None:
+            raise GateError(f"audit report {path} records no canary case, so train cannot check "
+                            "that the model it trains behaves as audited; refusing it. Rerun "
+                            f"the audit with at least one real row (--rows 1):\n  "
+                            f"{expected.compare_command}")
         if fields.verdict != "pass":
             raise GateError(
                 f"the audit of this candidate, profile and reference FAILED ({path}, verdict "
@@ -297,7 +318,7 @@ def check_gate(expected: Expected, report: Path | None = None,
         return GateResult(report_path=path, report_fingerprint=fields.fingerprint,
                           candidate_fingerprint=fields.candidate_fingerprint,
                           profile_fingerprint=fields.profile_fingerprint,
-                          reference=fields.reference)
+                          reference=fields.reference, canary=fields.canary)
     if first_mismatch is None:
         shown = "\n".join(f"  - {m}" for m in skipped[:3])
         raise GateError(f"no `dflash-audit compare` report in {reports_dir}/ ({len(skipped)} "

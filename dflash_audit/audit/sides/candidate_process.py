@@ -148,6 +148,27 @@ def runner_env(threads: int | None) -> dict[str, str]:
     return env
 
 
+def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
+              env: dict[str, str]) -> list[str]:
+    """``cmd`` inside the candidate's sandbox (:mod:`.sandbox`) when it can start here, else
+    ``cmd`` itself: read-only everything, ``out_dir`` writable, ``cases_dir`` (its private copy
+    of the cases), the folder of a ``file.py`` candidate, the working directory and the
+    ``PYTHONPATH`` entries readable, the report key's folder hidden."""
+    from dflash_audit.audit.sides.sandbox import sandbox_command, sandbox_status
+    from dflash_audit.report.fingerprint import key_dir
+
+    status = sandbox_status()
+    if not status.available:
+        return cmd
+    target = (spec or "").rpartition(":")[0]
+    readable = [Path(cases_dir), Path.cwd(), *(Path(p) for p in
+                                               env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    if target.endswith(".py"):
+        readable.append(Path(target).resolve().parent)
+    return sandbox_command(cmd, bwrap=status.bwrap, writable=[Path(out_dir)], readable=readable,
+                           hidden=[key_dir()], cwd=Path.cwd())
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -199,9 +220,11 @@ def run_candidate_process(spec: str | None, cases_dir: Path, names: list[str], o
                str(out_dir), *(["--candidate", spec] if spec else []),
                *(["--threads", str(threads)] if threads else []),
                *[a for n in remaining for a in ("--case", n)]]
+        env = runner_env(threads)
+        cmd = sandboxed(cmd, spec, cases_dir, out_dir, env)
         with stdout.open("wb") as fo, stderr.open("wb") as fe:
             proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
-                                    env=runner_env(threads), start_new_session=True)
+                                    env=env, start_new_session=True)
         try:
             current, since, timed_out = _watch(proc, out_dir, remaining, results, timeout_s,
                                                startup_timeout_s, stdout, stderr, on_case)
@@ -323,9 +346,11 @@ def load_candidate_identity(spec: str | None, out_dir: Path, timeout_s: float =
     (out_dir / IDENTITY).unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "dflash_audit.audit.sides.candidate_runner", str(out_dir),
            str(out_dir), "--load-only", *(["--candidate", spec] if spec else [])]
+    env = runner_env(None)
     try:
-        proc = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL,
-                              env=runner_env(None), timeout=timeout_s, start_new_session=True)
+        proc = subprocess.run(sandboxed(cmd, spec, out_dir, out_dir, env), capture_output=True,
+                              stdin=subprocess.DEVNULL, env=env, timeout=timeout_s,
+                              start_new_session=True)
     except subprocess.TimeoutExpired:
         raise CandidateLoadError(f"loading the candidate {spec!r} took more than "
                                  f"{timeout_s:g} s") from None
