@@ -198,26 +198,42 @@ def expected_for(candidate: Any, candidate_spec: str | None, profile: Any, ref: 
                 f"the reference {ref or '(lock default)'} is not available locally, so it was "
                 f"never audited here ({exc}).\nRun the audit first:\n  {command}") from None
     profile_fp = profile.fingerprint()
+    verifier_fp = _verifier_fingerprint(verifier, profile) if verifier else None
     return Expected(candidate_fingerprint=candidate_fingerprint(candidate, profile_fp)[
         "fingerprint"], profile_fingerprint=profile_fp,
         reference_key=reference_key(reference_identity), compare_command=command,
-        verifier_fingerprint=_verifier_fingerprint(verifier) if verifier else None,
-        verifier_name=verifier or "")
+        verifier_fingerprint=verifier_fp, verifier_name=verifier or "")
 
 
-def _verifier_fingerprint(spec: str) -> str:
-    """Architecture fingerprint of a ``--verifier`` spec's config (no weights loaded)."""
+def _verifier_fingerprint(spec: str, profile: Any = None) -> str:
+    """Architecture fingerprint of a ``--verifier`` spec's config (no weights loaded); with
+    ``profile``, its target layers are checked against the verifier's depth first, with the
+    message compare gives (no compare command: compare would refuse the same profile).
+
+    Raises:
+        GateError: the config cannot be read, or the profile names layers it does not have.
+    """
     from dflash_audit.data.errors import VerifierError
     from dflash_audit.data.verifier import resolve_verifier_path
+    from dflash_audit.profile import ProfileError
     from dflash_audit.report.fingerprint import verifier_fingerprint
 
     try:
         from transformers import AutoConfig
 
         _, folder = resolve_verifier_path(spec, progress=None)
-        return verifier_fingerprint(AutoConfig.from_pretrained(folder))
+        config = AutoConfig.from_pretrained(folder)
     except (VerifierError, OSError, ValueError) as exc:
         raise GateError(f"cannot read the config of verifier {spec!r}: {exc}") from None
+    if profile is not None:
+        layers = getattr(getattr(config, "text_config", None) or config, "num_hidden_layers", 0)
+        try:
+            profile.resolve_target_layer_ids(int(layers))
+        except ProfileError as exc:
+            raise GateError(f"profile {profile.name}: {exc} (verifier {spec}); fix the "
+                            "profile's target_layers: neither compare nor train can run it "
+                            "with this verifier") from None
+    return verifier_fingerprint(config)
 
 
 def differences(report: ReportFields, expected: Expected) -> list[str]:

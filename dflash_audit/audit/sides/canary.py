@@ -10,8 +10,10 @@ verifier and profile), else the first synthetic one -- and what the candidate co
   a real case without the verifier-owned full-vocabulary tensors (``embed_tokens``, and the
   heads unless a draft vocabulary selects rows of them): train's model holds them already,
   loaded from the same verifier, so they are checked by the outputs they produce;
-- ``canary/outputs/``: the loss, the per-slot weights, the aligned loss mask and every
-  gradient (``outputs.safetensors``) with the metrics and trainable names (``outputs.json``).
+- ``canary/outputs/``: the loss, the per-slot weights, the aligned loss mask and the gradient
+  of every trainable weight of the case (``outputs.safetensors``) with the numeric metrics and
+  trainable names (``outputs.json``). Nothing outside the output protocol is kept: an output
+  only the candidate invented never reaches the report folder.
 
 ``report.json``'s ``candidate.canary`` names the case and its kind, the tolerance, and the
 sha256 of every canary file; it is part of the report fingerprint and of the signature, so a
@@ -30,9 +32,8 @@ from typing import Any
 from dflash_audit.atomic import file_sha256
 
 CANARY_DIR = "canary"
-#: Output tensors kept: what train's step produces on the canary (loss and gradients).
-KEPT_OUTPUTS = ("loss", "aligned_loss_mask")
-KEPT_PREFIXES = ("grad.", "loss_weights.")
+#: At most this many metrics / trainable names are kept (a candidate chooses them).
+MAX_NAMES = 512
 #: Full-vocabulary verifier tensors left out of a real canary's weights.
 VERIFIER_OWNED = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight")
 
@@ -51,6 +52,7 @@ def stage_canary(planned: list[Any], cases_dir: Path, outputs_dir: Path, staging
     ran without failure."""
     from safetensors.torch import load_file, save_file
 
+    from dflash_audit.audit.protocol import spec_for
     from dflash_audit.audit.tolerance import tolerance
 
     p = _pick(planned, outputs_dir)
@@ -69,14 +71,19 @@ def stage_canary(planned: list[Any], cases_dir: Path, outputs_dir: Path, staging
             p.case.config.uses_draft_vocab and k != "embed_tokens.weight")]
     save_file({k: v.contiguous() for k, v in weights.items() if k not in omitted},
               staging / "case" / "weights.safetensors")
-    tensors = load_file(out / "outputs.safetensors")
-    save_file({k: v.contiguous() for k, v in tensors.items()
-               if k in KEPT_OUTPUTS or k.startswith(KEPT_PREFIXES)},
-              staging / "outputs" / "outputs.safetensors")
     meta = json.loads((out / "outputs.json").read_text())
+    trainable = [str(n) for n in meta.get("trainable", [])][:MAX_NAMES]
+    state = set(weights)
+    kept = {"loss", "aligned_loss_mask", *(f"grad.{n}" for n in trainable if n in state)}
+    tensors = load_file(out / "outputs.safetensors")  # nothing outside the protocol is kept
+    save_file({k: v.contiguous() for k, v in tensors.items() if k in kept or (
+        k.startswith("loss_weights.") and spec_for(k) is not None and v.numel() <= 2**20)},
+        staging / "outputs" / "outputs.safetensors")
+    metrics = {str(k): v for k, v in list(meta.get("metrics", {}).items())[:MAX_NAMES]
+               if isinstance(v, (int, float)) and len(str(k)) <= 100}
     (staging / "outputs" / "outputs.json").write_text(json.dumps(
-        {"metrics": meta.get("metrics", {}), "structure": {}, "defaults": {},
-         "trainable": meta.get("trainable", [])}, indent=1, sort_keys=True))
+        {"metrics": metrics, "structure": {}, "defaults": {}, "trainable": trainable},
+        indent=1, sort_keys=True))
     files = {f.relative_to(staging).as_posix(): file_sha256(f)
              for f in sorted(staging.rglob("*")) if f.is_file()}
     return {"case": p.case.name, "kind": p.kind, "folder": CANARY_DIR,

@@ -3,9 +3,10 @@ dflash-audit's own files, before and after each side runs, and no process of the
 left alive when the reference starts.
 
 - :func:`reference_tree_digest`: sha256 of **every** file of the resolved reference tree
-  (``identity.source_dir``: sources, data files, a planted ``.pyc`` or ``.so``), except files
-  inside ``__pycache__`` folders: the reference process never reads those (it runs with a
-  private ``-X pycache_prefix``, :func:`dflash_audit.reference_source.runner.reference_command`).
+  (``identity.source_dir``: sources, data files, ``__pycache__``, a planted ``.pyc`` or
+  ``.so``). The reference process never reads a ``__pycache__`` of the tree (it runs with a
+  private ``-X pycache_prefix``, :func:`dflash_audit.reference_source.runner.reference_command`),
+  but a file that appears there during a run is still a write by the candidate: no verdict.
 - :func:`tool_digest`: sha256 of every file of dflash-audit's installed package and of its
   ``reference/`` folder (the adapter), ``__pycache__`` included: our own process imports
   these, and a planted ``.pyc`` with its source's mtime and size would run in the next audit.
@@ -48,9 +49,9 @@ def _digest(roots: dict[str, Path], skip_pycache: bool) -> dict[str, str]:
 
 
 def reference_tree_digest(identity: Any) -> dict[str, str]:
-    """``{"ref/<path>": sha256}`` of every file of the reference tree outside ``__pycache__``
-    (see the module docstring)."""
-    return _digest({"ref": Path(identity.source_dir)}, skip_pycache=True)
+    """``{"ref/<path>": sha256}`` of every file of the reference tree (see the module
+    docstring)."""
+    return _digest({"ref": Path(identity.source_dir)}, skip_pycache=False)
 
 
 def tool_roots() -> dict[str, Path]:
