@@ -87,7 +87,8 @@ for _ in range(6000):  # at most 10 minutes
             cmd = Path(f"/proc/{{pid}}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"adapter.py" in cmd and b"{DAEMON_MARK}" not in cmd:
+        if b"adapter.py" in cmd and str(target.parents[2]).encode() in cmd \
+                and b"{DAEMON_MARK}" not in cmd:  # this audit's reference, none other
             running = True
     if running and not seen:  # the reference started: poison it (after the pre-run hash)
         try:

@@ -333,10 +333,16 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
 
         shutil.rmtree(pycache_prefix(identity, True), ignore_errors=True)
     if left:
-        raise CompareSetupError(
-            f"the candidate left {len(left)} process(es) running after its own process ended "
-            f"({'; '.join(left[:2])}); they were killed and no verdict is given. A candidate "
-            "must not start daemons; in the sandbox (bubblewrap) they die with it.")
+        message = (f"the candidate left {len(left)} process(es) running after its own process "
+                   f"ended ({'; '.join(left[:2])}); they were killed and no verdict is given. A "
+                   "candidate must not start daemons; in the sandbox (bubblewrap) they die "
+                   "with it.")
+        try:  # what they changed meanwhile is discarded, never reused
+            if reference_code is not None:
+                _refuse_code_changes(identity, reference_code, "meanwhile")
+        except CompareSetupError as exc:
+            message += f" Also: {exc}"
+        raise CompareSetupError(message)
     outputs = candidate_side(runs, out_dir)
     _refuse_changes(changed_files(digests, case_digests(cases_dir, names)))
     if reference_code is not None:
