@@ -87,7 +87,8 @@ def world(tmp_path_factory, reference_identity) -> World:
     root = tmp_path_factory.mktemp("bad-inputs")
     paths = tt.setup_run(root, rows=3, seq_len=64, n_conversations=40)
     reports = root / "reports-ref"
-    tt.write_report(reports, paths["profile"], reference=reference_identity.to_dict())
+    tt.write_report(reports, paths["profile"], reference=reference_identity.to_dict(),
+                    canary_from=(paths["verifier"], paths["batches"]))
     w = World(root, paths, reports, root / "run0")
     result = run_cli(w.train_args(w.run), root)
     assert result.returncode == 0, result.stdout
@@ -742,7 +743,9 @@ COMPARE_CASES = [
     CompareCase("compare-candidate-overwrites-reference-outputs",
                 "overwrites_reference_outputs", 2,
                 ("the audit's files changed during the run", "/outputs.safetensors",
-                 "wrote outside its own copy of the cases")),
+                 "wrote outside its own copy of the cases"),
+                # unsandboxed, to test the detection (in the sandbox the writes fail: exit 1)
+                prepare=lambda tmp: {"DFLASH_AUDIT_SANDBOX": "off"}),
     CompareCase("compare-profile-layers-without-rows", None, 2,
                 ("ids [99] do not exist in a verifier with 30 layers",
                  "audit the drafter with the verifier it was made for: --verifier"),

@@ -13,10 +13,14 @@ Order of work (cheap and likely-to-fail steps first, so a setup error costs seco
    family:NAME`` or ``path/to/config.json`` captures them through a proxy verifier) and the
    cases (:mod:`.plan`): real rows under both layouts (on ``--weights DIR``'s checkpoint when
    given) + ``--cases N`` synthetic ones over the verifier families;
-4. the reference runs ALL cases in one subprocess (``reference/adapter.py``), with its own
-   drafter-config derivation of each case's verifier, while the candidate runs them in its
-   own process (:mod:`.candidate_process`: its exit, crash, kill or a case over
-   ``--candidate-timeout`` fails that case); anchors and weights are the same on both sides;
+4. the candidate runs every case in its own, sandboxed process (:mod:`.candidate_process`,
+   :mod:`.sandbox`: its exit, crash, kill or a case over ``--candidate-timeout`` fails that
+   case), then the reference runs ALL cases in one isolated subprocess
+   (``reference/adapter.py``), with its own drafter-config derivation of each case's
+   verifier; anchors and weights are the same on both sides. The verdict's modules are
+   imported, the report key exists and the reference's tree and the tool's files are hashed
+   before any candidate code runs (:mod:`.integrity`); any change, or a candidate process
+   left alive, is exit 2;
 5. checks + diagnosis (:mod:`dflash_audit.audit.checks`, :mod:`dflash_audit.audit.diagnose`)
    per case, the report (:mod:`dflash_audit.report`) and the exit code.
 

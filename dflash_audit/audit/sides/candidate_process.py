@@ -1,4 +1,8 @@
-"""The candidate in its own process, with a per-case timeout.
+"""The candidate in its own process, in its sandbox, with a per-case timeout.
+
+The process runs inside bubblewrap where it can start (:mod:`.sandbox`, :func:`sandboxed`):
+read-only file system, private ``/tmp``, its own PID namespace, no network; elsewhere it runs
+as it is and the report says so.
 
 :func:`run_candidate_process` starts :mod:`dflash_audit.audit.sides.candidate_runner` on cases
 already written to disk (``compare.write_cases``) in a new process group, with its stdout and
@@ -134,6 +138,17 @@ def death_summary(returncode: int) -> tuple[str, str]:
                     "abort)")
 
 
+def unwrapped_code(returncode: int, cmd: list[str]) -> int:
+    """The runner's own exit status: bubblewrap reports a child killed by signal S as exit
+    code 128 + S, which is read back as -S (as :mod:`subprocess` reports a signal)."""
+    if cmd and Path(cmd[0]).name == "bwrap" and returncode > 128:
+        try:
+            return -signal.Signals(returncode - 128)
+        except ValueError:
+            return returncode
+    return returncode
+
+
 def runner_env(threads: int | None) -> dict[str, str]:
     """Our environment, with this dflash_audit first on PYTHONPATH (the runner imports the
     same code) and unbuffered output (tails are complete when the process is killed)."""
@@ -243,7 +258,7 @@ def run_candidate_process(spec: str | None, cases_dir: Path, names: list[str], o
                 status, summary = "timeout", (f"the candidate did not finish the case within "
                                               f"{timeout_s:g} s and was killed")
             else:
-                status, summary = death_summary(proc.returncode)
+                status, summary = death_summary(unwrapped_code(proc.returncode, cmd))
             _record(results, remaining, on_case, CandidateCaseRun(
                 current, status, summary, seconds=round(seconds, 3), **tails))
             continue
@@ -359,7 +374,7 @@ def load_candidate_identity(spec: str | None, out_dir: Path, timeout_s: float =
     try:
         return json.loads((out_dir / IDENTITY).read_text())
     except (OSError, ValueError):
-        rc = proc.returncode
+        rc = unwrapped_code(proc.returncode, proc.args)
         how = (f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
         tail = proc.stderr.decode(errors="replace")[-TAIL_CHARS:].strip()
         raise CandidateLoadError(f"the process loading candidate {spec!r} ended ({how}) "

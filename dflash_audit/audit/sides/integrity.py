@@ -119,11 +119,31 @@ def _command(pid: int) -> str:
     return " ".join(raw.decode(errors="replace").split("\0")).strip()[:120] or "?"
 
 
-def leftover_processes(kill: bool = True) -> list[str]:
+def _reap() -> None:
+    """Reap children of ours that have exited (orphans re-parented to the subreaper)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def leftover_processes(kill: bool = True, grace_s: float = 3.0) -> list[str]:
     """Processes that are children of this process now (with :func:`enable_subreaper`, every
-    orphaned descendant is one), as ``"pid N: command"``; SIGKILLed and reaped when
-    ``kill``. Call it when no child of ours should be alive (the candidate's process ended,
-    the reference has not started)."""
+    orphaned descendant is one), as ``"pid N: command"``, after ``grace_s`` seconds in which
+    they may end on their own (the sandbox's own processes, killed with their parent, exit
+    asynchronously); SIGKILLed and reaped when ``kill``. Call it when no child of ours should
+    be alive (the candidate's process ended, the reference has not started)."""
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        _reap()
+        if not _children(os.getpid()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     found = []
     for _ in range(5):  # killing one may orphan its children onto us
         kids = _children(os.getpid())
