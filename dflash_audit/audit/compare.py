@@ -181,7 +181,9 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
             records, pictures = check_all(planned, outputs, Path(tmp), st)
             ref_info = _reference_info(identity, Path(tmp))
             staging = Path(tmp) / ".canary"
+            t_canary = time.perf_counter()
             canary = stage_canary(planned, Path(tmp), Path(tmp) / CANDIDATE_OUTPUTS, staging)
+            st.timing["canary"] = time.perf_counter() - t_canary
             st.timing["total"] = time.perf_counter() - started
             report = _build_report(opts, profile, ref_info, candidate, records, pictures,
                                    inputs_info, created_at, st.timing,

@@ -51,8 +51,10 @@ SYNTHETIC_VERIFIER = {"num_hidden_layers": 12, "vocab_size": 128}
 #: 4096 (a common position limit and RoPE cache size), so a bug that only starts on long rows
 #: does not pass an audit whose real rows are short. Cheap at the synthetic width (H=32).
 LONG_SEQ_LEN = 4200
-#: The width of the wide synthetic case (users train drafters of 2048-8192): 16 heads of
-#: head_dim 128, 4 KV heads, a narrow MLP (256) so the case stays cheap, T = WIDE_SEQ_LEN.
+#: The width of the wide synthetic case (users train drafters of 2048-8192): 8 heads of
+#: head_dim 128 (head_dim independent of H / heads, as in Qwen3 and Gemma3), 2 KV heads, a
+#: narrow MLP (128) so the case stays cheap (fc, n*H x H, is most of its 19M weights),
+#: T = WIDE_SEQ_LEN.
 WIDE_HIDDEN = 2048
 WIDE_SEQ_LEN = 40
 
@@ -252,10 +254,10 @@ def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[Pl
 
 def widen(config: Any) -> None:
     """Set a synthetic verifier config to the real width :data:`WIDE_HIDDEN` (in place):
-    16 heads of 128, 4 KV heads, intermediate 256."""
+    8 heads of 128, 2 KV heads, intermediate 128."""
     config.hidden_size, config.num_attention_heads, config.num_key_value_heads = (
-        WIDE_HIDDEN, 16, 4)
-    config.head_dim, config.intermediate_size = 128, 256
+        WIDE_HIDDEN, 8, 2)
+    config.head_dim, config.intermediate_size = 128, 128
 
 
 def pin_last_anchor(case: Case) -> None:

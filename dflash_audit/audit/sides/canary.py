@@ -50,7 +50,8 @@ def stage_canary(planned: list[Any], cases_dir: Path, outputs_dir: Path, staging
     """Stage the canary (see the module docstring) into ``staging`` (``case/`` +
     ``outputs/``); returns the ``candidate.canary`` entry of the report, or None when no case
     ran without failure."""
-    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
     from dflash_audit.audit.protocol import spec_for
     from dflash_audit.audit.tolerance import tolerance
@@ -64,21 +65,26 @@ def stage_canary(planned: list[Any], cases_dir: Path, outputs_dir: Path, staging
     (staging / "outputs").mkdir(parents=True)
     for name in ("inputs.safetensors", "profile.json"):
         shutil.copy2(src / name, staging / "case" / name)
-    weights = load_file(src / "weights.safetensors")
+    def read(path: Path, keep: Any) -> dict[str, Any]:  # only the tensors kept are read
+        with safe_open(path, framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys() if keep(k)}
+
+    with safe_open(src / "weights.safetensors", framework="pt") as f:
+        names = list(f.keys())
     omitted = []
     if p.kind == "real":
-        omitted = [k for k in VERIFIER_OWNED if k in weights and not (
+        omitted = [k for k in VERIFIER_OWNED if k in names and not (
             p.case.config.uses_draft_vocab and k != "embed_tokens.weight")]
-    save_file({k: v.contiguous() for k, v in weights.items() if k not in omitted},
+    save_file(read(src / "weights.safetensors", lambda k: k not in omitted),
               staging / "case" / "weights.safetensors")
     meta = json.loads((out / "outputs.json").read_text())
     trainable = [str(n) for n in meta.get("trainable", [])][:MAX_NAMES]
-    state = set(weights)
-    kept = {"loss", "aligned_loss_mask", *(f"grad.{n}" for n in trainable if n in state)}
-    tensors = load_file(out / "outputs.safetensors")  # nothing outside the protocol is kept
-    save_file({k: v.contiguous() for k, v in tensors.items() if k in kept or (
-        k.startswith("loss_weights.") and spec_for(k) is not None and v.numel() <= 2**20)},
-        staging / "outputs" / "outputs.safetensors")
+    kept = {"loss", "aligned_loss_mask", *(f"grad.{n}" for n in trainable if n in names)}
+    tensors = read(out / "outputs.safetensors", lambda k: k in kept or (  # nothing outside
+        k.startswith("loss_weights.") and spec_for(k) is not None))  # the protocol is kept
+    save_file({k: v.contiguous() for k, v in tensors.items()
+               if not k.startswith("loss_weights.") or v.numel() <= 2**20},
+              staging / "outputs" / "outputs.safetensors")
     metrics = {str(k): v for k, v in list(meta.get("metrics", {}).items())[:MAX_NAMES]
                if isinstance(v, (int, float)) and len(str(k)) <= 100}
     (staging / "outputs" / "outputs.json").write_text(json.dumps(

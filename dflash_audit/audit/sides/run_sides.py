@@ -327,7 +327,9 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     except CandidateLoadError as exc:
         leftover_processes()
         raise CompareSetupError(f"candidate: {exc}") from None
+    t_left = time.perf_counter()
     left = leftover_processes()  # a daemon that left the candidate's process group
+    st.timing["leftover_scan"] = time.perf_counter() - t_left
     if not sandboxed:  # the tool's bytecode cache may have been written: never reused
         from dflash_audit.reference_source.runner import pycache_prefix
 
