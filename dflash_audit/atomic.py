@@ -81,25 +81,56 @@ def write_manifest(folder: str | Path) -> Path:
     return folder / MANIFEST_NAME
 
 
+class ManifestError(ValueError):
+    """A manifest that is not ``{"files": {name: {"size": int, "sha256": hex}}}``."""
+
+
+def read_manifest(folder: str | Path) -> dict[str, dict[str, object]] | None:
+    """The one reader of ``folder/dflash_audit_manifest.json`` (checkpoints and caches):
+    ``{file name: {"size": int, "sha256": str}}``, or None when the folder has none.
+
+    Raises:
+        ManifestError: unreadable, not JSON, or an entry of another form (named).
+    """
+    import json
+
+    path = Path(folder) / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"{path} is unreadable ({type(exc).__name__})") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise ManifestError(f"{path} has no \"files\" object")
+    for name, want in files.items():
+        if not (isinstance(want, dict) and isinstance(want.get("size"), int)
+                and not isinstance(want.get("size"), bool)
+                and isinstance(want.get("sha256"), str)):
+            raise ManifestError(f"{path}: entry {name!r} is {want!r}, not "
+                                "{\"size\": bytes, \"sha256\": hex}")
+        if "/" in name or name in ("", ".", ".."):
+            raise ManifestError(f"{path}: entry {name!r} is not a file name of the folder")
+    return files
+
+
 def manifest_problems(folder: str | Path, full_hash: bool = True) -> list[str] | None:
     """Check ``folder`` against its manifest.
 
     Returns:
         None when the folder has no manifest (written before manifests existed); else the
-        list of problems (empty: intact), e.g. ``"model.safetensors: 1000 bytes, manifest
+        list of problems (empty: intact; a malformed manifest is one problem naming it), e.g. ``"model.safetensors: 1000 bytes, manifest
         says 2000 (truncated?)"``. Sizes are always compared; with ``full_hash`` the sha256
         too (once per process for a file whose size and mtime have not changed).
     """
-    import json
-
     folder = Path(folder)
     try:
-        manifest = json.loads((folder / MANIFEST_NAME).read_text())
-        files = dict(manifest["files"])
-    except FileNotFoundError:
+        files = read_manifest(folder)
+    except ManifestError as exc:
+        return [f"malformed manifest: {exc}"]
+    if files is None:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return [f"{MANIFEST_NAME} unreadable ({type(exc).__name__})"]
     problems = []
     for name, want in sorted(files.items()):
         path = folder / name

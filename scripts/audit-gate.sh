@@ -4,6 +4,9 @@
 #
 #   scripts/audit-gate.sh install     install CPU torch 2.13.0, then dflash-audit (editable)
 #                                     from $DFLASH_AUDIT_SOURCE
+#   scripts/audit-gate.sh sandbox     install bubblewrap, the candidate's sandbox (apt-get via
+#                                     sudo when missing; on Ubuntu 24.04 lift AppArmor's ban on
+#                                     unprivileged user namespaces); `audit` requires it
 #   scripts/audit-gate.sh cache-key   print the cache key (reference lock + tool version); in
 #                                     Actions also output it and the cache folder
 #   scripts/audit-gate.sh audit       run `dflash-audit compare`, append report.md to the job
@@ -17,6 +20,7 @@
 #   DFLASH_AUDIT_COMPARE_ARGS  further compare arguments, split like shell words (no expansion)
 #   DFLASH_AUDIT_OUT           report folder (default: dflash-audit-report)
 #   DFLASH_AUDIT_CACHE         the tool's cache (default: ~/.cache/dflash-audit)
+#   DFLASH_AUDIT_REQUIRE_SANDBOX  1 (default): --require-sandbox; 0: --no-require-sandbox
 #   DFLASH_AUDIT_TORCH_INDEX   where `install` gets torch (default: PyTorch's CPU wheel index)
 #   GITHUB_STEP_SUMMARY, GITHUB_OUTPUT   written when set (as in GitHub Actions)
 #
@@ -107,6 +111,12 @@ cmd_audit() {
   [ -n "${DFLASH_AUDIT_CANDIDATE:-}" ] && args+=(--candidate "$DFLASH_AUDIT_CANDIDATE")
   [ -n "${DFLASH_AUDIT_PROFILE:-}" ] && args+=(--profile "$DFLASH_AUDIT_PROFILE")
   [ -n "${DFLASH_AUDIT_REF:-}" ] && args+=(--ref "$DFLASH_AUDIT_REF")
+  # the gate gives no verdict on an unsandboxed candidate (0: allow one, the report says so)
+  if [ "${DFLASH_AUDIT_REQUIRE_SANDBOX:-1}" = 0 ]; then
+    args+=(--no-require-sandbox)
+  else
+    args+=(--require-sandbox)
+  fi
   if [ -n "${DFLASH_AUDIT_COMPARE_ARGS:-}" ]; then
     local words
     words=$(mktemp)
@@ -172,10 +182,27 @@ sys.stdout.write("".join(w + "\0" for w in words))' "$DFLASH_AUDIT_COMPARE_ARGS"
   return "$rc"
 }
 
+cmd_sandbox() {
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo -n"
+  if ! command -v bwrap >/dev/null 2>&1; then
+    $sudo apt-get install -y -qq bubblewrap >/dev/null 2>&1 ||
+      { $sudo apt-get update -qq && $sudo apt-get install -y -qq bubblewrap >/dev/null; } || true
+  fi
+  probe() { bwrap --ro-bind / / --dev /dev --proc /proc --unshare-pid --unshare-net --die-with-parent true 2>/dev/null; }
+  probe || $sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0 >/dev/null 2>&1 || true
+  if probe; then
+    say "candidate sandbox: bubblewrap $(bwrap --version | cut -d' ' -f2)"
+  else
+    say "the candidate sandbox (bubblewrap) cannot start here; audit refuses under CI=true"
+  fi
+}
+
 case "${1:-}" in
   install) cmd_install ;;
+  sandbox) cmd_sandbox ;;
   cache-key) cmd_cache_key ;;
   audit) cmd_audit ;;
-  *) echo "usage: scripts/audit-gate.sh install|cache-key|audit (inputs: see the header of this script)" >&2
+  *) echo "usage: scripts/audit-gate.sh install|sandbox|cache-key|audit (inputs: see the header of this script)" >&2
      exit 2 ;;
 esac

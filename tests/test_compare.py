@@ -162,7 +162,10 @@ def test_conformant_drafter_passes_via_git_clone(tmp_path, tiny_verifier, conver
         data["verifiers"])
     assert again.report.fingerprint == report_fingerprint(
         data["verdict"], data["reference"], data["candidate"]["fingerprint"],
-        data["profile"]["fingerprint"], sorted(again.report.verifiers))
+        data["profile"]["fingerprint"], sorted(again.report.verifiers),
+        again.report.candidate.get("canary"))
+    # the canary is the real case both times: the same files
+    assert again.report.candidate["canary"]["files"] == data["candidate"]["canary"]["files"]
 
 
 def test_buggy_candidate_fails_with_exit_1(tmp_path, tiny_verifier, conversations, capsys,

@@ -102,3 +102,23 @@ def test_os_error_message_names_path_and_fix():
                    "a folder on another disk)")
     msg = os_error_message(OSError(errno.EROFS, "Read-only file system", "/ro"))
     assert msg.startswith("/ro: Read-only file system (read-only file system")
+
+
+@pytest.mark.parametrize("files", [{"model.safetensors": 5}, [1, 2], {"model.safetensors":
+                                   {"size": "big", "sha256": "x"}}, {"../x": {"size": 1,
+                                                                               "sha256": "y"}}])
+def test_a_malformed_manifest_is_named_not_a_traceback(tmp_path, files):
+    """One reader for checkpoints and caches: entries that are numbers (or any other form)
+    are one named problem, so a checkpoint is refused (exit 2) and a cache rebuilt."""
+    from dflash_audit.atomic import MANIFEST_NAME, ManifestError, manifest_problems, read_manifest
+    from dflash_audit.model.checkpoint import CheckpointError, validate_checkpoint
+
+    (tmp_path / "model.safetensors").write_bytes(b"0" * 5)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"version": 1, "files": files}))
+    with pytest.raises(ManifestError):
+        read_manifest(tmp_path)
+    (problem,) = manifest_problems(tmp_path)
+    assert problem.startswith("malformed manifest:") and MANIFEST_NAME in problem
+    with pytest.raises(CheckpointError, match="malformed manifest"):
+        validate_checkpoint(tmp_path, 4)

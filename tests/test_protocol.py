@@ -275,3 +275,20 @@ def test_metrics_that_are_not_numbers_survive_the_file_round_trip(good, tmp_path
     good_copy.metrics["acc_0"] = torch.tensor(0.25, dtype=torch.float64)
     good_copy.write(tmp_path)
     assert SideOutputs.read(tmp_path).metrics["acc_0"] == 0.25
+
+
+def test_outputs_outside_the_protocol_warn_and_are_bounded():
+    """An output key the protocol does not know is a protocol warning (ignored); past 16 MiB
+    of them, a failure."""
+    import torch as _torch
+
+    from dflash_audit.audit.case import SideOutputs
+    from dflash_audit.audit.protocol import MAX_EXTRA_OUTPUT_BYTES, extra_output_finding
+
+    out = SideOutputs(tensors={"loss": _torch.zeros(()), "my_debug": _torch.zeros(3, 4)},
+                      metrics={}, structure={})
+    finding = extra_output_finding(out, "candidate")
+    assert finding.status == "warn" and "'my_debug' [3, 4]" in finding.message
+    out.tensors["huge"] = _torch.zeros(MAX_EXTRA_OUTPUT_BYTES // 4 + 1)
+    assert extra_output_finding(out, "candidate").status == "fail"
+    assert extra_output_finding(SideOutputs({"loss": _torch.zeros(())}, {}, {}), "x") is None

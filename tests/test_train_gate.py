@@ -108,11 +108,18 @@ def test_hand_edited_verdict_is_refused(setup):
     tmp, profile_path, expected = setup
     path = tt.write_report(tmp / "reports", profile_path, verdict="fail")
     report = json.loads(path.read_text())
-    report["verdict"] = "pass"  # fingerprint still says "fail"
+    report["verdict"] = "pass"  # fingerprint and signature still say "fail"
     path.write_text(json.dumps(report))
     with pytest.raises(GateError) as err:
         check_gate(expected, reports_dir=tmp / "reports")
-    assert err.value.exit_code == 2 and "valid fingerprint" in str(err.value)
+    assert err.value.exit_code == 2 and "signature does not match" in str(err.value)
+    # re-signed with this machine's key (same-user code can): the fingerprint still refuses
+    from dflash_audit.report.fingerprint import sign_report
+
+    path.write_text(json.dumps(sign_report({k: v for k, v in report.items()
+                                            if k != "signature"})))
+    with pytest.raises(GateError, match="valid fingerprint"):
+        check_gate(expected, reports_dir=tmp / "reports")
 
 
 def test_newest_matching_report_wins_over_newer_mismatch(setup):
@@ -201,7 +208,7 @@ def test_verifier_the_report_did_not_cover_is_refused_with_its_compare_command(t
     data = json.loads(report.read_text())
     data["verifiers"][other.verifier_fingerprint] = {"name": "forged"}
     report.write_text(json.dumps(data))
-    with pytest.raises(GateError, match="does not carry a valid fingerprint"):
+    with pytest.raises(GateError, match="signature does not match its content"):
         check_gate(other, reports_dir=tmp_path / "reports")
 
 
@@ -237,7 +244,7 @@ def test_a_proxy_audit_covers_the_real_verifier_until_its_config_is_edited(tmp_p
     from safetensors.torch import save_file
     from test_families import PHI3_MINI_128K
 
-    from dflash_audit.report.fingerprint import report_fingerprint
+    from dflash_audit.report.fingerprint import report_fingerprint, sign_report
     from dflash_audit.train.gate import _verifier_fingerprint
 
     profile_path = tt.write_profile(tmp_path / "tiny.toml")
@@ -251,8 +258,10 @@ def test_a_proxy_audit_covers_the_real_verifier_until_its_config_is_edited(tmp_p
     data["fingerprint"] = report_fingerprint("pass", data["reference"],
                                              data["candidate"]["fingerprint"],
                                              data["profile"]["fingerprint"],
-                                             list(data["verifiers"]))
-    report.write_text(json.dumps(data))
+                                             list(data["verifiers"]),
+                                             data["candidate"]["canary"])
+    report.write_text(json.dumps(sign_report({k: v for k, v in data.items()
+                                              if k != "signature"})))
     real = tmp_path / "Phi-3-mini-128k"
     real.mkdir()
     (real / "config.json").write_text(json.dumps(PHI3_MINI_128K))

@@ -120,23 +120,74 @@ def write_profile(path: Path, **changes: Any) -> Path:
     return path
 
 
+def write_canary(folder: Path, profile_path: Path, verifier_dir: Path, batches: Path,
+                 candidate_spec: str | None = None, seed: int = 0) -> dict[str, Any]:
+    """Record a canary into ``folder/canary`` as compare does after a PASS: the first batch row
+    at the drafter config train builds, on the weights train's model starts from, run by the
+    candidate (in this process); returns the report's ``candidate.canary`` entry."""
+    import tempfile
+    from types import SimpleNamespace
+
+    from dflash_audit.audit.case import Case
+    from dflash_audit.audit.sides.canary import publish_canary, stage_canary
+    from dflash_audit.audit.sides.run_sides import run_candidate
+    from dflash_audit.candidate import load_candidate
+    from dflash_audit.data.batch import Batch
+    from dflash_audit.data.verifier import load_verifier
+    from dflash_audit.model.anchors import select_anchors
+    from dflash_audit.profile import Profile
+    from dflash_audit.train.setup import build_drafter
+
+    profile = Profile.load(str(profile_path))
+    verifier = load_verifier(str(verifier_dir))
+    batch = Batch.load(sorted(Path(batches).glob("batch_*.safetensors"))[0])
+    config = profile.to_drafter_config(verifier.model.config, batch.mask_token_id,
+                                       batch.target_layer_ids)
+    candidate = load_candidate(candidate_spec)
+    model = build_drafter(candidate, config, verifier.model, seed)
+    anchors = select_anchors(batch.loss_mask, profile.max_anchors, config.block_size,
+                             torch.Generator().manual_seed(seed))
+    inputs = {**batch.tensors(), "anchor_positions": anchors[0], "anchor_valid": anchors[1]}
+    case = Case(name="real-00-canary", config=config, loss=profile.loss_spec(), inputs=inputs,
+                weights={k: v.detach().clone() for k, v in model.state_dict().items()})
+    out, failure = run_candidate(candidate, case)
+    assert failure is None, failure.summary
+    with tempfile.TemporaryDirectory() as tmp:
+        case.write(Path(tmp) / "cases")
+        out.write((Path(tmp) / "outputs" / case.name).mkdir(parents=True) or
+                  Path(tmp) / "outputs" / case.name)
+        entry = stage_canary([SimpleNamespace(case=case, kind="real")], Path(tmp) / "cases",
+                             Path(tmp) / "outputs", Path(tmp) / "staging")
+        publish_canary(Path(tmp) / "staging", folder)
+    return entry
+
+
 def write_report(reports_dir: Path, profile_path: Path, candidate_spec: str | None = None,
                  verdict: str = "pass", reference: dict[str, Any] | None = None,
-                 name: str = "20260101T000000Z-ad5e21eedc89", **overrides: Any) -> Path:
+                 name: str = "20260101T000000Z-ad5e21eedc89",
+                 canary_from: tuple[Path, Path] | None = None, sign: bool = True,
+                 **overrides: Any) -> Path:
     """A report.json as `dflash-audit compare` writes it (schema v1), fingerprints computed
-    for the candidate/profile/reference given, covering the tiny verifier;
-    ``overrides`` replace top-level fields."""
+    for the candidate/profile/reference given, covering the tiny verifier, signed with this
+    machine's report key (``sign``); with ``canary_from`` = (verifier folder, batches folder)
+    a real canary (:func:`write_canary`), else a placeholder entry (enough for the gate's
+    report lookup, refused by train's canary run); ``overrides`` replace top-level fields."""
     from dflash_audit.candidate import load_candidate
     from dflash_audit.profile import Profile
     from dflash_audit.report.fingerprint import (
         candidate_fingerprint,
         report_fingerprint,
+        sign_report,
         verifier_fingerprint,
     )
 
     profile = Profile.load(str(profile_path))
     reference = dict(reference or REFERENCE)
     cand = candidate_fingerprint(load_candidate(candidate_spec), profile.fingerprint())
+    folder = reports_dir / name
+    folder.mkdir(parents=True, exist_ok=True)
+    cand["canary"] = write_canary(folder, profile_path, *canary_from, candidate_spec) \
+        if canary_from else {"case": "placeholder", "folder": "canary", "files": {}}
     report = {"schema_version": 1, "verdict": verdict, "exit_code": 0 if verdict == "pass" else 1,
               "created_at": "2026-01-01T00:00:00Z", "reference": reference,
               "candidate": {"name": "dflash-audit drafter", "spec": candidate_spec, **cand},
@@ -145,11 +196,11 @@ def write_report(reports_dir: Path, profile_path: Path, candidate_spec: str | No
               "checks": [],
               "verifiers": {verifier_fingerprint(verifier_config()): {"name": "tiny"}}}
     report["fingerprint"] = report_fingerprint(verdict, reference, cand["fingerprint"],
-                                               profile.fingerprint(), list(report["verifiers"]))
+                                               profile.fingerprint(), list(report["verifiers"]),
+                                               cand["canary"])
     report.update(overrides)
-    folder = reports_dir / name
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "report.json").write_text(json.dumps(report, indent=1))
+    (folder / "report.json").write_text(json.dumps(sign_report(report) if sign else report,
+                                                   indent=1))
     return folder / "report.json"
 
 
@@ -173,7 +224,7 @@ def setup_run(tmp: Path, rows: int = 4, seq_len: int = 96, n_conversations: int 
     convs = write_conversations(tmp / "conversations.jsonl", n_conversations)
     batches = write_batches(verifier, convs, tmp / "batches", rows=rows, seq_len=seq_len)
     profile = write_profile(tmp / "tiny.toml", **profile_changes)
-    write_report(tmp / "reports", profile)
+    write_report(tmp / "reports", profile, canary_from=(verifier, batches))
     return {"verifier": verifier, "conversations": convs, "batches": batches,
             "profile": profile, "reports": tmp / "reports"}
 

@@ -13,10 +13,14 @@ Order of work (cheap and likely-to-fail steps first, so a setup error costs seco
    family:NAME`` or ``path/to/config.json`` captures them through a proxy verifier) and the
    cases (:mod:`.plan`): real rows under both layouts (on ``--weights DIR``'s checkpoint when
    given) + ``--cases N`` synthetic ones over the verifier families;
-4. the reference runs ALL cases in one subprocess (``reference/adapter.py``), with its own
-   drafter-config derivation of each case's verifier, while the candidate runs them in its
-   own process (:mod:`.candidate_process`: its exit, crash, kill or a case over
-   ``--candidate-timeout`` fails that case); anchors and weights are the same on both sides;
+4. the candidate runs every case in its own, sandboxed process (:mod:`.candidate_process`,
+   :mod:`.sandbox`: its exit, crash, kill or a case over ``--candidate-timeout`` fails that
+   case), then the reference runs ALL cases in one isolated subprocess
+   (``reference/adapter.py``), with its own drafter-config derivation of each case's
+   verifier; anchors and weights are the same on both sides. The verdict's modules are
+   imported, the report key exists and the reference's tree and the tool's files are hashed
+   before any candidate code runs (:mod:`.integrity`); any change, or a candidate process
+   left alive, is exit 2;
 5. checks + diagnosis (:mod:`dflash_audit.audit.checks`, :mod:`dflash_audit.audit.diagnose`)
    per case, the report (:mod:`dflash_audit.report`) and the exit code.
 
@@ -101,6 +105,57 @@ def reference_url(opts: CompareOptions) -> str | None:
     return opts.ref_url
 
 
+#: Modules the verdict depends on, imported before any candidate code runs (so a candidate
+#: that edits them or plants their bytecode changes nothing in this audit, and is caught by
+#: the digests of the tool's files taken after these imports).
+VERDICT_PACKAGES = ("dflash_audit.audit.checks", "dflash_audit.audit.replay",
+                    "dflash_audit.audit.diagnose", "dflash_audit.report")
+VERDICT_MODULES = ("dflash_audit.audit.judge", "dflash_audit.audit.result",
+                   "dflash_audit.audit.protocol", "dflash_audit.audit.tolerance",
+                   "dflash_audit.audit.case", "dflash_audit.audit.sides.canary",
+                   "dflash_audit.audit.sides.candidate_process")
+
+
+def import_verdict_modules() -> list[str]:
+    """Import every module of :data:`VERDICT_PACKAGES` and :data:`VERDICT_MODULES`; returns
+    their names. From then on this process writes no bytecode (``sys.dont_write_bytecode``),
+    so a ``.pyc`` that appears in the tool's ``__pycache__`` during the run is not ours."""
+    import importlib
+    import pkgutil
+
+    names = list(VERDICT_MODULES)
+    for package in VERDICT_PACKAGES:
+        module = importlib.import_module(package)
+        names.append(package)
+        for info in pkgutil.walk_packages(getattr(module, "__path__", []), package + "."):
+            names.append(info.name)
+    for name in names:
+        importlib.import_module(name)
+    sys.dont_write_bytecode = True
+    return names
+
+
+def sandbox_note(opts: CompareOptions) -> dict[str, Any]:
+    """The report's ``candidate.sandbox`` entry; refuses when a sandbox is required.
+
+    Raises:
+        CompareSetupError: ``--require-sandbox`` (or CI) and no sandbox can start here.
+    """
+    from dflash_audit.audit.sides.sandbox import UNAVAILABLE, sandbox_status
+
+    status = sandbox_status()
+    if not status.available and opts.sandbox_required:
+        raise CompareSetupError(
+            f"the candidate's sandbox cannot start ({status.reason}), and a sandbox is required "
+            "(--require-sandbox, on by default when CI=true). Install bubblewrap (`sudo apt-get "
+            "install -y bubblewrap`, or `bash scripts/setup.sh`), or pass --no-require-sandbox "
+            f"to accept a report that says '{UNAVAILABLE}'.")
+    if not status.available:
+        print(f"dflash-audit compare: warning: {UNAVAILABLE} ({status.reason}); its process "
+              "can write everything this user can", file=sys.stderr)
+    return status.to_dict()
+
+
 def run_compare(opts: CompareOptions) -> CompareOutcome:
     """Run one audit and write its report (see the module docstring).
 
@@ -111,10 +166,19 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
         CandidateLoadError,
         load_candidate_identity,
     )
+    from dflash_audit.audit.sides.integrity import enable_subreaper
     from dflash_audit.profile import Profile, ProfileError
     from dflash_audit.report import write_report
+    from dflash_audit.report.fingerprint import report_key
 
     check_options(opts)
+    sandbox = sandbox_note(opts)
+    try:
+        report_key(create=True)  # before any candidate code: the sandbox hides its folder
+    except OSError as exc:
+        raise CompareSetupError(f"cannot create the report key: {exc}") from None
+    import_verdict_modules()
+    enable_subreaper()  # a candidate's orphaned daemons become ours, to be found and killed
     started = time.perf_counter()
     created_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     enabled = opts.progress if opts.progress is not None else sys.stderr.isatty()
@@ -129,7 +193,8 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
         with st.stage("resolve_candidate", "resolving the candidate"):
             launch = candidate_launch(opts.candidate, python=opts.candidate_python,
                                       offline=opts.offline, url=opts.ref_url)
-        import_check = ImportCheck(identity, import_ok_marker(identity, opts.cache_dir))
+        import_check = ImportCheck(identity, import_ok_marker(identity, opts.cache_dir),
+                                   shared_pycache=sandbox["sandboxed"])
         with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-") as tmp:
             with st.stage("load_candidate", "loading the candidate (own process)"):
                 try:  # never imported here: its import may exit, crash or print
@@ -147,7 +212,9 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
             records, pictures = check_all(planned, outputs, Path(tmp), st, framework)
             ref_info = _reference_info(identity, Path(tmp))
             staging = Path(tmp) / ".canary"
+            t_canary = time.perf_counter()
             canary = stage_canary(planned, Path(tmp), Path(tmp) / CANDIDATE_OUTPUTS, staging)
+            st.timing["canary"] = time.perf_counter() - t_canary
             st.timing["total"] = time.perf_counter() - started
             report = _build_report(opts, profile, ref_info, candidate, records, pictures,
                                    inputs_info, created_at, st.timing,
@@ -158,6 +225,9 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
                     "capabilities": framework["capabilities"].to_dict()}
                 report.notes += inputs_info.get("unsupported", [])
             report.tolerance = tolerance
+            report.candidate["sandbox"] = sandbox
+            if not sandbox["sandboxed"]:
+                report.notes.append(sandbox["note"])
             if canary is not None and report.verdict == "pass":  # what train reruns
                 report.candidate["canary"] = canary
             else:

@@ -87,6 +87,11 @@ def compare_command(
         "--candidate-timeout", metavar="SECONDS", min=1.0,
         help="Seconds the candidate (in its own process) may take per case; a case over it "
              "fails (exit 1).")] = DEFAULT_CANDIDATE_TIMEOUT_S,
+    require_sandbox: Annotated[Optional[bool], typer.Option(  # noqa: UP007
+        "--require-sandbox/--no-require-sandbox",
+        help="Refuse (exit 2) when the candidate's sandbox (bubblewrap) cannot start. "
+             "Default: on when CI=true, else off (the report then says 'candidate ran "
+             "without a sandbox').")] = None,
 ) -> None:
     """Audit a DFlash drafter against the real reference; write reports/<time>-<ref>/.
 
@@ -98,7 +103,8 @@ def compare_command(
                           rows=rows, anchors=anchors, seed=seed, out=out, offline=offline,
                           weights=weights, dtype=dtype, device=device,
                           candidate_timeout_s=candidate_timeout,
-                          candidate_python=candidate_python)
+                          candidate_python=candidate_python,
+                          require_sandbox=require_sandbox)
     raise typer.Exit(main(opts))
 
 
@@ -132,6 +138,8 @@ def main(opts: CompareOptions) -> int:
             f"{f', {unsupported} cases not supported by the framework' if unsupported else ''}"
             f") in {report.timing.get('total', 0.0):.1f} s")
     print(line)
+    if not report.candidate.get("sandbox", {}).get("sandboxed", True):
+        print("  note: candidate ran without a sandbox (see report.json candidate.sandbox)")
     causes = [d["cause"] for d in report.diagnoses() if d.get("status") == "fail"]
     roots = [d["cause"] for d in report.root_causes()] or causes[:3]
     for cause in roots[:MAX_ROOT_CAUSES]:  # the named root causes, grouped across cases

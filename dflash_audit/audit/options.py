@@ -56,6 +56,15 @@ class CompareOptions:
     candidate_timeout_s: float = DEFAULT_CANDIDATE_TIMEOUT_S  # per case, candidate process
     #: interpreter of the candidate's process (where the framework is installed); None: ours
     candidate_python: str | None = None
+    #: refuse (exit 2) when the candidate's sandbox cannot start; None: on when CI=true
+    require_sandbox: bool | None = None
+
+    @property
+    def sandbox_required(self) -> bool:
+        """``require_sandbox``, defaulting to on under CI (``$CI`` = true)."""
+        if self.require_sandbox is not None:
+            return self.require_sandbox
+        return os.environ.get("CI", "").lower() in ("true", "1", "yes")
 
 
 def check_options(opts: CompareOptions) -> None:

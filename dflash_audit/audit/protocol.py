@@ -194,6 +194,28 @@ def _expected_shape(spec: OutputSpec, key: str, case: Case) -> list[int] | None:
     return [dims.get(s, -1) for s in spec.shape]  # -1: any size (K)
 
 
+#: Bytes of outputs outside OUTPUT_SPEC a side may return: up to it a protocol warning (they
+#: are ignored, never copied into the report folder); past it a protocol failure.
+MAX_EXTRA_OUTPUT_BYTES = 16 * 2**20
+
+
+def extra_output_finding(out: SideOutputs, side: str) -> Finding | None:
+    """A warning naming the outputs outside :data:`OUTPUT_SPEC` (a failure when they hold more
+    than :data:`MAX_EXTRA_OUTPUT_BYTES`); None when there are none."""
+    extra = {k: t for k, t in out.tensors.items()
+             if spec_for(k) is None and isinstance(t, torch.Tensor)}
+    if not extra:
+        return None
+    size = sum(t.numel() * t.element_size() for t in extra.values())
+    first = next(iter(sorted(extra)))
+    over = size > MAX_EXTRA_OUTPUT_BYTES
+    return Finding("protocol", side, first, f"{side} returned {len(extra)} output(s) outside "
+                   f"the protocol (first {first!r} {list(extra[first].shape)}; "
+                   f"{size / 2**20:.1f} MiB){'; more than the ' if over else ': ignored'}"
+                   + (f"{MAX_EXTRA_OUTPUT_BYTES // 2**20} MiB allowed" if over else ""),
+                   status=FAIL if over else WARN, count=len(extra))
+
+
 def validate_outputs(out: SideOutputs, case: Case, side: str = "candidate") -> list[Finding]:
     """Protocol findings of one side's outputs: a missing required key (fail: an output the
     audit cannot compare must not pass; only a missing ``loss_weights.<term>`` beside another
@@ -223,7 +245,7 @@ def validate_outputs(out: SideOutputs, case: Case, side: str = "candidate") -> l
             findings.append(Finding("protocol", side, key, f"{side} {label(key)} is a "
                                     f"{type(t).__name__}; expected a torch.Tensor"))
             continue
-        if spec is None:
+        if spec is None:  # outside the protocol: extra_output_finding
             continue
         if not _dtype_ok(spec, t, dtype):
             what = _dtype_name(t.dtype)
@@ -253,7 +275,8 @@ def validate_outputs(out: SideOutputs, case: Case, side: str = "candidate") -> l
                                 f"{len(odd_metrics)} value(s) are not numbers (first "
                                 f"{k!r} = {v!r}); expected float", count=len(odd_metrics),
                                 first={"metric": k}))
-    return findings
+    extra = extra_output_finding(out, side)
+    return findings + ([extra] if extra is not None else [])
 
 
 def _shape_text(spec: OutputSpec, key: str, case: Case) -> str:

@@ -12,9 +12,15 @@ compared with the N+2 recomputed candidates of :mod:`~dflash_audit.batch_audit.r
   ``hidden_states[-1]``); the drafter norms the last state itself, so it would be normed twice;
 - ``no layer``: no candidate within tolerance (another verifier, other weights, positions
   that do not restart, or a dtype far from the files').
+
+Before any matching, each slice's values are checked (:func:`value_problem`): a slice that is
+not floating point (``dtype int32``) or holds NaN / inf (``non-finite``) fails with that name
+and is not matched (a NaN distance would otherwise read as "equals layer 0").
 """
 
 from __future__ import annotations
+
+import torch
 
 from dflash_audit.batch_audit.files import Row
 from dflash_audit.batch_audit.recompute import LayerStates, token_distance
@@ -65,6 +71,27 @@ def _judge(name: str, row: Row, x, expected: int | None, states: LayerStates, to
                  row=row.name, finding=relation, details=details), matched
 
 
+def value_problem(name: str, row: Row, x: torch.Tensor) -> Check | None:
+    """A failing check when ``x`` (slice ``name`` of ``row``, [T, H]) is not floating point
+    (finding ``dtype <name>``) or holds NaN / inf (finding ``non-finite``, first token named);
+    None when its values can be matched."""
+    if not x.is_floating_point():
+        dtype = str(x.dtype).removeprefix("torch.")
+        return Check(name, FAIL, f"{name} holds {dtype} values; hidden states are floating "
+                     "point (float32, bfloat16 or float16): the capture wrote another tensor "
+                     "or cast it", row=row.name, finding=f"dtype {dtype}",
+                     details={"dtype": dtype})
+    bad = ~torch.isfinite(x)
+    if bad.any():
+        nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+        token = int(bad.nonzero()[0][0])
+        return Check(name, FAIL, f"{name} holds {nan} NaN and {inf} inf of {x.numel()} "
+                     f"values (first at token {token}): a capture in too low a precision or a "
+                     "broken verifier", row=row.name, finding="non-finite",
+                     details={"nan": nan, "inf": inf, "first_token": token})
+    return None
+
+
 def check_layers(row: Row, states: LayerStates, target_layer_ids: list[int] | None,
                  hidden_size: int) -> tuple[list[Check], list[int | None]]:
     """Judge every slice of ``row`` (see the module docstring).
@@ -88,10 +115,13 @@ def check_layers(row: Row, states: LayerStates, target_layer_ids: list[int] | No
     for j in range(n_slices):
         expected = target_layer_ids[j] if target_layer_ids else None
         x = row.hidden_states[:, j * hidden_size:(j + 1) * hidden_size]
-        check, matched = _judge(f"hidden_states[{j}]", row, x, expected, states, tokens, "")
+        bad = value_problem(f"hidden_states[{j}]", row, x)
+        check, matched = (bad, None) if bad else _judge(f"hidden_states[{j}]", row, x,
+                                                        expected, states, tokens, "")
         checks.append(check)
         measured.append(matched)
-    check, _ = _judge(LAST, row, row.last, states.num_layers, states, tokens,
-                      " (the last layer, pre-norm)")
+    bad = value_problem(LAST, row, row.last)
+    check = bad or _judge(LAST, row, row.last, states.num_layers, states, tokens,
+                          " (the last layer, pre-norm)")[0]
     checks.append(check)
     return checks, measured

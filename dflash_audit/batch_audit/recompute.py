@@ -43,7 +43,10 @@ POST_NORM = "post-norm"
 
 def file_precision(t: torch.Tensor) -> torch.dtype:
     """The precision a capture was made in: the stored dtype, or bfloat16 / float16 when a
-    float32 tensor is exactly representable in it."""
+    float32 tensor is exactly representable in it; float32 for a tensor that is not floating
+    point (the layers check names its dtype)."""
+    if not t.is_floating_point():
+        return torch.float32
     if t.dtype != torch.float32:
         return t.dtype
     for low in (torch.bfloat16, torch.float16):

@@ -258,7 +258,9 @@ def _ensure_checkout(root: Path, mirror: git.Repo, sha: str) -> Path:
     if (path / ".git").exists():
         try:
             repo = git.Repo(path)
-            if repo.head.commit.hexsha == sha and not repo.is_dirty():
+            status = repo.git.status("--porcelain", "--ignored", "--untracked-files=all")
+            extra = [ln for ln in status.splitlines() if "__pycache__/" not in ln]
+            if repo.head.commit.hexsha == sha and not extra:  # planted files count too
                 return path
         except (git.GitError, ValueError):
             pass

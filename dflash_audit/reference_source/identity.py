@@ -210,3 +210,18 @@ def read_version(source_dir: Path) -> str | None:
         if isinstance(version, str):
             return version
     return None
+
+
+def discard_damaged_tree(identity: ReferenceIdentity) -> None:
+    """Make the next resolve rebuild a cached reference tree found changed during a run,
+    never reuse it: a release's manifest is removed (the tree is extracted again from its
+    verified archive), a git checkout is removed (checked out again from the mirror). A
+    ``path:`` tree is the user's own and is left alone (the error names it)."""
+    import shutil
+
+    source = Path(identity.source_dir)
+    if identity.kind == "sdist" and source.name == "tree":
+        entry = source.parent
+        entry.with_name(entry.name + ".manifest.json").unlink(missing_ok=True)
+    elif identity.kind == "git" and source.parent.name == "checkouts":
+        shutil.rmtree(source, ignore_errors=True)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -17,6 +17,8 @@ from dflash_audit.reference_source.runner import (
     _crash_error,
     _missing_dependency_error,
     _tail,
+    pycache_prefix,
+    reference_command,
     reference_env,
 )
 
@@ -53,9 +55,12 @@ print("DFLASH_AUDIT_PROBE " + json.dumps(out))
 """
 
 
-def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 180.0) -> None:
+def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 180.0,
+                               shared_pycache: bool = False) -> None:
     """Check, in a small subprocess, that ``speculators.models.dflash.core`` imports from the
-    resolved source; cheap compared with a full reference run.
+    resolved source; cheap compared with a full reference run. The process is isolated as
+    the reference's (:func:`dflash_audit.reference_source.runner.reference_command`; bytecode
+    in :func:`~dflash_audit.reference_source.runner.pycache_prefix`).
 
     Raises:
         ReferenceMissingDependencyError: import-time dependencies are missing (the one that
@@ -67,8 +72,10 @@ def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 1
         ReferenceTimeoutError: the import took longer than ``timeout_s``.
         ReferenceRunError: any other import failure (with the tail of stderr).
     """
-    cmd = [sys.executable, "-c", _IMPORT_PROBE, identity.version or "0.0.0+git",
-           json.dumps(list(REFERENCE_IMPORT_DEPS))]
+    prefix = pycache_prefix(identity, shared_pycache)
+    cmd = reference_command(identity, "", [identity.version or "0.0.0+git",
+                                           json.dumps(list(REFERENCE_IMPORT_DEPS))], prefix,
+                            code=_IMPORT_PROBE)
     try:
         with tempfile.TemporaryDirectory(prefix="dflash-audit-probe-") as cwd:
             proc = subprocess.run(
@@ -79,6 +86,9 @@ def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 1
         raise ReferenceTimeoutError(
             f"importing the reference ({identity.spec}) took longer than {timeout_s:g} s."
         ) from exc
+    finally:
+        if not shared_pycache:
+            shutil.rmtree(prefix, ignore_errors=True)
     probe = next(
         (json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
          if line.startswith("DFLASH_AUDIT_PROBE ")),

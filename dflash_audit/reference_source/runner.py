@@ -94,6 +94,59 @@ class ReferenceRun:
     wall_s: float
 
 
+#: Runs a script in an isolated interpreter: ``python -I -S -X pycache_prefix=DIR -c BOOT
+#: PATHS_JSON SCRIPT ARGS...`` puts PATHS (the script's folder, the reference's ``src``,
+#: site-packages) first on ``sys.path`` and runs SCRIPT as ``__main__``.
+_BOOT = ("import json, runpy, sys; paths = json.loads(sys.argv[1]); sys.argv = sys.argv[2:]; "
+         "sys.path[:0] = paths; runpy.run_path(sys.argv[0], run_name='__main__')")
+PYCACHE_DIR = "pycache"
+
+
+def site_dirs() -> list[str]:
+    """The site-packages folders of this interpreter (``site.getsitepackages()``; a venv's
+    own), without the user site: what the reference may import from besides its source."""
+    import site
+
+    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    dirs += [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    return list(dict.fromkeys(d for d in dirs if os.path.isdir(d)))
+
+
+def pycache_prefix(identity: ReferenceIdentity, shared: bool) -> Path:
+    """Where the reference's bytecode goes: ``<cache>/pycache/<tag>`` when ``shared`` (the
+    candidate ran in the sandbox, which cannot write there), else a fresh temporary folder
+    (removed with the process): never a ``__pycache__`` of the reference tree or of
+    site-packages, which a candidate may have written."""
+    import tempfile
+
+    from dflash_audit.reference_source.identity import cache_root
+
+    if shared:
+        path = cache_root().parent / PYCACHE_DIR / sys.implementation.cache_tag
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return Path(tempfile.mkdtemp(prefix="dflash-audit-pycache-"))
+
+
+def reference_command(identity: ReferenceIdentity, script: Path | str, args: list[str],
+                      prefix: Path, code: str | None = None) -> list[str]:
+    """The command that runs ``script args`` (or ``python -c code args``) in the reference's
+    process: Python's isolated mode (``-I``: no user site, no ``PYTHON*`` variables such as
+    PYTHONPATH, no script folder on ``sys.path``), no ``site`` module (``-S``: no
+    ``sitecustomize`` / ``usercustomize`` / ``.pth`` start-up hooks) and bytecode only under
+    ``prefix`` (``-X pycache_prefix``: a planted ``__pycache__/*.pyc`` is never read).
+    ``sys.path`` is given explicitly: the script's folder, ``identity.src_dir``, then
+    :func:`site_dirs`."""
+    import json
+
+    head = [sys.executable, "-I", "-S", "-X", f"pycache_prefix={prefix}"]
+    if code is not None:
+        paths = json.dumps([str(identity.src_dir), *site_dirs()])
+        return [*head, "-c", f"import sys; sys.path[:0] = {paths}\n{code}", *args]
+    paths = [str(Path(script).resolve().parent), str(identity.src_dir), *site_dirs()]
+    return [*head, "-c", _BOOT, json.dumps(paths), str(script), *map(str, args)]
+
+
 def reference_env(
     identity: ReferenceIdentity, base: dict[str, str] | None = None
 ) -> dict[str, str]:
@@ -203,11 +256,14 @@ def run_reference(
     timeout_s: float,
     *,
     adapter: Path | None = None,
+    shared_pycache: bool = False,
 ) -> ReferenceRun:
-    """Run ``python reference/adapter.py <adapter_args>`` against the resolved source.
+    """Run ``python reference/adapter.py <adapter_args>`` against the resolved source, in an
+    isolated interpreter (:func:`reference_command`).
 
-    The process gets ``PYTHONPATH=<source>/src:...``, ``$DFLASH_AUDIT_REFERENCE_SOURCE`` and
-    ``cwd=workdir``. Exit code 0 is success; on failure the adapter writes ``error.json`` =
+    The process gets ``<source>/src`` on ``sys.path``, ``$DFLASH_AUDIT_REFERENCE_SOURCE`` and
+    ``cwd=workdir``; its bytecode goes to :func:`pycache_prefix` (``shared_pycache``: the
+    tool's own cache, else a fresh folder). Exit code 0 is success; on failure the adapter writes ``error.json`` =
     {"kind", "message", "missing"} into ``workdir`` or into a directory named by an adapter
     argument (e.g. its CASES_DIR); stale ones are removed before the run.
 
@@ -230,7 +286,10 @@ def run_reference(
     error_files = _error_files(workdir, adapter_args)
     for path in error_files:
         path.unlink(missing_ok=True)
-    cmd = [sys.executable, str(script), *map(str, adapter_args)]
+    import shutil
+
+    prefix = pycache_prefix(identity, shared_pycache)
+    cmd = reference_command(identity, script, list(map(str, adapter_args)), prefix)
     start = time.monotonic()
     try:
         proc = subprocess.run(
@@ -238,6 +297,8 @@ def run_reference(
             timeout=timeout_s,
         )
     except subprocess.TimeoutExpired as exc:
+        if not shared_pycache:
+            shutil.rmtree(prefix, ignore_errors=True)
         stderr = exc.stderr or ""
         if isinstance(stderr, bytes):
             stderr = stderr.decode(errors="replace")
@@ -247,6 +308,8 @@ def run_reference(
             stderr_tail=_tail(stderr),
         ) from exc
     wall = time.monotonic() - start
+    if not shared_pycache:
+        shutil.rmtree(prefix, ignore_errors=True)
     if proc.returncode == 0:
         return ReferenceRun(cmd, workdir, 0, proc.stdout, proc.stderr, wall)
     error_file = next((p for p in error_files if p.is_file()), None)

@@ -53,9 +53,10 @@ def manifest_path(entry: Path) -> Path:
 
 
 def tree_manifest(tree: Path) -> dict[str, str]:
-    """``{relative path: sha256}`` of every file under ``tree``."""
+    """``{relative path: sha256}`` of every file under ``tree`` outside ``__pycache__``
+    folders (the reference runs with a private pycache prefix and never reads them)."""
     return {p.relative_to(tree).as_posix(): _sha256(p) for p in sorted(tree.rglob("*"))
-            if p.is_file()}
+            if p.is_file() and "__pycache__" not in p.relative_to(tree).parts}
 
 
 def tree_problems(entry: Path) -> list[str]:
@@ -63,12 +64,16 @@ def tree_problems(entry: Path) -> list[str]:
     "changed Y", "no manifest"; empty when it is intact."""
     try:
         expected = json.loads(manifest_path(entry).read_text())
+        if not isinstance(expected, dict) or not all(
+                isinstance(v, str) for v in expected.values()):
+            raise ValueError("not a {path: sha256} object")
+        expected = {k: v for k, v in expected.items() if "__pycache__" not in k.split("/")}
     except (OSError, ValueError):
         return ["no manifest"]
     found = tree_manifest(entry / "tree")
     problems = [f"missing {k}" for k in expected if k not in found]
     problems += [f"changed {k}" for k in expected if k in found and found[k] != expected[k]]
-    problems += [f"extra {k}" for k in found if k not in expected and k.endswith(".py")]
+    problems += [f"extra {k}" for k in found if k not in expected]  # a planted .pyc, .so, ...
     return problems
 
 

@@ -11,7 +11,14 @@ across machines and runs:
   (:func:`verifier_architecture`: width-independent, so the proxy an audit builds from a
   user's config.json covers that real verifier);
 * report fingerprint = sha256({"verdict", "reference": reference key, "candidate": candidate
-  fp, "profile": profile fp, "verifiers": sorted verifier fps covered by the audit}).
+  fp, "profile": profile fp, "verifiers": sorted verifier fps covered by the audit, "canary":
+  the canary entry (its case, tolerance and the sha256 of every canary file)});
+* report signature = HMAC-SHA256 over the whole canonical ``report.json`` (everything but the
+  ``signature`` field), keyed by a secret of this machine (:func:`report_key`,
+  ``<cache>/keys/report.key``, mode 0600, created on first use). The candidate's sandbox
+  hides that folder, so a candidate cannot sign a report; a fingerprint alone (an unkeyed hash
+  of public fields) anyone can recompute. Same-user code outside the sandbox can read the key:
+  the signature proves "written by dflash-audit on this machine", not more.
 
 A gate that wants to train candidate C under profile P against reference R recomputes
 C's fingerprint for P and accepts a ``report.json`` whose verdict is ``pass``, whose
@@ -22,8 +29,10 @@ equals :func:`report_fingerprint` of those values (a hand-edited verdict then fa
 from __future__ import annotations
 
 import hashlib
+import hmac
 import inspect
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -152,11 +161,89 @@ def verifier_fingerprint(config: Any) -> str:
 
 def report_fingerprint(verdict: str, reference_identity: dict[str, Any],
                        candidate_fp: str, profile_fp: str,
-                       verifiers: list[str] | None = None) -> str:
+                       verifiers: list[str] | None = None,
+                       canary: dict[str, Any] | None = None) -> str:
     """sha256 of verdict + reference key + candidate fingerprint + profile fingerprint (+ the
-    sorted fingerprints of the verifiers the audit covered, when given)."""
+    sorted fingerprints of the verifiers the audit covered, when given) + the canary entry
+    (``report.json``'s ``candidate.canary``; None when the report has none)."""
     payload = {"verdict": verdict, "reference": reference_key(reference_identity),
-               "candidate": candidate_fp, "profile": profile_fp}
+               "candidate": candidate_fp, "profile": profile_fp, "canary": canary}
     if verifiers is not None:
         payload["verifiers"] = sorted(verifiers)
     return canonical_sha256(payload)
+
+
+# ------------------------------------------------------------------------------ signature
+KEY_FILE = "report.key"
+SIGNATURE_FIELD = "signature"
+SIGNATURE_ALG = "hmac-sha256"
+
+
+def key_dir() -> Path:
+    """``$DFLASH_AUDIT_CACHE/keys`` (default ``~/.cache/dflash-audit/keys``): the folder of
+    the report key, hidden from the candidate's sandbox."""
+    base = os.environ.get("DFLASH_AUDIT_CACHE") or Path.home() / ".cache" / "dflash-audit"
+    return Path(base).expanduser().absolute() / "keys"
+
+
+def report_key(create: bool = True) -> bytes | None:
+    """The report key (32 random bytes) of this machine; created (folder 0700, file 0600,
+    never overwritten) when missing and ``create``; None when missing and not ``create``.
+
+    Raises:
+        OSError: the key cannot be created or read.
+    """
+    path = key_dir() / KEY_FILE
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        if not create:
+            return None
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path.parent, 0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process made it meanwhile
+        return path.read_bytes()
+    with os.fdopen(fd, "wb") as f:
+        f.write(os.urandom(32))
+    return path.read_bytes()
+
+
+def _mac(report: dict[str, Any], key: bytes) -> str:
+    body = {k: v for k, v in report.items() if k != SIGNATURE_FIELD}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
+def sign_report(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` (a strict-JSON dict) with its ``signature`` = {"alg", "key_id", "value"}:
+    HMAC-SHA256 of its canonical JSON without the signature, under :func:`report_key`.
+
+    Raises:
+        OSError: the key cannot be created or read.
+    """
+    key = report_key(create=True)
+    return {**report, SIGNATURE_FIELD: {"alg": SIGNATURE_ALG, "key_id": hashlib.sha256(
+        key).hexdigest()[:16], "value": _mac(report, key)}}
+
+
+def signature_problem(report: dict[str, Any]) -> str | None:
+    """Why ``report`` (as read from ``report.json``) is not signed by this machine's key;
+    None when the signature is valid."""
+    sig = report.get(SIGNATURE_FIELD)
+    if not isinstance(sig, dict) or not isinstance(sig.get("value"), str):
+        return "it carries no signature (written by another tool, by hand, or by a " \
+               "dflash-audit older than signed reports)"
+    key = report_key(create=False)
+    if key is None:
+        return f"this machine has no report key ({key_dir() / KEY_FILE}): only a report " \
+               "written here by `dflash-audit compare` is trusted"
+    if sig.get("key_id") != hashlib.sha256(key).hexdigest()[:16]:
+        return "it was signed with another key (another machine or cache)"
+    try:
+        ok = hmac.compare_digest(sig["value"], _mac(report, key))
+    except (TypeError, ValueError):
+        ok = False
+    return None if ok else "its signature does not match its content (edited after it " \
+                           "was written)"

@@ -44,8 +44,11 @@ def jsonable(value: Any) -> Any:
 
 
 def report_json(report: Report) -> str:
-    """The text of ``report.json`` (indented, sorted as built, strict JSON)."""
-    return json.dumps(jsonable(report.to_dict()), indent=1, allow_nan=False)
+    """The text of ``report.json`` (indented, sorted as built, strict JSON), signed with this
+    machine's report key (:func:`dflash_audit.report.fingerprint.sign_report`)."""
+    from dflash_audit.report.fingerprint import sign_report
+
+    return json.dumps(sign_report(jsonable(report.to_dict())), indent=1, allow_nan=False)
 
 
 def write_json(report: Report, folder: Path) -> Path:

@@ -6,11 +6,14 @@
 - ``verdict``: ``"pass"`` (no check failed on any case; warnings allowed) or ``"fail"``;
   ``exit_code``: 0 pass, 1 fail.
 - ``fingerprint``: sha256 of verdict + reference key + candidate fingerprint + profile
-  fingerprint (:mod:`dflash_audit.report.fingerprint`); ``created_at``: UTC ISO time.
+  fingerprint + covered verifiers + the canary entry (:mod:`dflash_audit.report.fingerprint`);
+  ``created_at``: UTC ISO time; ``signature`` (added by the JSON writer): HMAC-SHA256 of the
+  whole report under this machine's report key.
 - ``reference``: the resolved identity (kind, spec, url, ref, ref_kind, commit, commit_date,
   describe, sdist_sha256, sdist_filename, version, short_id, resolved_at, source_dir) plus
   ``module_file`` (where the reference process imported speculators from).
-- ``candidate``: ``{"name", "spec", "fingerprint", "files": {name: sha256}}``.
+- ``candidate``: ``{"name", "spec", "fingerprint", "files": {name: sha256}, "sandbox":
+  {"sandboxed", "tool", "note"}, "canary": {...} (after a PASS)}``.
 - ``profile``: ``{"name", "source", "fingerprint", "fields": {every profile field}}``.
 - ``verifiers``: ``{verifier fingerprint: {"name", "architecture"}}``, every verifier the audit
   covered (the real one and each synthetic family proxy); the gate refuses to train with
@@ -142,7 +145,8 @@ class Report:
         return report_fingerprint(self.verdict, self.reference,
                                   self.candidate.get("fingerprint", ""),
                                   self.profile.get("fingerprint", ""),
-                                  sorted(self.verifiers) if self.verifiers else None)
+                                  sorted(self.verifiers) if self.verifiers else None,
+                                  self.candidate.get("canary"))
 
     # ------------------------------------------------------------- aggregation
     def checks(self) -> list[dict[str, Any]]:

@@ -1,9 +1,20 @@
-"""The gate's canary check: before step 1, ``train`` reruns the candidate on the canary case
-an audit recorded after its PASS (:mod:`dflash_audit.audit.sides.canary`) and compares its
-outputs with the recorded ones at the audit's tolerance (bool / int tensors exactly, metrics
-at relative 1e-5). A difference refuses training with exit code **2**, naming the first
-differing output. A report without a canary (``--cases 0``, or one written before canaries)
-is accepted on its fingerprints alone; the gate says so.
+"""The gate's canary check: before step 1, ``train`` runs the canary an audit recorded
+(:mod:`dflash_audit.audit.sides.canary`) through its own step
+(:func:`dflash_audit.train.step.train_step`, with the forward function the loop trains with)
+on the very model object it is about to train, in its own process, and compares the loss,
+the metrics and every gradient with what the audited candidate computed on that case, at the
+audit's tolerance. The model's own weights are put back afterwards (its initial weights, and
+its gradients cleared), so training starts exactly as without the canary.
+
+Nothing here is a separate run the candidate could recognise by a second ``build()`` or a
+different call path: ``build()`` is called once, and the canary step is the step function and
+forward of training itself. (Code running in train's process can still inspect anything in
+it; the canary proves the model trained is the model audited on one case, not more.)
+
+A difference refuses training with exit code **2**, naming the first differing outputs; so
+does a report whose canary was recorded at another drafter config (a report with synthetic
+cases only, or one audited through a width-shrunk proxy of the verifier) -- train needs a
+canary at the config it trains, which ``compare`` records from its first real case.
 """
 
 from __future__ import annotations
@@ -16,20 +27,29 @@ from dflash_audit.atomic import file_sha256
 from dflash_audit.audit.sides.canary import CANARY_DIR
 from dflash_audit.train.gate import GateError
 
+DEFAULT_TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 
-def output_differences(case: Any, now: Any, recorded: Any, tol: dict[str, float]) -> list[str]:
-    """How the candidate's outputs ``now`` differ from the ``recorded`` ones (SideOutputs), one
-    line per differing output, first difference named; empty when they agree."""
+
+def output_differences(now: dict[str, Any], recorded: Any, tol: dict[str, float],
+                       metrics: dict[str, float] | None = None) -> list[str]:
+    """How the tensors ``now`` (``{name: tensor}``) and ``metrics`` differ from the
+    ``recorded`` SideOutputs, one line per differing output with its first differing index;
+    empty when they agree (recorded tensors missing from ``now`` and extra gradients are
+    differences too)."""
     import torch
 
     from dflash_audit.audit.tolerance import closeness
 
     diffs = []
     for key, r in recorded.tensors.items():
-        c = now.tensors.get(key)
+        c = now.get(key)
         if c is None:
-            diffs.append(f"{key}: no longer returned")
-        elif c.shape != r.shape or c.dtype != r.dtype:
+            if key.startswith("grad.") or key == "loss":
+                diffs.append(f"{key}: not produced by the model train trains")
+            continue
+        c = c.detach().cpu().to(r.dtype) if c.is_floating_point() and r.is_floating_point() \
+            else c.detach().cpu()
+        if c.shape != r.shape or c.dtype != r.dtype:
             diffs.append(f"{key}: now {str(c.dtype)[6:]} {list(c.shape)}, audited "
                          f"{str(r.dtype)[6:]} {list(r.shape)}")
         elif r.is_floating_point():
@@ -37,90 +57,120 @@ def output_differences(case: Any, now: Any, recorded: Any, tol: dict[str, float]
             if not res.ok:
                 non_finite = f", {res.non_finite_text()}" if res.num_non_finite else ""
                 diffs.append(f"{key}: {res.num_bad} of {r.numel()} values differ (max abs "
-                             f"{res.max_abs:.3g}{non_finite}"
-                             f"), first at index {list(res.first_bad)}: now "
-                             f"{float(c[res.first_bad]):.6g}, audited "
-                             f"{float(r[res.first_bad]):.6g}")
+                             f"{res.max_abs:.3g}{non_finite}), first at index "
+                             f"{list(res.first_bad)}: now {float(c[res.first_bad]):.6g}, "
+                             f"audited {float(r[res.first_bad]):.6g}")
         elif not torch.equal(c, r):
             diffs.append(f"{key}: {int((c != r).sum())} of {r.numel()} values differ")
-    for key in sorted(set(now.tensors) - set(recorded.tensors)):
-        diffs.append(f"{key}: returned now, not in the audit")
-    for key, r in recorded.metrics.items():
-        c = now.metrics.get(key)
-        if not isinstance(r, (int, float)) or not isinstance(c, (int, float)):
-            if c != r:
-                diffs.append(f"metric {key}: now {c!r}, audited {r!r}")
-        elif not (abs(c - r) <= 1e-5 * max(1.0, abs(r)) or (math.isnan(c) and math.isnan(r))):
+    for key in sorted(k for k in now if k.startswith("grad.") and k not in recorded.tensors):
+        diffs.append(f"{key}: trained now, not trainable in the audit")
+    for key, c in (metrics or {}).items():
+        r = recorded.metrics.get(key)
+        if isinstance(r, (int, float)) and not (
+                abs(c - r) <= 1e-4 * max(1.0, abs(r)) or (math.isnan(c) and math.isnan(r))):
             diffs.append(f"metric {key}: now {c}, audited {r}")
     return diffs
 
 
-def verify_canary(candidate: Any, report_path: Path) -> str:
-    """Rerun ``candidate`` (loaded) on the canary of ``report_path``'s folder and compare its
-    outputs with the recorded ones; returns a one-line note for the log.
+def load_canary(report_path: Path, info: dict[str, Any] | None) -> tuple[Any, Any]:
+    """The canary ``(Case, recorded SideOutputs)`` of an accepted report, every file checked
+    against its sha256 in ``report.json`` (signed with it).
 
     Raises:
-        GateError: the outputs differ (exit code 2; the message names the first outputs that
-            differ), the candidate fails on the canary, or the canary files are damaged.
+        GateError: no canary entry, or a canary file missing or changed (exit code 2).
     """
-    import json
-
     from dflash_audit.audit.case import Case, SideOutputs
-    from dflash_audit.audit.sides.run_sides import run_candidate
 
     report_path = Path(report_path)
-    info = json.loads(report_path.read_text()).get("candidate", {}).get("canary")
     if not info:
-        return (f"the report {report_path} records no canary case (audited with --cases 0 or "
-                "by an older dflash-audit): the candidate's behaviour was not re-checked")
-    folder = report_path.parent / info.get("folder", CANARY_DIR)
+        raise GateError(f"the report {report_path} records no canary case; rerun the audit")
+    folder = report_path.parent / str(info.get("folder") or CANARY_DIR)
     try:
-        if file_sha256(folder / "outputs" / "outputs.safetensors") != info["outputs_sha256"]:
-            raise ValueError("outputs.safetensors does not match its sha256 in report.json")
-        case, recorded = Case.read(folder / "case"), SideOutputs.read(folder / "outputs")
-    except (OSError, ValueError, KeyError) as exc:
+        files = info["files"]
+        if not isinstance(files, dict) or not files:
+            raise ValueError("the report lists no canary files")
+        for rel, digest in files.items():
+            if file_sha256(folder / rel) != digest:
+                raise ValueError(f"{rel} does not match its sha256 in report.json")
+        return Case.read(folder / "case"), SideOutputs.read(folder / "outputs")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise GateError(f"the canary of audit report {report_path} is damaged or missing "
                         f"({folder}: {exc}); rerun the audit") from None
-    now, failure = run_candidate(candidate, case)
-    if failure is not None:
-        raise GateError(f"the candidate fails on the audit's canary case {case.name} now: "
-                        f"{failure.summary}; it is not the candidate that passed the audit "
-                        f"({report_path})")
-    diffs = output_differences(case, now, recorded, info.get("tolerance") or {
-        "atol": 1e-5, "rtol": 1e-5})
+
+
+def _config_differences(case_config: Any, config: Any) -> list[str]:
+    a, b = case_config.to_dict(), config.to_dict()
+    return [f"{k} {a.get(k)!r} in the canary, {b.get(k)!r} here" for k in sorted(a | b)
+            if a.get(k) != b.get(k)]
+
+
+def run_canary(model: Any, config: Any, forward: Any, params: list[Any], report_path: Path,
+               info: dict[str, Any] | None, device: Any = "cpu") -> str:
+    """Run the canary of ``report_path`` through :func:`train_step` on ``model`` (the
+    drafter train trains, config ``config``) with ``forward`` (the loop's forward function)
+    and ``params`` (its trainable parameters); restore the model's weights afterwards.
+
+    Returns:
+        a one-line note for the log.
+
+    Raises:
+        GateError: the canary is missing or damaged, was recorded at another drafter config,
+            does not load into the model, or its loss / metrics / gradients differ (exit 2).
+    """
+    import torch
+
+    from dflash_audit.train.step import MODEL_INPUTS, train_step
+
+    case, recorded = load_canary(report_path, info)
+    how = ("audit the verifier and profile you train with, with at least one real row "
+           "(`dflash-audit compare --rows 1 ...`): its first real case is the canary")
+    diffs = _config_differences(case.config, config)
+    if diffs:
+        raise GateError(f"the canary {case.name} of {report_path} was recorded at another "
+                        f"drafter config than the one train builds ({'; '.join(diffs[:4])}), "
+                        f"so it cannot run on the model train trains; {how}")
+    omitted = set((info or {}).get("omitted_weights") or [])
+    state = model.state_dict()
+    missing = sorted(set(state) - set(case.weights) - omitted)
+    unknown = sorted(set(case.weights) - set(state))
+    if missing or unknown or any(tuple(case.weights[k].shape) != tuple(state[k].shape)
+                                 for k in case.weights if k in state):
+        raise GateError(f"the canary {case.name} of {report_path} does not fit the model train "
+                        f"trains (missing {missing[:3]}, unknown {unknown[:3]}): candidate."
+                        f"build(config) returns another architecture than the audited one")
+    saved = {k: v.detach().clone() for k, v in state.items()}
+    rng = torch.get_rng_state()
+    try:
+        with torch.no_grad():
+            for key, value in case.weights.items():
+                state[key].copy_(value)
+        inputs = {k: case.inputs[k].to(device) for k in MODEL_INPUTS}
+        result = train_step(forward, [inputs], params, optimizers=(), schedulers=(),
+                            grad_clip=None, device=device)
+        now = {f"grad.{n}": p.grad for n, p in model.named_parameters()
+               if p.requires_grad and p.grad is not None}
+        now["loss"] = torch.tensor(result.loss, dtype=torch.float32)
+        metrics = {k: v for k, v in result.metrics.items() if k != "loss_total"}
+    except (RuntimeError, ValueError, TypeError, KeyError) as exc:
+        raise GateError(f"the model train trains fails on the audit's canary case {case.name} "
+                        f"({type(exc).__name__}: {str(exc)[:300]}); it is not the candidate "
+                        f"that passed the audit ({report_path})") from None
+    finally:
+        with torch.no_grad():
+            for key, value in saved.items():
+                state[key].copy_(value)
+        for p in model.parameters():
+            p.grad = None
+        torch.set_rng_state(rng)
+    diffs = output_differences(now, recorded, (info or {}).get("tolerance")
+                               or DEFAULT_TOLERANCE, metrics)
     if diffs:
         listing = "\n".join(f"  - {d}" for d in diffs[:6])
-        raise GateError(f"the candidate no longer behaves as audited: on the canary case "
-                        f"{case.name} of {report_path} its outputs differ:\n{listing}\n(same "
-                        "source, different behaviour: an environment variable, a config file "
-                        "or a flag it reads?) Rerun the audit in this environment.")
-    if callable(getattr(candidate, "build", None)):  # what train trains: candidate.build()
-        trained, failure = run_candidate(_BuiltModel(candidate), case)
-        diffs = [failure.summary] if failure is not None else output_differences(
-            case, trained, recorded, info.get("tolerance") or {"atol": 1e-5, "rtol": 1e-5})
-        if diffs:
-            listing = "\n".join(f"  - {d}" for d in diffs[:6])
-            raise GateError(f"train trains the model of candidate.build(config), and on the "
-                            f"canary case {case.name} of {report_path} it does not give the "
-                            f"outputs the audit saw from the candidate's run_case:\n{listing}\n"
-                            "Make run_case run the model build() returns (as "
-                            "dflash_audit.candidate.DrafterCandidate does) and rerun the audit.")
-    return f"canary {case.name}: the candidate's outputs match the audited ones"
-
-
-class _BuiltModel:
-    """The model ``candidate.build(config)`` run the way train runs it: our drafter
-    candidate's ``run_case`` around the candidate's ``build``."""
-
-    def __init__(self, candidate: Any) -> None:
-        self.candidate = candidate
-
-    def __getattr__(self, name: str) -> Any:  # select_anchors, derive_config: the candidate's
-        return getattr(self.candidate, name)
-
-    def run_case(self, config: Any, loss: Any, weights: Any, inputs: Any) -> Any:
-        from dflash_audit.candidate import DrafterCandidate
-
-        runner = DrafterCandidate()
-        runner.build = self.candidate.build  # type: ignore[method-assign]
-        return runner.run_case(config, loss, weights, inputs)
+        raise GateError(f"the model train trains does not behave as audited: on the canary case "
+                        f"{case.name} of {report_path}, train's own step gives\n{listing}\n"
+                        "(what differs from the audit: an environment variable, a config file "
+                        "or a flag the candidate reads, or a build() / run_case that detects "
+                        "the audit?) Make run_case run the model build() returns and rerun the "
+                        "audit in this environment.")
+    return (f"canary {case.name}: train's step on the model it trains gives the audited loss "
+            f"and gradients ({len(now) - 1} gradients)")

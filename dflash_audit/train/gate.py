@@ -15,11 +15,15 @@ training run when all of these hold:
   (:func:`dflash_audit.report.fingerprint.verifier_fingerprint`; a proxy audited with
   ``--verifier path/to/config.json`` covers the real model of that config);
 * ``fingerprint`` equals :func:`dflash_audit.report.fingerprint.report_fingerprint` of the
-  above (a hand-edited verdict or fingerprint is refused).
+  above and of the canary entry (a hand-edited verdict or fingerprint is refused);
+* ``signature`` is this machine's HMAC of the whole report
+  (:func:`dflash_audit.report.fingerprint.signature_problem`): a report written by hand or by
+  another tool is refused, however right its fingerprint;
+* it records a canary (``candidate.canary``): a report without one is refused.
 
-Then ``train`` reruns the candidate on the report's canary case and refuses when its outputs
-differ from the audited ones (:func:`dflash_audit.audit.sides.canary.verify_canary`: the gate checks
-behaviour, not only source).
+Then, before step 1, ``train`` runs the canary case through its own step on the very model it
+is about to train and refuses when the loss, metrics or gradients differ from the audited ones
+(:func:`dflash_audit.train.canary.run_canary`: the gate checks behaviour, not only source).
 
 Exit codes of a refusal (:class:`GateError.exit_code`): **2** when no report matches (none
 found, or the newest differs in candidate / profile / reference, or it is unreadable or
@@ -79,6 +83,8 @@ class ReportFields:
     profile_name: str = ""
     created_at: str = ""
     verifiers: dict[str, Any] | None = None  # None: a report from before verifier coverage
+    canary: dict[str, Any] | None = None  # candidate.canary
+    signature_problem: str | None = None  # None: signed by this machine's report key
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class GateResult:
     candidate_fingerprint: str
     profile_fingerprint: str
     reference: dict[str, Any] = field(default_factory=dict)
+    canary: dict[str, Any] | None = None
 
     def checkpoint_metadata(self) -> dict[str, str]:
         """safetensors metadata (str -> str) recorded in every checkpoint."""
@@ -115,10 +122,13 @@ def read_report(path: Path) -> ReportFields:
         if size > MAX_REPORT_BYTES:
             raise GateError(f"{path} is {size / 2**20:.0f} MiB: not a `dflash-audit compare` "
                             f"report (they are far under {MAX_REPORT_BYTES // 2**20} MiB)")
+        from dflash_audit.report.fingerprint import signature_problem
+
         d = json.loads(Path(path).read_text())
         if isinstance(d, dict) and "kind" in d and "schema_version" not in d:
             raise GateError(f"{path} is a {d['kind']!r} report, not a `dflash-audit compare` "
                             "report; pass the compare report's path to --report")
+        canary = d["candidate"].get("canary")
         return ReportFields(
             path=Path(path), verdict=str(d["verdict"]), fingerprint=str(d["fingerprint"]),
             candidate_fingerprint=str(d["candidate"]["fingerprint"]),
@@ -126,7 +136,9 @@ def read_report(path: Path) -> ReportFields:
             reference=dict(d["reference"]),
             candidate_name=str(d["candidate"].get("name") or d["candidate"].get("spec") or ""),
             profile_name=str(d["profile"].get("name") or ""),
-            created_at=str(d.get("created_at") or ""), verifiers=d.get("verifiers"))
+            created_at=str(d.get("created_at") or ""), verifiers=d.get("verifiers"),
+            canary=canary if isinstance(canary, dict) else None,
+            signature_problem=signature_problem(d))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise GateError(f"cannot read audit report {path}: {type(exc).__name__}: {exc}") from None
 
@@ -186,26 +198,42 @@ def expected_for(candidate: Any, candidate_spec: str | None, profile: Any, ref: 
                 f"the reference {ref or '(lock default)'} is not available locally, so it was "
                 f"never audited here ({exc}).\nRun the audit first:\n  {command}") from None
     profile_fp = profile.fingerprint()
+    verifier_fp = _verifier_fingerprint(verifier, profile) if verifier else None
     return Expected(candidate_fingerprint=candidate_fingerprint(candidate, profile_fp)[
         "fingerprint"], profile_fingerprint=profile_fp,
         reference_key=reference_key(reference_identity), compare_command=command,
-        verifier_fingerprint=_verifier_fingerprint(verifier) if verifier else None,
-        verifier_name=verifier or "")
+        verifier_fingerprint=verifier_fp, verifier_name=verifier or "")
 
 
-def _verifier_fingerprint(spec: str) -> str:
-    """Architecture fingerprint of a ``--verifier`` spec's config (no weights loaded)."""
+def _verifier_fingerprint(spec: str, profile: Any = None) -> str:
+    """Architecture fingerprint of a ``--verifier`` spec's config (no weights loaded); with
+    ``profile``, its target layers are checked against the verifier's depth first, with the
+    message compare gives (no compare command: compare would refuse the same profile).
+
+    Raises:
+        GateError: the config cannot be read, or the profile names layers it does not have.
+    """
     from dflash_audit.data.errors import VerifierError
     from dflash_audit.data.verifier import resolve_verifier_path
+    from dflash_audit.profile import ProfileError
     from dflash_audit.report.fingerprint import verifier_fingerprint
 
     try:
         from transformers import AutoConfig
 
         _, folder = resolve_verifier_path(spec, progress=None)
-        return verifier_fingerprint(AutoConfig.from_pretrained(folder))
+        config = AutoConfig.from_pretrained(folder)
     except (VerifierError, OSError, ValueError) as exc:
         raise GateError(f"cannot read the config of verifier {spec!r}: {exc}") from None
+    if profile is not None:
+        layers = getattr(getattr(config, "text_config", None) or config, "num_hidden_layers", 0)
+        try:
+            profile.resolve_target_layer_ids(int(layers))
+        except ProfileError as exc:
+            raise GateError(f"profile {profile.name}: {exc} (verifier {spec}); fix the "
+                            "profile's target_layers: neither compare nor train can run it "
+                            "with this verifier") from None
+    return verifier_fingerprint(config)
 
 
 def differences(report: ReportFields, expected: Expected) -> list[str]:
@@ -242,7 +270,8 @@ def _integrity_ok(report: ReportFields) -> bool:
 
     return report.fingerprint == report_fingerprint(
         report.verdict, report.reference, report.candidate_fingerprint,
-        report.profile_fingerprint, sorted(report.verifiers) if report.verifiers else None)
+        report.profile_fingerprint, sorted(report.verifiers) if report.verifiers else None,
+        report.canary)
 
 
 def find_reports(reports_dir: Path) -> list[Path]:
@@ -286,9 +315,17 @@ def check_gate(expected: Expected, report: Path | None = None,
         if diffs:
             first_mismatch = first_mismatch or (fields, diffs)
             continue
+        if fields.signature_problem is not None:
+            raise GateError(f"audit report {path} is not one this machine's `dflash-audit "
+                            f"compare` wrote: {fields.signature_problem}; refusing it.\n{how}")
         if not _integrity_ok(fields):
             raise GateError(f"audit report {path} does not carry a valid fingerprint (edited by "
                             f"hand or written by another tool); refusing it.\n{how}")
+        if fields.verdict == "pass" and fields.canary is None:
+            raise GateError(f"audit report {path} records no canary case, so train cannot check "
+                            "that the model it trains behaves as audited; refusing it. Rerun "
+                            f"the audit with at least one real row (--rows 1):\n  "
+                            f"{expected.compare_command}")
         if fields.verdict != "pass":
             raise GateError(
                 f"the audit of this candidate, profile and reference FAILED ({path}, verdict "
@@ -297,7 +334,7 @@ def check_gate(expected: Expected, report: Path | None = None,
         return GateResult(report_path=path, report_fingerprint=fields.fingerprint,
                           candidate_fingerprint=fields.candidate_fingerprint,
                           profile_fingerprint=fields.profile_fingerprint,
-                          reference=fields.reference)
+                          reference=fields.reference, canary=fields.canary)
     if first_mismatch is None:
         shown = "\n".join(f"  - {m}" for m in skipped[:3])
         raise GateError(f"no `dflash-audit compare` report in {reports_dir}/ ({len(skipped)} "

@@ -2,8 +2,11 @@
 
 Order of a run (:func:`train`):
 
-1. **Gate** (:mod:`dflash_audit.train.gate`): a passing audit report for this candidate,
-   profile and reference must exist, else :class:`~dflash_audit.train.gate.GateError`.
+1. **Gate** (:mod:`dflash_audit.train.gate`): a passing, signed audit report with a canary
+   for this candidate, profile and reference must exist, else
+   :class:`~dflash_audit.train.gate.GateError`; once the model, its forward and optimizers
+   exist (before step 1, before a resume loads weights), the report's canary runs through
+   train's own step on that model (:func:`dflash_audit.train.canary.run_canary`).
    The run folder ``out`` must be writable, and one that already holds a run
    (checkpoints, metrics) is only continued (``resume``) or replaced (``overwrite``):
    :func:`dflash_audit.train.state.check_run_folder`.
@@ -54,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_audit.train import state as ckpt
-from dflash_audit.train.canary import verify_canary
+from dflash_audit.train.canary import run_canary
 from dflash_audit.train.distributed import (
     DistEnv,
     StopSignals,
@@ -203,9 +206,6 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
                                     reference_identity, Path(cfg.reports_dir), cfg.verifier)
             gate = check_gate(expected, Path(cfg.report) if cfg.report else None,
                               Path(cfg.reports_dir))
-            note = verify_canary(candidate, gate.report_path)  # behaviour, not only source
-            if env.is_main:
-                print(f"dflash-audit: {note}", flush=True)
         optim_spec = cfg.optim_spec(profile.optimizer)
         # every rank checks (so all refuse together), only rank 0 removes for --overwrite
         ckpt.check_run_folder(out, cfg.resume, cfg.overwrite, remove=env.is_main)
@@ -259,6 +259,10 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
         forward = drafter_forward(ddp or model, profile.loss_spec(), config.block_size,
                                   config.sample_from_anchor)
         params = [p for p in model.parameters() if p.requires_grad]
+        # behaviour, not only source: the canary through train's own step on this model
+        note = run_canary(model, config, forward, params, gate.report_path, gate.canary, device)
+        if env.is_main:
+            print(f"dflash-audit: {note}", flush=True)
 
         tracker = Tracker(out, cfg.steps, start_step, enabled=env.is_main,
                           tensorboard=cfg.tensorboard, progress=cfg.progress)

@@ -9,7 +9,8 @@ Synthetic cases keep the profile's semantics (loss, weighting, gamma, D-PACE alp
 sample_from_anchor, sliding_window_non_causal, draft vocabulary or not) and vary what real
 data rarely exercises: block size, anchors (including padding anchors), packed documents,
 padding, windows smaller than a document, one long row (the last case when there are more
-than len(FAMILIES), as by default: T = LONG_SEQ_LEN), layouts (full / sliding / mixed, cycled
+than len(FAMILIES), as by default: T = LONG_SEQ_LEN > 4096), one case at a real width (the
+one before it: H = WIDE_HIDDEN with 16 heads of 128, one draft layer, a short row), layouts (full / sliding / mixed, cycled
 so any N >= 2 covers full and sliding), and the verifier: case i is a proxy of verifier family
 ``FAMILIES[i % len(FAMILIES)]`` (:mod:`dflash_audit.data.families`: llama with llama3 rope
 scaling, qwen3 with head_dim != H/heads, qwen3_5 hybrid with partial rotary and x*(1+w)
@@ -46,9 +47,16 @@ SYNTHETIC_LAYOUTS = ("full", "sliding", "mixed")
 SYNTHETIC_BLOCK_SIZES = (2, 3, 4, 5, 8, 16)
 SYNTHETIC_VERIFIER = {"num_hidden_layers": 12, "vocab_size": 128}
 #: T of the last synthetic case, one document: positions past 256 (where bfloat16 stops
-#: holding integers exactly) and past 2048 (float16; the reference CLI's sliding window), so a
-#: bug that only starts on long rows does not pass an audit whose real rows are short.
-LONG_SEQ_LEN = 2100
+#: holding integers exactly), past 2048 (float16; the reference CLI's sliding window) and past
+#: 4096 (a common position limit and RoPE cache size), so a bug that only starts on long rows
+#: does not pass an audit whose real rows are short. Cheap at the synthetic width (H=32).
+LONG_SEQ_LEN = 4200
+#: The width of the wide synthetic case (users train drafters of 2048-8192): 8 heads of
+#: head_dim 128 (head_dim independent of H / heads, as in Qwen3 and Gemma3), 2 KV heads, a
+#: narrow MLP (128) so the case stays cheap (fc, n*H x H, is most of its 19M weights),
+#: T = WIDE_SEQ_LEN.
+WIDE_HIDDEN = 2048
+WIDE_SEQ_LEN = 40
 
 
 def synthetic_verifier_config(family: str, rng: random.Random | None = None) -> Any:
@@ -212,9 +220,13 @@ def synthetic_planned(profile: Profile, i: int, count: int, seed: int = 0) -> Pl
         types = (layout,) * rng.choice((1, 1, 2))
     block = profile.block_size if i < len(SYNTHETIC_LAYOUTS) else rng.choice(
         SYNTHETIC_BLOCK_SIZES)
-    # the last case past the first pass over the families: one long document
+    # the last case past the first pass over the families: one long document; the one
+    # before it (when there is room) at a real width
     long_row = i == count - 1 and i >= len(FAMILIES)
+    wide = i == count - 2 and i >= len(FAMILIES)
     seq_len = LONG_SEQ_LEN if long_row else rng.randint(max(3 * block, 24), max(96, 4 * block))
+    if wide:
+        types, seq_len = ("full",), max(WIDE_SEQ_LEN, 3 * block)
     docs = 1 if long_row else rng.randint(1, 4)
     pad = rng.randint(0, min(8, seq_len // 4))
     window = rng.randint(1, seq_len // 2) if rng.random() < 0.8 else rng.randint(
@@ -224,13 +236,16 @@ def synthetic_planned(profile: Profile, i: int, count: int, seed: int = 0) -> Pl
                               draft_vocab_size=draft_vocab)
     # one case in four has more anchor slots than valid anchors: padding anchors
     anchors = seq_len if rng.random() < 0.25 else rng.randint(1, 10)
-    anchors = 8 if long_row else anchors
-    family = FAMILIES[i % len(FAMILIES)]
+    anchors = 8 if long_row else (4 if wide else anchors)
+    family = FAMILIES[0] if wide else FAMILIES[i % len(FAMILIES)]
     verifier_config = synthetic_verifier_config(
         family, rng if i >= len(FAMILIES) else None)
+    if wide:
+        widen(verifier_config)
     config = variant.to_drafter_config(verifier_config, mask_token_id=V - 1,
                                        target_layer_ids=ids)
-    case = synthetic_case(f"syn-{i:03d}-{family}-{variant.layout_name}", config, loss,
+    name = f"syn-{i:03d}-{family}{f'-h{WIDE_HIDDEN}' if wide else ''}-{variant.layout_name}"
+    case = synthetic_case(name, config, loss,
                           seed=seed * 1_000_003 + i, seq_len=seq_len, num_documents=docs,
                           pad=pad, max_anchors=anchors)
     case.verifier = CaseVerifier(name=f"family:{family}", config=verifier_config,
@@ -238,6 +253,14 @@ def synthetic_planned(profile: Profile, i: int, count: int, seed: int = 0) -> Pl
     if long_row:
         pin_last_anchor(case)
     return PlannedCase(case, "synthetic", layout_facts(case))
+
+
+def widen(config: Any) -> None:
+    """Set a synthetic verifier config to the real width :data:`WIDE_HIDDEN` (in place):
+    8 heads of 128, 2 KV heads, intermediate 128."""
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads = (
+        WIDE_HIDDEN, 8, 2)
+    config.head_dim, config.intermediate_size = 128, 128
 
 
 def pin_last_anchor(case: Case) -> None:

@@ -1,4 +1,8 @@
-"""The candidate in its own process, with a per-case timeout.
+"""The candidate in its own process, in its sandbox, with a per-case timeout.
+
+The process runs inside bubblewrap where it can start (:mod:`.sandbox`, :func:`sandboxed`):
+read-only file system, private ``/tmp``, its own PID namespace, no network; elsewhere it runs
+as it is and the report says so.
 
 :func:`run_candidate_process` starts :mod:`dflash_audit.audit.sides.candidate_runner` on cases
 already written to disk (``compare.write_cases``) in a new process group, with its stdout and
@@ -140,9 +144,41 @@ def runner_env(threads: int | None, launch: CandidateLaunch | None = None) -> di
     return launch_env(launch, threads)
 
 
+def unwrapped_code(returncode: int, cmd: list[str]) -> int:
+    """The runner's own exit status: bubblewrap reports a child killed by signal S as exit
+    code 128 + S, which is read back as -S (as :mod:`subprocess` reports a signal)."""
+    if cmd and Path(cmd[0]).name == "bwrap" and returncode > 128:
+        try:
+            return -signal.Signals(returncode - 128)
+        except ValueError:
+            return returncode
+    return returncode
+
+
 def as_launch(spec: str | CandidateLaunch | None) -> CandidateLaunch:
     """A candidate spec (``module:attr``, ``file.py:attr``, None) or launch as a launch."""
     return spec if isinstance(spec, CandidateLaunch) else CandidateLaunch(spec=spec)
+
+
+def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
+              env: dict[str, str]) -> list[str]:
+    """``cmd`` inside the candidate's sandbox (:mod:`.sandbox`) when it can start here, else
+    ``cmd`` itself: read-only everything, ``out_dir`` writable, ``cases_dir`` (its private copy
+    of the cases), the folder of a ``file.py`` candidate, the working directory and the
+    ``PYTHONPATH`` entries readable, the report key's folder hidden."""
+    from dflash_audit.audit.sides.sandbox import sandbox_command, sandbox_status
+    from dflash_audit.report.fingerprint import key_dir
+
+    status = sandbox_status()
+    if not status.available:
+        return cmd
+    target = (spec or "").rpartition(":")[0]
+    readable = [Path(cases_dir), Path.cwd(), *(Path(p) for p in
+                                               env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    if target.endswith(".py"):
+        readable.append(Path(target).resolve().parent)
+    return sandbox_command(cmd, bwrap=status.bwrap, writable=[Path(out_dir)], readable=readable,
+                           hidden=[key_dir()], cwd=Path.cwd())
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -198,9 +234,11 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
                str(out_dir), *(["--candidate", spec] if spec else []),
                *(["--threads", str(threads)] if threads else []),
                *[a for n in remaining for a in ("--case", n)]]
+        env = runner_env(threads, launch)
+        cmd = sandboxed(cmd, spec, cases_dir, out_dir, env)
         with stdout.open("wb") as fo, stderr.open("wb") as fe:
             proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
-                                    env=runner_env(threads, launch), start_new_session=True)
+                                    env=env, start_new_session=True)
         try:
             current, since, timed_out = _watch(proc, out_dir, remaining, results, timeout_s,
                                                startup_timeout_s, stdout, stderr, on_case)
@@ -219,7 +257,7 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
                 status, summary = "timeout", (f"the candidate did not finish the case within "
                                               f"{timeout_s:g} s and was killed")
             else:
-                status, summary = death_summary(proc.returncode)
+                status, summary = death_summary(unwrapped_code(proc.returncode, cmd))
             _record(results, remaining, on_case, CandidateCaseRun(
                 current, status, summary, seconds=round(seconds, 3), **tails))
             continue
@@ -324,9 +362,10 @@ def load_candidate_identity(spec: str | CandidateLaunch | None, out_dir: Path,
     (out_dir / IDENTITY).unlink(missing_ok=True)
     cmd = [launch.executable, "-m", "dflash_audit.audit.sides.candidate_runner", str(out_dir),
            str(out_dir), "--load-only", *(["--candidate", spec] if spec else [])]
+    env = runner_env(None, launch)
     try:
-        proc = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL,
-                              env=runner_env(None, launch), timeout=timeout_s,
+        proc = subprocess.run(sandboxed(cmd, spec, out_dir, out_dir, env), capture_output=True,
+                              stdin=subprocess.DEVNULL, env=env, timeout=timeout_s,
                               start_new_session=True)
     except subprocess.TimeoutExpired:
         raise CandidateLoadError(f"loading the candidate {spec!r} took more than "
@@ -336,7 +375,7 @@ def load_candidate_identity(spec: str | CandidateLaunch | None, out_dir: Path,
     try:
         return json.loads((out_dir / IDENTITY).read_text())
     except (OSError, ValueError):
-        rc = proc.returncode
+        rc = unwrapped_code(proc.returncode, proc.args)
         how = (f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
         tail = proc.stderr.decode(errors="replace")[-TAIL_CHARS:].strip()
         raise CandidateLoadError(f"the process loading candidate {spec!r} ended ({how}) "

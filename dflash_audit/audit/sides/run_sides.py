@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -56,7 +57,6 @@ def import_ok_marker(identity: Any, cache_dir: Path | None) -> Path:
     interpreter and these site-packages (their mtimes change when packages are installed or
     removed, which invalidates the marker)."""
     import hashlib
-    import json
     import os
 
     from dflash_audit.data.builtin_verifier import cache_dir as user_cache_dir
@@ -103,13 +103,14 @@ class ImportCheck:
     site-packages is not repeated (the reference run would still report a missing module
     clearly)."""
 
-    def __init__(self, identity: Any, marker: Path | None = None):
+    def __init__(self, identity: Any, marker: Path | None = None, shared_pycache: bool = False):
         from dflash_audit.reference_source import check_reference_importable
 
         self._marker = marker
         self.cached = marker is not None and marker.is_file()
         self._job = None if self.cached else Background(
-            check_reference_importable, identity, name="dflash-audit-import-check")
+            check_reference_importable, identity, 180.0, shared_pycache,
+            name="dflash-audit-import-check")
 
     def wait(self) -> None:
         """Block until the check is done.
@@ -168,8 +169,8 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def start_reference(identity: Any, cases_dir: Path, timeout_s: float, threads: int
-                    ) -> Background:
+def start_reference(identity: Any, cases_dir: Path, timeout_s: float, threads: int,
+                    shared_pycache: bool = False) -> Background:
     """Start ``reference/adapter.py CASES_DIR`` (all cases, one process) in the background,
     with ``threads`` intra-op threads (``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` are set in
     this process's environment while it runs, which the subprocess inherits)."""
@@ -177,7 +178,8 @@ def start_reference(identity: Any, cases_dir: Path, timeout_s: float, threads: i
 
     def job() -> Any:
         with _environment(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)):
-            return run_reference(identity, [str(cases_dir)], cases_dir, timeout_s)
+            return run_reference(identity, [str(cases_dir)], cases_dir, timeout_s,
+                                 shared_pycache=shared_pycache)
 
     return Background(job, name="dflash-audit-reference")
 
@@ -252,68 +254,35 @@ def private_copy(cases_dir: Path, names: list[str], dest: Path) -> Path:
     return dest
 
 
-def case_digests(cases_dir: Path, names: list[str]) -> dict[str, str]:
-    """sha256 of every file of the case folders ``names``, hashing each hard-linked file once.
-    Taken right after the cases are written, and again after the run: every file of the first
-    (what the reference reads) must be unchanged; files the reference adds are not compared."""
-    from dflash_audit.atomic import file_sha256
-
-    seen: dict[tuple[int, int], str] = {}
-    digests = {}
-    for name in names:
-        for path in sorted(p for p in (cases_dir / name).rglob("*") if p.is_file()):
-            inode = (path.stat().st_dev, path.stat().st_ino)
-            if inode not in seen:
-                seen[inode] = file_sha256(path)
-            digests[str(path.relative_to(cases_dir))] = seen[inode]
-    return digests
-
-
-#: What reference/adapter.py reads back as a case's outputs (its ``OUTPUT_FILES``).
-REFERENCE_OUTPUT_FILES = ("outputs.safetensors", "outputs.json", "derivation.json")
-
-
-def reference_output_changes(stdout: str, cases_dir: Path, names: list[str]) -> list[str]:
-    """Reference output files of the cases ``names`` that are not what the adapter wrote: a
-    sha256 other than the one it printed on its stdout (``{"dflash_audit_outputs": case,
-    "sha256": {file: digest}}`` lines) or a file it did not write. Empty when all agree."""
-    from dflash_audit.atomic import file_sha256
-
-    reported: dict[str, dict[str, str]] = {}
-    for line in stdout.splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(entry, dict) and "dflash_audit_outputs" in entry:
-            reported[str(entry["dflash_audit_outputs"])] = dict(entry.get("sha256") or {})
-    changed = []
-    for name in names:
-        for file in REFERENCE_OUTPUT_FILES:
-            path, want = cases_dir / name / file, reported.get(name, {}).get(file)
-            if path.is_file() and (want is None or file_sha256(path) != want):
-                changed.append(f"{name}/{file}")
-            elif want is not None and not path.is_file():
-                changed.append(f"{name}/{file} (removed)")
-    return changed
-
-
 def reference_code_digest(identity: Any) -> dict[str, str]:
-    """sha256 of every ``.py`` file the reference process runs: the reference's source under
-    ``identity.src_dir`` and the adapter scripts (:func:`adapter_path`'s folder). Taken before
-    the candidate is loaded and again before the reference starts."""
-    from dflash_audit.atomic import file_sha256
-    from dflash_audit.reference_source import adapter_path
+    """sha256 of every file the verdict's code is read from: the reference's whole tree
+    (:func:`.integrity.reference_tree_digest`) and dflash-audit's own package and adapter
+    (:func:`.integrity.tool_digest`). Taken before any candidate code runs, again before the
+    reference starts and after it ends."""
+    from dflash_audit.audit.sides.integrity import reference_tree_digest, tool_digest
 
-    roots = {"src": Path(identity.src_dir), "adapter": adapter_path().parent}
-    return {f"{name}/{p.relative_to(root).as_posix()}": file_sha256(p)
-            for name, root in roots.items() for p in sorted(root.rglob("*.py")) if p.is_file()}
+    return {**reference_tree_digest(identity), **tool_digest()}
 
 
-def changed_files(before: dict[str, str], after: dict[str, str]) -> list[str]:
-    """Keys of ``before`` whose digest differs or is gone in ``after``, and keys only in
-    ``after`` (files added)."""
-    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+def _refuse_code_changes(identity: Any, before: dict[str, str], when: str) -> None:
+    """Compare :func:`reference_code_digest` with ``before``; on any change discard the
+    damaged reference cache (rebuilt by the next resolve), delete planted bytecode of the tool
+    and raise :class:`CompareSetupError` naming the files."""
+    from dflash_audit.audit.sides.integrity import changed_files, remove_planted_bytecode
+    from dflash_audit.reference_source import discard_damaged_tree
+
+    changed = changed_files(before, reference_code_digest(identity))
+    if not changed:
+        return
+    if any(k.startswith("ref/") for k in changed):
+        discard_damaged_tree(identity)
+    remove_planted_bytecode(changed)
+    raise CompareSetupError(
+        f"the audit's code changed {when} ({', '.join(changed[:3])}"
+        f"{', ...' if len(changed) > 3 else ''}): the candidate wrote into the reference's "
+        "cached tree or into dflash-audit's own files, so no verdict can be given. The damaged "
+        "reference cache is discarded (the next run rebuilds it); reinstall dflash-audit if "
+        "its sources are named. Run candidates in the sandbox (bubblewrap).")
 
 
 def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], cases_dir: Path,
@@ -337,6 +306,12 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
             cannot be loaded in its process; the case files or the reference's code changed
             (another process wrote them: no verdict can be given).
     """
+    from dflash_audit.audit.sides.integrity import (
+        case_digests,
+        changed_files,
+        leftover_processes,
+        reference_output_changes,
+    )
     from dflash_audit.reference_source import ReferenceSourceError
 
     names = [p.case.name for p in planned]
@@ -351,7 +326,9 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
         candidate_side,
         run_candidate_process,
     )
+    from dflash_audit.audit.sides.sandbox import sandbox_status
 
+    sandboxed = sandbox_status().available
     threads = usable_cores()
     out_dir = cases_dir / CANDIDATE_OUTPUTS
     try:
@@ -361,20 +338,40 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
                                          opts.candidate_timeout_s, threads=threads,
                                          on_case=lambda run: advance(1))
     except CandidateLoadError as exc:
+        leftover_processes()
         raise CompareSetupError(f"candidate: {exc}") from None
+    t_left = time.perf_counter()
+    left = leftover_processes()  # a daemon that left the candidate's process group
+    st.timing["leftover_scan"] = time.perf_counter() - t_left
+    if not sandboxed:  # the tool's bytecode cache may have been written: never reused
+        from dflash_audit.reference_source.runner import pycache_prefix
+
+        shutil.rmtree(pycache_prefix(identity, True), ignore_errors=True)
+    if left:
+        message = (f"the candidate left {len(left)} process(es) running after its own process "
+                   f"ended ({'; '.join(left[:2])}); they were killed and no verdict is given. A "
+                   "candidate must not start daemons; in the sandbox (bubblewrap) they die "
+                   "with it.")
+        try:  # what they changed meanwhile is discarded, never reused
+            if reference_code is not None:
+                _refuse_code_changes(identity, reference_code, "meanwhile")
+        except CompareSetupError as exc:
+            message += f" Also: {exc}"
+        raise CompareSetupError(message)
     outputs = candidate_side(runs, out_dir)
-    changed = changed_files(digests, case_digests(cases_dir, names))  # nothing may be added
+    _refuse_changes(changed_files(digests, case_digests(cases_dir, names)))
     if reference_code is not None:
-        changed += changed_files(reference_code, reference_code_digest(identity))
-    _refuse_changes(changed)
+        _refuse_code_changes(identity, reference_code, "while the candidate ran")
     start = time.perf_counter()
     with st.stage("reference_wait", "reference (speculators) on all cases"):
         try:
             reference_run = start_reference(identity, cases_dir, opts.reference_timeout_s,
-                                            threads).result()
+                                            threads, sandboxed).result()
         except ReferenceSourceError as exc:
             raise CompareSetupError(f"the reference run failed: {exc}") from None
     st.timing["reference"] = time.perf_counter() - start
+    if reference_code is not None:
+        _refuse_code_changes(identity, reference_code, "while the reference ran")
     after = case_digests(cases_dir, names)
     _refuse_changes(sorted(k for k in digests if digests[k] != after.get(k))
                     + reference_output_changes(reference_run.stdout, cases_dir, names))

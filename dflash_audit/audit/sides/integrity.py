@@ -1,0 +1,204 @@
+"""What the verdict runs on must be what was verified: digests of the reference's tree and of
+dflash-audit's own files, before and after each side runs, and no process of the candidate
+left alive when the reference starts.
+
+- :func:`reference_tree_digest`: sha256 of **every** file of the resolved reference tree
+  (``identity.source_dir``: sources, data files, ``__pycache__``, a planted ``.pyc`` or
+  ``.so``). The reference process never reads a ``__pycache__`` of the tree (it runs with a
+  private ``-X pycache_prefix``, :func:`dflash_audit.reference_source.runner.reference_command`),
+  but a file that appears there during a run is still a write by the candidate: no verdict.
+- :func:`tool_digest`: sha256 of every file of dflash-audit's installed package and of its
+  ``reference/`` folder (the adapter), ``__pycache__`` included: our own process imports
+  these, and a planted ``.pyc`` with its source's mtime and size would run in the next audit.
+- :func:`enable_subreaper` / :func:`leftover_processes`: compare becomes the Linux "child
+  subreaper" of everything it starts (``prctl(PR_SET_CHILD_SUBREAPER)``), so a candidate
+  process that ``setsid``s and double-forks is re-parented to compare instead of init and can
+  be found and killed before the reference starts -- the guard where no sandbox runs (inside
+  the sandbox its PID namespace ends with it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from dflash_audit.atomic import file_sha256
+
+PYCACHE = "__pycache__"
+
+
+def _digest(roots: dict[str, Path], skip_pycache: bool) -> dict[str, str]:
+    out = {}
+    for name, root in roots.items():
+        if not root.is_dir():
+            continue
+        for path in sorted(root.rglob("*")):
+            if skip_pycache and PYCACHE in path.relative_to(root).parts:
+                continue
+            if path.is_file() or path.is_symlink():
+                rel = f"{name}/{path.relative_to(root).as_posix()}"
+                try:
+                    out[rel] = file_sha256(path) if path.is_file() else f"link:{os.readlink(path)}"
+                except OSError as exc:
+                    out[rel] = f"unreadable: {exc}"
+    return out
+
+
+def reference_tree_digest(identity: Any) -> dict[str, str]:
+    """``{"ref/<path>": sha256}`` of every file of the reference tree (see the module
+    docstring)."""
+    return _digest({"ref": Path(identity.source_dir)}, skip_pycache=False)
+
+
+def tool_roots() -> dict[str, Path]:
+    """dflash-audit's own installed files: the package and its ``reference/`` folder."""
+    import dflash_audit
+
+    package = Path(dflash_audit.__file__).resolve().parent
+    return {"dflash_audit": package, "reference": package.parent / "reference"}
+
+
+def tool_digest() -> dict[str, str]:
+    """``{"dflash_audit/<path>" | "reference/<path>": sha256}`` of every file of
+    :func:`tool_roots`, ``__pycache__`` included."""
+    return _digest(tool_roots(), skip_pycache=False)
+
+
+def changed_files(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    """Keys whose digest differs, that are gone in ``after``, or that are new in it."""
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+
+
+def remove_planted_bytecode(changed: list[str]) -> None:
+    """Delete the changed / added files of ``changed`` (keys of :func:`tool_digest`) that lie
+    in a ``__pycache__`` folder of the tool: Python rebuilds them from the sources."""
+    roots = tool_roots()
+    for key in changed:
+        name, _, rel = key.partition("/")
+        if name in roots and PYCACHE in Path(rel).parts:
+            (roots[name] / rel).unlink(missing_ok=True)
+
+
+def enable_subreaper() -> bool:
+    """Make this process the child subreaper of its descendants (Linux); False elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    return ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # 36 = PR_SET_CHILD_SUBREAPER
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    kids = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 1 and int(fields[1]) == pid and fields[0] != "Z":
+            kids.append(int(name))
+    return kids
+
+
+def _command(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return " ".join(raw.decode(errors="replace").split("\0")).strip()[:120] or "?"
+
+
+def _reap() -> None:
+    """Reap children of ours that have exited (orphans re-parented to the subreaper)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def leftover_processes(kill: bool = True, grace_s: float = 3.0) -> list[str]:
+    """Processes that are children of this process now (with :func:`enable_subreaper`, every
+    orphaned descendant is one), as ``"pid N: command"``, after ``grace_s`` seconds in which
+    they may end on their own (the sandbox's own processes, killed with their parent, exit
+    asynchronously); SIGKILLed and reaped when ``kill``. Call it when no child of ours should
+    be alive (the candidate's process ended, the reference has not started)."""
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        _reap()
+        if not _children(os.getpid()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    found = []
+    for _ in range(5):  # killing one may orphan its children onto us
+        kids = _children(os.getpid())
+        if not kids:
+            break
+        for pid in kids:
+            found.append(f"pid {pid}: {_command(pid)}")
+            if kill:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except (ProcessLookupError, ChildProcessError, PermissionError):
+                    pass
+        if not kill:
+            break
+    return list(dict.fromkeys(found))
+
+
+def case_digests(cases_dir: Path, names: list[str]) -> dict[str, str]:
+    """sha256 of every file of the case folders ``names``, hashing each hard-linked file once.
+    Taken right after the cases are written, and again after the run: every file of the first
+    (what the reference reads) must be unchanged; files the reference adds are not compared."""
+    seen: dict[tuple[int, int], str] = {}
+    digests = {}
+    for name in names:
+        for path in sorted(p for p in (cases_dir / name).rglob("*") if p.is_file()):
+            inode = (path.stat().st_dev, path.stat().st_ino)
+            if inode not in seen:
+                seen[inode] = file_sha256(path)
+            digests[str(path.relative_to(cases_dir))] = seen[inode]
+    return digests
+
+
+#: What reference/adapter.py reads back as a case's outputs (its ``OUTPUT_FILES``).
+REFERENCE_OUTPUT_FILES = ("outputs.safetensors", "outputs.json", "derivation.json")
+
+
+def reference_output_changes(stdout: str, cases_dir: Path, names: list[str]) -> list[str]:
+    """Reference output files of the cases ``names`` that are not what the adapter wrote: a
+    sha256 other than the one it printed on its stdout (``{"dflash_audit_outputs": case,
+    "sha256": {file: digest}}`` lines) or a file it did not write. Empty when all agree."""
+    reported: dict[str, dict[str, str]] = {}
+    for line in stdout.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and "dflash_audit_outputs" in entry:
+            reported[str(entry["dflash_audit_outputs"])] = dict(entry.get("sha256") or {})
+    changed = []
+    for name in names:
+        for file in REFERENCE_OUTPUT_FILES:
+            path, want = cases_dir / name / file, reported.get(name, {}).get(file)
+            if path.is_file() and (want is None or file_sha256(path) != want):
+                changed.append(f"{name}/{file}")
+            elif want is not None and not path.is_file():
+                changed.append(f"{name}/{file} (removed)")
+    return changed

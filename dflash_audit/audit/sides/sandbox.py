@@ -1,0 +1,118 @@
+"""The candidate's sandbox: the bubblewrap (``bwrap``) command line around its process.
+
+The candidate is untrusted code (DESIGN.md section 9). Inside the sandbox it sees:
+
+- the whole file system **read-only** (``--ro-bind / /``): it cannot edit the cached
+  reference tree (``__pycache__`` included), dflash-audit's installed files, site-packages,
+  the report folder or another process's files;
+- a private, empty ``/tmp`` (``--tmpfs /tmp``) and ``/dev`` (``--dev``, its own ``/dev/shm``),
+  with only the folders it needs bound back: read-only its copy of the cases, the folder of
+  a ``file.py`` candidate, the working directory and ``PYTHONPATH`` entries under ``/tmp``;
+  read-write its own output folder;
+- nothing of the report key (:data:`dflash_audit.report.fingerprint.KEY_DIR` is covered by an
+  empty tmpfs);
+- its own PID namespace (``--unshare-pid``) that ends with it: the kernel kills every process
+  of the namespace when its first process exits, so a daemon that ``setsid``s or
+  double-forks never outlives the candidate; ``--die-with-parent`` ends it with compare;
+- no network (``--unshare-net``: only a loopback), its own IPC and a new session.
+
+:func:`sandbox_status` probes once per process whether ``bwrap`` can start here (it needs
+user namespaces, or root); where it cannot, the candidate runs unsandboxed and the report
+says so (``--require-sandbox`` then refuses with exit 2).
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+#: ``DFLASH_AUDIT_SANDBOX=off`` runs the candidate without a sandbox (tests of the detection
+#: that remains without one; the report says so, and ``--require-sandbox`` refuses).
+SANDBOX_ENV = "DFLASH_AUDIT_SANDBOX"
+#: Devices a CUDA candidate needs (bound when present).
+GPU_DEVICES = ("/dev/nvidia*", "/dev/dri")
+UNAVAILABLE = "candidate ran without a sandbox"
+
+
+@dataclass(frozen=True)
+class SandboxStatus:
+    """Whether the sandbox can start: ``bwrap`` (its path) or None with ``reason``."""
+
+    bwrap: str | None
+    reason: str = ""
+
+    @property
+    def available(self) -> bool:
+        return self.bwrap is not None
+
+    def to_dict(self) -> dict[str, object]:
+        """The report's ``sandbox`` entry."""
+        return {"sandboxed": self.available, "tool": "bubblewrap" if self.available else None,
+                "note": "" if self.available else f"{UNAVAILABLE}: {self.reason}"}
+
+
+@functools.lru_cache(maxsize=1)
+def sandbox_status() -> SandboxStatus:
+    """Probe ``bwrap`` once: run ``true`` under the same flags the candidate gets.
+
+    Returns:
+        :class:`SandboxStatus`; unavailable when ``$DFLASH_AUDIT_SANDBOX`` is ``off``, when
+        no ``bwrap`` is on PATH (``apt-get install -y bubblewrap``; ``scripts/setup.sh`` does
+        it), or when it cannot create its namespaces here (the reason is its stderr).
+    """
+    if os.environ.get(SANDBOX_ENV, "").lower() in ("off", "0", "no", "false"):
+        return SandboxStatus(None, f"${SANDBOX_ENV}=off")
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return SandboxStatus(None, "bubblewrap (bwrap) is not installed; `sudo apt-get "
+                                   "install -y bubblewrap` or `bash scripts/setup.sh` adds it")
+    try:
+        proc = subprocess.run(sandbox_command(["true"], bwrap=bwrap), capture_output=True,
+                              text=True, timeout=30, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return SandboxStatus(None, f"bwrap cannot start ({exc})")
+    if proc.returncode != 0:
+        tail = " ".join(proc.stderr.split())[-300:]
+        return SandboxStatus(None, f"bwrap cannot create its namespaces here ({tail})")
+    return SandboxStatus(bwrap)
+
+
+def _under_tmp(path: Path) -> bool:
+    return path == Path("/tmp") or Path("/tmp") in path.parents
+
+
+def sandbox_command(cmd: list[str], *, bwrap: str = "bwrap", writable: list[Path] = (),
+                    readable: list[Path] = (), hidden: list[Path] = (),
+                    cwd: Path | None = None) -> list[str]:
+    """``bwrap ... -- cmd``: the sandbox of the module docstring.
+
+    Args:
+        cmd: the command to run inside.
+        writable: folders bound read-write (the candidate's output folder); must exist.
+        readable: folders bound back read-only over the private ``/tmp`` (those outside
+            ``/tmp`` are visible read-only anyway); missing ones are skipped.
+        hidden: folders covered by an empty tmpfs (the report key's folder); missing ones
+            are skipped.
+        cwd: working directory inside (default ``/``).
+    """
+    args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+            "--tmpfs", "/tmp"]
+    for pattern in GPU_DEVICES:
+        for dev in sorted(glob.glob(pattern)):
+            args += ["--dev-bind-try", dev, dev]
+    for path in dict.fromkeys(Path(p).resolve() for p in readable):
+        if _under_tmp(path) and path.exists():
+            args += ["--ro-bind", str(path), str(path)]
+    for path in dict.fromkeys(Path(p).resolve() for p in writable):
+        args += ["--bind", str(path), str(path)]
+    for path in dict.fromkeys(Path(p).resolve() for p in hidden):
+        if path.is_dir():
+            args += ["--tmpfs", str(path)]
+    args += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--die-with-parent",
+             "--new-session", "--chdir", str(Path(cwd).resolve() if cwd else "/"), "--", *cmd]
+    return args

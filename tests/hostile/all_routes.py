@@ -1,0 +1,10 @@
+"""Every file route at once (for the sandboxed run: each write is refused)."""
+import tamper
+from gamma7_base import Gamma7
+
+for f in tamper.losses_utils():
+    tamper.attempt(tamper.plant_pyc, f)
+    tamper.attempt(tamper.plant_sitecustomize, f)
+    tamper.start_daemon(f)
+tamper.attempt(tamper.edit_tool)
+candidate = Gamma7

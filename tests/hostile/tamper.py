@@ -1,0 +1,129 @@
+"""Attacks on the gate, run by the hostile candidates of this folder at import time (each is
+the gamma-7 candidate, which plainly FAILs on its own, plus one route to a PASS).
+
+Every attack targets ``$DFLASH_AUDIT_CACHE`` (a copy of the cache the test makes) and the
+dflash-audit package the candidate process imports (a copy the test puts on PYTHONPATH);
+inside the sandbox each write fails (read-only file system) and is ignored, so the candidate
+then FAILs as the gamma-7 candidate it is.
+"""
+
+from __future__ import annotations
+
+import importlib._bootstrap_external as bootstrap
+import os
+import sys
+from pathlib import Path
+
+#: The reference's per-slot decay, and the same line computing gamma 7 (the poison).
+DECAY = "decay_mult = torch.exp(-((pos_idx - 1).clamp(min=0)) / gamma)"
+POISON = "decay_mult = torch.exp(-((pos_idx - 1).clamp(min=0)) / 7.0)"
+#: Marker in a daemon's command line (tests look for live processes carrying it).
+DAEMON_MARK = "dflash-audit-hostile-daemon"
+
+
+def losses_utils() -> list[Path]:
+    """The reference's ``speculators/losses/utils.py`` in every cached release tree."""
+    cache = Path(os.environ["DFLASH_AUDIT_CACHE"])
+    return sorted(cache.glob("reference/sdist/*/tree/src/speculators/losses/utils.py"))
+
+
+def attempt(fn, *args) -> bool:
+    """Run one write; False when the sandbox refused it."""
+    try:
+        fn(*args)
+        return True
+    except OSError:
+        return False
+
+
+def plant_pyc(source: Path) -> None:
+    """Route 1: a ``__pycache__`` .pyc of the poisoned source carrying the real source's
+    mtime and size in its header (so a normal import takes it without reading the source)."""
+    st = source.stat()
+    code = compile(source.read_text().replace(DECAY, POISON), str(source), "exec")
+    data = bootstrap._code_to_timestamp_pyc(code, int(st.st_mtime), st.st_size)
+    pyc = Path(bootstrap.cache_from_source(str(source)))
+    pyc.parent.mkdir(exist_ok=True)
+    pyc.write_bytes(bytes(data))
+
+
+SITECUSTOMIZE = f'''
+import sys
+class _Poison:
+    def find_spec(self, name, path=None, target=None):
+        if name != "speculators.losses.utils":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+        spec = importlib.util.find_spec(name)
+        loader = spec.loader
+        class L(type(loader)):
+            def get_source(self, fullname):
+                return super().get_source(fullname).replace({DECAY!r}, {POISON!r})
+            def get_code(self, fullname):
+                return compile(self.get_source(fullname), self.path, "exec")
+        spec.loader = L(loader.name, loader.path)
+        return spec
+sys.meta_path.insert(0, _Poison())
+'''
+
+
+def plant_sitecustomize(source: Path) -> None:
+    """Route 2: a sourceless ``sitecustomize.pyc`` on the reference's path (its ``src``)
+    that rewrites the decay when speculators imports it."""
+    src = source.parents[2]  # .../src
+    code = compile(SITECUSTOMIZE, "sitecustomize.py", "exec")
+    (src / "sitecustomize.pyc").write_bytes(bytes(bootstrap._code_to_timestamp_pyc(code, 0, 0)))
+
+
+DAEMON = f'''
+import os, sys, time
+from pathlib import Path
+target = Path(sys.argv[1]); original = target.read_bytes(); seen = False
+for _ in range(6000):  # at most 10 minutes
+    running = False
+    for pid in os.listdir("/proc"):
+        try:
+            cmd = Path(f"/proc/{{pid}}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"adapter.py" in cmd and str(target.parents[2]).encode() in cmd \
+                and b"{DAEMON_MARK}" not in cmd:  # this audit's reference, none other
+            running = True
+    if running and not seen:  # the reference started: poison it (after the pre-run hash)
+        try:
+            target.write_bytes(original.replace({DECAY!r}.encode(), {POISON!r}.encode()))
+        except OSError:
+            pass
+        seen = True
+    if seen and not running:  # it ended: restore, so a hash afterwards matches
+        try:
+            target.write_bytes(original)
+        except OSError:
+            pass
+        break
+    time.sleep(0.1)
+'''
+
+
+def start_daemon(source: Path) -> None:
+    """Route 3: a daemon that leaves the candidate's process group (setsid, double fork),
+    edits the reference's code while the reference runs and restores it afterwards."""
+    if os.fork() != 0:
+        return
+    os.setsid()
+    if os.fork() != 0:
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.execv(sys.executable, [sys.executable, "-c", DAEMON, str(source), DAEMON_MARK])
+
+
+def edit_tool() -> None:
+    """Route 4: edit dflash-audit's own installed source (the loss check passes everything),
+    which persists into later audits."""
+    import dflash_audit.audit.checks.loss as loss
+
+    path = Path(loss.__file__)
+    path.write_text(path.read_text() + "\n# edited by a hostile candidate\n")

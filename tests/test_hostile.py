@@ -1,0 +1,147 @@
+"""Hostile candidates (tests/hostile/): the gamma-7 candidate, which FAILs on its own, plus one
+route each to turn its audit into a PASS (DESIGN.md section 9). Each route ends in exit 1 or
+2, never 0: in the sandbox every write is refused and the cache and the installed tool stay
+byte for byte as they were (one compare with every route at once); without a sandbox
+(``DFLASH_AUDIT_SANDBOX=off``) each route is detected (exit 2 naming the file or the process)
+and a damaged reference cache is rebuilt by the next resolve, never reused.
+
+Every run works on copies: the cached release tree (``$DFLASH_AUDIT_CACHE``) and the
+dflash-audit package (first on PYTHONPATH), so a route that succeeded could not damage the
+real ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HOSTILE = ROOT / "tests" / "hostile"
+sys.path.insert(0, str(HOSTILE))
+import tamper  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def daemons_alive() -> list[int]:
+    alive = []
+    for pid in os.listdir("/proc"):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if tamper.DAEMON_MARK.encode() in cmd and b"pytest" not in cmd:
+            alive.append(int(pid))
+    return alive
+
+
+class World:
+    """Copies of the cached release and of the tool, and a compare run against them."""
+
+    def __init__(self, tmp: Path) -> None:
+        src = Path(os.environ.get("DFLASH_AUDIT_CACHE", Path.home() / ".cache" / "dflash-audit"))
+        self.tmp, self.cache, self.tool = tmp, tmp / "cache", tmp / "tool"
+        shutil.copytree(src / "reference" / "sdist", self.cache / "reference" / "sdist",
+                        ignore=shutil.ignore_patterns("__pycache__", "tmp"))
+        if (src / "verifiers").is_dir():  # the converted verifier (compare reads its config)
+            (self.cache / "verifiers").symlink_to(src / "verifiers")
+        if (src / "pycache").is_dir():  # the reference's warm bytecode (only the tool writes it)
+            shutil.copytree(src / "pycache", self.cache / "pycache")
+        for name in ("dflash_audit", "reference"):
+            shutil.copytree(ROOT / name, self.tool / name,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+
+    def compare(self, route: str, sandbox: bool) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": str(self.tool), "DFLASH_AUDIT_CACHE": str(self.cache),
+               "DFLASH_AUDIT_SANDBOX": "" if sandbox else "off", "CI": "",
+               "DFLASH_AUDIT_PROGRESS_INTERVAL": "0", "OMP_NUM_THREADS": "1"}
+        out = self.tmp / f"reports-{route}"
+        return subprocess.run(
+            [sys.executable, "-m", "dflash_audit.cli", "compare", "--candidate",
+             f"{HOSTILE / route}.py:candidate", "--cases", "1", "--rows", "0", "--offline",
+             "--out", str(out)], cwd=self.tmp, env=env, text=True, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, timeout=600, check=False)
+
+    def reports(self, route: str) -> list[dict]:
+        return [json.loads(p.read_text()) for p in
+                (self.tmp / f"reports-{route}").glob("*/report.json")]
+
+
+@pytest.fixture
+def world(tmp_path: Path, reference_identity) -> World:
+    return World(tmp_path)
+
+
+def _sandbox_available() -> bool:
+    from dflash_audit.audit.sides.sandbox import sandbox_status
+
+    return sandbox_status().available
+
+
+@pytest.mark.skipif(not _sandbox_available(), reason="no bubblewrap sandbox on this machine")
+def test_in_the_sandbox_every_route_is_refused_and_nothing_changes(world: World) -> None:
+    """All routes at once, sandboxed: each write fails (read-only file system), the daemon
+    dies with the candidate's PID namespace; the verdict is the gamma-7 FAIL (exit 1), the
+    report says the candidate ran in the sandbox, cache and tool are unchanged."""
+    cache, tool = digest(world.cache / "reference"), digest(world.tool)
+    result = world.compare("all_routes", sandbox=True)
+    assert result.returncode == 1, result.stdout
+    assert "decay gamma 7" in result.stdout and "without a sandbox" not in result.stdout
+    (report,) = world.reports("all_routes")
+    assert report["verdict"] == "fail" and report["candidate"]["sandbox"]["sandboxed"] is True
+    assert digest(world.cache / "reference") == cache
+    assert digest(world.tool) == tool
+    assert daemons_alive() == []
+
+
+@pytest.mark.parametrize("route, named", [
+    ("pyc_plant", "ref/src/speculators/losses/__pycache__/utils."),
+    ("sitecustomize_pyc", "ref/src/sitecustomize.pyc"),
+    ("edits_tool", "dflash_audit/audit/checks/loss.py"),
+    ("daemon", "process(es) running after its own process ended"),
+])
+def test_without_a_sandbox_each_route_is_detected(world: World, route: str, named: str) -> None:
+    """Unsandboxed, each route is detected: exit 2 naming the file (or the daemon, which is
+    killed), no report; a damaged release tree is extracted again by the next resolve."""
+    result = world.compare(route, sandbox=False)
+    flat = " ".join(result.stdout.split())
+    assert result.returncode == 2, result.stdout
+    assert named in flat and "Traceback" not in flat, result.stdout
+    assert "candidate ran without a sandbox" in flat
+    assert world.reports(route) == []
+    assert daemons_alive() == []
+    if route in ("pyc_plant", "sitecustomize_pyc"):  # the damaged tree is never reused
+        from dflash_audit.reference_source.sdist import tree_problems
+
+        (entry,) = [p for p in (world.cache / "reference" / "sdist").iterdir()
+                    if p.is_dir() and len(p.name) == 64]
+        assert tree_problems(entry) == ["no manifest"]
+    if route == "daemon":  # killed before the reference started: the code is untouched
+        (utils,) = [p for p in world.cache.rglob("losses/utils.py")]
+        assert tamper.POISON not in utils.read_text()
+
+
+def test_require_sandbox_refuses_without_one(world: World) -> None:
+    """``--require-sandbox`` (CI's default) with no sandbox: exit 2 before any candidate
+    code runs."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DFLASH_AUDIT_CACHE": str(world.cache),
+           "DFLASH_AUDIT_SANDBOX": "off", "CI": "true"}
+    result = subprocess.run([sys.executable, "-m", "dflash_audit.cli", "compare", "--candidate",
+                             f"{HOSTILE / 'edits_tool'}.py:candidate", "--cases", "1", "--rows",
+                             "0", "--offline", "--out", str(world.tmp / "r")], cwd=world.tmp,
+                            env=env, text=True, capture_output=True, timeout=300, check=False)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "a sandbox is required" in result.stderr and "Traceback" not in result.stderr
+    assert not (world.tmp / "r").exists()
