@@ -63,14 +63,15 @@ class World:
             shutil.copytree(ROOT / name, self.tool / name,
                             ignore=shutil.ignore_patterns("__pycache__"))
 
-    def compare(self, route: str, sandbox: bool) -> subprocess.CompletedProcess:
+    def compare(self, route: str, sandbox: bool, cases: int = 1,
+                **env_extra: str) -> subprocess.CompletedProcess:
         env = {**os.environ, "PYTHONPATH": str(self.tool), "DFLASH_AUDIT_CACHE": str(self.cache),
                "DFLASH_AUDIT_SANDBOX": "" if sandbox else "off", "CI": "",
-               "DFLASH_AUDIT_PROGRESS_INTERVAL": "0", "OMP_NUM_THREADS": "1"}
+               "DFLASH_AUDIT_PROGRESS_INTERVAL": "0", "OMP_NUM_THREADS": "1", **env_extra}
         out = self.tmp / f"reports-{route}"
         return subprocess.run(
             [sys.executable, "-m", "dflash_audit.cli", "compare", "--candidate",
-             f"{HOSTILE / route}.py:candidate", "--cases", "1", "--rows", "0", "--offline",
+             f"{HOSTILE / route}.py:candidate", "--cases", str(cases), "--rows", "0", "--offline",
              "--out", str(out)], cwd=self.tmp, env=env, text=True, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, timeout=600, check=False)
 
@@ -131,6 +132,49 @@ def test_without_a_sandbox_each_route_is_detected(world: World, route: str, name
     if route == "daemon":  # killed before the reference started: the code is untouched
         (utils,) = [p for p in world.cache.rglob("losses/utils.py")]
         assert tamper.POISON not in utils.read_text()
+
+
+@pytest.mark.skipif(not _sandbox_available(), reason="no bubblewrap sandbox on this machine")
+def test_planted_symlinks_are_never_followed(world: World) -> None:
+    """A candidate that links its log names to a victim file and to the report key, then dies
+    to be restarted: the tool writes and reads its logs outside the candidate's folder and
+    never through a link, so the victim and the key are unchanged and the key's bytes appear
+    in no report (found by the hostile review: the key could be emptied, then any report
+    forged)."""
+    from dflash_audit.report.fingerprint import KEY_BYTES, KEY_FILE
+
+    victim = world.tmp / "victim.txt"
+    victim.write_text("untouched")
+    key = world.cache / "keys" / KEY_FILE
+    result = world.compare("log_links", sandbox=True, cases=2, VICTIM=str(victim),
+                           KEY_FILE=str(key))
+    assert result.returncode == 1, result.stdout
+    assert victim.read_text() == "untouched"
+    assert len(key.read_bytes()) == KEY_BYTES and not key.is_symlink()
+    (report,) = world.reports("log_links")
+    assert key.read_bytes().hex() not in json.dumps(report)
+    assert key.read_bytes().decode(errors="replace")[:8] not in json.dumps(report)
+
+
+def test_a_damaged_report_key_signs_nothing(tmp_path: Path, monkeypatch) -> None:
+    """An emptied, truncated or symlinked key is refused (a named error), never used to sign:
+    with an empty key anyone could forge a report."""
+    from dflash_audit.report import fingerprint as fp
+
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path))
+    key = fp.report_key(create=True)
+    assert len(key) == fp.KEY_BYTES and fp.report_key() == key
+    path = tmp_path / "keys" / fp.KEY_FILE
+    path.write_bytes(b"")
+    with pytest.raises(OSError, match="has 0 bytes, not 32"):
+        fp.report_key()
+    assert "has 0 bytes" in fp.signature_problem({"signature": {"value": "x", "key_id": "y"}})
+    path.unlink()
+    other = tmp_path / "elsewhere"
+    other.write_bytes(b"k" * fp.KEY_BYTES)
+    path.symlink_to(other)
+    with pytest.raises(OSError, match="not a regular file"):
+        fp.report_key()
 
 
 def test_require_sandbox_refuses_without_one(world: World) -> None:

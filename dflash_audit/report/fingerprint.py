@@ -179,11 +179,23 @@ SIGNATURE_FIELD = "signature"
 SIGNATURE_ALG = "hmac-sha256"
 
 
+#: Size of the report key (HMAC-SHA256 key).
+KEY_BYTES = 32
+
+
 def key_dir() -> Path:
     """``$DFLASH_AUDIT_CACHE/keys`` (default ``~/.cache/dflash-audit/keys``): the folder of
     the report key, hidden from the candidate's sandbox."""
     base = os.environ.get("DFLASH_AUDIT_CACHE") or Path.home() / ".cache" / "dflash-audit"
     return Path(base).expanduser().absolute() / "keys"
+
+
+def key_dirs() -> list[Path]:
+    """Every report-key folder a candidate must not read: this run's (:func:`key_dir`) and the
+    default cache's, when they differ (a run with ``$DFLASH_AUDIT_CACHE`` set must not expose
+    the user's usual key)."""
+    default = (Path.home() / ".cache" / "dflash-audit" / "keys").absolute()
+    return list(dict.fromkeys([key_dir(), default]))
 
 
 def report_key(create: bool = True) -> bytes | None:
@@ -195,7 +207,7 @@ def report_key(create: bool = True) -> bytes | None:
     """
     path = key_dir() / KEY_FILE
     try:
-        return path.read_bytes()
+        return _read_key(path)
     except FileNotFoundError:
         if not create:
             return None
@@ -204,10 +216,33 @@ def report_key(create: bool = True) -> bytes | None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:  # another process made it meanwhile
-        return path.read_bytes()
+        return _read_key(path)
     with os.fdopen(fd, "wb") as f:
-        f.write(os.urandom(32))
-    return path.read_bytes()
+        f.write(os.urandom(KEY_BYTES))
+    return _read_key(path)
+
+
+def _read_key(path: Path) -> bytes:
+    """The key file's bytes: a regular file (never a symlink) of exactly :data:`KEY_BYTES`.
+
+    Raises:
+        FileNotFoundError: no key yet. OSError: a symlink, or another size (a damaged key
+            signs nothing: reports made with it could be forged); the message says what to do.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise OSError(f"the report key {path} is not a regular file ({exc.strerror}); remove "
+                      "it (a new key is made; reports signed before are then refused)") from None
+    with os.fdopen(fd, "rb") as f:
+        key = f.read(KEY_BYTES + 1)
+    if len(key) != KEY_BYTES:
+        raise OSError(f"the report key {path} has {len(key)} bytes, not {KEY_BYTES}: it was "
+                      "damaged; remove it (a new key is made; reports signed before are then "
+                      "refused) and rerun the audit")
+    return key
 
 
 def _mac(report: dict[str, Any], key: bytes) -> str:
@@ -235,7 +270,10 @@ def signature_problem(report: dict[str, Any]) -> str | None:
     if not isinstance(sig, dict) or not isinstance(sig.get("value"), str):
         return "it carries no signature (written by another tool, by hand, or by a " \
                "dflash-audit older than signed reports)"
-    key = report_key(create=False)
+    try:
+        key = report_key(create=False)
+    except OSError as exc:
+        return str(exc)
     if key is None:
         return f"this machine has no report key ({key_dir() / KEY_FILE}): only a report " \
                "written here by `dflash-audit compare` is trusted"

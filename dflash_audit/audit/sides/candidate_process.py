@@ -114,13 +114,32 @@ class CandidateCaseRun:
 
 
 def _tail(path: Path) -> str:
+    """The last ``TAIL_CHARS`` of a log file ("" when unreadable); a symlink is never followed
+    (the logs live outside what the candidate can write, and this holds if one does not)."""
     try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - TAIL_CHARS))
-            return f.read().decode(errors="replace")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return ""
+    with os.fdopen(fd, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - TAIL_CHARS))
+        return f.read().decode(errors="replace")
+
+
+def _new_log(path: Path) -> Any:
+    """A fresh log file opened for writing: created, never an existing file or a symlink."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600),
+                     "wb")
+
+
+def links_in(folder: Path) -> list[str]:
+    """Entries of ``folder`` (recursively) that are symlinks or not regular files / folders:
+    what a candidate may plant to make the tool read or write elsewhere."""
+    out = []
+    for path in sorted(Path(folder).rglob("*")):
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            out.append(path.relative_to(folder).as_posix())
+    return out
 
 
 def death_summary(returncode: int) -> tuple[str, str]:
@@ -167,18 +186,19 @@ def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
     of the cases), the folder of a ``file.py`` candidate, the working directory and the
     ``PYTHONPATH`` entries readable, the report key's folder hidden."""
     from dflash_audit.audit.sides.sandbox import sandbox_command, sandbox_status
-    from dflash_audit.report.fingerprint import key_dir
+    from dflash_audit.report.fingerprint import key_dirs
 
     status = sandbox_status()
     if not status.available:
         return cmd
     target = (spec or "").rpartition(":")[0]
     readable = [Path(cases_dir), Path.cwd(), *(Path(p) for p in
-                                               env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+                                               env.get("PYTHONPATH", "").split(os.pathsep) if p),
+                Path(cmd[0]).parent.parent]  # the interpreter's environment (--candidate-python)
     if target.endswith(".py"):
         readable.append(Path(target).resolve().parent)
     return sandbox_command(cmd, bwrap=status.bwrap, writable=[Path(out_dir)], readable=readable,
-                           hidden=[key_dir()], cwd=Path.cwd())
+                           hidden=key_dirs(), cwd=Path.cwd())
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -221,7 +241,8 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
     launch = as_launch(spec)
     spec = launch.spec
     out_dir = Path(out_dir)
-    logs = out_dir / ".logs"
+    # beside the output folder, not in it: the candidate (sandboxed) can write only out_dir
+    logs = out_dir.parent / f".{out_dir.name}.logs"
     logs.mkdir(parents=True, exist_ok=True)
     remaining = list(dict.fromkeys(names))
     results: dict[str, CandidateCaseRun] = {}
@@ -236,7 +257,7 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
                *[a for n in remaining for a in ("--case", n)]]
         env = runner_env(threads, launch)
         cmd = sandboxed(cmd, spec, cases_dir, out_dir, env)
-        with stdout.open("wb") as fo, stderr.open("wb") as fe:
+        with _new_log(stdout) as fo, _new_log(stderr) as fe:
             proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
         try:
@@ -335,6 +356,13 @@ def candidate_side(runs: dict[str, CandidateCaseRun], out_dir: Path) -> dict[str
     for name, run in runs.items():
         if not run.ok:
             side[name] = (None, run.to_check_result())
+            continue
+        planted = links_in(Path(out_dir) / name) if (Path(out_dir) / name).is_dir() else []
+        if planted or (Path(out_dir) / name).is_symlink():
+            side[name] = (None, CheckResult(
+                name="run", case=name, status=FAIL, summary="the candidate left symlinks or "
+                f"special files in its output folder ({', '.join(planted[:5]) or name}): its "
+                "outputs are not read", details={"cause": "protocol"}))
             continue
         try:
             side[name] = (read_candidate_outputs(out_dir, name), None)

@@ -268,7 +268,10 @@ def _refuse_code_changes(identity: Any, before: dict[str, str], when: str) -> No
     """Compare :func:`reference_code_digest` with ``before``; on any change discard the
     damaged reference cache (rebuilt by the next resolve), delete planted bytecode of the tool
     and raise :class:`CompareSetupError` naming the files."""
-    from dflash_audit.audit.sides.integrity import changed_files, remove_planted_bytecode
+    from dflash_audit.audit.sides.integrity import (
+        changed_files,
+        remove_planted_bytecode,
+    )
     from dflash_audit.reference_source import discard_damaged_tree
 
     changed = changed_files(before, reference_code_digest(identity))
