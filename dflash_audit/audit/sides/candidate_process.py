@@ -37,6 +37,7 @@ from dflash_audit.audit.sides.candidate_runner import (
     STATUS,
 )
 from dflash_audit.audit.sides.launch import CandidateLaunch, launch_env
+from dflash_audit.audit.sides.sandbox import links_in, sandboxed
 from dflash_audit.candidate import CandidateError
 
 #: Default of ``--candidate-timeout``: seconds one case may take (a real case with the
@@ -132,16 +133,6 @@ def _new_log(path: Path) -> Any:
                      "wb")
 
 
-def links_in(folder: Path) -> list[str]:
-    """Entries of ``folder`` (recursively) that are symlinks or not regular files / folders:
-    what a candidate may plant to make the tool read or write elsewhere."""
-    out = []
-    for path in sorted(Path(folder).rglob("*")):
-        if path.is_symlink() or not (path.is_file() or path.is_dir()):
-            out.append(path.relative_to(folder).as_posix())
-    return out
-
-
 def death_summary(returncode: int) -> tuple[str, str]:
     """``(status, summary)`` for a candidate process that ended with ``returncode`` while a
     case ran (negative: killed by that signal, as :mod:`subprocess` reports it)."""
@@ -177,28 +168,6 @@ def unwrapped_code(returncode: int, cmd: list[str]) -> int:
 def as_launch(spec: str | CandidateLaunch | None) -> CandidateLaunch:
     """A candidate spec (``module:attr``, ``file.py:attr``, None) or launch as a launch."""
     return spec if isinstance(spec, CandidateLaunch) else CandidateLaunch(spec=spec)
-
-
-def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
-              env: dict[str, str]) -> list[str]:
-    """``cmd`` inside the candidate's sandbox (:mod:`.sandbox`) when it can start here, else
-    ``cmd`` itself: read-only everything, ``out_dir`` writable, ``cases_dir`` (its private copy
-    of the cases), the folder of a ``file.py`` candidate, the working directory and the
-    ``PYTHONPATH`` entries readable, the report key's folder hidden."""
-    from dflash_audit.audit.sides.sandbox import sandbox_command, sandbox_status
-    from dflash_audit.report.fingerprint import key_dirs
-
-    status = sandbox_status()
-    if not status.available:
-        return cmd
-    target = (spec or "").rpartition(":")[0]
-    readable = [Path(cases_dir), Path.cwd(), *(Path(p) for p in
-                                               env.get("PYTHONPATH", "").split(os.pathsep) if p),
-                Path(cmd[0]).parent.parent]  # the interpreter's environment (--candidate-python)
-    if target.endswith(".py"):
-        readable.append(Path(target).resolve().parent)
-    return sandbox_command(cmd, bwrap=status.bwrap, writable=[Path(out_dir)], readable=readable,
-                           hidden=key_dirs(), cwd=Path.cwd())
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -116,3 +116,34 @@ def sandbox_command(cmd: list[str], *, bwrap: str = "bwrap", writable: list[Path
     args += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--die-with-parent",
              "--new-session", "--chdir", str(Path(cwd).resolve() if cwd else "/"), "--", *cmd]
     return args
+
+
+def links_in(folder: Path) -> list[str]:
+    """Entries of ``folder`` (recursively) that are symlinks or not regular files / folders:
+    what a candidate may plant to make the tool read or write elsewhere."""
+    out = []
+    for path in sorted(Path(folder).rglob("*")):
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            out.append(path.relative_to(folder).as_posix())
+    return out
+
+
+def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
+              env: dict[str, str]) -> list[str]:
+    """``cmd`` inside the candidate's sandbox (:mod:`.sandbox`) when it can start here, else
+    ``cmd`` itself: read-only everything, ``out_dir`` writable, ``cases_dir`` (its private copy
+    of the cases), the folder of a ``file.py`` candidate, the working directory and the
+    ``PYTHONPATH`` entries readable, the report key's folder hidden."""
+    from dflash_audit.report.fingerprint import key_dirs
+
+    status = sandbox_status()
+    if not status.available:
+        return cmd
+    target = (spec or "").rpartition(":")[0]
+    readable = [Path(cases_dir), Path.cwd(), *(Path(p) for p in
+                                               env.get("PYTHONPATH", "").split(os.pathsep) if p),
+                Path(cmd[0]).parent.parent]  # the interpreter's environment (--candidate-python)
+    if target.endswith(".py"):
+        readable.append(Path(target).resolve().parent)
+    return sandbox_command(cmd, bwrap=status.bwrap, writable=[Path(out_dir)], readable=readable,
+                           hidden=key_dirs(), cwd=Path.cwd())
