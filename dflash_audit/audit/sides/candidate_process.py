@@ -211,6 +211,7 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
     spec = launch.spec
     out_dir = Path(out_dir)
     # beside the output folder, not in it: the candidate (sandboxed) can write only out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)  # bound into the sandbox: it must exist
     logs = out_dir.parent / f".{out_dir.name}.logs"
     logs.mkdir(parents=True, exist_ok=True)
     remaining = list(dict.fromkeys(names))
