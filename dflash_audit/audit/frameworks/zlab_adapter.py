@@ -41,6 +41,7 @@ from dflash_audit.model.drafter import (
     block_indices,
     verifier_targets,
 )
+from dflash_audit.model.layer_ids import from_zlab_ids, to_zlab_ids
 from dflash_audit.model.layers import RMSNorm
 from dflash_audit.model.loss import (
     LossSpec,
@@ -106,7 +107,7 @@ def zlab_config(config: DFlashConfig):
         layer_types=types, sliding_window=config.sliding_window if sliding else None,
         use_sliding_window=sliding)
     zc.num_target_layers = config.num_verifier_layers
-    zc.dflash_config = {"target_layer_ids": [i - 1 for i in config.target_layer_ids],
+    zc.dflash_config = {"target_layer_ids": to_zlab_ids(config.target_layer_ids),
                         "block_size": config.block_size, "mask_token_id": config.mask_token_id}
     if sliding and config.sliding_window_non_causal:
         zc.is_causal = False  # z-lab: every layer non-causal (its full layers already are)
@@ -142,7 +143,7 @@ def _structure(model: nn.Module, config: DFlashConfig, target: _Target) -> dict[
         state[key] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                       "trainable": False}
     return {"fc_in_features": model.fc.in_features, "fc_out_features": model.fc.out_features,
-            "target_layer_ids": [int(i) + 1 for i in model.target_layer_ids],
+            "target_layer_ids": from_zlab_ids(model.target_layer_ids),
             "block_size": int(model.block_size), "mask_token_id": model.mask_token_id,
             "layer_types": types, "sliding_window": min(windows) if windows else None,
             "sliding_window_non_causal": any(not a.is_causal for a in attn
