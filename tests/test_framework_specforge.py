@@ -17,6 +17,7 @@ document per row (algorithms/common/collation.py:24-68).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
