@@ -84,7 +84,7 @@ def test_sliding_window_bound_is_narrower(report):
         assert details["extra_attention"] == 0 and details["missing_attention"] > 0
         first = sliding[0]["first_diff"]
         assert first["kv_position"] < first["anchor_position"]
-        assert any("measured from each query: kv >= anchor + s - W + 1" in d
+        assert any("measured from the query's own position: kv >= a + s - W + 1" in d
                    for d in sliding[0]["diagnosis"]), case
         logits = results(report, case, "logits")[0]
         assert any("follows from the mask difference" in d for d in logits["diagnosis"])
@@ -113,8 +113,9 @@ def test_loss_differs(report):
         assert "total loss" in r["summary"]
         assert r["diagnosis"] == [
             "targets are the data tokens input_ids[a+s], not the verifier's prediction (loss "
-            "'ce-data' where the profile says 'ce'); loss normalised by the sum of weights "
-            "instead of the number of supervised tokens"], case
+            "'ce-data' where the profile says 'ce')",
+            "loss normalised by the sum of weights instead of the number of supervised tokens"
+        ], case
         grads = results(report, case, "gradients")[0]
         assert grads["status"] == "fail" and any("follows from" in d for d in grads["diagnosis"])
 

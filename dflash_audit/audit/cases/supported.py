@@ -2,7 +2,8 @@
 (its adapter's CAPABILITIES, :class:`dflash_audit.audit.frameworks.capabilities.Capabilities`).
 
 - A packed row (several documents or padding) for a framework without packed rows becomes a
-  single-document variant: the row cut to one document (the first that leaves a valid anchor) (:func:`single_document`).
+  single-document variant: the row cut to one document (the first that leaves a valid
+  anchor, :func:`single_document`).
 - Synthetic cases outside the capabilities are skipped and the spread continues (case
   ``count``, ``count + 1``, ... of the same seeded sequence, so it still cycles over the
   verifier families and layouts the framework supports) until the budget is filled.

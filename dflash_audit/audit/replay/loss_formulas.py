@@ -229,7 +229,8 @@ def diagnose_loss_total(ev: Evidence, masks: Iterable[tuple[str, torch.Tensor]] 
             if name == "profile" and denom == "tokens":
                 if data_targets_substituted(ev):
                     return [f"{DATA_TOKENS_CAUSE}: the profile's loss {ev.case.loss.loss!r} "
-                            "trains on the data tokens and the reference, which has no such loss, ran "
+                            "trains on the data tokens and the reference, which has no such "
+                            "loss, ran "
                             "'ce' against the argmax of the verifier's logits instead (the "
                             "candidate's loss follows from its logits and the data tokens)"]
                 upstream = follows_from("loss", ev)
