@@ -316,3 +316,17 @@ def test_an_unsupported_dtype_is_listed_not_failed(profile):
     assert planned[0].case.unsupported == [
         "not supported by TestFW 1.0: dtype bf16 (supported: fp32)"]
     assert notes[0].startswith("not supported by TestFW 1.0: dtype bf16")
+
+
+# ------------------------------------------------------------------------------- train
+@pytest.mark.parametrize("spec", ["framework:specforge", "framework:speculators==0.9.0"])
+def test_train_refuses_a_framework_candidate(spec, tmp_path):
+    """`train` trains our drafter or a user candidate; a framework spec is refused before
+    anything is loaded or written: exit 2, one line, no traceback."""
+    result = CliRunner().invoke(app, ["train", "--candidate", spec, "--out",
+                                      str(tmp_path / "run")])
+    assert result.exit_code == 2
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert ("train trains our drafter or your own candidate; a framework is audited, not "
+            "trained here: train with the framework itself") in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "run").exists()
