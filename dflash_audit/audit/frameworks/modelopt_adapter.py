@@ -53,6 +53,7 @@ import torch
 
 from dflash_audit.audit.case import SideOutputs
 from dflash_audit.audit.frameworks import modelopt_config as mc
+from dflash_audit.audit.frameworks.kit import state_dict_entries
 from dflash_audit.audit.frameworks.modelopt_recipe import read_run_config  # noqa: F401
 from dflash_audit.audit.frameworks.modelopt_rows import (
     plan_rows,
@@ -335,13 +336,10 @@ class ModelOptCandidate:
         module, base = model.dflash_module, model._base_model_lm_head
         window = model.dflash_swa_window_size
         n = module.config.num_hidden_layers
-        state = {k: (v, bool(getattr(dict(module.named_parameters()).get(k), "requires_grad",
-                                         False))) for k, v in module.state_dict().items()}
-        embed = model._base_model_embeddings.weight
-        norm = model._base_model_norm.weight
-        for key, t in (("embed_tokens.weight", embed), ("lm_head.weight", base.weight),
-                       ("verifier_lm_head.weight", base.weight), ("verifier_norm.weight", norm)):
-            state[key] = (t, bool(t.requires_grad))
+        state = state_dict_entries(module, {
+            "embed_tokens.weight": model._base_model_embeddings.weight,
+            "lm_head.weight": base.weight, "verifier_lm_head.weight": base.weight,
+            "verifier_norm.weight": model._base_model_norm.weight})
         return {
             "fc_in_features": module.fc.in_features, "fc_out_features": module.fc.out_features,
             "target_layer_ids": from_zlab_ids(model.target_layer_ids),
@@ -351,8 +349,7 @@ class ModelOptCandidate:
             "sliding_window_non_causal": bool(window) and
             model.dflash_draft_attention == "bidirectional",
             "sample_from_anchor": False,
-            "state_dict": {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace(
-                "torch.", ""), "trainable": trainable} for k, (v, trainable) in state.items()},
+            "state_dict": state,
         }
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from dflash_audit.audit.case import SideOutputs
+from dflash_audit.audit.frameworks.kit import state_dict_entries
 from dflash_audit.audit.frameworks.specforge_capture import (
     recorded_masks,
     recorded_objective,
@@ -270,16 +271,8 @@ class SpecForgeCandidate:
         out_metrics = {"full_acc_sum": float(correct), "full_acc_total": float(total),
                        "loss_sum": float(loss_value.detach()), "loss_total": 1.0,
                        "loss_numerator": float(num.detach()), "loss_denominator": float(den)}
-        state = draft.state_dict()
-        params = dict(draft.named_parameters())
-        entries = {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""),
-                       "trainable": bool(params[k].requires_grad) if k in params else False}
-                   for k, v in state.items()}
-        for key, module in (("embed_tokens.weight", model.embed_tokens),
-                            ("lm_head.weight", model.lm_head)):
-            entries[key] = {"shape": list(module.weight.shape), "dtype": str(
-                module.weight.dtype).replace("torch.", ""),
-                "trainable": bool(module.weight.requires_grad)}
+        entries = state_dict_entries(draft, {"embed_tokens.weight": model.embed_tokens.weight,
+                                             "lm_head.weight": model.lm_head.weight})
         structure = {
             "fc_in_features": draft.fc.in_features, "fc_out_features": draft.fc.out_features,
             "target_layer_ids": from_zlab_ids(draft.target_layer_ids),
