@@ -86,7 +86,11 @@ def framework_compare(key: str, tmp_path_factory, *args: str, timeout: int = 600
 
     from filelock import FileLock
 
-    shared = tmp_path_factory.getbasetemp().parent / f"framework-compare-{key}"
+    import os
+
+    base = tmp_path_factory.getbasetemp()  # an xdist worker's: popen-gwN in the session's
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / (
+        f"framework-compare-{key}")
     shared.mkdir(parents=True, exist_ok=True)
     with FileLock(str(shared) + ".lock"):
         if not (shared / "done.json").is_file():
