@@ -9,7 +9,8 @@ Usage::
 
 Each framework is one ``dflash-audit compare --candidate framework:KEY==VERSION`` (the
 speculators adapter: ``framework:speculators==<the lock's version>``, its self-test) with the
-given case counts and profile; adapters that land in ``dflash_audit/audit/frameworks/`` are picked up
+given case counts and profile; adapters that land in ``dflash_audit/audit/frameworks/`` are
+picked up
 (:func:`dflash_audit.audit.frameworks.registry.available_adapters`), and known frameworks whose
 adapter is not in this build get a row saying so. A framework that cannot be set up (exit 2)
 gets a row with the setup error. Exit code 0 when every row was produced (whatever the

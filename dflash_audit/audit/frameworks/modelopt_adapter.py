@@ -298,8 +298,8 @@ class ModelOptCandidate:
                    "loss": out.loss.detach().float().reshape(())}
         mask = to_packed_mask(layout, masks[-1], T)
         tensors.update({f"mask.{t}": mask for t in dict.fromkeys(config.effective_layer_types)})
-        tensors[f"loss_weights.{mc.loss_term(loss)}"] = to_slots(layout, found["flat_weights"].reshape(
-            R, -1)).float()
+        weights = to_slots(layout, found["flat_weights"].reshape(R, -1)).float()
+        tensors[f"loss_weights.{mc.loss_term(loss)}"] = weights
         if kd and "teacher_logits" in found:
             tensors["targets"] = to_slots(layout, found["teacher_logits"]).float()
         elif kd:  # Sum of weights <= 1: ModelOpt returns 0 * logits and gathers no teacher
