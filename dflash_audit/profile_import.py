@@ -232,17 +232,29 @@ def profile_fields(d: dict[str, Any], source: str) -> tuple[str, dict[str, Any]]
     return fmt, fields
 
 
+def read_config_json(path: Path | str, what: str = "drafter config"
+                     ) -> tuple[dict[str, Any], Path]:
+    """The JSON object of a ``config.json`` file (or of its folder) and the file read.
+
+    Raises:
+        ValueError: unreadable, not JSON, or not a JSON object (``what`` names it).
+    """
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        d = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {what} {file}: {exc}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    return d, file
+
+
 def read_drafter_config(path: Path) -> tuple[str, dict[str, Any]]:
     """(format, profile fields) of a drafter ``config.json`` file (or its folder).
 
     Raises:
         ValueError: unreadable, not JSON, or not a DFlash drafter config.
     """
-    file = path / "config.json" if path.is_dir() else path
-    try:
-        d = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read drafter config {file}: {exc}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{file}: not a JSON object")
+    d, file = read_config_json(path)
     return profile_fields(d, str(file))

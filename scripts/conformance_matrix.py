@@ -4,12 +4,13 @@ reference, as one markdown table (framework and version x check -> status and na
 
 Usage::
 
-    python scripts/conformance_matrix.py [--cases N] [--rows R] [--offline]
-        [--framework KEY ...] [--out matrix.md] [--reports DIR]
+    python scripts/conformance_matrix.py [--cases N] [--rows R] [--profile P] [--seed S]
+        [--offline] [--framework KEY ...] [--out matrix.md] [--reports DIR]
 
 Each framework is one ``dflash-audit compare --candidate framework:KEY==VERSION`` (the
 speculators adapter: ``framework:speculators==<the lock's version>``, its self-test) with the
-given case counts; adapters that land in ``dflash_audit/audit/frameworks/`` are picked up
+given case counts and profile; adapters that land in ``dflash_audit/audit/frameworks/`` are
+picked up
 (:func:`dflash_audit.audit.frameworks.registry.available_adapters`), and known frameworks whose
 adapter is not in this build get a row saying so. A framework that cannot be set up (exit 2)
 gets a row with the setup error. Exit code 0 when every row was produced (whatever the
@@ -57,16 +58,18 @@ def audit(spec: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from dflash_audit.audit.setup_error import CompareSetupError
 
     opts = CompareOptions(candidate=spec, cases=args.cases, rows=args.rows, offline=args.offline,
-                          out=out, progress=False)
+                          profile=args.profile, seed=args.seed, out=out, progress=False)
     try:
         outcome = run_compare(opts)
     except CompareSetupError as exc:
         return {"label": spec, "verdict": "setup error", "checks": {}, "error": str(exc)}
     report = outcome.report
     fw = report.candidate.get("framework") or {}
-    checks = {}
+    checks, diagnoses = {}, report.diagnoses()  # root causes before their consequences
     for c in report.checks():
-        cause = (c["diagnosis"][0] if c["diagnosis"] else
+        named = [d["cause"] for d in diagnoses
+                 if c["name"] in d["checks"] and d["status"] == c["status"]]
+        cause = (named[0] if named else c["diagnosis"][0] if c["diagnosis"] else
                  (c["first_failure"] or {}).get("summary", "")) if c["status"] != "pass" else ""
         checks[c["name"]] = (c["status"], cause)
     return {"label": fw.get("label") or spec, "verdict": report.verdict, "checks": checks,
@@ -74,16 +77,19 @@ def audit(spec: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def render(rows: list[dict[str, Any]], check_names: list[str]) -> str:
-    """The markdown table (and one line per setup error)."""
-    lines = ["| framework | verdict | " + " | ".join(check_names) + " |",
-             "|---|---|" + "---|" * len(check_names)]
-    for r in rows:
+    """The markdown table: one row per check (the verdict first), one column per framework;
+    a cell is the status and, where it is not a pass, the first named cause. One line per
+    setup error after it."""
+    lines = ["| check | " + " | ".join(_cell(r["label"], 60) for r in rows) + " |",
+             "|---|" + "---|" * len(rows),
+             "| **verdict** | " + " | ".join(f"**{r['verdict']}**" for r in rows) + " |"]
+    for name in check_names:
         cells = []
-        for name in check_names:
+        for r in rows:
             status, cause = r["checks"].get(name, ("", ""))
-            cells.append(f"{ICON.get(status, '')} {status}" + (f": {_cell(cause)}" if cause
-                                                              else "") if status else "—")
-        lines.append(f"| {_cell(r['label'], 60)} | {r['verdict']} | " + " | ".join(cells) + " |")
+            cells.append((f"{ICON.get(status, '')} {status}" + (f": {_cell(cause)}" if cause
+                                                               else "")) if status else "—")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     notes = [f"- {r['label']}: {_cell(r['error'], 400)}" for r in rows if r.get("error")]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
@@ -93,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         "\n\n")[0])
     parser.add_argument("--cases", type=int, default=4, help="synthetic cases per framework")
     parser.add_argument("--rows", type=int, default=0, help="real rows per framework")
+    parser.add_argument("--profile", default="reference-model", help="the audit profile")
+    parser.add_argument("--seed", type=int, default=0, help="the cases' seed")
     parser.add_argument("--offline", action="store_true", help="use only the caches")
     parser.add_argument("--framework", action="append", default=None,
                         help="only this framework key (repeatable)")

@@ -56,3 +56,68 @@ def write_adapter(folder: Path, wheel: Path, caps: str) -> Path:
     path = folder / "testfw_adapter.py"
     path.write_text(ADAPTER.replace("{CAPS}", caps).replace("{WHEEL!r}", repr(str(wheel))))
     return path
+
+
+def framework_site(key: str, importable: bool = True) -> Path:
+    """The tool's own install of framework ``key`` (its adapter's pinned REQUIREMENTS, into
+    ``$DFLASH_AUDIT_CACHE/frameworks``, what ``--candidate framework:KEY`` puts on the
+    candidate's path), put on this process's ``sys.path`` when ``importable`` (for the tests
+    that call the framework in-process). A failed install fails the test (the index is
+    reachable in CI)."""
+    import sys
+
+    from dflash_audit.audit.frameworks.registry import framework_launch
+
+    launch = framework_launch(f"framework:{key}")
+    site = launch.pythonpath[-1]
+    if importable and site not in sys.path:
+        sys.path.insert(0, site)
+    return Path(site)
+
+
+def framework_compare(key: str, tmp_path_factory, *args: str, timeout: int = 600) -> dict:
+    """ONE ``dflash-audit compare --candidate framework:KEY --rows 0 ARGS`` in a subprocess
+    (the tool installs the framework into its cache: $DFLASH_AUDIT_CACHE of the suite), run
+    once per test session even when xdist spreads the file's tests over several workers (a
+    file lock in the session's shared base folder; the others read its report):
+    ``{"rc", "json", "md", "stdout", "by"}``, ``by[(case, check)]`` = that case's results of
+    that check (a list: mask has one per layer type)."""
+    import json
+
+    from filelock import FileLock
+
+    import os
+
+    base = tmp_path_factory.getbasetemp()  # an xdist worker's: popen-gwN in the session's
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / (
+        f"framework-compare-{key}")
+    shared.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(shared) + ".lock"):
+        if not (shared / "done.json").is_file():
+            done = _run_compare(key, shared / "reports", args, timeout)
+            (shared / "done.json").write_text(json.dumps(done))
+    done = json.loads((shared / "done.json").read_text())
+    folders = sorted(p for p in (shared / "reports").iterdir() if (p / "report.json").is_file())
+    assert folders, f"exit {done['rc']}: {done['stdout'][-4000:]}"
+    data = json.loads((folders[-1] / "report.json").read_text())
+    by: dict = {}
+    for case in data["cases"]:
+        for r in case["results"]:
+            by.setdefault((case["name"], r["name"]), []).append(r)
+    return {**done, "json": data, "md": (folders[-1] / "report.md").read_text(), "by": by}
+
+
+def _run_compare(key: str, out: Path, args: tuple[str, ...], timeout: int) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_audit.cli", "compare", "--candidate",
+         f"framework:{key}", "--rows", "0", "--out", str(out), *args], cwd=root, env=env,
+        capture_output=True, text=True, timeout=timeout, check=False)
+    return {"rc": done.returncode, "stdout": done.stdout + done.stderr}

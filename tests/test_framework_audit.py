@@ -217,8 +217,9 @@ def test_data_token_labels_are_named(label_case):
     assert "target_ids differ from the reference's argmax target" in results["targets"].summary
     assert results["targets"].diagnosis == [DATA_TOKENS_CAUSE]
     assert results["loss"].status == "fail"
-    assert results["loss"].diagnosis[0] == (f"follows from the targets difference "
-                                            f"({DATA_TOKENS_CAUSE})")
+    # its loss replayed on its own labels: ce-data, the reference's denominator
+    assert results["loss"].diagnosis[0] == (f"{DATA_TOKENS_CAUSE} (loss 'ce-data' where the "
+                                            "profile says 'kl_div')")
 
 
 def test_argmax_labels_pass(label_case):

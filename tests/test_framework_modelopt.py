@@ -1,11 +1,11 @@
-"""NVIDIA ModelOpt 0.47.0's real DFlash trainer audited as the candidate
-(dflash_audit/audit/frameworks/modelopt_adapter.py): its recipe reader, its row layout, what it
-refuses, and ONE real compare under the zlab profile whose differences are cross-checked
-against ModelOpt's source (nvidia-modelopt==0.47.0, modelopt/torch/speculative/...).
-
-ModelOpt is installed ``--no-deps`` from the package index into a session folder (its
-REQUIREMENTS); it is imported only in subprocesses (the candidate's, and one that reads its
-defaults), never in this process.
+"""NVIDIA ModelOpt 0.47.0's real DFlash trainer audited as the candidate through the tool's own
+path, ``dflash-audit compare --candidate framework:modelopt`` (the tool installs the adapter's
+pinned REQUIREMENTS into its cache; a failed install fails the test): ONE compare under a
+profile ModelOpt expresses as written (examples/profiles/modelopt-self-distillation.toml;
+seed 0: llama full, qwen3 sliding W=29, qwen3 full, each cut to one document), whose
+differences are cross-checked against ModelOpt's source (nvidia-modelopt==0.47.0,
+modelopt/torch/speculative/...); its recipe reader, its row layout and what it refuses.
+ModelOpt is imported only in subprocesses (the candidate's, and one that reads its defaults).
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from framework_support import framework_compare, framework_site
 
 from dflash_audit.audit.frameworks import modelopt_adapter as adapter
+from dflash_audit.audit.frameworks import modelopt_config
+from dflash_audit.audit.frameworks.capabilities import Capabilities
 from dflash_audit.audit.frameworks.modelopt_config import NotSupported, dflash_settings
 from dflash_audit.audit.frameworks.modelopt_recipe import (
     ARCHITECTURE_DEFAULTS,
@@ -38,8 +41,9 @@ from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.loss import LossSpec
 
 ROOT = Path(__file__).resolve().parents[1]
-ADAPTER = "dflash_audit/audit/frameworks/modelopt_adapter.py:candidate"
+PROFILE = ROOT / "examples" / "profiles" / "modelopt-self-distillation.toml"
 RECIPE = "modelopt_recipes/general/speculative_decoding/dflash.yaml"
+pytestmark = pytest.mark.reference
 
 
 def _env(site: Path) -> dict[str, str]:
@@ -49,103 +53,110 @@ def _env(site: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def modelopt_site(tmp_path_factory) -> Path:
-    """A folder holding ``adapter.REQUIREMENTS``, installed ``--no-deps`` (as the tool does)."""
-    site = tmp_path_factory.mktemp("modelopt-site")
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet",
-                           "--disable-pip-version-check", "--target", str(site),
-                           *adapter.REQUIREMENTS], capture_output=True, text=True, timeout=900, check=False)
-    if proc.returncode:
-        pytest.fail(f"pip could not install {adapter.REQUIREMENTS}: {proc.stderr[-800:]}")
-    return site
+def modelopt_site() -> Path:
+    """The tool's install of ``adapter.REQUIREMENTS`` (what the candidate imports); not put
+    on this process's path by the tests that use it: ModelOpt runs in subprocesses here."""
+    return framework_site("modelopt", importable=False)
 
 
 @pytest.fixture(scope="session")
-def modelopt_report(modelopt_site, tmp_path_factory) -> dict:
-    """report.json of ``compare --candidate <adapter> --profile zlab --cases 4`` (one run)."""
-    out = tmp_path_factory.mktemp("modelopt-reports")
-    proc = subprocess.run(
-        [sys.executable, "-m", "dflash_audit.cli", "compare", "--candidate", ADAPTER,
-         "--profile", "zlab", "--cases", "4", "--offline", "--out", str(out)],
-        cwd=ROOT, env=_env(modelopt_site), capture_output=True, text=True, timeout=1800,
-        check=False)
-    reports = sorted(out.glob("*/report.json"))
-    assert reports, f"no report (exit {proc.returncode}): {proc.stdout[-1500:]}{proc.stderr[-1500:]}"
-    report = json.loads(reports[-1].read_text())
-    report["_exit"] = proc.returncode
-    return report
+def modelopt_report(reference_identity, tmp_path_factory) -> dict:
+    """report.json of the one compare (see the module docstring), ``_exit`` its exit code."""
+    done = framework_compare("modelopt", tmp_path_factory, "--profile", str(PROFILE),
+                             "--cases", "3", "--seed", "0")
+    return {**done["json"], "_exit": done["rc"]}
 
 
 def _results(report: dict) -> dict[tuple[str, str], dict]:
     return {(res["case"], res["name"]): res for case in report["cases"]
-            for res in case["results"]}
-
-
-def _causes(report: dict, check: str) -> list[str]:
-    return [d["cause"] for d in report["diagnoses"] if check in d.get("checks", [])]
+            for res in case["results"] if res["name"] != "mask"} | {
+        (res["case"], f"mask.{res['details']['layer_type']}"): res
+        for case in report["cases"] for res in case["results"] if res["name"] == "mask"}
 
 
 # ----------------------------------------------------------------------------- the compare
-REAL = ("real-00-full", "real-00-sliding")
+CASES = ("syn-000-llama-full-doc0", "syn-001-qwen3-sliding-doc0", "syn-009-qwen3-full-doc1")
+
+
+def test_every_planned_case_is_one_modelopt_runs(modelopt_report):
+    """The planner filled the budget with cases inside ModelOpt's CAPABILITIES (its three
+    final-norm families here, full or all-sliding layouts, one document per row)."""
+    report = modelopt_report
+    assert [c["name"] for c in report["cases"]] == list(CASES)
+    assert all(not c["layout"].get("unsupported") for c in report["cases"])
+    notes = " | ".join(report["notes"])
+    assert "not supported by NVIDIA ModelOpt 0.47.0: mixed draft-layer layout" in notes
+    assert "not supported by NVIDIA ModelOpt 0.47.0: verifier family 'gemma3_text'" in notes
+    assert report["candidate"]["framework"]["install"].endswith(
+        "frameworks/modelopt-0.47.0/site")
 
 
 def test_compare_fails_and_names_what_modelopt_does(modelopt_report):
     """Each reported difference was cross-checked in ModelOpt 0.47.0's source."""
     report, res = modelopt_report, _results(modelopt_report)
     assert report["_exit"] == 1 and report["verdict"] == "fail"
-    for case in REAL:
-        # what ModelOpt does like the reference: fc over the 5 z-lab layers (ids k+1, hf_dflash
-        # .py:982-984), context rule kv < a and a bidirectional block (hf_dflash.py:705-721;
-        # the sliding variant: causal block, W=2048 >= T never binds), the context itself
-        for check in ("structure", "mask", "context"):
+    for case in CASES:
+        # what ModelOpt does like the reference: fc over the z-lab layers (ids k+1,
+        # hf_dflash.py:982-984), its teacher = base logits at a+s-1 through the re-applied
+        # final norm (hf_dflash.py:846-853, modeling_final_norm.py:119-145)
+        for check in ("protocol", "structure", "targets"):
             assert res[(case, check)]["status"] == "pass", res[(case, check)]["summary"]
         # aligned mask and per-slot weights: decay objective with factor 7 = exp(-(s-1)/7),
         # slot 0 and padding blocks excluded (hf_dflash.py:795-839)
         parts = res[(case, "loss")]["details"]["parts"]
         assert parts["aligned_loss_mask"]["status"] == "pass"
-        assert parts["loss_weights.ce"]["status"] == "pass"
+        assert parts["loss_weights.kl_div"]["status"] == "pass"
+        # its soft cross-entropy (KL + H(teacher)) over sum(w) + 1e-6 (hf_dflash.py:841-859)
+        assert parts["total"]["status"] == "fail"
+        assert res[(case, "loss")]["diagnosis"] == [
+            "soft cross-entropy -sum p log q (= KL + the teacher's entropy H(p): KL's gradient, "
+            "a larger value) where the profile says 'kl_div'",
+            "loss normalised by the sum of weights instead of the number of supervised tokens"]
         # ModelOpt's sampler allows a = T - B (max_anchor = seq_len - bs, inclusive,
         # hf_dflash.py:617-620); the reference excludes the last B positions
         assert res[(case, "anchors")]["status"] == "fail"
-        assert any("last block_size positions" in c for c in res[(case, "anchors")]["diagnosis"])
+        assert any(c.startswith("anchors admitted at T-B (a <= T - block_size, ModelOpt's rule)")
+                   for c in res[(case, "anchors")]["diagnosis"])
+        derived = " | ".join(res[(case, "derivation")]["diagnosis"])
+        # nothing is inherited from the verifier under transformers 5.19: Qwen3Config's own
+        # defaults win over the setdefault list (hf_dflash.py:403-413)
+        for cause in ("num_attention_heads 32", "head_dim 128", "intermediate_size 22016"):
+            assert cause in derived, (cause, derived)
+    # the full layers: the context rule kv < a and the bidirectional block as the reference
+    for case in (CASES[0], CASES[2]):
+        assert res[(case, "mask.full_attention")]["status"] == "pass"
+    # one window for the sliding layers measured from each query, kv > a + s - W
+    # (hf_dflash.py:709-711)
+    sliding = res[(CASES[1], "mask.sliding_attention")]
+    assert sliding["status"] == "fail"
+    assert "measured from the query's own position: kv >= a + s - W + 1" in sliding[
+        "diagnosis"][0]
     # the draft trains with RoPE theta 10000: modify's setattr(rope_theta) never reaches
     # rope_parameters under transformers 5.19 (hf_dflash.py:423-437)
-    assert any("RoPE theta 10000" in c for c in _causes(report, "logits"))
-    derived = " | ".join(_causes(report, "derivation"))
-    # nothing is inherited from the verifier under transformers 5.19: Qwen3Config's own
-    # defaults win over the setdefault list (hf_dflash.py:403-413), eps 1e-6 comes from
-    # default_config.py:28
-    for cause in ("rope theta 10000", "num_attention_heads 32", "num_key_value_heads 32",
-                  "head_dim 128", "intermediate_size 22016", "rms_norm_eps 1e-06"):
-        assert cause in derived, (cause, derived)
-
-
-def test_compare_records_what_the_audit_cannot_name_yet(modelopt_report):
-    """zlab's ``ce`` runs as ModelOpt's hard-label CE against the data token input_ids[a+s]
-    (dflash_self_logit_distillation false, hf_dflash.py:785-792, 859) with the loss divided by
-    the sum of weights + 1e-6 (hf_dflash.py:841-859): the adapter returns ``target_ids``, which
-    the audit does not read yet (protocol: no ``targets``), and the loss is unexplained."""
-    res = _results(modelopt_report)
-    for case in REAL:
-        assert res[(case, "protocol")]["status"] == "fail"
-        assert "no targets" in res[(case, "protocol")]["summary"]
-        assert res[(case, "loss")]["status"] == "fail"
-        assert res[(case, "gradients")]["status"] == "fail"
-    print("loss:", res[(REAL[0], "loss")]["summary"], res[(REAL[0], "loss")]["diagnosis"])
+    assert "RoPE theta 10000 in the draft layers, not the verifier's rope_theta" in res[
+        (CASES[1], "logits")]["diagnosis"]
+    # hidden_norm with ModelOpt's eps 1e-6 (default_config.py:28), not the verifier's 1e-5
+    assert res[(CASES[0], "context")]["diagnosis"] == [
+        "hidden_norm eps 1e-06, not the verifier's rms_norm_eps"]
 
 
 def test_compare_reports_nothing_modelopt_does_not_do(modelopt_report):
     """No check fails that ModelOpt's code does not explain: the failures are the ones named
-    above, and every synthetic case (1-2 draft layers, 5 target layers) is refused by the
-    adapter exactly as ModelOpt refuses it (one target layer per draft layer,
-    hf_dflash.py:457-462)."""
+    above (plus what follows from them)."""
     res = _results(modelopt_report)
-    failing = {name for (case, name), r in res.items() if r["status"] == "fail"}
-    assert failing <= {"protocol", "derivation", "logits", "loss", "gradients", "anchors", "run"}
-    for (case, name), r in res.items():
-        if case.startswith("syn-"):
-            assert name == "run" and r["status"] == "fail"
-            assert "one target layer per draft layer" in r["summary"], r["summary"]
+    failing = {name.split(".")[0] for (case, name), r in res.items() if r["status"] == "fail"}
+    assert failing <= {"derivation", "mask", "context", "logits", "loss", "gradients",
+                       "anchors"}, failing
+
+
+def test_capabilities_are_what_modelopt_refuses():
+    """The CAPABILITIES the planner applies and the adapter's own refusals agree: a case the
+    planner keeps is one dflash_settings accepts; each case it drops names what ModelOpt's
+    code refuses (see test_dflash_settings_refuses_what_modelopt_cannot_train)."""
+    caps = Capabilities.from_dict(adapter.CAPABILITIES)
+    assert not caps.any_target_layer_count and not caps.embedding_layer
+    assert caps.loss_mixes is False and caps.window_below_block is False
+    assert adapter.NAME == modelopt_config.NAME and adapter.VERSION == modelopt_config.VERSION
 
 
 # ------------------------------------------------------------------ ModelOpt's own defaults
@@ -270,9 +281,17 @@ def test_dflash_settings_of_a_case():
     ({}, "jsd", "loss 'jsd'"),
 ])
 def test_dflash_settings_refuses_what_modelopt_cannot_train(config, loss, what):
+    """ModelOpt's own refusals, and the same cases outside its CAPABILITIES (so the planner
+    never sends them: "not supported", never a failure)."""
+    from types import SimpleNamespace
+
     with pytest.raises(NotSupported, match="not supported by NVIDIA ModelOpt 0.47.0") as err:
         dflash_settings(_config(**config), LossSpec(loss=loss), 5)
     assert what in str(err.value)
+    case = SimpleNamespace(config=_config(**config), loss=LossSpec(loss=loss), dtype="fp32",
+                           inputs={"document_ids": torch.zeros(1, 8, dtype=torch.long)},
+                           weights={})
+    assert Capabilities.from_dict(adapter.CAPABILITIES).unsupported(case)
 
 
 def test_declarations():

@@ -1,73 +1,47 @@
-"""SpecForge 0.2.0's real DFlash training code audited as a candidate
-(``dflash_audit/audit/frameworks/specforge_adapter.py``): one ``dflash-audit compare`` under the
-zlab profile (seed 22: three single-document synthetic cases -- llama full, qwen3_5 mixed with a
-35-token window, gemma3_text full -- and one packed row of 4 documents), and the adapter's
-run-config reader, sampler and layer-id mapping.
+"""SpecForge 0.2.0's real DFlash training code audited as a candidate through the tool's own
+path, ``dflash-audit compare --candidate framework:specforge`` (the tool installs
+specforge==0.2.0 into its cache; a failed install fails the test): ONE compare under the zlab
+profile (seed 22: four synthetic cases, each cut to one document -- llama full, qwen3 sliding
+with W=1, qwen3_5 mixed with a 35-token window, gemma3_text full, one document already), and
+the adapter's run-config reader, sampler and layer-id mapping on the same install.
 
-specforge is installed ``--no-deps`` from the package index into a session folder (pip's cache
-makes reruns fast). The differences asserted are the ones read in SpecForge next to the
-reference (``specforge/algorithms/common/dflash_family_model.py`` = dfm):
-anchors may sit in the row's last B positions (dfm:184-187); the sliding window starts at
-a+s-W+1, not a-W (dfm:73-76); labels are data tokens and the loss is divided by the sum of
-weights (dfm:361-362, 406-416); no decay by default (dfm:148); a saved partial_rotary_factor
-the draft does not rotate, and nested per-layer-type RoPE crashing its derivation
-(training/model_loading.py:211-258); no packed rows.
+The differences asserted are the ones read in SpecForge next to the reference
+(``specforge/algorithms/common/dflash_family_model.py`` = dfm): anchors may sit in the row's
+last B positions (dfm:184-187); the sliding window starts at a+s-W+1, not a-W (dfm:73-76);
+labels are data tokens and the loss is divided by the sum of weights (dfm:361-362, 406-416);
+no decay by default (dfm:148); a saved partial_rotary_factor the draft does not rotate, and
+nested per-layer-type RoPE crashing its derivation (training/model_loading.py:211-258); one
+document per row (algorithms/common/collation.py:24-68).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from framework_support import framework_compare, framework_site
 
 pytestmark = pytest.mark.reference
-ROOT = Path(__file__).resolve().parents[1]
-ADAPTER = "dflash_audit/audit/frameworks/specforge_adapter.py:candidate"
 
 
 @pytest.fixture(scope="session")
-def specforge_site(tmp_path_factory) -> Path:
-    """specforge==0.2.0 installed --no-deps into a session folder, importable in-process."""
-    site = tmp_path_factory.mktemp("specforge-site")
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                           "--target", str(site), "specforge==0.2.0"],
-                          capture_output=True, text=True, timeout=600, check=False)
-    if done.returncode:
-        pytest.skip(f"cannot install specforge==0.2.0: {done.stderr.strip()[-300:]}")
-    sys.path.insert(0, str(site))
-    return site
+def specforge_site() -> object:
+    """The tool's install of specforge==0.2.0, importable in this process."""
+    return framework_site("specforge")
 
 
 @pytest.fixture(scope="session")
-def report(specforge_site, reference_identity, tmp_path_factory) -> dict:
-    """One compare of SpecForge against the cached reference: {"rc", "json", "md", "by"}
-    with ``by[(case, check)]`` = the list of that case's results of that check."""
-    out = tmp_path_factory.mktemp("specforge-report")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(specforge_site)])}
-    done = subprocess.run(
-        [sys.executable, "-m", "dflash_audit.cli", "compare", "--candidate", ADAPTER,
-         "--profile", "zlab", "--cases", "4", "--seed", "22", "--rows", "0", "--offline",
-         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-        check=False)
-    folders = sorted(p for p in out.iterdir() if (p / "report.json").is_file())
-    assert folders, done.stdout[-2000:] + done.stderr[-2000:]
-    data = json.loads((folders[-1] / "report.json").read_text())
-    by: dict = {}
-    for case in data["cases"]:
-        for r in case["results"]:
-            by.setdefault((case["name"], r["name"]), []).append(r)
-    return {"rc": done.returncode, "json": data, "md": (folders[-1] / "report.md").read_text(),
-            "by": by, "stdout": done.stdout}
+def report(reference_identity, tmp_path_factory) -> dict:
+    """One compare of SpecForge against the cached reference (see the module docstring)."""
+    return framework_compare("specforge", tmp_path_factory, "--profile", "zlab", "--cases",
+                             "4", "--seed", "22")
 
 
-LLAMA, QWEN35, QWEN3, GEMMA = ("syn-000-llama-full", "syn-002-qwen3_5-mixed",
-                               "syn-001-qwen3-sliding", "syn-003-gemma3_text-full")
-RAN = (LLAMA, QWEN35, GEMMA)  # the single-document cases SpecForge can run
+LLAMA, QWEN3, QWEN35, GEMMA = ("syn-000-llama-full-doc0", "syn-001-qwen3-sliding-doc2",
+                               "syn-002-qwen3_5-mixed-doc0", "syn-003-gemma3_text-full")
+RAN = (LLAMA, QWEN3, QWEN35, GEMMA)
 
 
 def results(report, case, check):
@@ -80,6 +54,8 @@ def statuses(report, case, check):
 
 def test_compare_fails_and_names_specforge(report):
     assert report["rc"] == 1, report["stdout"][-1500:]
+    assert report["json"]["candidate"]["framework"]["install"].endswith(
+        "frameworks/specforge-0.2.0/site")
     assert report["json"]["verdict"] == "fail"
     assert "SpecForge 0.2.0" in report["md"]
 
@@ -89,6 +65,7 @@ def test_shared_math_is_identical(report):
     are the same math: context and full-attention masks equal, full-attention logits exact."""
     for case in RAN:
         assert statuses(report, case, "context") == {"pass"}, case
+    for case in (LLAMA, QWEN35, GEMMA):  # the cases with a full-attention layer
         full = [r for r in results(report, case, "mask")
                 if r["details"]["layer_type"] == "full_attention"]
         assert full and all(r["status"] == "pass" for r in full), case
@@ -99,14 +76,18 @@ def test_shared_math_is_identical(report):
 def test_sliding_window_bound_is_narrower(report):
     """dfm:73-76: a sliding layer sees kv >= a + s - (W-1); the reference kv >= a - W. SpecForge
     only ever attends to less (0 extra entries), first from the late slots of a block."""
-    sliding = [r for r in results(report, QWEN35, "mask")
-               if r["details"]["layer_type"] == "sliding_attention"]
-    assert [r["status"] for r in sliding] == ["fail"]
-    details = sliding[0]["details"]
-    assert details["extra_attention"] == 0 and details["missing_attention"] > 0
-    assert sliding[0]["first_diff"]["kv_position"] < sliding[0]["first_diff"]["anchor_position"]
-    logits = results(report, QWEN35, "logits")[0]
-    assert any("follows from the mask difference" in d for d in logits["diagnosis"])
+    for case in (QWEN3, QWEN35):
+        sliding = [r for r in results(report, case, "mask")
+                   if r["details"]["layer_type"] == "sliding_attention"]
+        assert [r["status"] for r in sliding] == ["fail"], case
+        details = sliding[0]["details"]
+        assert details["extra_attention"] == 0 and details["missing_attention"] > 0
+        first = sliding[0]["first_diff"]
+        assert first["kv_position"] < first["anchor_position"]
+        assert any("measured from the query's own position: kv >= a + s - W + 1" in d
+                   for d in sliding[0]["diagnosis"]), case
+        logits = results(report, case, "logits")[0]
+        assert any("follows from the mask difference" in d for d in logits["diagnosis"])
 
 
 def test_anchor_sampler_differences_named(report):
@@ -121,12 +102,20 @@ def test_anchor_sampler_differences_named(report):
 
 def test_loss_differs(report):
     """Hard CE against data tokens input_ids[a+s] (dfm:406-416) divided by the sum of weights
-    (dfm:361-362) against the reference's CE on argmax(verifier) / (sum(m) + 1e-5): the loss
-    fails on every case SpecForge ran (today's diagnosis: unexplained, summary recorded)."""
+    (dfm:361-362) against the reference's CE on argmax(verifier) / (sum(m) + 1e-5): the labels
+    are named by the targets check, both deviations by the loss check."""
     for case in RAN:
+        t = results(report, case, "targets")[0]
+        assert t["status"] == "fail" and t["diagnosis"] == [
+            "targets are the data tokens input_ids[a+s], not the verifier's prediction"], case
         r = results(report, case, "loss")[0]
         assert r["status"] == "fail", case
         assert "total loss" in r["summary"]
+        assert r["diagnosis"] == [
+            "targets are the data tokens input_ids[a+s], not the verifier's prediction (loss "
+            "'ce-data' where the profile says 'ce')",
+            "loss normalised by the sum of weights instead of the number of supervised tokens"
+        ], case
         grads = results(report, case, "gradients")[0]
         assert grads["status"] == "fail" and any("follows from" in d for d in grads["diagnosis"])
 
@@ -147,11 +136,16 @@ def test_defaults_named(report):
     assert "ce-data" in r["summary"]
 
 
-def test_packed_row_is_not_supported(report):
-    texts = [r["summary"] for rs in (results(report, QWEN3, c) for c in ("run", "supported"))
-             for r in rs]
-    assert any("not supported by SpecForge 0.2.0: a packed row of 4 documents" in t
-               for t in texts), texts
+def test_every_case_runs_cut_to_one_document(report):
+    """SpecForge has no document mask: the planner cut each packed row to one document, and
+    every case it planned is one SpecForge runs (none "not supported")."""
+    names = [c["name"] for c in report["json"]["cases"]]
+    assert names == list(RAN)
+    assert any("SpecForge 0.2.0 takes one document per row: packed rows were cut" in n
+               for n in report["json"]["notes"])
+    for case in report["json"]["cases"]:
+        assert case["layout"]["documents"] == 1 and case["layout"]["padding"] == 0
+        assert not case["layout"].get("unsupported")
 
 
 def test_nothing_specforge_does_not_do_is_reported(report):
@@ -186,15 +180,32 @@ def test_select_anchors_is_specforges_rule(specforge_site):
     assert not valid.any()
 
 
-def test_layer_ids_map_and_refuse():
-    from dflash_audit.audit.frameworks.specforge_config import speculators_ids, zlab_ids
+def test_layer_ids_map_and_what_specforge_cannot_take(specforge_site):
+    """SpecForge's ids are z-lab's (id k reads HF output_hidden_states[k+1], dflash.py:284-293):
+    the shared conversion, and the two speculators ids with no SpecForge id refused by its
+    CAPABILITIES (so the planner never sends them), named by the adapter if given directly."""
+    from dflash_audit.audit.frameworks.specforge_adapter import (
+        NotSupported,
+        check_supported,
+    )
+    from dflash_audit.audit.frameworks.specforge_config import derive_config  # noqa: F401
+    from dflash_audit.data.families import family_config
+    from dflash_audit.model.config import DFlashConfig
+    from dflash_audit.model.layer_ids import from_zlab_ids, to_zlab_ids
 
-    assert zlab_ids([2, 9, 15, 21, 28], 30) == [1, 8, 14, 20, 27]
-    assert speculators_ids([1, 8, 14, 20, 27]) == [2, 9, 15, 21, 28]
-    with pytest.raises(ValueError, match="embedding output"):
-        zlab_ids([0, 5], 12)
-    with pytest.raises(ValueError, match="after the final norm"):
-        zlab_ids([5, 12], 12)
+    assert to_zlab_ids([2, 9, 15, 21, 28]) == [1, 8, 14, 20, 27]
+    assert from_zlab_ids([1, 8, 14, 20, 27]) == [2, 9, 15, 21, 28]
+    verifier = family_config("llama", num_hidden_layers=12, vocab_size=128)
+    inputs = {"document_ids": torch.zeros(1, 8, dtype=torch.long)}
+    config = DFlashConfig.from_verifier_config(verifier, target_layer_ids=[3, 7],
+                                               mask_token_id=127)
+    assert check_supported(config, inputs) == [2, 6]
+    for ids, what in (([0, 5], "target layer id 0 (the embedding output"),
+                      ([5, 12], "target layer id 12 (the last layer's output before the final")):
+        bad = config.replace(target_layer_ids=ids)
+        with pytest.raises(NotSupported, match=r"not supported by SpecForge 0\.2\.0") as err:
+            check_supported(bad, inputs)
+        assert what in str(err.value)
 
 
 def _write(tmp_path, text: str) -> Path:

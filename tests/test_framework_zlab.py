@@ -1,55 +1,36 @@
-"""The z-lab dflash 0.1.0 adapter on z-lab's real code (installed from the package index into
-this session's temporary folder): its target-layer formula against ours, its config reader,
-one step against our drafter, and ONE compare against the real reference that must find the
-sliding-window difference (research 4.5) and name it."""
+"""The z-lab dflash 0.1.0 adapter on z-lab's real code, installed by the tool into its cache
+(``--candidate framework:zlab``; a failed install fails the test): its target-layer formula
+against ours, its config reader, one step against our drafter, and ONE compare through
+``--candidate framework:zlab`` against the real reference that must find the sliding-window
+difference (research 4.5) and name it."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from framework_support import framework_compare, framework_site
 
 from dflash_audit.audit.checks.mask import MaskHypothesis, build_mask
 from dflash_audit.model.config import zlab_build_target_layer_ids
 from dflash_audit.profile import Profile
 
-ROOT = Path(__file__).resolve().parents[1]
-ADAPTER = "dflash_audit/audit/frameworks/zlab_adapter.py:candidate"
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="session")
-def zlab_site(tmp_path_factory) -> Path:
-    """dflash==0.1.0 installed with ``pip --no-deps --target`` (never into the environment),
-    importable for this session."""
-    site = tmp_path_factory.mktemp("zlab-site")
-    out = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                          "--target", str(site), "dflash==0.1.0"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    sys.path.insert(0, str(site))
-    yield site
-    sys.path.remove(str(site))
+def zlab_site():
+    """The tool's install of dflash==0.1.0, importable in this process."""
+    return framework_site("zlab")
 
 
 @pytest.fixture(scope="session")
-def zlab_compare(zlab_site, tmp_path_factory) -> tuple[int, dict]:
-    """ONE compare: z-lab's adapter as the candidate, profile zlab, 6 synthetic cases (full,
+def zlab_compare(reference_identity, tmp_path_factory) -> tuple[int, dict]:
+    """ONE compare: ``--candidate framework:zlab``, profile zlab, 6 synthetic cases (full,
     sliding and mixed layouts; windows shorter than the rows)."""
-    out = tmp_path_factory.mktemp("zlab-report")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(zlab_site)])}
-    run = subprocess.run([sys.executable, "-m", "dflash_audit.cli", "compare", "--candidate",
-                          ADAPTER, "--profile", "zlab", "--cases", "6", "--rows", "0",
-                          "--offline", "--out", str(out)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
-    reports = list(out.glob("*/report.json"))
-    assert len(reports) == 1, run.stdout[-3000:] + run.stderr[-3000:]
-    return run.returncode, json.loads(reports[0].read_text())
+    done = framework_compare("zlab", tmp_path_factory, "--profile", "zlab", "--cases", "6")
+    return done["rc"], done["json"]
 
 
 def test_build_target_layer_ids_equals_zlabs_own(zlab_site):
@@ -122,10 +103,18 @@ def test_compare_finds_the_window_bound_and_passes_full_attention(zlab_compare):
         results = {(r["name"], (r.get("details") or {}).get("layer_type")): r
                    for r in c["results"]}
         if c["layout"]["layout"] == "full":  # z-lab's forward = the reference's here
-            compared = {n: r["status"] for (n, _), r in results.items() if n in (
+            compared = {n: r for (n, _), r in results.items() if n in (
                 "mask", "context", "logits", "targets", "loss", "gradients")}
-            assert set(compared.values()) == {"pass"} and len(compared) == 6, (c["name"],
-                                                                                compared)
+            assert len(compared) == 6, c["name"]
+            # z-lab's own outputs pass; what the adapter computes (PROVENANCE) agrees too,
+            # marked as the adapter's (warn), never a failure
+            for name, r in compared.items():
+                if name in ("context", "logits"):
+                    assert r["status"] == "pass", (c["name"], name, r["summary"])
+                else:
+                    assert r["status"] == "warn", (c["name"], name, r["summary"])
+                    assert "computed by the adapter, not audited as z-lab dflash 0.1.0's" in (
+                        r["summary"]), (c["name"], name)
         sliding = results.get(("mask", "sliding_attention"))
         if sliding and sliding["status"] == "fail":
             causes += sliding["diagnosis"]

@@ -4,6 +4,7 @@ planner, provenance marking, hard labels in the output protocol."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.sides.candidate_runner import run_one
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.cli import app
+from dflash_audit.model.loss import LossSpec
 from dflash_audit.profile import Profile
 
 
@@ -239,6 +241,60 @@ def test_provenance_marks_adapter_values():
     assert masks[1].status == WARN and "mask.full_attention" in masks[1].summary
 
 
+def test_provenance_of_a_mask_is_per_layer_type():
+    """z-lab's sliding mask is its own, the full-attention one the adapter's: only the
+    full-attention mask result is marked."""
+    from types import SimpleNamespace
+
+    prov = {"mask.full_attention": "adapter", "mask.sliding_attention": "framework"}
+    outputs = SimpleNamespace(tensors={"mask.full_attention": 0, "mask.sliding_attention": 0})
+    results = [CheckResult("mask", "c", PASS, "equal", details={"layer_type": lt})
+               for lt in ("full_attention", "sliding_attention")]
+    full, sliding = mark_provenance(results, prov, "z-lab dflash 0.1.0", outputs)
+    assert full.status == WARN and "(mask.full_attention)" in full.summary
+    assert sliding.status == PASS and "provenance" not in sliding.details
+
+
+def test_capabilities_new_keys_name_what_cannot_be_given(profile):
+    """What a z-lab-convention framework cannot name (ids 0 and N), a one-target-layer-per-
+    draft-layer rule, windows below the block, loss mixes, one head for both roles; unknown
+    values of list keys refused; weighting 'none' accepted."""
+    with pytest.raises(CapabilitiesError, match=r"unknown value\(s\) \['bidirectional'\]"):
+        Capabilities.from_dict({"block_attention": ["bidirectional"]})
+    assert Capabilities.from_dict({"weightings": ["none", "dpace"]}).weightings == (
+        "none", "dpace")
+    case = plan_synthetic_cases(profile, 2, seed=0)[1].case  # qwen3 sliding
+    caps = Capabilities(any_target_layer_count=False, embedding_layer=False, last_layer=False,
+                        window_below_block=False, loss_mixes=False, separate_draft_head=False)
+    n = case.config.num_verifier_layers
+    cfg = case.config.replace(target_layer_ids=[0, 5, n], sliding_window=1)
+    weights = {**case.weights, "lm_head.weight": case.weights["lm_head.weight"] + 1}
+    odd = dataclasses.replace(case, config=cfg, weights=weights,
+                              loss=LossSpec('{"kl_div": 0.5, "ce": 0.5}'))
+    reasons = " | ".join(caps.unsupported(odd))
+    for what in (f"3 target layers for {cfg.num_hidden_layers} draft layer(s)",
+                 "target layer id 0 (the embedding output", f"target layer id {n} (the last "
+                 "layer's output before the final norm", "a sliding window W=1 smaller than "
+                 "the block", "a mix of loss terms", "a draft lm_head that differs"):
+        assert what in reasons, (what, reasons)
+    assert Capabilities().unsupported(odd) == []
+
+
+def test_planner_deepens_drafters_for_one_target_layer_per_draft_layer(profile):
+    """reference-model's 3 target layers [2, N//2, N-3] for a framework that takes one target
+    layer per draft layer: 3 draft layers in every case, the profile's ids kept, named."""
+    from dflash_audit.audit.cases.supported import fitted_profile
+
+    caps = Capabilities(any_target_layer_count=False, packed_rows=False)
+    fitted, note = fitted_profile(profile, caps, 30, "TestFW 1.0")
+    assert fitted.num_draft_layers == 3 and "one target layer per draft layer" in note
+    planned, _ = framework_cases([], fitted, 3, 0, caps, "TestFW 1.0")
+    assert len(planned) == 3 and not any(p.case.unsupported for p in planned)
+    assert all(p.case.config.num_hidden_layers == 3 and
+               list(p.case.config.target_layer_ids) == [2, 6, 9] for p in planned)
+    assert fitted_profile(profile, Capabilities(), 30, "x") == (profile, None)
+
+
 # -------------------------------------------------------------------------- hard labels
 def test_target_ids_replace_targets_in_the_protocol(profile):
     case = plan_synthetic_cases(profile, 1, seed=0)[0].case
@@ -260,3 +316,17 @@ def test_an_unsupported_dtype_is_listed_not_failed(profile):
     assert planned[0].case.unsupported == [
         "not supported by TestFW 1.0: dtype bf16 (supported: fp32)"]
     assert notes[0].startswith("not supported by TestFW 1.0: dtype bf16")
+
+
+# ------------------------------------------------------------------------------- train
+@pytest.mark.parametrize("spec", ["framework:specforge", "framework:speculators==0.9.0"])
+def test_train_refuses_a_framework_candidate(spec, tmp_path):
+    """`train` trains our drafter or a user candidate; a framework spec is refused before
+    anything is loaded or written: exit 2, one line, no traceback."""
+    result = CliRunner().invoke(app, ["train", "--candidate", spec, "--out",
+                                      str(tmp_path / "run")])
+    assert result.exit_code == 2
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert ("train trains our drafter or your own candidate; a framework is audited, not "
+            "trained here: train with the framework itself") in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "run").exists()

@@ -49,7 +49,8 @@ def diagnose(case: Case, cand: SideOutputs, ref: SideOutputs,
             causes = DIAGNOSERS.get(result.name, lambda e, r: [])(ev, result)
         except Exception as err:  # noqa: BLE001 - a diagnosis must not hide the finding
             causes = [f"diagnosis could not run: {type(err).__name__}: {err}"]
-        if result.name in ("loss", "metrics") and data_token_slots(case, cand, ref):
+        if (result.name in ("loss", "metrics") and data_token_slots(case, cand, ref)
+                and not any(DATA_TOKENS_CAUSE in c for c in causes)):
             causes = [f"follows from the targets difference ({DATA_TOKENS_CAUSE})", *causes]
         if not causes and result.status == FAIL:
             causes = [unexplained(result)]

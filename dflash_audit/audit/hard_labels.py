@@ -18,7 +18,10 @@ import torch
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.slots import supervised_slots
 from dflash_audit.model.drafter import block_indices
+from dflash_audit.model.loss import data_target_ids
 
+#: The one wording of "the candidate is taught the data tokens" (targets check, loss check,
+#: the diagnosis that a loss difference follows from it).
 DATA_TOKENS_CAUSE = ("targets are the data tokens input_ids[a+s], not the verifier's "
                      "prediction")
 
@@ -38,10 +41,12 @@ def reference_label_ids(case: Case, ref: SideOutputs) -> torch.Tensor:
 
 
 def data_tokens(case: Case) -> torch.Tensor:
-    """[Q] long: ``input_ids[a + s]`` per slot (position wrapped into the row)."""
-    T = case.inputs["input_ids"].shape[-1]
-    idx = block_indices(case.inputs["anchor_positions"].long(), case.config.block_size) % T
-    return case.inputs["input_ids"][0, idx].long()
+    """[Q] long: the data token each slot of ``case`` is taught, ``input_ids[a + s]``
+    (``a + s + 1`` with ``sample_from_anchor``; position wrapped into the row): what ``ce-data``
+    trains on and a data-token trainer returns as ``target_ids``
+    (:func:`dflash_audit.model.loss.data_target_ids`)."""
+    idx = block_indices(case.inputs["anchor_positions"].long(), case.config.block_size)
+    return data_target_ids(case.inputs["input_ids"], idx, case.config.sample_from_anchor)[0]
 
 
 @dataclass

@@ -75,3 +75,18 @@ def resolve_target_layer_ids(num_layers: int,
                            f"with {n} layers{note} (id {n} = the last layer's output before "
                            "the final norm)")
     return sorted(ids)
+
+
+def to_zlab_ids(ids: Sequence[int]) -> list[int]:
+    """z-lab-convention ids (z-lab dflash, SpecForge, ModelOpt: id k reads HF
+    ``output_hidden_states[k + 1]``, z-lab ``dflash/model.py:37-43``) of speculators-convention
+    ``ids``: k = id - 1, order kept. Id 0 becomes -1 (a z-lab framework cannot name it: its
+    adapter's CAPABILITIES say ``embedding_layer: False``)."""
+    return [int(i) - 1 for i in ids]
+
+
+def from_zlab_ids(ids: Sequence[int]) -> list[int]:
+    """Speculators-convention ids of z-lab-convention ``ids``: id = k + 1, order kept (the
+    inverse of :func:`to_zlab_ids`; the reference's own converter maps them so,
+    speculators 0.9.0 ``convert/dflash/converter.py:110-126``)."""
+    return [int(i) + 1 for i in ids]

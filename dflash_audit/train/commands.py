@@ -45,7 +45,8 @@ def train_command(
     profile: Annotated[str, Opt(help="Built-in profile, a TOML file or a drafter config.json "
                                      "(the audited one).")] = "reference-model",
     candidate: Annotated[str | None, Opt(
-        help="module:attr or file.py:attr of a DrafterCandidate subclass (default: ours).")
+        help="module:attr or file.py:attr of a DrafterCandidate subclass (default: ours); "
+             "not a framework:NAME (a framework is audited, not trained here).")
     ] = None,
     ref: Annotated[str | None, Opt(
         help="Reference the audit ran against (default: reference/speculators.lock).")] = None,
@@ -105,6 +106,11 @@ def train_command(
     codes: 0 done, 1 audit failed, 2 no matching report, bad input or environment (an
     existing run, unwritable or full --out, damaged checkpoint), 130/143 interrupted
     (checkpoint written)."""
+    from dflash_audit.audit.frameworks.registry import is_framework_spec
+
+    if is_framework_spec(candidate):  # before anything is loaded: exit 2, one line
+        _fail(f"--candidate {candidate}: train trains our drafter or your own candidate; a "
+              "framework is audited, not trained here: train with the framework itself", 2)
     from dflash_audit.train.gate import GateError
     from dflash_audit.train.loop import TrainConfig, train
 

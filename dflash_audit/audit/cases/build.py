@@ -48,7 +48,7 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
     from dflash_audit.model.config import ConfigError
     from dflash_audit.profile import ProfileError
 
-    planned, info = [], {}
+    planned, info, fit_note = [], {}, None
     if profile.block_size > MAX_BLOCK_SIZE or (opts.rows and profile.block_size >= opts.seq_len):
         raise CompareSetupError(
             f"block_size {profile.block_size}: the audit takes block sizes up to "
@@ -66,6 +66,11 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
             except ProfileError as exc:
                 raise CompareSetupError(
                     f"{exc}; {verifier_hint(profile, opts.verifier)}") from None
+            if capabilities is not None:  # e.g. one target layer per draft layer (ModelOpt)
+                from dflash_audit.audit.cases.supported import fitted_profile
+
+                profile, fit_note = fitted_profile(profile, capabilities, verifier.num_layers,
+                                                   framework_label)
         if opts.rows:
             with st.stage("batches", "real batches (verifier + data)"):
                 # a style the data pipeline cannot resolve alone (per-draft-layer needs the
@@ -96,7 +101,7 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
                 planned, notes = framework_cases(planned, profile, opts.cases, opts.seed,
                                                  capabilities, framework_label,
                                                  opts.dtype or profile.dtype)
-                info["unsupported"] = notes
+                info["unsupported"] = ([fit_note] if fit_note else []) + notes
             else:
                 planned += plan_synthetic_cases(profile, opts.cases, seed=opts.seed)
             if opts.device == "cuda":  # Q and T+Q past and off the flex block size

@@ -192,7 +192,7 @@ def plan_real_cases(profile: Profile, inputs: Any, anchors: int, seed: int = 0,
     return planned
 
 
-def _synthetic_target_layers(profile: Profile, n_layers: int) -> list[int]:
+def synthetic_target_layers(profile: Profile, n_layers: int) -> list[int]:
     try:
         return profile.resolve_target_layer_ids(n_layers)
     except ProfileError:  # explicit ids of a deeper verifier: keep their count, spread them
@@ -205,11 +205,15 @@ def plan_synthetic_cases(profile: Profile, count: int, seed: int = 0) -> list[Pl
     return [synthetic_planned(profile, i, count, seed) for i in range(count)]
 
 
-def synthetic_planned(profile: Profile, i: int, count: int, seed: int = 0) -> PlannedCase:
+def synthetic_planned(profile: Profile, i: int, count: int, seed: int = 0,
+                      num_draft_layers: int | None = None) -> PlannedCase:
     """Synthetic case ``i`` of an audit of ``count`` synthetic cases (the spread of the module
-    docstring; ``i >= count`` continues it, for a framework whose capabilities skip cases)."""
+    docstring; ``i >= count`` continues it, for a framework whose capabilities skip cases).
+    ``num_draft_layers``: the drafter's depth instead of the drawn one (1 or 2), for a
+    framework that takes one target layer per draft layer; the layout cycles as before (a
+    mixed one alternates), every other draw is the same."""
     V = SYNTHETIC_VERIFIER["vocab_size"]
-    ids = _synthetic_target_layers(profile, SYNTHETIC_VERIFIER["num_hidden_layers"])
+    ids = synthetic_target_layers(profile, SYNTHETIC_VERIFIER["num_hidden_layers"])
     draft_vocab = V // 2 if profile.draft_vocab_size is not None else None
     loss = profile.loss_spec()
     rng = random.Random(seed * 1_000_003 + i)
@@ -218,6 +222,8 @@ def synthetic_planned(profile: Profile, i: int, count: int, seed: int = 0) -> Pl
         types = rng.choice([("sliding", "full"), ("full", "sliding")])
     else:
         types = (layout,) * rng.choice((1, 1, 2))
+    if num_draft_layers is not None:  # the same layout kinds at the asked depth
+        types = tuple(types[k % len(types)] for k in range(num_draft_layers))
     block = profile.block_size if i < len(SYNTHETIC_LAYOUTS) else rng.choice(
         SYNTHETIC_BLOCK_SIZES)
     # the last case past the first pass over the families: one long document; the one
@@ -291,7 +297,7 @@ def plan_flex_padding_case(profile: Profile, seed: int = 0) -> PlannedCase:
     anchors = FLEX_BLOCK_SIZE // block + 3  # Q = 128 + 3 B (B >= 2: never a multiple of 128)
     seq_len = FLEX_BLOCK_SIZE + 77
     family = FAMILIES[0]
-    ids = _synthetic_target_layers(profile, SYNTHETIC_VERIFIER["num_hidden_layers"])
+    ids = synthetic_target_layers(profile, SYNTHETIC_VERIFIER["num_hidden_layers"])
     variant = profile.replace(draft_vocab_size=SYNTHETIC_VERIFIER["vocab_size"] // 2
                               if profile.draft_vocab_size is not None else None)
     config = variant.to_drafter_config(synthetic_verifier_config(family), mask_token_id=(

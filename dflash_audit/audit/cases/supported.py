@@ -2,10 +2,13 @@
 (its adapter's CAPABILITIES, :class:`dflash_audit.audit.frameworks.capabilities.Capabilities`).
 
 - A packed row (several documents or padding) for a framework without packed rows becomes a
-  single-document variant: the row cut to its first document (:func:`single_document`).
+  single-document variant: the row cut to one document (the first that leaves a valid
+  anchor, :func:`single_document`).
 - Synthetic cases outside the capabilities are skipped and the spread continues (case
   ``count``, ``count + 1``, ... of the same seeded sequence, so it still cycles over the
   verifier families and layouts the framework supports) until the budget is filled.
+- A framework that takes exactly one target layer per draft layer (ModelOpt) gets drafters
+  as deep as the profile's target layers (:func:`fitted_profile`; named in the notes).
 - What stays unsupported is listed ("not supported by SpecForge 0.2.0: ..."), never failed;
   where the budget cannot be filled with supported cases, unsupported ones fill it with only
   the checks that need no training step (anchors, derivation), ``case.unsupported`` set.
@@ -16,11 +19,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dflash_audit.audit.cases.plan import PlannedCase, layout_facts, synthetic_planned
+from dflash_audit.audit.cases.plan import (
+    SYNTHETIC_VERIFIER,
+    PlannedCase,
+    layout_facts,
+    synthetic_planned,
+    synthetic_target_layers,
+)
 from dflash_audit.audit.frameworks.capabilities import Capabilities, single_document
 
 #: Synthetic candidates tried per synthetic case asked for, before unsupported ones fill in.
-TRIES_PER_CASE = 6
+TRIES_PER_CASE = 12
 
 
 def _fit(p: PlannedCase, caps: Capabilities, seed: int, dtype: str
@@ -38,6 +47,29 @@ def _fit(p: PlannedCase, caps: Capabilities, seed: int, dtype: str
             p = PlannedCase(cut, p.kind, {**layout_facts(cut), "cut_to_first_document": True})
             reasons = why(cut)
     return p, reasons
+
+
+def fitted_profile(profile: Any, caps: Capabilities, num_verifier_layers: int,
+                   label: str) -> tuple[Any, str | None]:
+    """``profile`` with as many draft layers as target layers for an ``num_verifier_layers``
+    verifier where ``caps`` takes exactly one target layer per draft layer and the profile's
+    depth differs, and the note saying so; else ``(profile, None)``.
+
+    Raises:
+        ProfileError: the profile's target layers do not fit the verifier.
+    """
+    if caps.any_target_layer_count:
+        return profile, None
+    n = len(profile.resolve_target_layer_ids(num_verifier_layers))
+    if n == profile.num_draft_layers:
+        return profile, None
+    layout = profile.layer_layout
+    if isinstance(layout, (list, tuple)):  # a per-layer list: cycled to the new depth
+        layout = [layout[k % len(layout)] for k in range(n)]
+    return (profile.replace(num_draft_layers=n, layer_layout=layout),
+            f"{label} takes exactly one target layer per draft layer: the drafters have as "
+            f"many draft layers as target layers ({n} for {num_verifier_layers} verifier "
+            f"layers; the profile has {profile.num_draft_layers})")
 
 
 def _mark(p: PlannedCase, reasons: list[str], label: str) -> PlannedCase:
@@ -72,9 +104,11 @@ def framework_cases(real: list[PlannedCase], profile: Any, count: int, seed: int
             skipped.setdefault(r, []).append(p.case.name)
     synthetic: list[PlannedCase] = []
     spares: list[tuple[PlannedCase, list[str]]] = []
+    depth = None if caps.any_target_layer_count else len(synthetic_target_layers(
+        profile, SYNTHETIC_VERIFIER["num_hidden_layers"]))
     i = 0
     while len(synthetic) < count and i < max(count, 1) * TRIES_PER_CASE:
-        p = synthetic_planned(profile, i, count, seed)
+        p = synthetic_planned(profile, i, count, seed, num_draft_layers=depth)
         fitted, reasons = _fit(p, caps, seed * 7919 + i, dtype)
         i += 1
         if fitted.case is not p.case and not reasons:
@@ -91,7 +125,7 @@ def framework_cases(real: list[PlannedCase], profile: Any, count: int, seed: int
              + (f" and {len(names) - 4} more" if len(names) > 4 else "") + ")"
              for r, names in skipped.items()]
     if cut:
-        notes.append(f"{label} takes one document per row: packed rows were cut to their "
-                     f"first document ({', '.join(cut[:4])}"
+        notes.append(f"{label} takes one document per row: packed rows were cut to one "
+                     f"document each ({', '.join(cut[:4])}"
                      + (f" and {len(cut) - 4} more" if len(cut) > 4 else "") + ")")
     return planned + synthetic, notes

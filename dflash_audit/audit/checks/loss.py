@@ -35,11 +35,11 @@ import torch
 
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import not_provided
+from dflash_audit.audit.hard_labels import data_tokens
 from dflash_audit.audit.replay.evidence import Evidence, follows_from
 from dflash_audit.audit.replay.loss_formulas import (
     AUDIT_LOSS_NAMES,
     audit_term_loss,
-    case_target_ids,
     diagnose_loss_total,
     own_loss,
 )
@@ -274,7 +274,7 @@ def diagnose_weights(ev: Evidence, part: dict[str, Any]) -> list[str]:
                     t["logits"].shape == t["targets"].shape and dpace_match(
                         ev, part["term"], audit_term_loss(kind, t["logits"].float(),
                                                           t["targets"].float(),
-                                                          case_target_ids(ev.case))):
+                                                          data_tokens(ev.case)[None])):
                 return [f"follows from the loss kind difference: D-PACE weights depend on the "
                         f"per-token loss, and D-PACE on the candidate's own {kind!r} per-token "
                         "loss reproduces its weights"]

@@ -14,13 +14,20 @@ The contract every adapter module ``dflash_audit/audit/frameworks/<name>_adapter
   computed each output (``"grad."``, ``"mask."``, ``"loss_weights."`` cover their families);
   an output not listed counts as the framework's. ``run_case`` may also return a
   ``"provenance"`` entry in ``SideOutputs.metadata`` that overrides it per case.
-* ``CAPABILITIES``: what the framework supports, keys of
+* ``CAPABILITIES``: what the framework can be configured to run, keys of
   :class:`dflash_audit.audit.frameworks.capabilities.Capabilities` (packed rows, layer layouts,
-  verifier families, draft vocabulary, losses, weightings, sample_from_anchor); a case outside
-  them is "not supported by NAME VERSION: ...", never a failure.
+  block attention, verifier families, draft vocabulary, losses and mixes, weightings,
+  sample_from_anchor, dtypes, target-layer rules, windows below the block, a separate draft
+  head); a profile value the framework runs as its own variant is supported (the audit names
+  the difference); a case outside them is "not supported by NAME VERSION: ...", never a
+  failure, and the adapter's own refusals are only a guard for cases given to it directly.
+* ``NAME`` and ``VERSION`` (and ``REQUIREMENTS``) as literals: the registry reads them from the
+  module's source without importing the framework.
 * ``REQUIREMENTS``: the pip requirements installed (``--no-deps``) into the tool's cache for
   the framework, pinned (``["specforge==0.2.0"]`` plus the few light import-time dependencies).
 * ``NAME`` and ``VERSION``: the framework's display name and pinned version.
+* Layer ids of a z-lab-convention framework: :func:`dflash_audit.model.layer_ids.to_zlab_ids`
+  / :func:`~dflash_audit.model.layer_ids.from_zlab_ids`; recorders: :mod:`.kit`.
 
 Hard-label trainers return ``target_ids`` [1, Q] (long: the token each slot is taught) instead
 of, or besides, ``targets``.

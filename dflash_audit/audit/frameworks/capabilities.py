@@ -3,7 +3,7 @@ audit cases fall outside it.
 
 A case outside a framework's capabilities is not a failure of the framework: the planner
 (:mod:`dflash_audit.audit.cases.plan`) fills the case budget with cases it supports, cuts a
-packed row to its first document where packed rows are not supported
+packed row to one document where packed rows are not supported
 (:func:`single_document`), and lists the rest as "not supported by NAME VERSION: reason"
 (only the checks that need no training step -- anchors, derivation -- run on them).
 """
@@ -17,10 +17,15 @@ from typing import Any
 import torch
 
 from dflash_audit.model.config import SLIDING_ATTENTION
-from dflash_audit.model.loss import parse_loss
+from dflash_audit.model.loss import LOSS_NAMES, WEIGHTINGS, parse_loss
 
 LAYOUTS = ("full", "sliding", "mixed")
 BLOCK_ATTENTION = ("causal", "non_causal")
+DTYPES = ("fp32", "bf16")
+#: The values a list-valued key may hold (None: any string, e.g. verifier model types).
+_ALLOWED: dict[str, tuple[str, ...]] = {
+    "layouts": LAYOUTS, "block_attention": BLOCK_ATTENTION, "losses": LOSS_NAMES,
+    "weightings": WEIGHTINGS, "dtypes": DTYPES}
 
 
 class CapabilitiesError(ValueError):
@@ -29,7 +34,11 @@ class CapabilitiesError(ValueError):
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a framework's code can run (defaults: everything, as the reference).
+    """What a framework's code can be configured to run (defaults: everything, as the
+    reference). A profile value the framework runs as its OWN variant (SpecForge's hard
+    cross-entropy on the data tokens for ``kl_div`` or ``ce``, ModelOpt's soft cross-entropy for
+    ``kl_div``) is supported: the audit names the difference. Only what the framework cannot
+    express at all is left out here.
 
     packed_rows: several documents (and padding) in one row [1, T] with ``document_ids``.
     layouts: draft-layer layouts among ``full`` / ``sliding`` / ``mixed``.
@@ -40,9 +49,20 @@ class Capabilities:
     draft_vocab: a draft vocabulary V_d < V (``t2d`` / ``d2t``).
     losses: loss names of :mod:`dflash_audit.model.loss` (every term of a mix must be
         listed); None = all.
-    weightings: ``fixed-exp-decay`` / ``dpace``; None = all.
+    loss_mixes: a JSON mix of several loss terms.
+    weightings: ``none`` / ``fixed-exp-decay`` / ``dpace``; None = all.
     sample_from_anchor: ``sample_from_anchor=True`` (slot s taught by position a+s).
     dtypes: ``fp32`` / ``bf16``.
+    any_target_layer_count: any number n of target layers for the draft depth (False: exactly
+        one target layer per draft layer, as ModelOpt; the planner then gives each case as
+        many draft layers as target layers, :mod:`dflash_audit.audit.cases.supported`).
+    embedding_layer: target layer id 0 (the embedding output, HF ``hidden_states[0]``; z-lab id
+        -1, which z-lab-convention frameworks cannot name).
+    last_layer: target layer id N (the last decoder layer's output BEFORE the final norm;
+        z-lab id N-1 reads HF ``hidden_states[N]``, after it).
+    window_below_block: a sliding window W smaller than the block size B.
+    separate_draft_head: a draft ``lm_head`` that differs from ``verifier_lm_head`` (False:
+        the framework has one head for both roles).
     """
 
     packed_rows: bool = True
@@ -51,17 +71,23 @@ class Capabilities:
     verifier_families: tuple[str, ...] | None = None
     draft_vocab: bool = True
     losses: tuple[str, ...] | None = None
+    loss_mixes: bool = True
     weightings: tuple[str, ...] | None = None
     sample_from_anchor: bool = True
-    dtypes: tuple[str, ...] = ("fp32", "bf16")
+    dtypes: tuple[str, ...] = DTYPES
+    any_target_layer_count: bool = True
+    embedding_layer: bool = True
+    last_layer: bool = True
+    window_below_block: bool = True
+    separate_draft_head: bool = True
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Capabilities:
         """Capabilities from an adapter's ``CAPABILITIES`` dict (lists become tuples).
 
         Raises:
-            CapabilitiesError: an unknown key (the known ones are named) or a non-list value
-                where a list is expected.
+            CapabilitiesError: an unknown key (the known ones are named), a non-list value
+                where a list is expected, or a list value outside the known ones (named).
         """
         data = dict(data or {})
         names = {f.name for f in dataclasses.fields(cls)}
@@ -78,6 +104,10 @@ class Capabilities:
                 out[key] = None
             elif isinstance(value, (list, tuple)):
                 out[key] = tuple(str(v) for v in value)
+                bad = [v for v in out[key] if key in _ALLOWED and v not in _ALLOWED[key]]
+                if bad:
+                    raise CapabilitiesError(f"CAPABILITIES[{key!r}]: unknown value(s) {bad}; "
+                                            f"known: {list(_ALLOWED[key])}")
             else:
                 raise CapabilitiesError(f"CAPABILITIES[{key!r}] must be a list, got {value!r}")
         return cls(**out)
@@ -112,9 +142,20 @@ class Capabilities:
         if cfg.uses_draft_vocab and not self.draft_vocab:
             why.append(f"a draft vocabulary (V_d={cfg.effective_draft_vocab_size} < "
                        f"V={cfg.vocab_size})")
+        why += self._target_layers(cfg)
+        if (SLIDING_ATTENTION in types and not self.window_below_block
+                and cfg.sliding_window < cfg.block_size):
+            why.append(f"a sliding window W={cfg.sliding_window} smaller than the block "
+                       f"(B={cfg.block_size})")
+        heads = [case.weights.get(k) for k in ("lm_head.weight", "verifier_lm_head.weight")]
+        if (not self.separate_draft_head and all(h is not None for h in heads)
+                and not torch.equal(heads[0], heads[1])):
+            why.append("a draft lm_head that differs from the verifier's (one head for both)")
         terms = list(parse_loss(case.loss.loss))
         if self.losses is not None and any(t not in self.losses for t in terms):
             why.append(f"loss {case.loss.loss!r} (supported: {', '.join(self.losses)})")
+        if len(terms) > 1 and not self.loss_mixes:
+            why.append(f"a mix of loss terms {case.loss.loss!r} (one term only)")
         if self.weightings is not None and case.loss.weighting not in self.weightings:
             why.append(f"loss weighting {case.loss.weighting!r} (supported: "
                        f"{', '.join(self.weightings)})")
@@ -124,32 +165,50 @@ class Capabilities:
             why.append(f"dtype {case.dtype} (supported: {', '.join(self.dtypes)})")
         return why
 
+    def _target_layers(self, cfg: Any) -> list[str]:
+        """Why the case's target layer ids (speculators convention) cannot be given."""
+        ids, n, why = list(cfg.target_layer_ids), cfg.num_verifier_layers, []
+        if not self.any_target_layer_count and len(ids) != cfg.num_hidden_layers:
+            why.append(f"{len(ids)} target layers for {cfg.num_hidden_layers} draft layer(s) "
+                       "(it takes exactly one target layer per draft layer)")
+        if not self.embedding_layer and 0 in ids:
+            why.append("target layer id 0 (the embedding output: z-lab id -1, which it cannot "
+                       "name)")
+        if not self.last_layer and n in ids:
+            why.append(f"target layer id {n} (the last layer's output before the final norm: "
+                       f"its id {n - 1} reads HF hidden_states[{n}], after the norm)")
+        return why
+
 
 def single_document(case: Any, seed: int = 0) -> Any | None:
-    """``case`` cut to its first document (tokens of ``document_ids == 0``, no padding), with
-    its anchors redrawn on the cut row (same slot count A, seeded), for a framework without
-    packed rows; None when the first document leaves no valid anchor. The name gains ``-doc0``
-    and the description says what was cut.
+    """``case`` cut to one document -- the first whose tokens leave a valid anchor (a short
+    first document often leaves none) -- without padding, with its anchors redrawn on the cut
+    row (same slot count A, seeded), for a framework without packed rows; None when no
+    document leaves a valid anchor. The name gains ``-doc<d>``, the description says what was
+    cut, and ``document_ids`` become 0 (positions already restart per document).
 
-    Shapes: every [1, T] / [1, T, *] input becomes [1, T0], T0 = length of document 0.
+    Shapes: every [1, T] / [1, T, *] input becomes [1, T_d], T_d = length of document d.
     """
     from dflash_audit.model.anchors import select_anchors, valid_anchor_mask
 
     doc = case.inputs["document_ids"][0]
-    first = (doc == 0).nonzero()
-    if not first.numel():
-        return None
-    T0 = int(first.max()) + 1  # documents are contiguous and start at position 0
-    inputs = {k: v[:, :T0].clone() for k, v in case.inputs.items()
-              if k not in ("anchor_positions", "anchor_valid")}
-    if not bool(valid_anchor_mask(inputs["loss_mask"], case.config.block_size).any()):
-        return None
-    g = torch.Generator().manual_seed(seed)
-    A = int(case.inputs["anchor_positions"].numel())
-    anchors, valid = select_anchors(inputs["loss_mask"], A, case.config.block_size, g)
     T = int(case.inputs["input_ids"].shape[-1])
-    return dataclasses.replace(
-        case, name=f"{case.name}-doc0", inputs={**inputs, "anchor_positions": anchors,
-                                                  "anchor_valid": valid},
-        description=f"{case.description}; cut to its first document (T={T0} of {T}): the "
-                    "framework takes one document per row")
+    for d in range(int(doc.max()) + 1 if bool((doc >= 0).any()) else 0):
+        where = (doc == d).nonzero().reshape(-1)
+        if not where.numel():
+            continue
+        start, end = int(where.min()), int(where.max()) + 1  # documents are contiguous
+        inputs = {k: v[:, start:end].clone() for k, v in case.inputs.items()
+                  if k not in ("anchor_positions", "anchor_valid")}
+        if not bool(valid_anchor_mask(inputs["loss_mask"], case.config.block_size).any()):
+            continue
+        inputs["document_ids"] = torch.zeros_like(inputs["document_ids"])
+        g = torch.Generator().manual_seed(seed)
+        A = int(case.inputs["anchor_positions"].numel())
+        anchors, valid = select_anchors(inputs["loss_mask"], A, case.config.block_size, g)
+        return dataclasses.replace(
+            case, name=f"{case.name}-doc{d}", inputs={**inputs, "anchor_positions": anchors,
+                                                      "anchor_valid": valid},
+            description=f"{case.description}; cut to its document {d} (T={end - start} of "
+                        f"{T}): the framework takes one document per row")
+    return None

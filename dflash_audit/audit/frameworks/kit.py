@@ -10,7 +10,9 @@ record what it computes, without recomputing it (DESIGN.md sec. 8).
 * :func:`inject_anchors` -- replace a sampler method that lives inside ``forward`` by one that
   returns the audit's anchors (in the framework's own format), recording its calls;
 * :func:`seeded_global_rng` -- run a sampler that draws from torch's global RNG under a seed
-  drawn from a ``torch.Generator``, leaving the global RNG as it was.
+  drawn from a ``torch.Generator``, leaving the global RNG as it was;
+* :func:`state_dict_entries` -- the ``structure["state_dict"]`` summary of the framework's
+  built drafter plus the frozen verifier tensors it uses.
 
 Every recorder is a context manager that restores what it changed on exit, also when the
 framework raises. ``examples/frameworks/toy_framework_adapter.py`` wraps a tiny framework with
@@ -174,3 +176,18 @@ def seeded_global_rng(generator: torch.Generator) -> Iterator[int]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield seed
+
+
+def state_dict_entries(module: torch.nn.Module, frozen: dict[str, torch.Tensor] | None = None
+                       ) -> dict[str, dict[str, Any]]:
+    """``{name: {"shape", "dtype", "trainable"}}`` of ``module``'s state dict (trainable: a
+    parameter with ``requires_grad``; buffers are not) plus ``frozen`` -- the verifier tensors
+    the framework uses under the reference's names (``embed_tokens.weight``,
+    ``lm_head.weight``, ...), trainable as their ``requires_grad`` says: what the structure
+    check compares (:func:`dflash_audit.candidate.side_outputs` writes ours the same way)."""
+    params = dict(module.named_parameters())
+    tensors = {k: (v, bool(params[k].requires_grad) if k in params else False)
+               for k, v in module.state_dict().items()}
+    tensors.update({k: (t, bool(t.requires_grad)) for k, t in (frozen or {}).items()})
+    return {k: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                "trainable": trainable} for k, (t, trainable) in tensors.items()}

@@ -53,6 +53,7 @@ import torch
 
 from dflash_audit.audit.case import SideOutputs
 from dflash_audit.audit.frameworks import modelopt_config as mc
+from dflash_audit.audit.frameworks.kit import state_dict_entries
 from dflash_audit.audit.frameworks.modelopt_recipe import read_run_config  # noqa: F401
 from dflash_audit.audit.frameworks.modelopt_rows import (
     plan_rows,
@@ -62,31 +63,47 @@ from dflash_audit.audit.frameworks.modelopt_rows import (
     to_slots,
 )
 from dflash_audit.model.config import SLIDING_ATTENTION, DFlashConfig
+from dflash_audit.model.layer_ids import from_zlab_ids
 from dflash_audit.model.loss import LossSpec
 
-NAME, VERSION = mc.NAME, mc.VERSION
+NAME = "NVIDIA ModelOpt"  # literals: the registry reads them from this source
+VERSION = "0.47.0"
 #: pip requirements installed ``--no-deps``: the wheel and what it needs to import
 #: (modelopt/torch/utils/robust_json.py:31 imports omegaconf, which needs antlr4 4.9.3;
 #: modelopt/torch/opt/searcher.py:32 imports pulp).
 REQUIREMENTS = ["nvidia-modelopt==0.47.0", "omegaconf==2.4.0", "antlr4-python3-runtime==4.9.3",
                 "pulp==3.3.2"]
+#: What ModelOpt 0.47.0's DFlash training can be configured to run (keys of
+#: :class:`dflash_audit.audit.frameworks.capabilities.Capabilities`).
 CAPABILITIES: dict[str, Any] = {
-    # one conversation per row, no document ids (eagle/utils.py:83-218)
+    # one conversation per row, no document ids (eagle/utils.py:83-218): the planner cuts a
+    # packed row to one document
     "packed_rows": False,
     # one mask for every layer (hf_dflash.py:1027-1035): all full, or all sliding; the block
     # is bidirectional or causal independently of the window (config.py:152-184)
-    "layer_layouts": ["full", "sliding"],
-    "sliding_block": ["causal", "bidirectional"],
+    "layouts": ["full", "sliding"],
+    "block_attention": ["causal", "non_causal"],
+    # dflash_swa_window_size >= dflash_block_size (config.py:288-293)
+    "window_below_block": False,
     # verifier model types ModelOpt re-applies a final norm for (modeling_final_norm.py:84-100)
-    "families": ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3",
-                 "kimi_k2", "kimi_k25", "nemotron_h", "minimax_m3_vl_text"],
+    "verifier_families": ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe",
+                          "deepseek_v3", "kimi_k2", "kimi_k25", "nemotron_h",
+                          "minimax_m3_vl_text"],
     "draft_vocab": False,
-    # kl_div = soft cross-entropy vs the teacher (KL + H(teacher)); ce / ce-data = hard CE vs
-    # the data token (hf_dflash.py:846-859)
+    # kl_div runs as ModelOpt's soft cross-entropy vs its teacher (KL + H(teacher), its own
+    # variant: the audit names the difference); ce / ce-data as hard CE vs the data token
+    # (hf_dflash.py:846-859); one term, no mix
     "losses": sorted(mc.LOSS_MODES),
+    "loss_mixes": False,
+    # none / fixed-exp-decay = objective "decay" (factor 0 / gamma), dpace = its D-PACE
     "weightings": sorted(mc.WEIGHTING_OBJECTIVES),
     "sample_from_anchor": False,
     "dtypes": ["fp32", "bf16"],
+    # exactly one target layer per draft layer, z-lab ids >= 0 (hf_dflash.py:455-478)
+    "any_target_layer_count": False,
+    "embedding_layer": False,
+    # one base lm_head for teacher and draft (hf_dflash.py:1037, 150)
+    "separate_draft_head": False,
 }
 _FRAMEWORK = "framework"
 PROVENANCE: dict[str, str] = {
@@ -281,8 +298,8 @@ class ModelOptCandidate:
                    "loss": out.loss.detach().float().reshape(())}
         mask = to_packed_mask(layout, masks[-1], T)
         tensors.update({f"mask.{t}": mask for t in dict.fromkeys(config.effective_layer_types)})
-        tensors[f"loss_weights.{mc.loss_term(loss)}"] = to_slots(layout, found["flat_weights"].reshape(
-            R, -1)).float()
+        weights = to_slots(layout, found["flat_weights"].reshape(R, -1)).float()
+        tensors[f"loss_weights.{mc.loss_term(loss)}"] = weights
         if kd and "teacher_logits" in found:
             tensors["targets"] = to_slots(layout, found["teacher_logits"]).float()
         elif kd:  # Sum of weights <= 1: ModelOpt returns 0 * logits and gathers no teacher
@@ -319,24 +336,20 @@ class ModelOptCandidate:
         module, base = model.dflash_module, model._base_model_lm_head
         window = model.dflash_swa_window_size
         n = module.config.num_hidden_layers
-        state = {k: (v, bool(getattr(dict(module.named_parameters()).get(k), "requires_grad",
-                                         False))) for k, v in module.state_dict().items()}
-        embed = model._base_model_embeddings.weight
-        norm = model._base_model_norm.weight
-        for key, t in (("embed_tokens.weight", embed), ("lm_head.weight", base.weight),
-                       ("verifier_lm_head.weight", base.weight), ("verifier_norm.weight", norm)):
-            state[key] = (t, bool(t.requires_grad))
+        state = state_dict_entries(module, {
+            "embed_tokens.weight": model._base_model_embeddings.weight,
+            "lm_head.weight": base.weight, "verifier_lm_head.weight": base.weight,
+            "verifier_norm.weight": model._base_model_norm.weight})
         return {
             "fc_in_features": module.fc.in_features, "fc_out_features": module.fc.out_features,
-            "target_layer_ids": [i + 1 for i in model.target_layer_ids],
+            "target_layer_ids": from_zlab_ids(model.target_layer_ids),
             "block_size": model.dflash_block_size, "mask_token_id": model.mask_token_id,
             "layer_types": [SLIDING_ATTENTION if window else "full_attention"] * n,
             "sliding_window": window,
             "sliding_window_non_causal": bool(window) and
             model.dflash_draft_attention == "bidirectional",
             "sample_from_anchor": False,
-            "state_dict": {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace(
-                "torch.", ""), "trainable": trainable} for k, (v, trainable) in state.items()},
+            "state_dict": state,
         }
 
 

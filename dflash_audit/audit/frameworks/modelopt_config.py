@@ -16,6 +16,7 @@ from unittest import mock
 
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
 from dflash_audit.model.derivation import SAVED_KEYS
+from dflash_audit.model.layer_ids import from_zlab_ids, to_zlab_ids
 from dflash_audit.model.loss import LossSpec, parse_loss
 
 NAME, VERSION = "NVIDIA ModelOpt", "0.47.0"
@@ -44,7 +45,7 @@ def modelopt_layer_ids(config: DFlashConfig) -> list[int]:
         NotSupported: the case's ids are not one per draft layer, or include speculators id 0
             (the embeddings, ModelOpt id -1).
     """
-    ids = [int(i) - 1 for i in config.target_layer_ids]
+    ids = to_zlab_ids(config.target_layer_ids)
     if len(ids) != config.num_hidden_layers:
         raise NotSupported(
             f"{len(ids)} target layers {list(config.target_layer_ids)} for "
@@ -270,7 +271,7 @@ def derive(verifier_config: Any, config: DFlashConfig) -> dict[str, Any]:
         "rope_attention_scaling": float(rotary.attention_scaling),
         "verifier_norm": None if norm is None else (
             "x*(1+w)" if type(norm).__name__ == "_FinalGemmaRMSNorm" else "x*w"),
-        "default_target_layer_ids": [i + 1 for i in model.target_layer_ids],
+        "default_target_layer_ids": from_zlab_ids(model.target_layer_ids),
         "mask_token_id": model.mask_token_id,
         **{f"saved.{k}": saved.get(k) for k in SAVED_KEYS},
     }

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from dflash_audit.model.layer_ids import from_zlab_ids
 from dflash_audit.profile import ProfileError
 
 #: ``DFlashConfig`` defaults, modelopt/torch/speculative/config.py:81-279.
@@ -170,7 +171,7 @@ def _dflash_fields(dflash: dict[str, Any], refuse: Any, notes: list[str]) -> dic
             raise refuse("dflash.dflash_architecture_config.target_layer_ids",
                          f"{len(ids)} ids for {layers} draft layers: ModelOpt refuses it "
                          "(one target layer per draft layer, hf_dflash.py:457-462)")
-        target_layers: Any = [int(i) + 1 for i in ids]
+        target_layers: Any = from_zlab_ids(ids)
     else:
         target_layers = "per-draft-layer"
     objective, decay = dflash["dflash_loss_objective"], float(dflash["dflash_loss_decay_factor"])

@@ -208,9 +208,17 @@ def framework_launch(spec: str, *, python: str | None = None, offline: bool = Fa
         info["install"] = str(folder)
     else:
         info["install"] = f"--candidate-python {python}"
-    launch = CandidateLaunch(spec=f"{module}:candidate", python=python, pythonpath=pythonpath,
-                             env=env, framework=info)
-    if python is not None:
+    return _checked(CandidateLaunch(spec=f"{module}:candidate", python=python,
+                                    pythonpath=pythonpath, env=env, framework=info))
+
+
+def _checked(launch: CandidateLaunch) -> CandidateLaunch:
+    """``launch``, its ``--candidate-python`` interpreter checked (when one is given).
+
+    Raises:
+        FrameworkError: that interpreter cannot run the candidate (the reason named).
+    """
+    if launch.python is not None:
         from dflash_audit.audit.sides.launch import check_interpreter
 
         try:
@@ -231,15 +239,7 @@ def candidate_launch(spec: str | None, *, python: str | None = None, offline: bo
     if is_framework_spec(spec):
         return framework_launch(spec, python=python, offline=offline, url=url,
                                 cache_dir=cache_dir)
-    launch = CandidateLaunch(spec=spec, python=python)
-    if python is not None:
-        from dflash_audit.audit.sides.launch import check_interpreter
-
-        try:
-            check_interpreter(launch)
-        except ValueError as exc:
-            raise FrameworkError(str(exc)) from None
-    return launch
+    return _checked(CandidateLaunch(spec=spec, python=python))
 
 
 def framework_facts(launch: CandidateLaunch, identity: dict[str, Any]) -> dict[str, Any] | None:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from dflash_audit.audit.case import SideOutputs
+from dflash_audit.audit.frameworks.kit import state_dict_entries
 from dflash_audit.audit.frameworks.specforge_capture import (
     recorded_masks,
     recorded_objective,
@@ -41,37 +42,45 @@ from dflash_audit.audit.frameworks.specforge_capture import (
 from dflash_audit.audit.frameworks.specforge_config import (
     derive_config,
     read_run_config,
-    speculators_ids,
-    zlab_ids,
 )
 from dflash_audit.model.config import DFlashConfig
+from dflash_audit.model.layer_ids import from_zlab_ids, to_zlab_ids
+from dflash_audit.model.loss import parse_loss
 
 NAME = "SpecForge"
 VERSION = "0.2.0"
 #: Imports with torch + transformers alone (no extra package; research sec. 2.10).
 REQUIREMENTS = ["specforge==0.2.0"]
-#: What SpecForge 0.2.0's DFlash training supports.
+#: What SpecForge 0.2.0's DFlash training can be configured to run (keys of
+#: :class:`dflash_audit.audit.frameworks.capabilities.Capabilities`; None = all). Any profile
+#: loss and weighting is supported: SpecForge runs its own variant (hard cross-entropy on the
+#: data tokens, its loss types "dflash" / "dpace") and the audit names the difference.
 CAPABILITIES: dict[str, Any] = {
     # one conversation per row, zero-padded (algorithms/common/collation.py:24-68): no
     # document mask (dfm:47-88 has no document rule), context positions arange(T) (dfm:294)
     "packed_rows": False,
     # config.layer_types per layer (dflash.py:38-67); sliding layers are causal in the block
     # (dfm:81-83): no non-causal sliding option
-    "layer_layouts": ("full", "sliding", "mixed"),
+    "layouts": ["full", "sliding", "mixed"],
+    "block_attention": ["causal"],
     # the DFlash path has no family-specific code: targets are data tokens, no verifier norm
-    "families": ("llama", "qwen3", "qwen3_5", "gemma3_text", "mistral", "gpt_oss", "olmo3",
-                 "glm4"),
+    "verifier_families": None,
     # no t2d / d2t in DFlash: logits over the target head's full vocabulary (dfm:343-345)
     "draft_vocab": False,
-    # hard cross-entropy against the data tokens input_ids[a+s] (dfm:343-349, 406-416)
-    "losses": ("ce-data",),
-    # loss_type "dflash" without / with loss_decay_gamma, and the D-PACE types (dfm:350-373)
-    "weightings": ("none", "fixed-exp-decay", "dpace"),
+    # its only loss, hard CE against the data tokens input_ids[a+s] (dfm:343-349, 406-416),
+    # runs for every profile loss: the difference is the audit's finding, not a refusal
+    "losses": None,
+    # loss_type "dflash" without / with loss_decay_gamma, and "dpace" (dfm:350-373)
+    "weightings": ["none", "fixed-exp-decay", "dpace"],
     # labels are always input_ids[a+s] (dfm:406-416)
     "sample_from_anchor": False,
     # SpecForge's bf16 is bf16 parameters (model.to(dtype), model_providers.py:367), not the
     # audit's fp32 master weights under bf16 autocast
-    "dtypes": ("fp32",),
+    "dtypes": ["fp32"],
+    # z-lab ids (id k reads HF output_hidden_states[k+1], dflash.py:284-293): speculators id 0
+    # would be SpecForge id -1, and id N-1 reads the state after the final norm
+    "embedding_layer": False,
+    "last_layer": False,
 }
 #: Who computed each output (key or key prefix).
 PROVENANCE: dict[str, str] = {
@@ -85,41 +94,25 @@ DRAFT_PREFIXES = ("fc.", "hidden_norm.", "layers.", "norm.")
 
 
 class NotSupported(ValueError):
-    """A case SpecForge 0.2.0 cannot express; the message starts "not supported by
-    SpecForge 0.2.0:" and says why."""
-
-
-def unsupported(why: str) -> NotSupported:
-    return NotSupported(f"not supported by {NAME} {VERSION}: {why}")
+    """A case outside :data:`CAPABILITIES` given to the adapter directly (the audit's planner
+    never sends one); the message starts "not supported by SpecForge 0.2.0:" and says why."""
 
 
 def check_supported(config: DFlashConfig, inputs: dict[str, torch.Tensor]) -> list[int]:
     """SpecForge's target layer ids (z-lab convention) for a case, after refusing what
-    SpecForge cannot express.
+    :data:`CAPABILITIES` excludes (the same rule, :class:`.capabilities.Capabilities`).
 
     Raises:
-        NotSupported: more than one document in the row, a draft vocabulary,
-            ``sample_from_anchor``, a non-causal sliding block, or a target layer id with no
-            SpecForge equivalent (:func:`.specforge_config.zlab_ids`).
+        NotSupported: the case is outside :data:`CAPABILITIES` (the reasons named).
     """
-    docs = inputs["document_ids"].reshape(-1)
-    if int(docs.max()) > 0:
-        raise unsupported(f"a packed row of {int(docs.max()) + 1} documents: SpecForge trains "
-                          "one conversation per row and has no document mask or per-document "
-                          "positions")
-    if config.uses_draft_vocab:
-        raise unsupported(f"a draft vocabulary of {config.draft_vocab_size} tokens: DFlash in "
-                          "SpecForge has no t2d / d2t and predicts over the target's vocabulary")
-    if config.sample_from_anchor:
-        raise unsupported("sample_from_anchor: SpecForge always teaches slot s the token at "
-                          "anchor + s")
-    if config.sliding_window_non_causal and "sliding_attention" in config.effective_layer_types:
-        raise unsupported("sliding_window_non_causal: SpecForge's sliding layers are causal "
-                          "inside the block (dflash_family_model.py:81-83)")
-    try:
-        return zlab_ids(config.target_layer_ids, config.num_verifier_layers)
-    except ValueError as exc:
-        raise unsupported(str(exc)) from None
+    from dflash_audit.audit.frameworks.capabilities import Capabilities
+
+    case = SimpleNamespace(config=config, inputs=inputs, weights={}, dtype="fp32",
+                           loss=SimpleNamespace(loss="ce-data", weighting="none"))
+    why = Capabilities.from_dict(CAPABILITIES).unsupported(case)
+    if why:
+        raise NotSupported(f"not supported by {NAME} {VERSION}: {'; '.join(why)}")
+    return to_zlab_ids(config.target_layer_ids)
 
 
 def draft_config(config: DFlashConfig, ids: list[int], backend: str) -> Any:
@@ -190,7 +183,9 @@ class SpecForgeCandidate:
         Returns outputs keyed as :mod:`dflash_audit.audit.case`: ``context`` [1,T,H] (its
         ``hidden_norm`` output), ``mask.<layer type>`` [Q,T+Q] bool, ``logits`` [1,Q,V] (its
         head's output), ``target_ids`` [1,Q] long (its labels), ``aligned_loss_mask`` [1,Q]
-        (its weight mask), ``loss`` [], ``loss_weights.ce`` [1,Q], ``grad.<draft parameter>``;
+        (its weight mask), ``loss`` [], ``loss_weights.<term>`` [1,Q] (its per-slot weights, under
+        each term of the profile's loss: its one loss stands in for them), ``grad.<draft
+        parameter>``;
         metrics ``full_acc_sum`` / ``full_acc_total`` (its accuracy, against data tokens),
         ``loss_sum`` (its loss; ``loss_total`` 1) and ``loss_numerator`` / ``loss_denominator``
         (its ``loss_terms``, ``dfm:453-458``). Structure ``target_layer_ids`` are in the
@@ -250,10 +245,10 @@ class SpecForgeCandidate:
                 h.remove()
         if len(seen["logits"]) != 1:
             raise RuntimeError(f"SpecForge's head ran {len(seen['logits'])} times; expected one")
-        return self._outputs(config, draft, model, seen, masks, loss_value, metrics)
+        return self._outputs(config, loss, draft, model, seen, masks, loss_value, metrics)
 
     @staticmethod
-    def _outputs(config: DFlashConfig, draft: Any, model: Any, seen: dict[str, Any],
+    def _outputs(config: DFlashConfig, loss: Any, draft: Any, model: Any, seen: dict[str, Any],
                  masks: dict[str, torch.Tensor], loss_value: torch.Tensor,
                  metrics: dict[str, Any]) -> SideOutputs:
         Q = seen["target_ids"].numel()
@@ -264,7 +259,8 @@ class SpecForgeCandidate:
             "target_ids": seen["target_ids"].reshape(1, Q).long(),
             "aligned_loss_mask": seen["weight_mask"].reshape(1, Q).float(),
             "loss": loss_value.detach().float().reshape(()),
-            "loss_weights.ce": seen["loss_weights"].reshape(1, Q).float(),
+            **{f"loss_weights.{term}": seen["loss_weights"].reshape(1, Q).float()
+               for term in parse_loss(loss.loss)},
             **{f"mask.{t}": masks[t] for t in types if t in masks},
         }
         trainable = [n for n, p in draft.named_parameters() if p.requires_grad]
@@ -275,19 +271,11 @@ class SpecForgeCandidate:
         out_metrics = {"full_acc_sum": float(correct), "full_acc_total": float(total),
                        "loss_sum": float(loss_value.detach()), "loss_total": 1.0,
                        "loss_numerator": float(num.detach()), "loss_denominator": float(den)}
-        state = draft.state_dict()
-        params = dict(draft.named_parameters())
-        entries = {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""),
-                       "trainable": bool(params[k].requires_grad) if k in params else False}
-                   for k, v in state.items()}
-        for key, module in (("embed_tokens.weight", model.embed_tokens),
-                            ("lm_head.weight", model.lm_head)):
-            entries[key] = {"shape": list(module.weight.shape), "dtype": str(
-                module.weight.dtype).replace("torch.", ""),
-                "trainable": bool(module.weight.requires_grad)}
+        entries = state_dict_entries(draft, {"embed_tokens.weight": model.embed_tokens.weight,
+                                             "lm_head.weight": model.lm_head.weight})
         structure = {
             "fc_in_features": draft.fc.in_features, "fc_out_features": draft.fc.out_features,
-            "target_layer_ids": speculators_ids(draft.target_layer_ids),
+            "target_layer_ids": from_zlab_ids(draft.target_layer_ids),
             "block_size": model.block_size, "mask_token_id": model.mask_token_id,
             "layer_types": list(draft.layer_types), "sliding_window": draft.sliding_window,
             "sliding_window_non_causal": False, "sample_from_anchor": False,
@@ -307,7 +295,8 @@ class SpecForgeCandidate:
         Args:
             loss_mask: [1, T] 0/1.
         Returns:
-            (anchor_positions [A'] long, anchor_valid [A'] bool), A' <= max_anchors; a row
+            (anchor_positions [A] long, anchor_valid [A] bool), A = ``max_anchors``: SpecForge's
+            min(A, valid) anchors, then padding (0, False); a row
             without two consecutive supervised tokens, which SpecForge's data filter drops
             (``has_consecutive_supervised_tokens``, ``algorithms/dflash/providers.py:37``)
             and its sampler refuses, gives no valid anchor.
@@ -322,9 +311,14 @@ class SpecForgeCandidate:
                 a, keep = OnlineDFlashModel._sample_anchor_positions(
                     this, loss_mask.shape[-1], loss_mask.reshape(1, -1).float(), "cpu")
             except ValueError:
-                return (torch.zeros(max_anchors, dtype=torch.long),
-                        torch.zeros(max_anchors, dtype=torch.bool))
-        return a.reshape(-1).long(), keep.reshape(-1).bool()
+                a, keep = torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.bool)
+        # SpecForge keeps min(A, valid) slots; padded to A with (0, False) as the protocol's
+        # anchor_draws [K, A] are (its padding anchors are 0 / keep False too, dfm:210)
+        positions = torch.zeros(max_anchors, dtype=torch.long)
+        valid = torch.zeros(max_anchors, dtype=torch.bool)
+        n = min(max_anchors, a.shape[-1])
+        positions[:n], valid[:n] = a.reshape(-1)[:n].long(), keep.reshape(-1)[:n].bool()
+        return positions, valid
 
     def derive_config(self, verifier_config: Any, config: DFlashConfig) -> dict[str, Any]:
         """SpecForge's own draft-config derivation (:func:`.specforge_config.derive_config`)."""

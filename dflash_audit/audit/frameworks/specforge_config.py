@@ -17,33 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from dflash_audit.model.derivation import SAVED_KEYS
-
-
-def zlab_ids(ids: Any, num_verifier_layers: int) -> list[int]:
-    """SpecForge's target layer ids for speculators-convention ``ids``: SpecForge id k reads
-    HF ``output_hidden_states[k + 1]`` (``dflash.py:284-293``; its SGLang capture takes the
-    output of decoder layer k), so k = speculators id - 1.
-
-    Raises:
-        ValueError: id 0 (the embeddings: z-lab id -1, which SpecForge never generates and
-            whose capture it does not define) or id N (the last layer's output before the
-            final norm: z-lab id N-1 reads HF ``output_hidden_states[N]``, which is after it).
-    """
-    ids = [int(i) for i in ids]
-    if 0 in ids:
-        raise ValueError("target layer id 0 (the embedding output) is SpecForge id -1, outside "
-                         "the ids its build_target_layer_ids makes (>= 1) and its capture reads")
-    if num_verifier_layers in ids:
-        raise ValueError(f"target layer id {num_verifier_layers} (the last layer before the "
-                         f"final norm) is SpecForge id {num_verifier_layers - 1}, which reads "
-                         f"HF output_hidden_states[{num_verifier_layers}], the state after "
-                         "the final norm")
-    return [i - 1 for i in ids]
-
-
-def speculators_ids(ids: Any) -> list[int]:
-    """Speculators-convention ids of SpecForge (z-lab) ids: k + 1 (see :func:`zlab_ids`)."""
-    return [int(i) + 1 for i in ids]
+from dflash_audit.model.layer_ids import from_zlab_ids
 
 
 def _write_verifier(verifier_config: Any, folder: Path) -> None:
@@ -98,7 +72,7 @@ def derive_config(verifier_config: Any, config: Any) -> dict[str, Any]:
     saved = draft.to_dict()
     text = getattr(verifier_config, "text_config", None) or verifier_config
     n = int(draft.num_target_layers)
-    default_ids = speculators_ids(build_target_layer_ids(n, int(draft.num_hidden_layers)))
+    default_ids = from_zlab_ids(build_target_layer_ids(n, int(draft.num_hidden_layers)))
     return {
         "hidden_size": draft.hidden_size, "intermediate_size": draft.intermediate_size,
         "num_attention_heads": draft.num_attention_heads,
@@ -246,7 +220,7 @@ def read_run_config(path: str | Path) -> dict[str, Any]:
             "fixed-exp-decay" if decay else "none"),
         "dpace_alpha": float(t.dpace_alpha),
         "max_anchors": int(t.num_anchors),
-        "target_layers": speculators_ids(explicit) if explicit and not
+        "target_layers": from_zlab_ids(explicit) if explicit and not
         m.draft_num_hidden_layers else "per-draft-layer",
         "num_draft_layers": num_layers,
         "layer_layout": ["sliding" if x == "sliding_attention" else "full" for x in layer_types]

@@ -26,7 +26,6 @@ mask_token_id}``, ``layer_types``, ``sliding_window``, ``is_causal`` for a non-c
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +33,18 @@ import torch
 from torch import nn
 
 from dflash_audit.audit.case import SideOutputs
-from dflash_audit.audit.frameworks.kit import record_calls, record_outputs
+from dflash_audit.audit.frameworks.kit import (
+    record_calls,
+    record_outputs,
+    state_dict_entries,
+)
 from dflash_audit.model.config import SLIDING_ATTENTION, DFlashConfig
 from dflash_audit.model.drafter import (
     aligned_loss_mask,
     block_indices,
     verifier_targets,
 )
+from dflash_audit.model.layer_ids import from_zlab_ids, to_zlab_ids
 from dflash_audit.model.layers import RMSNorm
 from dflash_audit.model.loss import (
     LossSpec,
@@ -106,7 +110,7 @@ def zlab_config(config: DFlashConfig):
         layer_types=types, sliding_window=config.sliding_window if sliding else None,
         use_sliding_window=sliding)
     zc.num_target_layers = config.num_verifier_layers
-    zc.dflash_config = {"target_layer_ids": [i - 1 for i in config.target_layer_ids],
+    zc.dflash_config = {"target_layer_ids": to_zlab_ids(config.target_layer_ids),
                         "block_size": config.block_size, "mask_token_id": config.mask_token_id}
     if sliding and config.sliding_window_non_causal:
         zc.is_causal = False  # z-lab: every layer non-causal (its full layers already are)
@@ -133,16 +137,10 @@ def _structure(model: nn.Module, config: DFlashConfig, target: _Target) -> dict[
     types = [SLIDING_ATTENTION if a.sliding_window is not None else "full_attention"
              for a in attn]
     windows = {a.sliding_window for a in attn if a.sliding_window is not None}
-    params = dict(model.named_parameters())
-    state = {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""),
-                 "trainable": bool(params[k].requires_grad) if k in params else False}
-             for k, v in model.state_dict().items()}
-    for key, t in (("embed_tokens.weight", target.embed_tokens.weight),
-                   ("lm_head.weight", target.lm_head.weight)):
-        state[key] = {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-                      "trainable": False}
+    state = state_dict_entries(model, {"embed_tokens.weight": target.embed_tokens.weight,
+                                       "lm_head.weight": target.lm_head.weight})
     return {"fc_in_features": model.fc.in_features, "fc_out_features": model.fc.out_features,
-            "target_layer_ids": [int(i) + 1 for i in model.target_layer_ids],
+            "target_layer_ids": from_zlab_ids(model.target_layer_ids),
             "block_size": int(model.block_size), "mask_token_id": model.mask_token_id,
             "layer_types": types, "sliding_window": min(windows) if windows else None,
             "sliding_window_non_causal": any(not a.is_causal for a in attn
@@ -301,13 +299,7 @@ def read_run_config(path: str | Path) -> dict[str, Any]:
         ValueError: unreadable, not JSON, not a z-lab config, or a key given both in
             ``dflash_config`` and at the top level with different values (named).
     """
-    from dflash_audit.profile_import import zlab_run_config
+    from dflash_audit.profile_import import read_config_json, zlab_run_config
 
-    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
-    try:
-        d = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read z-lab config {file}: {exc}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{file}: not a JSON object")
+    d, file = read_config_json(path, "z-lab config")
     return zlab_run_config(d, str(file))

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from dflash_audit.audit.case import Case, SideOutputs
+from dflash_audit.audit.hard_labels import data_tokens
 from dflash_audit.audit.result import CheckResult
 from dflash_audit.audit.slots import supervised_rows, supervised_slots
 from dflash_audit.audit.tolerance import closeness, tolerance
@@ -123,11 +124,10 @@ class Evidence:
 
     @cached_property
     def data_labels(self) -> torch.Tensor:  # [Q] int64
-        """The data token at each slot's own position, ``input_ids[a + s]`` (what SpecForge
-        and ModelOpt without KD train against), as a draft-vocabulary index (-1 where the
-        token is not in the draft vocabulary)."""
-        T = self.inputs["input_ids"].shape[-1]
-        tokens = self.inputs["input_ids"][0, self.block_idx % T].long()
+        """The data token each slot is taught, ``input_ids[a + s]`` (what SpecForge and
+        ModelOpt without KD train against; :func:`dflash_audit.audit.hard_labels.data_tokens`),
+        as a draft-vocabulary index (-1 where the token is not in the draft vocabulary)."""
+        tokens = data_tokens(self.case)
         if "d2t" not in self.case.weights:
             return tokens
         d2t = self.case.weights["d2t"].long()

@@ -13,30 +13,19 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from dflash_audit.audit.case import Case, SideOutputs
+from dflash_audit.audit.hard_labels import DATA_TOKENS_CAUSE, data_tokens
 from dflash_audit.audit.replay.evidence import Evidence, follows_from
 from dflash_audit.audit.tolerance import closeness, grad_tolerance, tolerance
-from dflash_audit.model.drafter import block_indices
 from dflash_audit.model.loss import (
+    LABEL_LOSSES,
     LOSS_NAMES,
     LOSS_REDUCTION_EPS,
     LossSpec,
-    data_target_ids,
     dpace_weights,
     parse_loss,
     slot_weights,
     term_loss,
 )
-
-#: How a loss against the data tokens is named (profile ``loss = "ce-data"``; SpecForge).
-DATA_TOKENS = ("targets are the data tokens input_ids[a+s] (hard labels, as SpecForge trains), "
-               "not the verifier's prediction")
-
-
-def case_target_ids(case: Case) -> torch.Tensor:
-    """[1,Q] the data token each slot of ``case`` is taught (what ``ce-data`` trains on)."""
-    inputs, c = case.inputs, case.config
-    idx = block_indices(inputs["anchor_positions"], c.block_size)
-    return data_target_ids(inputs["input_ids"], idx, c.sample_from_anchor)
 
 
 def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -63,6 +52,8 @@ def audit_term_loss(name: str, logits: torch.Tensor, targets: torch.Tensor | Non
     if name == "soft_ce":
         return soft_cross_entropy(logits, targets)
     return term_loss(name, logits, targets, target_ids)
+
+
 #: Denominators of a loss hypothesis: supervised tokens (the reference), sum of weights, all
 #: Q slots, per block, the batch size (one packed row: the plain weighted sum).
 DENOMINATORS = ("tokens", "weights", "slots", "blocks", "batch")
@@ -88,18 +79,23 @@ def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str,
     each divergence's elementwise values [1,Q] between calls; ``mask`` ([Q] bool) replaces the
     candidate's aligned mask (then the cache is not used)."""
     t = ev.cand.tensors
-    if "logits" not in t or "targets" not in t or t["logits"].shape != t["targets"].shape:
+    targets = t.get("targets")
+    if "logits" not in t or (targets is None and "target_ids" not in t) or (
+            targets is not None and t["logits"].shape != targets.shape):
         return None
+    if targets is None and any(name not in LABEL_LOSSES for name in mix):
+        return None  # a hard-label candidate: only losses against its labels can be replayed
     cache = {} if cache is None or mask is not None else cache
     m = (mask if mask is not None else t.get("aligned_loss_mask", ev.ref.tensors.get(
         "aligned_loss_mask"))).reshape(1, -1).float()
     B, spec = ev.config.block_size, ev.case.loss
     total = 0.0
     own_weights = [v for k, v in t.items() if k.startswith("loss_weights.")]
-    labels = case_target_ids(ev.case)
+    # the candidate's own labels where it returns them (hard labels), else the data tokens
+    labels = t["target_ids"].reshape(1, -1) if "target_ids" in t else data_tokens(ev.case)[None]
     for name, coef in mix.items():
         if name not in cache:
-            cache[name] = audit_term_loss(name, t["logits"], t["targets"], labels) * m
+            cache[name] = audit_term_loss(name, t["logits"], targets, labels) * m
         el = cache[name]
         if f"loss_weights.{name}" in t:
             w = t[f"loss_weights.{name}"].reshape(1, -1)
@@ -128,7 +124,7 @@ def formula_causes(ev: Evidence, name: str, denom: str) -> list[str]:
     """How a loss formula hypothesis deviates from the profile's, in words."""
     causes = []
     if name == "ce-data":
-        causes.append(f"{DATA_TOKENS} (loss 'ce-data' where the profile says "
+        causes.append(f"{DATA_TOKENS_CAUSE} (loss 'ce-data' where the profile says "
                       f"{ev.case.loss.loss!r})")
     elif name == "soft_ce":
         causes.append(f"soft cross-entropy -sum p log q (= KL + the teacher's entropy H(p): "
@@ -227,13 +223,14 @@ def diagnose_loss_total(ev: Evidence, masks: Iterable[tuple[str, torch.Tensor]] 
     found, cache = [], {}
     for name, mix, denom in loss_formula_hypotheses(ev):
         value = recompute_loss(ev, mix, denom, cache)
-        if value is None:
-            return []
+        if value is None:  # not computable from what the candidate returned
+            continue
         if abs(value - cl) <= tol["atol"] + tol["rtol"] * abs(cl):
             if name == "profile" and denom == "tokens":
                 if data_targets_substituted(ev):
-                    return [f"{DATA_TOKENS}: the profile's loss {ev.case.loss.loss!r} trains on "
-                            "the data tokens and the reference, which has no such loss, ran "
+                    return [f"{DATA_TOKENS_CAUSE}: the profile's loss {ev.case.loss.loss!r} "
+                            "trains on the data tokens and the reference, which has no such "
+                            "loss, ran "
                             "'ce' against the argmax of the verifier's logits instead (the "
                             "candidate's loss follows from its logits and the data tokens)"]
                 upstream = follows_from("loss", ev)
