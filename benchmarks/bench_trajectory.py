@@ -41,7 +41,9 @@ def reference_side(case_dir: Path) -> int:
     import torch
     from safetensors.torch import load_file
 
-    sys.path.insert(0, str(REPO / "reference"))
+    # the reference runs isolated (python -I -S, its own sys.path): this side also needs our
+    # train_step and optimizers, so it puts this checkout's package root on the path itself
+    sys.path[:0] = [str(REPO / "reference"), str(REPO)]
     import adapter  # reference/adapter.py: imports of the resolved speculators, build_config
 
     source = os.environ.get("DFLASH_AUDIT_REFERENCE_SOURCE")

@@ -159,7 +159,7 @@ def test_gate_usage(tmp_path):
     import subprocess
 
     out = subprocess.run(["bash", str(GATE)], text=True, capture_output=True)
-    assert out.returncode == 2 and "usage: scripts/audit-gate.sh install|cache-key|audit" in out.stderr
+    assert out.returncode == 2 and "usage: scripts/audit-gate.sh install|sandbox|cache-key|audit" in out.stderr
 
 
 

@@ -91,7 +91,7 @@ def test_stdout_does_not_mix_into_ours(chaos_run, capfd):
     runs, tmp = chaos_run[1], chaos_run[3]
     assert "candidate noise" not in capfd.readouterr().out
     assert "candidate noise on stdout" in "".join(
-        p.read_text() for p in (tmp / "out" / ".logs").glob("stdout-*.txt"))
+        p.read_text() for p in (tmp / ".out.logs").glob("stdout-*.txt"))
     assert runs["c46"].ok
 
 

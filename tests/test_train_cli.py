@@ -44,7 +44,8 @@ def test_train_refused_without_report_exit_2(paths, tmp_path):
 
 def test_train_then_eval_through_the_cli(paths, tmp_path, reference_identity):
     reports = tmp_path / "reports"
-    tt.write_report(reports, paths["profile"], reference=reference_identity.to_dict())
+    tt.write_report(reports, paths["profile"], reference=reference_identity.to_dict(),
+                    canary_from=(paths["verifier"], paths["batches"]))
     args = _args(paths, tmp_path / "run", "--steps", "3", "--no-eval")
     args[args.index("--reports-dir") + 1] = str(reports)
     result = CliRunner().invoke(app, args)

@@ -83,12 +83,19 @@ def remove_planted_bytecode(changed: list[str]) -> None:
             (roots[name] / rel).unlink(missing_ok=True)
 
 
+#: Children this process had before any candidate ran (e.g. the ``tee`` of a shell's
+#: ``2> >(tee log)``, forked by the shell's child before it exec'd us): never leftovers.
+_OWN_CHILDREN: set[int] = set()
+
+
 def enable_subreaper() -> bool:
-    """Make this process the child subreaper of its descendants (Linux); False elsewhere."""
+    """Make this process the child subreaper of its descendants (Linux); False elsewhere.
+    The children it has now are recorded as its own (:func:`leftover_processes` spares them)."""
     if not sys.platform.startswith("linux"):
         return False
     import ctypes
 
+    _OWN_CHILDREN.update(_children(os.getpid()))
     return ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # 36 = PR_SET_CHILD_SUBREAPER
 
 
@@ -138,15 +145,18 @@ def leftover_processes(kill: bool = True, grace_s: float = 3.0) -> list[str]:
     be alive (the candidate's process ended, the reference has not started)."""
     import time
 
+    def strangers() -> list[int]:
+        return [pid for pid in _children(os.getpid()) if pid not in _OWN_CHILDREN]
+
     deadline = time.monotonic() + grace_s
     while True:
         _reap()
-        if not _children(os.getpid()) or time.monotonic() > deadline:
+        if not strangers() or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     found = []
     for _ in range(5):  # killing one may orphan its children onto us
-        kids = _children(os.getpid())
+        kids = strangers()
         if not kids:
             break
         for pid in kids:
