@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -145,5 +146,10 @@ def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
                 Path(cmd[0]).parent.parent]  # the interpreter's environment (--candidate-python)
     if target.endswith(".py"):
         readable.append(Path(target).resolve().parent)
+    for derive in Path(cases_dir).glob("*/derive.json"):  # the verifier a case derives from
+        try:
+            readable.append(Path(json.loads(derive.read_text())["verifier_dir"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
     return sandbox_command(cmd, bwrap=status.bwrap, writable=[Path(out_dir)], readable=readable,
                            hidden=key_dirs(), cwd=Path.cwd())
