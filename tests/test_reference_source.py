@@ -173,10 +173,23 @@ def test_sdist_sha256_mismatch_is_rejected(cache):
     assert not (cache / "reference" / "sdist" / wrong).exists()
 
 
-def test_sdist_download_failure_is_reported(cache):
-    expected = r"downloading the speculators 0\.0\.0\.dev7"
-    with pytest.raises(ReferenceResolutionError, match=expected):
+def test_a_version_not_on_the_index_names_the_releases_there(cache):
+    with pytest.raises(ReferenceResolutionError, match=r"speculators 0\.0\.0\.dev7 is not on the "
+                       r"package index \(releases there: .*0\.9\.0\)") as exc:
         resolve_reference("speculators==0.0.0.dev7", lock=ReferenceLock(spec="x"))
+    assert "WARNING" not in str(exc.value) and "Looking in" not in str(exc.value)
+
+
+def test_sdist_download_failure_is_reported(cache, monkeypatch):
+    import subprocess
+
+    def unreachable(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: connection refused\n")
+
+    monkeypatch.setattr(rs.sdist.subprocess, "run", unreachable)
+    with pytest.raises(ReferenceResolutionError, match=r"downloading the speculators 0\.9\.1 "
+                       r"source distribution failed (?s:.*)connection refused"):
+        resolve_reference("speculators==0.9.1", lock=ReferenceLock(spec="x"))
 
 
 # --- git --------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -144,7 +145,18 @@ def _pip_download(version: str, dest: Path) -> Path:
             f"`{shlex.join(cmd)}` did not finish in 900 s (package index unreachable?). "
             "Use --ref path:DIR or --ref speculators@<ref> instead."
         ) from exc
-    archives = [p for p in dest.iterdir() if p.name.endswith((".tar.gz", ".zip"))]
+    archives = [p for p in (dest.iterdir() if dest.is_dir() else ())
+                if p.name.endswith((".tar.gz", ".zip"))]
+    output = proc.stdout + proc.stderr
+    listed = re.search(r"\(from versions: ([^)]*)\)", output)
+    if proc.returncode != 0 and "No matching distribution found" in output:
+        known = [v.strip() for v in listed.group(1).split(",")] if listed else []
+        raise ReferenceResolutionError(
+            f"{PACKAGE} {version} is not on the package index"
+            + (f" (releases there: {', '.join(known[-6:])})" if known else "")
+            + ". Use one of those (--ref speculators==X), a git ref (--ref speculators@<ref>) "
+            "or a local tree (--ref path:DIR)."
+        )
     if proc.returncode != 0 or len(archives) != 1:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
         raise ReferenceResolutionError(
