@@ -25,6 +25,9 @@ app = typer.Typer(
          + EXIT_CODES_HELP,
     no_args_is_help=True,
     add_completion=False,
+    # click's own help wraps every column at any width; rich's tables cut the help of long
+    # options to "speculators@<bra…" on an 80-column terminal
+    rich_markup_mode=None,
 )
 
 # --- data (dflash_audit/data) ---------------------------------------------------------

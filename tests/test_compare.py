@@ -242,6 +242,18 @@ def test_usage_errors_exit_2(tmp_path, args, message):
     assert message in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("columns", [80, 200])
+def test_help_shows_every_option_whole_at_any_width(monkeypatch, columns):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    result = _cli(["--help"])
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    assert "…" not in result.output and max(map(len, result.output.splitlines())) <= columns
+    for whole in ("speculators@<branch|tag|sha>", "framework:speculators@REF|==X.Y.Z|:path:DIR",
+                  "--require-sandbox / --no-require-sandbox"):
+        assert whole in text
+
+
 def test_bad_profile_file_names_the_field(tmp_path):
     bad = tmp_path / "bad.toml"
     text = (Path(cmp.__file__).parents[1] / "profiles" / "reference-model.toml").read_text()
