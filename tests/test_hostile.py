@@ -111,6 +111,7 @@ def test_in_the_sandbox_every_route_is_refused_and_nothing_changes(world: World)
     ("pyc_plant", "ref/src/speculators/losses/__pycache__/utils."),
     ("sitecustomize_pyc", "ref/src/sitecustomize.pyc"),
     ("edits_tool", "dflash_audit/audit/checks/loss.py"),
+    ("prefix_pyc", f"bytecode-ref/speculators/losses/utils.{sys.implementation.cache_tag}.pyc"),
     ("daemon", "process(es) running after its own process ended"),
 ])
 def test_without_a_sandbox_each_route_is_detected(world: World, route: str, named: str) -> None:
@@ -129,6 +130,9 @@ def test_without_a_sandbox_each_route_is_detected(world: World, route: str, name
         (entry,) = [p for p in (world.cache / "reference" / "sdist").iterdir()
                     if p.is_dir() and len(p.name) == 64]
         assert tree_problems(entry) == ["no manifest"]
+    if route == "prefix_pyc":  # the whole prefix is rebuilt by the next run, never reused
+        assert not (world.cache / "pycache").exists() or not any(
+            (world.cache / "pycache").rglob("utils.*.pyc"))
     if route == "daemon":  # killed before the reference started: the code is untouched
         (utils,) = [p for p in world.cache.rglob("losses/utils.py")]
         assert tamper.POISON not in utils.read_text()

@@ -168,6 +168,7 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
     )
     from dflash_audit.audit.sides.integrity import enable_subreaper
     from dflash_audit.profile import Profile, ProfileError
+    from dflash_audit.reference_source.runner import compile_reference_bytecode
     from dflash_audit.report import write_report
     from dflash_audit.report.fingerprint import report_key
 
@@ -189,12 +190,12 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
             raise CompareSetupError(str(exc)) from None
         with st.stage("resolve_reference", "resolving the reference"):
             identity = resolve_reference(opts.ref, reference_url(opts), opts.offline)
+            compile_reference_bytecode(identity)  # then no reference process writes any
             reference_code = reference_code_digest(identity)  # before any candidate code runs
         with st.stage("resolve_candidate", "resolving the candidate"):
             launch = candidate_launch(opts.candidate, python=opts.candidate_python,
                                       offline=opts.offline, url=opts.ref_url)
-        import_check = ImportCheck(identity, import_ok_marker(identity, opts.cache_dir),
-                                   shared_pycache=sandbox["sandboxed"])
+        import_check = ImportCheck(identity, import_ok_marker(identity, opts.cache_dir))
         with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-") as tmp:
             with st.stage("load_candidate", "loading the candidate (own process)"):
                 try:  # never imported here: its import may exit, crash or print

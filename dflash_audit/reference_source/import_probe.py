@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -55,8 +54,7 @@ print("DFLASH_AUDIT_PROBE " + json.dumps(out))
 """
 
 
-def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 180.0,
-                               shared_pycache: bool = False) -> None:
+def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 180.0) -> None:
     """Check, in a small subprocess, that ``speculators.models.dflash.core`` imports from the
     resolved source; cheap compared with a full reference run. The process is isolated as
     the reference's (:func:`dflash_audit.reference_source.runner.reference_command`; bytecode
@@ -72,9 +70,9 @@ def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 1
         ReferenceTimeoutError: the import took longer than ``timeout_s``.
         ReferenceRunError: any other import failure (with the tail of stderr).
     """
-    prefix = pycache_prefix(identity, shared_pycache)
     cmd = reference_command(identity, "", [identity.version or "0.0.0+git",
-                                           json.dumps(list(REFERENCE_IMPORT_DEPS))], prefix,
+                                           json.dumps(list(REFERENCE_IMPORT_DEPS))],
+                            pycache_prefix(),
                             code=_IMPORT_PROBE)
     try:
         with tempfile.TemporaryDirectory(prefix="dflash-audit-probe-") as cwd:
@@ -86,9 +84,6 @@ def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 1
         raise ReferenceTimeoutError(
             f"importing the reference ({identity.spec}) took longer than {timeout_s:g} s."
         ) from exc
-    finally:
-        if not shared_pycache:
-            shutil.rmtree(prefix, ignore_errors=True)
     probe = next(
         (json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
          if line.startswith("DFLASH_AUDIT_PROBE ")),

@@ -112,20 +112,58 @@ def site_dirs() -> list[str]:
     return list(dict.fromkeys(d for d in dirs if os.path.isdir(d)))
 
 
-def pycache_prefix(identity: ReferenceIdentity, shared: bool) -> Path:
-    """Where the reference's bytecode goes: ``<cache>/pycache/<tag>`` when ``shared`` (the
-    candidate ran in the sandbox, which cannot write there), else a fresh temporary folder
-    (removed with the process): never a ``__pycache__`` of the reference tree or of
-    site-packages, which a candidate may have written."""
-    import tempfile
-
+def pycache_prefix() -> Path:
+    """Where every reference process's bytecode goes: ``<cache>/pycache/<tag>``, written only
+    by the tool's own reference processes, never a ``__pycache__`` of the reference tree or of
+    site-packages (which a candidate may have written). In the sandbox a candidate cannot
+    write there; without one, :func:`compile_reference_bytecode` completes the reference's part
+    before any candidate code runs and the audit verifies it byte for byte
+    (:func:`bytecode_roots`, :mod:`dflash_audit.audit.sides.integrity`)."""
     from dflash_audit.reference_source.identity import cache_root
 
-    if shared:
-        path = cache_root().parent / PYCACHE_DIR / sys.implementation.cache_tag
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    return Path(tempfile.mkdtemp(prefix="dflash-audit-pycache-"))
+    path = cache_root().parent / PYCACHE_DIR / sys.implementation.cache_tag
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _code_dirs(identity: ReferenceIdentity) -> dict[str, str]:
+    """The folders of code the verdict depends on that the reference process imports, as the
+    strings its ``sys.path`` holds (:func:`reference_command`): the reference's ``src`` and
+    the adapter's folder."""
+    from dflash_audit.reference_source.identity import reference_dir
+
+    return {"ref": str(identity.src_dir), "reference": str(reference_dir().resolve())}
+
+
+def bytecode_roots(identity: ReferenceIdentity) -> dict[str, Path]:
+    """``{"bytecode-ref" | "bytecode-reference": folder}``: where the reference process's
+    bytecode of :func:`_code_dirs` lies under :func:`pycache_prefix` (Python mirrors a source
+    ``/a/b/m.py`` to ``<prefix>/a/b/m.<tag>.pyc``)."""
+    prefix = pycache_prefix()
+    return {f"bytecode-{name}": prefix / path.lstrip(os.sep)
+            for name, path in _code_dirs(identity).items()}
+
+
+def compile_reference_bytecode(identity: ReferenceIdentity, timeout_s: float = 300.0) -> None:
+    """Compile every module of :func:`_code_dirs` into :func:`pycache_prefix` with the
+    reference's own interpreter flags (``python -I -S -X pycache_prefix -m compileall``;
+    up-to-date files are left alone, so a warm cache costs one small process). Afterwards no
+    reference process writes bytecode of the verdict's code, so any change there during an
+    audit is a write by someone else. Files that do not compile are left to the reference
+    run to report.
+
+    Raises:
+        ReferenceTimeoutError: compiling took longer than ``timeout_s``.
+    """
+    cmd = [sys.executable, "-I", "-S", "-X", f"pycache_prefix={pycache_prefix()}", "-m",
+           "compileall", "-q", "-q", *_code_dirs(identity).values()]
+    try:
+        subprocess.run(cmd, capture_output=True, timeout=timeout_s, check=False,
+                       cwd=pycache_prefix())
+    except subprocess.TimeoutExpired as exc:
+        raise ReferenceTimeoutError(
+            f"compiling the reference ({identity.spec}) took longer than {timeout_s:g} s."
+        ) from exc
 
 
 def reference_command(identity: ReferenceIdentity, script: Path | str, args: list[str],
@@ -256,14 +294,12 @@ def run_reference(
     timeout_s: float,
     *,
     adapter: Path | None = None,
-    shared_pycache: bool = False,
 ) -> ReferenceRun:
     """Run ``python reference/adapter.py <adapter_args>`` against the resolved source, in an
     isolated interpreter (:func:`reference_command`).
 
     The process gets ``<source>/src`` on ``sys.path``, ``$DFLASH_AUDIT_REFERENCE_SOURCE`` and
-    ``cwd=workdir``; its bytecode goes to :func:`pycache_prefix` (``shared_pycache``: the
-    tool's own cache, else a fresh folder). Exit code 0 is success; on failure the adapter writes ``error.json`` =
+    ``cwd=workdir``; its bytecode goes to :func:`pycache_prefix`. Exit code 0 is success; on failure the adapter writes ``error.json`` =
     {"kind", "message", "missing"} into ``workdir`` or into a directory named by an adapter
     argument (e.g. its CASES_DIR); stale ones are removed before the run.
 
@@ -286,10 +322,7 @@ def run_reference(
     error_files = _error_files(workdir, adapter_args)
     for path in error_files:
         path.unlink(missing_ok=True)
-    import shutil
-
-    prefix = pycache_prefix(identity, shared_pycache)
-    cmd = reference_command(identity, script, list(map(str, adapter_args)), prefix)
+    cmd = reference_command(identity, script, list(map(str, adapter_args)), pycache_prefix())
     start = time.monotonic()
     try:
         proc = subprocess.run(
@@ -297,8 +330,6 @@ def run_reference(
             timeout=timeout_s,
         )
     except subprocess.TimeoutExpired as exc:
-        if not shared_pycache:
-            shutil.rmtree(prefix, ignore_errors=True)
         stderr = exc.stderr or ""
         if isinstance(stderr, bytes):
             stderr = stderr.decode(errors="replace")
@@ -308,8 +339,6 @@ def run_reference(
             stderr_tail=_tail(stderr),
         ) from exc
     wall = time.monotonic() - start
-    if not shared_pycache:
-        shutil.rmtree(prefix, ignore_errors=True)
     if proc.returncode == 0:
         return ReferenceRun(cmd, workdir, 0, proc.stdout, proc.stderr, wall)
     error_file = next((p for p in error_files if p.is_file()), None)

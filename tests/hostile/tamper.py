@@ -47,6 +47,19 @@ def plant_pyc(source: Path) -> None:
     pyc.write_bytes(bytes(data))
 
 
+def plant_prefix_pyc(source: Path) -> None:
+    """Route 5: the poisoned bytecode in the tool's own pycache prefix
+    (``$DFLASH_AUDIT_CACHE/pycache/<tag>/<source folder>/utils.<tag>.pyc``, the file the
+    reference process reads under ``-X pycache_prefix``), with the source's mtime and size."""
+    st = source.stat()
+    code = compile(source.read_text().replace(DECAY, POISON), str(source), "exec")
+    tag = sys.implementation.cache_tag
+    prefix = Path(os.environ["DFLASH_AUDIT_CACHE"]) / "pycache" / tag
+    pyc = prefix / str(source.parent).lstrip(os.sep) / f"{source.stem}.{tag}.pyc"
+    pyc.parent.mkdir(parents=True, exist_ok=True)
+    pyc.write_bytes(bytes(bootstrap._code_to_timestamp_pyc(code, int(st.st_mtime), st.st_size)))
+
+
 SITECUSTOMIZE = f'''
 import sys
 class _Poison:

@@ -7,6 +7,9 @@ left alive when the reference starts.
   ``.so``). The reference process never reads a ``__pycache__`` of the tree (it runs with a
   private ``-X pycache_prefix``, :func:`dflash_audit.reference_source.runner.reference_command`),
   but a file that appears there during a run is still a write by the candidate: no verdict.
+- :func:`reference_bytecode_digest`: sha256 of the reference process's own bytecode of the
+  reference and of the adapter, in the tool's pycache prefix (compiled completely before any
+  candidate code runs, so a change there is a planted ``.pyc``).
 - :func:`tool_digest`: sha256 of every file of dflash-audit's installed package and of its
   ``reference/`` folder (the adapter), ``__pycache__`` included: our own process imports
   these, and a planted ``.pyc`` with its source's mtime and size would run in the next audit.
@@ -52,6 +55,17 @@ def reference_tree_digest(identity: Any) -> dict[str, str]:
     """``{"ref/<path>": sha256}`` of every file of the reference tree (see the module
     docstring)."""
     return _digest({"ref": Path(identity.source_dir)}, skip_pycache=False)
+
+
+def reference_bytecode_digest(identity: Any) -> dict[str, str]:
+    """``{"bytecode-ref/<path>" | "bytecode-reference/<path>": sha256}`` of the reference
+    process's bytecode of the reference's sources and of the adapter
+    (:func:`dflash_audit.reference_source.runner.bytecode_roots`): the files a planted
+    ``.pyc`` would have to replace to run in the reference without a sandbox. Bytecode of
+    site-packages is not covered (a candidate that can write there can edit its sources)."""
+    from dflash_audit.reference_source.runner import bytecode_roots
+
+    return _digest(bytecode_roots(identity), skip_pycache=False)
 
 
 def tool_roots() -> dict[str, Path]:

@@ -103,14 +103,13 @@ class ImportCheck:
     site-packages is not repeated (the reference run would still report a missing module
     clearly)."""
 
-    def __init__(self, identity: Any, marker: Path | None = None, shared_pycache: bool = False):
+    def __init__(self, identity: Any, marker: Path | None = None):
         from dflash_audit.reference_source import check_reference_importable
 
         self._marker = marker
         self.cached = marker is not None and marker.is_file()
         self._job = None if self.cached else Background(
-            check_reference_importable, identity, 180.0, shared_pycache,
-            name="dflash-audit-import-check")
+            check_reference_importable, identity, 180.0, name="dflash-audit-import-check")
 
     def wait(self) -> None:
         """Block until the check is done.
@@ -169,8 +168,8 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def start_reference(identity: Any, cases_dir: Path, timeout_s: float, threads: int,
-                    shared_pycache: bool = False) -> Background:
+def start_reference(identity: Any, cases_dir: Path, timeout_s: float, threads: int
+                    ) -> Background:
     """Start ``reference/adapter.py CASES_DIR`` (all cases, one process) in the background,
     with ``threads`` intra-op threads (``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` are set in
     this process's environment while it runs, which the subprocess inherits)."""
@@ -178,8 +177,7 @@ def start_reference(identity: Any, cases_dir: Path, timeout_s: float, threads: i
 
     def job() -> Any:
         with _environment(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)):
-            return run_reference(identity, [str(cases_dir)], cases_dir, timeout_s,
-                                 shared_pycache=shared_pycache)
+            return run_reference(identity, [str(cases_dir)], cases_dir, timeout_s)
 
     return Background(job, name="dflash-audit-reference")
 
@@ -256,12 +254,19 @@ def private_copy(cases_dir: Path, names: list[str], dest: Path) -> Path:
 
 def reference_code_digest(identity: Any) -> dict[str, str]:
     """sha256 of every file the verdict's code is read from: the reference's whole tree
-    (:func:`.integrity.reference_tree_digest`) and dflash-audit's own package and adapter
-    (:func:`.integrity.tool_digest`). Taken before any candidate code runs, again before the
-    reference starts and after it ends."""
-    from dflash_audit.audit.sides.integrity import reference_tree_digest, tool_digest
+    (:func:`.integrity.reference_tree_digest`), dflash-audit's own package and adapter
+    (:func:`.integrity.tool_digest`) and the reference process's bytecode of both
+    (:func:`.integrity.reference_bytecode_digest`; compiled first by
+    :func:`dflash_audit.reference_source.runner.compile_reference_bytecode`). Taken before any
+    candidate code runs, again before the reference starts and after it ends."""
+    from dflash_audit.audit.sides.integrity import (
+        reference_bytecode_digest,
+        reference_tree_digest,
+        tool_digest,
+    )
 
-    return {**reference_tree_digest(identity), **tool_digest()}
+    return {**reference_tree_digest(identity), **tool_digest(),
+            **reference_bytecode_digest(identity)}
 
 
 def _refuse_code_changes(identity: Any, before: dict[str, str], when: str) -> None:
@@ -279,6 +284,10 @@ def _refuse_code_changes(identity: Any, before: dict[str, str], when: str) -> No
         return
     if any(k.startswith("ref/") for k in changed):
         discard_damaged_tree(identity)
+    if any(k.startswith("bytecode-") for k in changed):  # rebuilt by the next run
+        from dflash_audit.reference_source.runner import pycache_prefix
+
+        shutil.rmtree(pycache_prefix(), ignore_errors=True)
     remove_planted_bytecode(changed)
     raise CompareSetupError(
         f"the audit's code changed {when} ({', '.join(changed[:3])}"
@@ -329,9 +338,6 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
         candidate_side,
         run_candidate_process,
     )
-    from dflash_audit.audit.sides.sandbox import sandbox_status
-
-    sandboxed = sandbox_status().available
     threads = usable_cores()
     out_dir = cases_dir / CANDIDATE_OUTPUTS
     try:
@@ -346,10 +352,6 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     t_left = time.perf_counter()
     left = leftover_processes()  # a daemon that left the candidate's process group
     st.timing["leftover_scan"] = time.perf_counter() - t_left
-    if not sandboxed:  # the tool's bytecode cache may have been written: never reused
-        from dflash_audit.reference_source.runner import pycache_prefix
-
-        shutil.rmtree(pycache_prefix(identity, True), ignore_errors=True)
     if left:
         message = (f"the candidate left {len(left)} process(es) running after its own process "
                    f"ended ({'; '.join(left[:2])}); they were killed and no verdict is given. A "
@@ -369,7 +371,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     with st.stage("reference_wait", "reference (speculators) on all cases"):
         try:
             reference_run = start_reference(identity, cases_dir, opts.reference_timeout_s,
-                                            threads, sandboxed).result()
+                                            threads).result()
         except ReferenceSourceError as exc:
             raise CompareSetupError(f"the reference run failed: {exc}") from None
     st.timing["reference"] = time.perf_counter() - start
