@@ -11,9 +11,18 @@ from __future__ import annotations
 import os
 import sys
 
-if not sys.stderr.isatty():  # a CI log: no third-party carriage-return bars (ours print lines)
-    os.environ.setdefault("TQDM_DISABLE", "1")  # read when tqdm is imported, hence here
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def quiet_third_party_bars() -> None:
+    """In a CI log (stderr not a TTY): no third-party carriage-return bars (ours print
+    lines). tqdm reads ``TQDM_DISABLE`` when it is imported, hence at this module's import;
+    the variables also reach the processes the commands start."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+quiet_third_party_bars()
 
 import typer
 

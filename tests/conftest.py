@@ -56,6 +56,7 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 from dflash_audit.audit.case import Case, SideOutputs
 
 
+
 @pytest.fixture(scope="session")
 def reference_identity():
     """The pinned reference release, resolved once per session (downloads on first use)."""

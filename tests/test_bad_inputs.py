@@ -1,4 +1,5 @@
-"""Catalogued bad inputs and faults, each through the real CLI (a ``dflash-audit`` subprocess).
+"""Catalogued bad inputs and faults, each through the real CLI (a ``dflash-audit`` process,
+forked from the suite's pre-imported CLI, :mod:`cli_zygote`).
 
 Every case asserts the exit code (2 for usage / setup / environment errors, 0 where the
 fault is repaired, e.g. a damaged checkpoint skipped or a damaged cache rebuilt), a message
@@ -17,8 +18,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,8 @@ from typing import Any
 import pytest
 import torch
 import train_tiny as tt
+from cli_zygote import run_cli
+from cache_support import copy_of_cache
 from safetensors.torch import load_file, save_file
 from test_families import DEEPSEEK_V3, LLAMA31_8B
 
@@ -61,19 +62,6 @@ class World:
         return ["data", "--out", str(out), "--verifier", str(self.paths["verifier"]),
                 "--data", str(self.paths["conversations"]), "--seq-len", "64", "--rows", "1",
                 "--target-layers", "1,2,3", *extra]
-
-
-def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None,
-            prelude: str = "") -> subprocess.CompletedProcess:
-    """``python -m dflash_audit.cli ARGS`` (after ``prelude``, Python run in the process to
-    inject a fault) with this checkout first on the path; stdout and stderr merged."""
-    code = f"import sys\n{prelude}\nfrom dflash_audit.cli import main\nsys.argv = " \
-           f"['dflash-audit'] + {args!r}\nmain()\n"
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "DFLASH_AUDIT_PROGRESS_INTERVAL": "0",
-                "COLUMNS": "200", **(env or {})}
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=full_env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600,
-                          check=False)
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
@@ -822,10 +810,7 @@ def test_compare_repairs_a_damaged_reference_tree(candidates: Path, tmp_path: Pa
     """A file removed from the cached sdist tree (a copy of the cache): detected by its
     manifest, re-extracted from the cached archive (offline), never blamed on the release;
     the archive is unchanged."""
-    src = Path(os.environ.get("DFLASH_AUDIT_CACHE", Path.home() / ".cache" / "dflash-audit"))
-    cache = tmp_path / "cache"
-    shutil.copytree(src / "reference" / "sdist", cache / "reference" / "sdist",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    cache = copy_of_cache(tmp_path / "cache")
     entry = cache / "reference" / "sdist" / reference_identity.sdist_sha256
     archive = entry / reference_identity.sdist_filename
     before = hashlib.sha256(archive.read_bytes()).hexdigest()
@@ -848,10 +833,7 @@ def test_a_candidate_that_edits_the_reference_code_gets_no_verdict(tmp_path: Pat
     """A candidate whose import edits the reference's cached source (a copy of the cache) to
     change its loss: the reference code is hashed before the candidate loads and checked before
     the reference runs: exit 2, no report (measured before the check: PASS for gamma 7)."""
-    src = Path(os.environ.get("DFLASH_AUDIT_CACHE", Path.home() / ".cache" / "dflash-audit"))
-    cache = tmp_path / "cache"
-    shutil.copytree(src / "reference" / "sdist", cache / "reference" / "sdist",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    cache = copy_of_cache(tmp_path / "cache")
     (tmp_path / "edits_reference.py").write_text(
         "import os\nfrom pathlib import Path\n"
         "from dflash_audit.candidate import DrafterCandidate\n"
@@ -864,7 +846,7 @@ def test_a_candidate_that_edits_the_reference_code_gets_no_verdict(tmp_path: Pat
     assert result.returncode == 2, result.stdout
     flat = " ".join(result.stdout.split())
     assert ("the audit's code changed while the candidate ran "
-            "(ref/src/speculators/losses/utils.py)") in flat
+            "(ref/src/speculators/losses/utils.py") in flat
     assert not (tmp_path / "reports").exists()
 
 

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HOSTILE = ROOT / "tests" / "hostile"
 sys.path.insert(0, str(HOSTILE))
 import tamper  # noqa: E402
+from cache_support import copy_of_cache  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -51,17 +52,10 @@ class World:
     """Copies of the cached release and of the tool, and a compare run against them."""
 
     def __init__(self, tmp: Path) -> None:
-        src = Path(os.environ.get("DFLASH_AUDIT_CACHE", Path.home() / ".cache" / "dflash-audit"))
-        self.tmp, self.cache, self.tool = tmp, tmp / "cache", tmp / "tool"
-        shutil.copytree(src / "reference" / "sdist", self.cache / "reference" / "sdist",
-                        ignore=shutil.ignore_patterns("__pycache__", "tmp"))
-        if (src / "verifiers").is_dir():  # the converted verifier (compare reads its config)
-            (self.cache / "verifiers").symlink_to(src / "verifiers")
-        if (src / "pycache").is_dir():  # the reference's warm bytecode (only the tool writes it)
-            shutil.copytree(src / "pycache", self.cache / "pycache")
-        for name in ("dflash_audit", "reference"):
-            shutil.copytree(ROOT / name, self.tool / name,
-                            ignore=shutil.ignore_patterns("__pycache__"))
+        self.tmp, self.tool = tmp, tmp / "tool"
+        self.cache = copy_of_cache(tmp / "cache")
+        for name in ("dflash_audit", "reference"):  # bytecode too: valid (copy2 keeps mtimes)
+            shutil.copytree(ROOT / name, self.tool / name)
 
     def compare(self, route: str, sandbox: bool, cases: int = 1,
                 **env_extra: str) -> subprocess.CompletedProcess:

@@ -282,6 +282,8 @@ def _refuse_code_changes(identity: Any, before: dict[str, str], when: str) -> No
     changed = changed_files(before, reference_code_digest(identity))
     if not changed:
         return
+    # sources first: a changed source also makes its bytecode be rewritten
+    changed.sort(key=lambda k: k.startswith("bytecode-"))
     if any(k.startswith("ref/") for k in changed):
         discard_damaged_tree(identity)
     if any(k.startswith("bytecode-") for k in changed):  # rebuilt by the next run
