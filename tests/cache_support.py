@@ -1,5 +1,5 @@
 """Private copies of the suite's cache (``$DFLASH_AUDIT_CACHE``, set by conftest) for tests
-that damage one."""
+that need a cache of their own."""
 
 from __future__ import annotations
 
@@ -8,17 +8,24 @@ import shutil
 from pathlib import Path
 
 
-def copy_of_cache(dest: Path) -> Path:
-    """A private copy of the suite's cache at ``dest`` for a test that damages it: the
-    reference releases (without bytecode next to the sources or staging folders), the
-    reference processes' warm bytecode (``pycache``: copied, a test may write into it; a cold
-    one costs each reference process ~5 s of compiling torch and transformers) and a link
-    to the converted verifiers (read only). Returns ``dest``."""
+def copy_of_cache(dest: Path, releases: bool = True, private_bytecode: bool = False) -> Path:
+    """A cache at ``dest`` for a test that needs its own (a fresh git cache, one it damages):
+    the reference releases when ``releases`` (without bytecode next to the sources or staging
+    folders), the reference processes' warm bytecode (``pycache``; a cold one costs each
+    reference process ~5 s of compiling torch and transformers) and a link to the converted
+    verifiers (read only). The bytecode is linked to the suite's, or copied when
+    ``private_bytecode`` (a test whose candidate writes there, or whose audit discards it).
+    Returns ``dest``."""
     src = Path(os.environ["DFLASH_AUDIT_CACHE"])
-    shutil.copytree(src / "reference" / "sdist", dest / "reference" / "sdist",
-                    ignore=shutil.ignore_patterns("__pycache__", "tmp"))
-    if (src / "pycache").is_dir():
+    dest.mkdir(parents=True, exist_ok=True)
+    if releases:
+        shutil.copytree(src / "reference" / "sdist", dest / "reference" / "sdist",
+                        ignore=shutil.ignore_patterns("__pycache__", "tmp"))
+    (src / "pycache").mkdir(exist_ok=True)
+    if private_bytecode:
         shutil.copytree(src / "pycache", dest / "pycache")
+    else:
+        (dest / "pycache").symlink_to(src / "pycache")
     if (src / "verifiers").is_dir():
         (dest / "verifiers").symlink_to(src / "verifiers")
     return dest

@@ -108,16 +108,9 @@ def framework_compare(key: str, tmp_path_factory, *args: str, timeout: int = 600
 
 
 def _run_compare(key: str, out: Path, args: tuple[str, ...], timeout: int) -> dict:
-    import os
-    import subprocess
-    import sys
+    from cli_zygote import run_cli
 
     out.mkdir(parents=True, exist_ok=True)
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
-    done = subprocess.run(
-        [sys.executable, "-m", "dflash_audit.cli", "compare", "--candidate",
-         f"framework:{key}", "--rows", "0", "--out", str(out), *args], cwd=root, env=env,
-        capture_output=True, text=True, timeout=timeout, check=False)
-    return {"rc": done.returncode, "stdout": done.stdout + done.stderr}
+    done = run_cli(["compare", "--candidate", f"framework:{key}", "--rows", "0", "--out",
+                    str(out), *args], Path(__file__).resolve().parents[1], timeout=timeout)
+    return {"rc": done.returncode, "stdout": done.stdout}

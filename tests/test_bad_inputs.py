@@ -833,7 +833,7 @@ def test_a_candidate_that_edits_the_reference_code_gets_no_verdict(tmp_path: Pat
     """A candidate whose import edits the reference's cached source (a copy of the cache) to
     change its loss: the reference code is hashed before the candidate loads and checked before
     the reference runs: exit 2, no report (measured before the check: PASS for gamma 7)."""
-    cache = copy_of_cache(tmp_path / "cache")
+    cache = copy_of_cache(tmp_path / "cache", private_bytecode=True)
     (tmp_path / "edits_reference.py").write_text(
         "import os\nfrom pathlib import Path\n"
         "from dflash_audit.candidate import DrafterCandidate\n"

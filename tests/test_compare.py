@@ -14,6 +14,7 @@ from pathlib import Path
 import git
 import pytest
 import torch
+from cache_support import copy_of_cache
 from data_support import SAMPLE_CONVERSATIONS, make_tiny_verifier, write_jsonl
 from torch import nn
 from typer.testing import CliRunner
@@ -120,7 +121,8 @@ def read_report(folder: Path) -> dict:
 # ------------------------------------------------------------------------------- tests
 def test_conformant_drafter_passes_via_git_clone(tmp_path, tiny_verifier, conversations,
                                                  origin, monkeypatch):
-    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "user-cache"))  # fresh git cache
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(copy_of_cache(tmp_path / "user-cache",
+                                                             releases=False)))  # fresh git cache
     opts = options(tmp_path, tiny_verifier, conversations, ref="speculators@v0.9.0",
                    ref_url=origin["path"].as_uri(), profile="reference-train-cli", cases=5)
     outcome = run_compare(opts)

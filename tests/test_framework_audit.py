@@ -22,6 +22,7 @@ from pathlib import Path
 import git
 import pytest
 import torch
+from cache_support import copy_of_cache
 from data_support import SAMPLE_CONVERSATIONS, make_tiny_verifier, write_jsonl
 from framework_support import build_wheel, write_adapter
 from typer.testing import CliRunner
@@ -91,7 +92,8 @@ def tagged_clone(reference_identity, tmp_path_factory):
 
 def test_speculators_git_tag_against_a_path_reference(tagged_clone, reference_identity,
                                                       tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))  # the clone goes here
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(copy_of_cache(tmp_path / "cache", releases=False))
+                       )  # the clone goes here
     outcome = run_compare(CompareOptions(
         candidate="framework:speculators@v0.9.0", ref=f"path:{reference_identity.source_dir}",
         ref_url=str(tagged_clone), rows=0, cases=1, seed=0, out=tmp_path / "reports",
@@ -117,7 +119,7 @@ def testfw(reference_identity, tmp_path_factory):
     write_adapter(tmp / "adapters", wheel, CAPS)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DFLASH_AUDIT_ADAPTER_PATH", str(tmp / "adapters"))
-        mp.setenv("DFLASH_AUDIT_CACHE", str(tmp / "cache"))
+        mp.setenv("DFLASH_AUDIT_CACHE", str(copy_of_cache(tmp / "cache", releases=False)))
         result = CliRunner().invoke(app, [
             "compare", "--candidate", "framework:testfw==1.0", "--ref",
             f"path:{reference_identity.source_dir}", "--rows", "0", "--cases", "4",

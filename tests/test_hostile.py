@@ -53,7 +53,7 @@ class World:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.tool = tmp, tmp / "tool"
-        self.cache = copy_of_cache(tmp / "cache")
+        self.cache = copy_of_cache(tmp / "cache", private_bytecode=True)
         for name in ("dflash_audit", "reference"):  # bytecode too: valid (copy2 keeps mtimes)
             shutil.copytree(ROOT / name, self.tool / name)
 

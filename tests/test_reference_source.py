@@ -17,6 +17,7 @@ from pathlib import Path
 
 import git
 import pytest
+from cache_support import copy_of_cache
 
 from dflash_audit import reference_source as rs
 from dflash_audit.reference_source import (
@@ -87,8 +88,9 @@ def origin(release, tmp_path_factory) -> dict:
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
-    """A fresh cache per test (through $DFLASH_AUDIT_CACHE)."""
-    path = tmp_path / "cache"
+    """A fresh cache per test (through $DFLASH_AUDIT_CACHE), with the suite's warm reference
+    bytecode."""
+    path = copy_of_cache(tmp_path / "cache", releases=False)
     monkeypatch.setenv(rs.CACHE_ENV, str(path))
     monkeypatch.delenv(rs.REF_URL_ENV, raising=False)
     return path

@@ -5,12 +5,11 @@ seeded ones, a checkpoint that does not fit is a named exit-2 error."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 import torch
+from cli_zygote import run_cli
 from safetensors.torch import load_file, save_file
 
 from dflash_audit.audit.cases.user_weights import (
@@ -39,9 +38,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _compare(*args, timeout=900):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "dflash_audit.cli", "compare", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    return run_cli(["compare", *args], Path.cwd(), {"OMP_NUM_THREADS": "1"}, timeout=timeout)
 
 
 def test_keys_map_from_a_prefixed_layout_and_mismatches_are_named(checkpoint, tmp_path):
@@ -69,16 +66,16 @@ def test_compare_with_the_checkpoint_config_and_weights(checkpoint, tmp_path):
     proc = _compare("--profile", str(checkpoint / "config.json"), "--weights", str(checkpoint),
                     "--cases", "0", "--anchors", "4", "--seq-len", "64",
                     "--out", str(tmp_path / "reports"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:]
     report = json.loads(next((tmp_path / "reports").glob("*/report.json")).read_text())
     assert report["inputs"]["weights"] == str(checkpoint.resolve())
     assert report["profile"]["fields"]["loss"] == "ce"  # the train-cli recipe
     # a checkpoint that does not fit the profile's drafter: exit 2, keys named
     proc = _compare("--weights", str(checkpoint), "--cases", "0", "--out", str(tmp_path / "r2"),
                     "--profile", "reference-train-cli")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "trained weights missing: layers.1." in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 2, proc.stdout
+    assert "trained weights missing: layers.1." in proc.stdout
+    assert "Traceback" not in proc.stdout
 
 
 def test_a_checkpoint_that_would_audit_something_else_is_named(checkpoint, tmp_path):
