@@ -165,8 +165,8 @@ EXPECTED = {
                          lambda case, cand, ref: logits_replay(
                              case, cand, weights=interleaved_rope_weights(case.config,
                                                                           case.weights))),
-    "targets_data_tokens": ("mixed", {"targets": ["targets are the data tokens input_ids[a+s] "
-                                                  "(hard labels"]}, replays_targets),
+    "targets_data_tokens": ("mixed", {"targets": ["targets are the data tokens input_ids[a+s], "
+                                                  "not the verifier's prediction at a+s-1"]}, replays_targets),
     "soft_ce": ("mixed", {"loss": [SOFT_CE]}, lambda case, cand, ref: loss_replay(
         case, cand, ref, {"soft_ce": 1.0}, "tokens")),
     "soft_ce_weight_sum": ("mixed", {"loss": [SOFT_CE, WEIGHT_SUM]},

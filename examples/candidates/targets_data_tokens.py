@@ -8,8 +8,8 @@ reference distils the verifier's distribution at the previous position,
 the label, -1e4 elsewhere: the profile's KL against them is that cross-entropy), and its
 accuracy is then measured against the data tokens too.
 
-Expected audit result: ``targets`` fails with "targets are the data tokens input_ids[a+s] (hard
-labels)"; ``loss`` and ``gradients`` follow from the targets difference.
+Expected audit result: ``targets`` fails with "targets are the data tokens input_ids[a+s], not
+the verifier's prediction at a+s-1 ... (hard labels: one-hot targets ...)"; ``loss`` and ``gradients`` follow from the targets difference.
 
 Run: ``dflash-audit compare --candidate examples/candidates/targets_data_tokens.py:candidate``
 """

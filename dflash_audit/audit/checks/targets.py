@@ -217,7 +217,7 @@ def diagnose_targets(ev: Evidence, result: CheckResult) -> list[str]:
 
 
 def data_token_targets(ev: Evidence, slots: torch.Tensor, hard: bool) -> list[str]:
-    """"targets are the data tokens input_ids[a+s]" when the argmax of the candidate's targets
+    """:data:`DATA_TOKENS_CAUSE` when the argmax of the candidate's targets
     is the data token on every supervised slot where the reference's is not everywhere (and,
     with ``hard``, the candidate's distributions are one-hot: probability > 0.99)."""
     c, r = ev.cand.tensors["targets"][0, slots], ev.ref.tensors["targets"][0, slots]
@@ -230,6 +230,6 @@ def data_token_targets(ev: Evidence, slots: torch.Tensor, hard: bool) -> list[st
         return []
     kind = "hard labels: one-hot targets" if one_hot else "their argmax"
     ref_pos = "a+s" if ev.config.sample_from_anchor else "a+s-1"
-    return [f"targets are the data tokens input_ids[a+s] ({kind}, as SpecForge trains) instead "
-            f"of the verifier's prediction at {ref_pos}, verifier_lm_head(verifier_norm("
-            f"verifier_last_hidden_states[{ref_pos}])): the reference distils the verifier"]
+    return [f"{DATA_TOKENS_CAUSE} at {ref_pos}, verifier_lm_head(verifier_norm("
+            f"verifier_last_hidden_states[{ref_pos}])) ({kind}, as SpecForge trains): the "
+            "reference distils the verifier"]
