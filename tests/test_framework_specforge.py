@@ -7,7 +7,7 @@ the adapter's run-config reader, sampler and layer-id mapping on the same instal
 
 The differences asserted are the ones read in SpecForge next to the reference
 (``specforge/algorithms/common/dflash_family_model.py`` = dfm): anchors may sit in the row's
-last B positions (dfm:184-187); the sliding window starts at a+s-W+1, not a-W (dfm:73-76);
+last B positions and need loss_mask[a+1] (dfm:184-187, seen in the multi-turn documents); the sliding window starts at a+s-W+1, not a-W (dfm:73-76);
 labels are data tokens and the loss is divided by the sum of weights (dfm:361-362, 406-416);
 no decay by default (dfm:148); a saved partial_rotary_factor the draft does not rotate, and
 nested per-layer-type RoPE crashing its derivation (training/model_loading.py:211-258); one
@@ -98,6 +98,9 @@ def test_anchor_sampler_differences_named(report):
         r = results(report, case, "anchors")[0]
         assert r["status"] == "fail", case
         assert any("last block_size positions" in d for d in r["diagnosis"]), case
+    for case in (LLAMA, QWEN35, GEMMA):  # a multi-turn document: a user turn inside its span
+        r = results(report, case, "anchors")[0]
+        assert any(d.startswith("an anchor also needs loss_mask[a+1]") for d in r["diagnosis"])
 
 
 def test_loss_differs(report):

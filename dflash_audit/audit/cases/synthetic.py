@@ -17,9 +17,18 @@ from dflash_audit.model.drafter import DFlashDrafter
 from dflash_audit.model.loss import LossSpec
 
 
+#: A document's assistant span at least this long gets an unsupervised user turn inside it
+#: (from a third of the span on, a sixth of it long): real chats are multi-turn, and a rule
+#: that looks at ``loss_mask[a+1]`` only differs where a supervised token precedes an
+#: unsupervised one inside the row.
+MULTI_TURN_SPAN = 24
+
+
 def synthetic_batch(config: DFlashConfig, seq_len: int, num_documents: int, pad: int,
                     generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """One packed row [1, seq_len] with ``num_documents`` documents then ``pad`` padding.
+    """One packed row [1, seq_len] with ``num_documents`` documents then ``pad`` padding; each
+    document's second part, roughly, is supervised (``loss_mask``), with a user turn inside
+    a long one (:data:`MULTI_TURN_SPAN`).
 
     Returns the batch tensors with the reference's names; ``hidden_states`` and
     ``verifier_last_hidden_states`` are standard normal fp32.
@@ -39,6 +48,10 @@ def synthetic_batch(config: DFlashConfig, seq_len: int, num_documents: int, pad:
         # an assistant span: the second half of each document, roughly
         start = s + int(torch.randint(0, max(1, (e - s) // 2 + 1), (1,), generator=g))
         loss_mask[0, start:e] = 1
+        span = e - start
+        if span >= MULTI_TURN_SPAN:  # a multi-turn chat: a user turn inside the span
+            gap = start + span // 3
+            loss_mask[0, gap:gap + max(2, span // 6)] = 0
     return {
         "hidden_states": torch.randn(1, T, config.num_target_layers * H, generator=g),
         "verifier_last_hidden_states": torch.randn(1, T, H, generator=g),
