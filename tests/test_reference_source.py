@@ -194,6 +194,33 @@ def test_sdist_download_failure_is_reported(cache, monkeypatch):
         resolve_reference("speculators==0.9.1", lock=ReferenceLock(spec="x"))
 
 
+@pytest.mark.parametrize("stderr, want", [
+    ("WARNING: Retrying (Retry(total=0, connect=None, read=None, redirect=None, status=None)) "
+     "after connection broken by 'NewConnectionError('<pip._vendor.urllib3.connection."
+     "HTTPConnection object at 0x7f>: Failed to establish a new connection: [Errno 111] "
+     "Connection refused')': /simple/speculators/\n",
+     r"the package index could not be reached \(\[Errno 111\] Connection refused\)"),
+    ("", r"the package index lists no release of speculators"),
+])
+def test_an_unreachable_or_empty_index_is_not_a_missing_version(cache, monkeypatch, stderr,
+                                                                want):
+    import subprocess
+
+    tail = ("ERROR: Could not find a version that satisfies the requirement "
+            "speculators==0.8.1 (from versions: none)\n"
+            "ERROR: No matching distribution found for speculators==0.8.1\n")
+
+    def pip(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 1, "", stderr + tail)
+
+    monkeypatch.setattr(rs.sdist.subprocess, "run", pip)
+    with pytest.raises(ReferenceResolutionError, match=want) as exc:
+        resolve_reference("speculators==0.8.1", lock=ReferenceLock(spec="x"))
+    message = str(exc.value)
+    assert "releases there" not in message and "Use one of those" not in message
+    assert "WARNING" not in message and "\n" not in message
+
+
 # --- git --------------------------------------------------------------------------------------
 
 

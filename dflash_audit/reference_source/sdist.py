@@ -150,7 +150,22 @@ def _pip_download(version: str, dest: Path) -> Path:
     output = proc.stdout + proc.stderr
     listed = re.search(r"\(from versions: ([^)]*)\)", output)
     if proc.returncode != 0 and "No matching distribution found" in output:
-        known = [v.strip() for v in listed.group(1).split(",")] if listed else []
+        known = [v.strip() for v in listed.group(1).split(",")
+                 if v.strip() and v.strip() != "none"] if listed else []
+        unreachable = _unreachable_index(output)
+        if not known and unreachable:
+            raise ReferenceResolutionError(
+                f"the package index could not be reached ({unreachable}), so "
+                f"{PACKAGE} {version} cannot be downloaded. Check the network or "
+                "PIP_INDEX_URL / pip's index-url, or use a cached release (--offline), a git "
+                "ref (--ref speculators@<ref>) or a local tree (--ref path:DIR)."
+            )
+        if not known:
+            raise ReferenceResolutionError(
+                f"the package index lists no release of {PACKAGE}, so {version} cannot be "
+                "downloaded (is PIP_INDEX_URL / pip's index-url an index that carries it?). "
+                "Use a git ref (--ref speculators@<ref>) or a local tree (--ref path:DIR)."
+            )
         raise ReferenceResolutionError(
             f"{PACKAGE} {version} is not on the package index"
             + (f" (releases there: {', '.join(known[-6:])})" if known else "")
@@ -166,6 +181,20 @@ def _pip_download(version: str, dest: Path) -> Path:
             "--ref speculators@<tag> (git) or --ref path:DIR."
         )
     return archives[0]
+
+
+_UNREACHABLE_RE = re.compile(
+    r"Failed to establish a new connection: ([^')\"]+)|Could not fetch URL (\S+?):? "
+    r"|(Name or service not known|Temporary failure in name resolution|timed out)")
+
+
+def _unreachable_index(pip_output: str) -> str:
+    """What pip said when it could not reach an index (``"[Errno 111] Connection
+    refused"``, ...), else ""."""
+    match = _UNREACHABLE_RE.search(pip_output)
+    if not match:
+        return ""
+    return next(g for g in match.groups() if g).strip()
 
 
 def _extract(archive: Path, dest: Path) -> Path:
