@@ -107,6 +107,10 @@ def test_in_the_sandbox_every_route_is_refused_and_nothing_changes(world: World)
     ("edits_tool", "dflash_audit/audit/checks/loss.py"),
     ("prefix_pyc", f"bytecode-ref/speculators/losses/utils.{sys.implementation.cache_tag}.pyc"),
     ("daemon", "process(es) running after its own process ended"),
+    pytest.param("stdlib_prefix_pyc", "json/__init__", marks=pytest.mark.xfail(
+        strict=True, reason="hostile review: only the ref/ and reference/ subtrees of the "
+        "pycache prefix are hashed; poisoned bytecode of a stdlib module there runs in the "
+        "reference (exit 0, and it persists into later audits)")),
 ])
 def test_without_a_sandbox_each_route_is_detected(world: World, route: str, named: str) -> None:
     """Unsandboxed, each route is detected: exit 2 naming the file (or the daemon, which is
