@@ -733,7 +733,9 @@ COMPARE_CASES = [
                 ("the audit's files changed during the run", "/outputs.safetensors",
                  "wrote outside its own copy of the cases"),
                 # unsandboxed, to test the detection (in the sandbox the writes fail: exit 1)
-                prepare=lambda tmp: {"DFLASH_AUDIT_SANDBOX": "off"}),
+                prepare=lambda tmp: {  # unsandboxed: bytecode of its own, no other audit's
+                    "DFLASH_AUDIT_SANDBOX": "off", "DFLASH_AUDIT_CACHE": str(copy_of_cache(
+                        tmp / "cache", private_bytecode=True))}),
     CompareCase("compare-profile-layers-without-rows", None, 2,
                 ("ids [99] do not exist in a verifier with 30 layers",
                  "audit the drafter with the verifier it was made for: --verifier"),

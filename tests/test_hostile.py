@@ -107,10 +107,7 @@ def test_in_the_sandbox_every_route_is_refused_and_nothing_changes(world: World)
     ("edits_tool", "dflash_audit/audit/checks/loss.py"),
     ("prefix_pyc", f"bytecode-ref/speculators/losses/utils.{sys.implementation.cache_tag}.pyc"),
     ("daemon", "process(es) running after its own process ended"),
-    pytest.param("stdlib_prefix_pyc", "json/__init__", marks=pytest.mark.xfail(
-        strict=True, reason="hostile review: only the ref/ and reference/ subtrees of the "
-        "pycache prefix are hashed; poisoned bytecode of a stdlib module there runs in the "
-        "reference (exit 0, and it persists into later audits)")),
+    ("stdlib_prefix_pyc", f"json/__init__.{sys.implementation.cache_tag}.pyc"),
 ])
 def test_without_a_sandbox_each_route_is_detected(world: World, route: str, named: str) -> None:
     """Unsandboxed, each route is detected: exit 2 naming the file (or the daemon, which is
@@ -128,9 +125,16 @@ def test_without_a_sandbox_each_route_is_detected(world: World, route: str, name
         (entry,) = [p for p in (world.cache / "reference" / "sdist").iterdir()
                     if p.is_dir() and len(p.name) == 64]
         assert tree_problems(entry) == ["no manifest"]
-    if route == "prefix_pyc":  # the whole prefix is rebuilt by the next run, never reused
-        assert not (world.cache / "pycache").exists() or not any(
-            (world.cache / "pycache").rglob("utils.*.pyc"))
+    if route in ("prefix_pyc", "stdlib_prefix_pyc"):  # the planted file is gone, never reused
+        tag = sys.implementation.cache_tag
+        sources = (sorted(world.cache.glob("reference/sdist/*/tree/src/speculators/losses/"
+                                           "utils.py")) if route == "prefix_pyc"
+                   else [Path(json.__file__)])
+        assert sources
+        for source in sources:
+            planted = (world.cache / "pycache" / tag / str(source.parent).lstrip(os.sep)
+                       / f"{source.stem}.{tag}.pyc")
+            assert not planted.exists(), planted
     if route == "daemon":  # killed before the reference started: the code is untouched
         (utils,) = [p for p in world.cache.rglob("losses/utils.py")]
         assert tamper.POISON not in utils.read_text()

@@ -191,11 +191,14 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
         with st.stage("resolve_reference", "resolving the reference"):
             identity = resolve_reference(opts.ref, reference_url(opts), opts.offline)
             compile_reference_bytecode(identity)  # then no reference process writes any
-            reference_code = reference_code_digest(identity)  # before any candidate code runs
         with st.stage("resolve_candidate", "resolving the candidate"):
             launch = candidate_launch(opts.candidate, python=opts.candidate_python,
                                       offline=opts.offline, url=opts.ref_url)
         import_check = ImportCheck(identity, import_ok_marker(identity, opts.cache_dir))
+        if not sandbox["sandboxed"]:  # its bytecode is written before the candidate's window
+            import_check.wait()
+        reference_code = reference_code_digest(  # before any candidate code runs
+            identity, whole_prefix=not sandbox["sandboxed"])
         with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-") as tmp:
             with st.stage("load_candidate", "loading the candidate (own process)"):
                 try:  # never imported here: its import may exit, crash or print

@@ -1,4 +1,5 @@
 """Every file route at once (for the sandboxed run: each write is refused)."""
+import stdlib_prefix_pyc  # noqa: F401 (plants poisoned json bytecode at import)
 import tamper
 from gamma7_base import Gamma7
 

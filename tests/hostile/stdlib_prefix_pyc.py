@@ -1,7 +1,7 @@
 """Route: poisoned bytecode of a STDLIB module (json, the first thing the reference's boot
-code imports) in the tool's pycache prefix. The prefix mirrors every source the reference
-process imports, not only the reference's src and the adapter, and only those two subtrees
-are hashed."""
+code imports) in the tool's pycache prefix, which mirrors every source the reference process
+imports: outside the reference's and the adapter's subtrees, only a stat signature of the
+whole prefix across the candidate's run catches it."""
 import importlib._bootstrap_external as bootstrap
 import json as _json
 import os

@@ -36,7 +36,9 @@ Hypothesis = tuple[str, dict[str, Any]]
 
 
 def constant_hypotheses(c: DFlashConfig) -> Iterator[Hypothesis]:
-    """Another RoPE theta, RMSNorm eps or activation than the verifier's; RoPE scaling ignored."""
+    """Another RoPE theta, RMSNorm eps or activation than the verifier's; RoPE scaling ignored,
+    alone or with another theta (a draft config class's defaults, e.g. ModelOpt's
+    ``rope_theta`` 10000 without the verifier's llama3 scaling)."""
     for theta in COMMON_ROPE_THETAS:
         if theta != c.rope_theta:
             yield (f"RoPE theta {theta:g} in the draft layers, not the verifier's rope_theta",
@@ -45,6 +47,12 @@ def constant_hypotheses(c: DFlashConfig) -> Iterator[Hypothesis]:
     if rope_type != "default":
         yield (f"RoPE scaling ignored: default rotary frequencies where the verifier uses "
                f"rope_type {rope_type!r}"), {"config": c.replace(rope_parameters=None)}
+        for theta in COMMON_ROPE_THETAS:  # a draft config class's own RoPE defaults
+            if theta != c.rope_theta:
+                yield (f"RoPE theta {theta:g} and no scaling in the draft layers (rope_type "
+                       f"'default' where the verifier uses {rope_type!r}): the draft config's "
+                       "own defaults, not the verifier's rope_parameters"),\
+                    {"config": c.replace(rope_theta=theta, rope_parameters=None)}
     for eps in COMMON_NORM_EPS:
         if eps != c.rms_norm_eps:
             yield (f"RMSNorm eps {eps:g} in the drafter's norms, not the verifier's "

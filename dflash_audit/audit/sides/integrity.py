@@ -10,6 +10,8 @@ left alive when the reference starts.
 - :func:`reference_bytecode_digest`: sha256 of the reference process's own bytecode of the
   reference and of the adapter, in the tool's pycache prefix (compiled completely before any
   candidate code runs, so a change there is a planted ``.pyc``).
+- :func:`prefix_signature`: a stat signature of that whole prefix, across an unsandboxed
+  candidate's run (stdlib and site-packages bytecode is read from there as well).
 - :func:`tool_digest`: sha256 of every file of dflash-audit's installed package and of its
   ``reference/`` folder (the adapter), ``__pycache__`` included: our own process imports
   these, and a planted ``.pyc`` with its source's mtime and size would run in the next audit.
@@ -61,11 +63,45 @@ def reference_bytecode_digest(identity: Any) -> dict[str, str]:
     """``{"bytecode-ref/<path>" | "bytecode-reference/<path>": sha256}`` of the reference
     process's bytecode of the reference's sources and of the adapter
     (:func:`dflash_audit.reference_source.runner.bytecode_roots`): the files a planted
-    ``.pyc`` would have to replace to run in the reference without a sandbox. Bytecode of
-    site-packages is not covered (a candidate that can write there can edit its sources)."""
+    ``.pyc`` would have to replace to run in the reference without a sandbox, compared at
+    every step (the rest of the prefix: :func:`prefix_signature`)."""
     from dflash_audit.reference_source.runner import bytecode_roots
 
     return _digest(bytecode_roots(identity), skip_pycache=False)
+
+
+def prefix_signature() -> dict[str, str]:
+    """``{"pycache/<path>": "inode:size:mtime_ns:ctime_ns"}`` of every file of the reference
+    processes' whole bytecode prefix (stdlib and site-packages included, ~5k files: stat
+    only; a write or a replacement changes the inode or ctime, which no user can set back).
+    Compared across an unsandboxed candidate's run, when no process of the audit writes
+    there: bytecode of any module the reference imports, planted in the prefix, would run."""
+    from dflash_audit.reference_source.runner import pycache_prefix
+
+    root, out = pycache_prefix(), {}
+    for path in sorted(root.rglob("*")):
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        if not path.is_dir():
+            rel = path.relative_to(root).as_posix()
+            out[f"pycache/{rel}"] = f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    return out
+
+
+def remove_planted_prefix_bytecode(changed: list[str], identity: Any) -> None:
+    """Delete the files of the bytecode prefix that ``changed`` names (keys of
+    :func:`prefix_signature` and :func:`reference_bytecode_digest`): the next reference
+    process compiles them again from the sources; other files, which another audit may be
+    using, stay."""
+    from dflash_audit.reference_source.runner import bytecode_roots, pycache_prefix
+
+    roots = {"pycache": pycache_prefix(), **bytecode_roots(identity)}
+    for key in changed:
+        name, _, rel = key.partition("/")
+        if name in roots:
+            (roots[name] / rel).unlink(missing_ok=True)
 
 
 def tool_roots() -> dict[str, Path]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -252,51 +251,62 @@ def private_copy(cases_dir: Path, names: list[str], dest: Path) -> Path:
     return dest
 
 
-def reference_code_digest(identity: Any) -> dict[str, str]:
+def reference_code_digest(identity: Any, whole_prefix: bool = False) -> dict[str, str]:
     """sha256 of every file the verdict's code is read from: the reference's whole tree
     (:func:`.integrity.reference_tree_digest`), dflash-audit's own package and adapter
     (:func:`.integrity.tool_digest`) and the reference process's bytecode of both
     (:func:`.integrity.reference_bytecode_digest`; compiled first by
     :func:`dflash_audit.reference_source.runner.compile_reference_bytecode`). Taken before any
-    candidate code runs, again before the reference starts and after it ends."""
+    candidate code runs, again before the reference starts and after it ends. With
+    ``whole_prefix`` (an unsandboxed candidate) also :func:`.integrity.prefix_signature`,
+    compared only across the candidate's run."""
     from dflash_audit.audit.sides.integrity import (
         reference_bytecode_digest,
         reference_tree_digest,
         tool_digest,
     )
 
+    from dflash_audit.audit.sides.integrity import prefix_signature
+
     return {**reference_tree_digest(identity), **tool_digest(),
-            **reference_bytecode_digest(identity)}
+            **reference_bytecode_digest(identity),
+            **(prefix_signature() if whole_prefix else {})}
 
 
-def _refuse_code_changes(identity: Any, before: dict[str, str], when: str) -> None:
+def _refuse_code_changes(identity: Any, before: dict[str, str], when: str,
+                         whole_prefix: bool = True) -> None:
     """Compare :func:`reference_code_digest` with ``before``; on any change discard the
     damaged reference cache (rebuilt by the next resolve), delete planted bytecode of the tool
     and raise :class:`CompareSetupError` naming the files."""
     from dflash_audit.audit.sides.integrity import (
         changed_files,
         remove_planted_bytecode,
+        remove_planted_prefix_bytecode,
     )
     from dflash_audit.reference_source import discard_damaged_tree
 
-    changed = changed_files(before, reference_code_digest(identity))
+    whole = whole_prefix and any(k.startswith("pycache/") for k in before)
+    if not whole:  # the reference may add bytecode of modules not compiled yet
+        before = {k: v for k, v in before.items() if not k.startswith("pycache/")}
+    changed = changed_files(before, reference_code_digest(identity, whole))
     if not changed:
         return
     # sources first: a changed source also makes its bytecode be rewritten
     changed.sort(key=lambda k: k.startswith("bytecode-"))
     if any(k.startswith("ref/") for k in changed):
         discard_damaged_tree(identity)
-    if any(k.startswith("bytecode-") for k in changed):  # rebuilt by the next run
-        from dflash_audit.reference_source.runner import pycache_prefix
-
-        shutil.rmtree(pycache_prefix(), ignore_errors=True)
+    remove_planted_prefix_bytecode(changed, identity)  # compiled again by the next run
     remove_planted_bytecode(changed)
+    concurrent = ("; another audit using the same cache at the same time (a cold one) can "
+                  "also write there: then rerun" if all(k.startswith("pycache/") for k in changed)
+                  else "")
     raise CompareSetupError(
         f"the audit's code changed {when} ({', '.join(changed[:3])}"
         f"{', ...' if len(changed) > 3 else ''}): the candidate wrote into the reference's "
-        "cached tree or into dflash-audit's own files, so no verdict can be given. The damaged "
-        "reference cache is discarded (the next run rebuilds it); reinstall dflash-audit if "
-        "its sources are named. Run candidates in the sandbox (bubblewrap).")
+        "cached tree or bytecode, or into dflash-audit's own files, so no verdict can be given. "
+        "The damaged reference cache and the changed bytecode are discarded (the next run "
+        "rebuilds them); reinstall dflash-audit if its sources are named"
+        f"{concurrent}. Run candidates in the sandbox (bubblewrap).")
 
 
 def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], cases_dir: Path,
@@ -378,7 +388,8 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
             raise CompareSetupError(f"the reference run failed: {exc}") from None
     st.timing["reference"] = time.perf_counter() - start
     if reference_code is not None:
-        _refuse_code_changes(identity, reference_code, "while the reference ran")
+        _refuse_code_changes(identity, reference_code, "while the reference ran",
+                             whole_prefix=False)
     after = case_digests(cases_dir, names)
     _refuse_changes(sorted(k for k in digests if digests[k] != after.get(k))
                     + reference_output_changes(reference_run.stdout, cases_dir, names))
