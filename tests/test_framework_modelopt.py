@@ -135,6 +135,12 @@ def test_compare_fails_and_names_what_modelopt_does(modelopt_report):
     # rope_parameters under transformers 5.19 (hf_dflash.py:423-437)
     assert "RoPE theta 10000 in the draft layers, not the verifier's rope_theta" in res[
         (CASES[1], "logits")]["diagnosis"]
+    # on a llama3-scaled verifier that default is theta 10000 without the scaling: one named
+    # cause (with the hidden_norm eps below), nothing unexplained
+    llama = res[(CASES[0], "logits")]["diagnosis"]
+    assert llama[0].startswith("RoPE theta 10000 and no scaling in the draft layers (rope_type "
+                               "'default' where the verifier uses 'llama3')"), llama
+    assert not any(d.startswith("unexplained") for d in llama), llama
     # hidden_norm with ModelOpt's eps 1e-6 (default_config.py:28), not the verifier's 1e-5
     assert res[(CASES[0], "context")]["diagnosis"] == [
         "hidden_norm eps 1e-06, not the verifier's rms_norm_eps"]
