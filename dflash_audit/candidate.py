@@ -179,7 +179,12 @@ def load_candidate(spec: str | None) -> Candidate:
                              ) from err
     obj = getattr(module, attr, None)
     if obj is None:
-        raise CandidateError(f"{target!r} has no attribute {attr!r}")
+        offered = sorted((n for n, v in vars(module).items() if not n.startswith("_") and (
+            hasattr(v, "run_case") or n == "candidate")), key=lambda n: (n != "candidate", n))
+        hint = (f"; it offers {', '.join(f'{target}:{n}' for n in offered)}" if offered else
+                "; a candidate is an object with run_case(config, loss, weights, inputs), or a "
+                "class / factory returning one")
+        raise CandidateError(f"{target!r} has no attribute {attr!r}{hint}")
     if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "run_case")):
         obj = obj()
     if not hasattr(obj, "run_case"):

@@ -210,6 +210,9 @@ def test_crashing_candidate_is_a_conformance_failure(tmp_path, tiny_verifier, co
     assert "state dict" in outcome.report.results[0].diagnosis[0]
 
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "candidates"
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -236,6 +239,8 @@ def test_unreachable_remote_exits_2(tmp_path, monkeypatch):
     (["--profile", "nope"], "unknown profile 'nope'"),
     (["--candidate", "/nonexistent/cand.py:x"], "does not exist"),
     (["--candidate", "dflash_audit.candidate:NoSuchThing"], "has no attribute 'NoSuchThing'"),
+    (["--candidate", f"{EXAMPLES}/gamma7.py:wrong"],
+     f"has no attribute 'wrong'; it offers {EXAMPLES}/gamma7.py:candidate"),
     (["--cases", "-1"], "--cases must be >= 0"),
 ])
 def test_usage_errors_exit_2(tmp_path, args, message):

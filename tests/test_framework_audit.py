@@ -147,7 +147,8 @@ def test_adapter_computed_loss_warns_and_does_not_fail(testfw):
     others = {r["status"] for c in report["cases"] for r in c["results"] if r["name"] in (
         "logits", "targets", "gradients", "mask")}
     assert others == {"pass"}
-    assert "computed by the adapter: loss" in result.output  # the terminal line
+    assert "computed by the adapter, not audited: loss" in result.output
+    assert "\n  warning: " in result.output  # a PASS says what its warnings are  # the terminal line
 
 
 def test_testfw_cases_are_ones_it_supports(testfw):

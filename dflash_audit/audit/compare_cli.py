@@ -129,17 +129,25 @@ def main(opts: CompareOptions) -> int:
     checks = report.checks()
     failed = [c["name"] for c in checks if c["status"] == "fail"]
     warned = [c["name"] for c in checks if c["status"] == "warn"]
-    by_adapter = sorted({r.name for r in report.results if (r.details or {}).get("provenance")})
+    by_adapter = sorted({".".join(filter(None, (r.name, (r.details or {}).get("layer_type"))))
+                         for r in report.results if (r.details or {}).get("provenance")})
     unsupported = sum(1 for c in report.cases if c.layout.get("unsupported"))
-    line = (f"verdict: {report.verdict.upper()} ({len(report.cases)} cases, {len(checks)} "
-            f"checks{', failing: ' + ', '.join(failed) if failed else ''}"
-            f"{', warnings: ' + ', '.join(warned) if warned else ''}"
-            f"{', computed by the adapter: ' + ', '.join(by_adapter) if by_adapter else ''}"
-            f"{f', {unsupported} cases not supported by the framework' if unsupported else ''}"
-            f") in {report.timing.get('total', 0.0):.1f} s")
+    groups = [f"{len(report.cases)} cases, {len(checks)} checks"] + [
+        f"{label}: {', '.join(names)}" for label, names in (
+            ("failing", failed), ("warnings", warned),
+            ("computed by the adapter, not audited", by_adapter)) if names]
+    if unsupported:
+        groups.append(f"{unsupported} cases not supported by the framework")
+    line = (f"verdict: {report.verdict.upper()} ({'; '.join(groups)}) in "
+            f"{report.timing.get('total', 0.0):.1f} s")
     print(line)
     if not report.candidate.get("sandbox", {}).get("sandboxed", True):
         print("  note: candidate ran without a sandbox (see report.json candidate.sandbox)")
+    if report.verdict == "pass":  # what the warnings are, without opening report.md
+        warnings = list(dict.fromkeys(d["cause"] for d in report.diagnoses()
+                                      if d.get("status") == "warn"))
+        for cause in warnings[:MAX_ROOT_CAUSES]:
+            print(f"  warning: {cause}")
     causes = [d["cause"] for d in report.diagnoses() if d.get("status") == "fail"]
     roots = [d["cause"] for d in report.root_causes()] or causes[:3]
     for cause in roots[:MAX_ROOT_CAUSES]:  # the named root causes, grouped across cases
