@@ -56,11 +56,11 @@ from dflash_audit.audit.progress import Stages
 from dflash_audit.audit.replay.noise import measured_tolerances
 from dflash_audit.audit.setup_error import CompareSetupError
 from dflash_audit.audit.sides.canary import publish_canary, stage_canary
+from dflash_audit.audit.sides.integrity import reference_code_digest
 from dflash_audit.audit.sides.run_sides import (
     CANDIDATE_OUTPUTS,
     ImportCheck,
     import_ok_marker,
-    reference_code_digest,
     resolve_reference,
     run_both_sides,
 )

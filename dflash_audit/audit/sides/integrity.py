@@ -118,6 +118,20 @@ def tool_digest() -> dict[str, str]:
     return _digest(tool_roots(), skip_pycache=False)
 
 
+def reference_code_digest(identity: Any, whole_prefix: bool = False) -> dict[str, str]:
+    """sha256 of every file the verdict's code is read from: the reference's whole tree
+    (:func:`reference_tree_digest`), dflash-audit's own package and adapter
+    (:func:`tool_digest`) and the reference process's bytecode of both
+    (:func:`reference_bytecode_digest`; compiled first by
+    :func:`dflash_audit.reference_source.runner.compile_reference_bytecode`). Taken before any
+    candidate code runs, again before the reference starts and after it ends. With
+    ``whole_prefix`` (an unsandboxed candidate) also :func:`prefix_signature`,
+    compared only across the candidate's run."""
+    return {**reference_tree_digest(identity), **tool_digest(),
+            **reference_bytecode_digest(identity),
+            **(prefix_signature() if whole_prefix else {})}
+
+
 def changed_files(before: dict[str, str], after: dict[str, str]) -> list[str]:
     """Keys whose digest differs, that are gone in ``after``, or that are new in it."""
     return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))

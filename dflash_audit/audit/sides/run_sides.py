@@ -251,28 +251,6 @@ def private_copy(cases_dir: Path, names: list[str], dest: Path) -> Path:
     return dest
 
 
-def reference_code_digest(identity: Any, whole_prefix: bool = False) -> dict[str, str]:
-    """sha256 of every file the verdict's code is read from: the reference's whole tree
-    (:func:`.integrity.reference_tree_digest`), dflash-audit's own package and adapter
-    (:func:`.integrity.tool_digest`) and the reference process's bytecode of both
-    (:func:`.integrity.reference_bytecode_digest`; compiled first by
-    :func:`dflash_audit.reference_source.runner.compile_reference_bytecode`). Taken before any
-    candidate code runs, again before the reference starts and after it ends. With
-    ``whole_prefix`` (an unsandboxed candidate) also :func:`.integrity.prefix_signature`,
-    compared only across the candidate's run."""
-    from dflash_audit.audit.sides.integrity import (
-        reference_bytecode_digest,
-        reference_tree_digest,
-        tool_digest,
-    )
-
-    from dflash_audit.audit.sides.integrity import prefix_signature
-
-    return {**reference_tree_digest(identity), **tool_digest(),
-            **reference_bytecode_digest(identity),
-            **(prefix_signature() if whole_prefix else {})}
-
-
 def _refuse_code_changes(identity: Any, before: dict[str, str], when: str,
                          whole_prefix: bool = True) -> None:
     """Compare :func:`reference_code_digest` with ``before``; on any change discard the
@@ -280,6 +258,7 @@ def _refuse_code_changes(identity: Any, before: dict[str, str], when: str,
     and raise :class:`CompareSetupError` naming the files."""
     from dflash_audit.audit.sides.integrity import (
         changed_files,
+        reference_code_digest,
         remove_planted_bytecode,
         remove_planted_prefix_bytecode,
     )
@@ -318,7 +297,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     the reference on all of them; a candidate that raises, exits, crashes, is killed or times
     out on a case fails that case. The sides run one after the other so the candidate never
     sees the reference's outputs nor the reference process: before the reference starts, the
-    case inputs and the reference's code (``reference_code``, :func:`reference_code_digest`
+    case inputs and the reference's code (``reference_code``, :func:`.integrity.reference_code_digest`
     taken before the candidate was loaded) must be unchanged, and afterwards its outputs must
     be the files it reported writing. ``launch``: how the candidate process starts
     (:class:`dflash_audit.audit.sides.launch.CandidateLaunch`; None: ``opts.candidate`` under
