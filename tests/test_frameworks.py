@@ -101,6 +101,7 @@ def test_install_caches_verifies_and_repairs(tmp_path, wheel, capsys):
         install_framework("testfw", "1.0", [str(wheel)], offline=True, cache_dir=tmp_path)
     site = install_framework("testfw", "1.0", [str(wheel)], cache_dir=tmp_path)
     assert site == tmp_path / "frameworks" / "testfw-1.0" / "site"
+    assert "installing testfw 1.0 into the tool's cache" in capsys.readouterr().err  # said once
     assert (site / "demo_fw_pkg" / "__init__.py").read_text() == "VERSION = '1.0'\n"
     manifest = json.loads((site.parent / "manifest.json").read_text())
     assert manifest["requirements"] == [str(wheel)]
@@ -110,6 +111,7 @@ def test_install_caches_verifies_and_repairs(tmp_path, wheel, capsys):
     assert install_framework("testfw", "1.0", [str(wheel)], offline=True,
                              cache_dir=tmp_path) == site
     assert (site.parent / "manifest.json").stat().st_mtime_ns == stamp
+    assert "installing" not in capsys.readouterr().err
     (site / "__pycache__").mkdir()  # what importing it writes does not count as damage
     (site / "__pycache__" / "x.pyc").write_bytes(b"\0")
     assert install_framework("testfw", "1.0", [str(wheel)], offline=True, cache_dir=tmp_path)

@@ -109,6 +109,8 @@ def install_framework(name: str, version: str, requirements: Sequence[str], *,
               f"{'; '.join(problems[:3])}; installing it again", file=sys.stderr)
     if not requirements:
         raise FrameworkInstallError(f"the {name} adapter declares no REQUIREMENTS to install")
+    print(f"dflash-audit: installing {name} {version} into the tool's cache ({entry}; once): "
+          f"{', '.join(requirements)}", file=sys.stderr)
     with atomic_folder(entry) as tmp:
         cmd = pip_command(requirements, tmp / SITE, pip_args)
         try:
