@@ -18,6 +18,18 @@ SAVED_KEYS = ("rope_parameters", "head_dim", "num_attention_heads", "num_key_val
               "max_position_embeddings", "intermediate_size", "hidden_size")
 
 
+#: The drafter's architecture fields, by the same name on every config that derives them.
+ARCHITECTURE_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act",
+                       "attention_bias", "max_position_embeddings")
+
+
+def architecture_fields(config: Any) -> dict[str, Any]:
+    """``{name: config.<name>}`` for :data:`ARCHITECTURE_FIELDS` (a DFlashConfig, or a
+    framework's draft config): the first fields of a derived-config record."""
+    return {name: getattr(config, name) for name in ARCHITECTURE_FIELDS}
+
+
 def derivation_fields(config: DFlashConfig) -> dict[str, Any]:
     """The flat derivation dict of one of our drafter configs.
 
@@ -38,12 +50,7 @@ def derivation_fields(config: DFlashConfig) -> dict[str, Any]:
     layer_types = list(config.effective_layer_types)
     saved = reference_config(config, None)["transformer_layer_config"]
     return {
-        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps, "hidden_act": config.hidden_act,
-        "attention_bias": config.attention_bias,
-        "max_position_embeddings": config.max_position_embeddings,
+        **architecture_fields(config),
         "tie_word_embeddings": False,
         "vocab_size": config.vocab_size, "target_vocab_size": config.vocab_size,
         "layer_types": layer_types,

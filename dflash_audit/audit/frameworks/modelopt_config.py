@@ -15,7 +15,7 @@ from typing import Any
 from unittest import mock
 
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
-from dflash_audit.model.derivation import SAVED_KEYS
+from dflash_audit.model.derivation import SAVED_KEYS, architecture_fields
 from dflash_audit.model.layer_ids import from_zlab_ids, to_zlab_ids
 from dflash_audit.model.loss import LossSpec, parse_loss
 
@@ -253,12 +253,7 @@ def derive(verifier_config: Any, config: DFlashConfig) -> dict[str, Any]:
     window = model.dflash_swa_window_size
     layer_types = [SLIDING_ATTENTION if window else FULL_ATTENTION] * draft.num_hidden_layers
     return {
-        "hidden_size": draft.hidden_size, "intermediate_size": draft.intermediate_size,
-        "num_attention_heads": draft.num_attention_heads,
-        "num_key_value_heads": draft.num_key_value_heads, "head_dim": draft.head_dim,
-        "rms_norm_eps": draft.rms_norm_eps, "hidden_act": draft.hidden_act,
-        "attention_bias": draft.attention_bias,
-        "max_position_embeddings": draft.max_position_embeddings,
+        **architecture_fields(draft),
         "tie_word_embeddings": bool(draft.tie_word_embeddings),
         "vocab_size": draft.vocab_size, "target_vocab_size": base.config.vocab_size,
         "layer_types": layer_types, "sliding_window": window,
