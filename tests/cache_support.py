@@ -1,11 +1,13 @@
 """Private copies of the suite's cache (``$DFLASH_AUDIT_CACHE``, set by conftest) for tests
-that need a cache of their own."""
+that need a cache of their own, and a git repository of the cached reference release."""
 
 from __future__ import annotations
 
 import os
 import shutil
 from pathlib import Path
+
+import git
 
 
 def copy_of_cache(dest: Path, releases: bool = True, private_bytecode: bool = False) -> Path:
@@ -29,3 +31,17 @@ def copy_of_cache(dest: Path, releases: bool = True, private_bytecode: bool = Fa
     if (src / "verifiers").is_dir():
         (dest / "verifiers").symlink_to(src / "verifiers")
     return dest
+
+
+def release_repo(source_dir: Path, path: Path) -> git.Repo:
+    """A git repository at ``path`` of the release source ``source_dir`` (branch main), its
+    one commit tagged ``v0.9.0``: a remote for ``--ref speculators@v0.9.0``."""
+    shutil.copytree(source_dir, path)
+    repo = git.Repo.init(path, initial_branch="main")
+    with repo.config_writer() as cfg:
+        cfg.set_value("user", "name", "dflash-audit tests")
+        cfg.set_value("user", "email", "tests@example.invalid")
+    repo.git.add(A=True)
+    repo.index.commit("speculators 0.9.0 release source")
+    repo.create_tag("v0.9.0", message="release 0.9.0")
+    return repo

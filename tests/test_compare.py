@@ -6,15 +6,13 @@ built from the release source (branch main, tag v0.9.0)."""
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-import git
 import pytest
 import torch
-from cache_support import copy_of_cache
+from cache_support import copy_of_cache, release_repo
 from data_support import SAMPLE_CONVERSATIONS, make_tiny_verifier, write_jsonl
 from torch import nn
 from typer.testing import CliRunner
@@ -70,15 +68,8 @@ def conversations(tmp_path_factory) -> Path:
 def origin(reference_identity, tmp_path_factory) -> dict:
     """A local git repository of the 0.9.0 source: tag v0.9.0, branch main one commit ahead."""
     path = tmp_path_factory.mktemp("origin") / "speculators"
-    shutil.copytree(reference_identity.source_dir, path)
-    repo = git.Repo.init(path, initial_branch="main")
-    with repo.config_writer() as cfg:
-        cfg.set_value("user", "name", "dflash-audit tests")
-        cfg.set_value("user", "email", "tests@example.invalid")
-    repo.git.add(A=True)
-    repo.index.commit("speculators 0.9.0 release source")
+    repo = release_repo(reference_identity.source_dir, path)
     tag = repo.head.commit.hexsha
-    repo.create_tag("v0.9.0", message="release 0.9.0")
     (path / "AFTER_0.9.0.txt").write_text("a commit after the release\n")
     repo.git.add(A=True)
     repo.index.commit("after 0.9.0")

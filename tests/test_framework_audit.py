@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-import git
 import pytest
 import torch
-from cache_support import copy_of_cache
+from cache_support import copy_of_cache, release_repo
 from data_support import SAMPLE_CONVERSATIONS, make_tiny_verifier, write_jsonl
 from framework_support import build_wheel, write_adapter
 from typer.testing import CliRunner
@@ -79,14 +77,7 @@ def test_self_test_report_names_the_framework(self_test):
 def tagged_clone(reference_identity, tmp_path_factory):
     """A local git repository of the 0.9.0 source with tag v0.9.0."""
     path = tmp_path_factory.mktemp("origin") / "speculators"
-    shutil.copytree(reference_identity.source_dir, path)
-    repo = git.Repo.init(path, initial_branch="main")
-    with repo.config_writer() as cfg:
-        cfg.set_value("user", "name", "dflash-audit tests")
-        cfg.set_value("user", "email", "tests@example.invalid")
-    repo.git.add(A=True)
-    repo.index.commit("speculators 0.9.0 release source")
-    repo.create_tag("v0.9.0", message="release 0.9.0")
+    release_repo(reference_identity.source_dir, path)
     return path
 
 
