@@ -30,6 +30,28 @@ def architecture_fields(config: Any) -> dict[str, Any]:
     return {name: getattr(config, name) for name in ARCHITECTURE_FIELDS}
 
 
+def rotary_fields(rotary: Any) -> dict[str, Any]:
+    """``rotary_dim`` (2 x the inverse frequencies) and ``rope_attention_scaling`` of a
+    transformers rotary embedding module (``inv_freq`` [rotary_dim / 2] buffer,
+    ``attention_scaling`` float): what a framework's draft actually rotates with."""
+    return {"rotary_dim": 2 * int(rotary.inv_freq.numel()),
+            "rope_attention_scaling": float(rotary.attention_scaling)}
+
+
+def rope_fields(rope: dict[str, Any], rotary: Any, default_theta: float | None = None
+                ) -> dict[str, Any]:
+    """The derived-config record's RoPE fields from a framework draft's ``rope_parameters``
+    dict (``rope_theta``, else ``default_theta``; ``rope_type`` default "default";
+    ``partial_rotary_factor``; the rest as ``rope_scaling``) and its rotary module
+    (:func:`rotary_fields`)."""
+    return {"rope_theta": float(rope.get("rope_theta", default_theta)),
+            "rope_type": rope.get("rope_type", "default"),
+            "rope_partial_rotary_factor": rope.get("partial_rotary_factor"),
+            "rope_scaling": {k: v for k, v in rope.items()
+                             if k not in ("rope_type", "rope_theta", "partial_rotary_factor")},
+            **rotary_fields(rotary)}
+
+
 def derivation_fields(config: DFlashConfig) -> dict[str, Any]:
     """The flat derivation dict of one of our drafter configs.
 

@@ -15,7 +15,7 @@ from typing import Any
 from unittest import mock
 
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
-from dflash_audit.model.derivation import SAVED_KEYS, architecture_fields
+from dflash_audit.model.derivation import SAVED_KEYS, architecture_fields, rope_fields
 from dflash_audit.model.layer_ids import from_zlab_ids, to_zlab_ids
 from dflash_audit.model.loss import LossSpec, parse_loss
 
@@ -257,13 +257,7 @@ def derive(verifier_config: Any, config: DFlashConfig) -> dict[str, Any]:
         "tie_word_embeddings": bool(draft.tie_word_embeddings),
         "vocab_size": draft.vocab_size, "target_vocab_size": base.config.vocab_size,
         "layer_types": layer_types, "sliding_window": window,
-        "rope_theta": float(rope.get("rope_theta")),
-        "rope_type": rope.get("rope_type", "default"),
-        "rope_partial_rotary_factor": rope.get("partial_rotary_factor"),
-        "rope_scaling": {k: v for k, v in rope.items()
-                         if k not in ("rope_type", "rope_theta", "partial_rotary_factor")},
-        "rotary_dim": 2 * int(rotary.inv_freq.numel()),
-        "rope_attention_scaling": float(rotary.attention_scaling),
+        **rope_fields(rope, rotary),
         "verifier_norm": None if norm is None else (
             "x*(1+w)" if type(norm).__name__ == "_FinalGemmaRMSNorm" else "x*w"),
         "default_target_layer_ids": from_zlab_ids(model.target_layer_ids),

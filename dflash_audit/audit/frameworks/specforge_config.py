@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from dflash_audit.model.derivation import SAVED_KEYS
+from dflash_audit.model.derivation import SAVED_KEYS, rope_fields
 from dflash_audit.model.layer_ids import from_zlab_ids
 
 
@@ -87,13 +87,7 @@ def derive_config(verifier_config: Any, config: Any) -> dict[str, Any]:
         "layer_types": list(draft.layer_types),
         "sliding_window": draft.sliding_window if "sliding_attention" in draft.layer_types
         else None,
-        "rope_theta": float(rope.get("rope_theta", 10000.0)),
-        "rope_type": rope.get("rope_type", "default"),
-        "rope_partial_rotary_factor": rope.get("partial_rotary_factor"),
-        "rope_scaling": {k: v for k, v in rope.items()
-                         if k not in ("rope_theta", "rope_type", "partial_rotary_factor")},
-        "rotary_dim": 2 * int(rotary.inv_freq.numel()),
-        "rope_attention_scaling": float(rotary.attention_scaling),
+        **rope_fields(rope, rotary, default_theta=10000.0),
         "default_target_layer_ids": default_ids,
         "framework.target_layer_ids": list(draft.dflash_config["target_layer_ids"]),
         "framework.block_size": int(draft.block_size),

@@ -44,6 +44,7 @@ from dflash_audit.model.drafter import (
     block_indices,
     verifier_targets,
 )
+from dflash_audit.model.derivation import rotary_fields
 from dflash_audit.model.layer_ids import from_zlab_ids, to_zlab_ids
 from dflash_audit.model.layers import RMSNorm
 from dflash_audit.model.loss import (
@@ -197,8 +198,7 @@ class ZLabCandidate:
                             else "full_attention" for a in attn],
             "sliding_window": windows[0] if windows else None,
             "rope_theta": float(rope["rope_theta"]), "rope_type": rope.get("rope_type"),
-            "rotary_dim": 2 * int(rotary.inv_freq.numel()),
-            "rope_attention_scaling": float(rotary.attention_scaling),
+            **rotary_fields(rotary),
             "mask_token_id": zc.dflash_config["mask_token_id"],
         }
 
