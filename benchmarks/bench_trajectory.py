@@ -114,7 +114,6 @@ def prepare_and_run_ours(case_dir: Path, verifier: str, batches: str, profile_sp
     from dflash_audit.train.loop import (
         DistEnv,
         TrainConfig,
-        anchor_generator,
         build_drafter,
         make_source,
         next_micro_batches,
@@ -145,10 +144,9 @@ def prepare_and_run_ours(case_dir: Path, verifier: str, batches: str, profile_sp
     forward = drafter_forward(model, profile.loss_spec(), config.block_size,
                               config.sample_from_anchor)
     params = [p for p in model.parameters() if p.requires_grad]
-    gen = anchor_generator(seed)
     losses, grad_norms, wall = [], [], 0.0
     for k in range(steps):
-        micro = next_micro_batches(source, gen, profile.max_anchors, config.block_size)
+        micro = next_micro_batches(source, seed, profile.max_anchors, config.block_size)
         for m, inputs in enumerate(micro):
             save_file({n: t.contiguous() for n, t in inputs.items()},
                       case_dir / f"step_{k:04d}_{m}.safetensors")

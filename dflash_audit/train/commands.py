@@ -11,6 +11,7 @@ Exit codes of ``eval``: 0 done, 2 usage / setup error.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -93,6 +94,9 @@ def train_command(
     tensorboard: Annotated[bool, Opt(help="Write TensorBoard scalars.")] = True,
     progress: Annotated[bool, Opt(help="Show a progress bar.")] = True,
     device: Annotated[str, Opt(help="auto | cpu | cuda.")] = "auto",
+    fsdp: Annotated[bool, Opt(help="Under torchrun: shard the drafter with FSDP2 (fully_shard "
+                                   "per draft layer; bf16 compute on CUDA) instead of DDP.")
+                    ] = False,
     stop_at: Annotated[int | None, Opt(
         help="Stop after this global step (with a checkpoint); resume later.")] = None,
     resume: Annotated[bool, Opt(help="Continue from OUT/checkpoints/latest.")] = False,
@@ -126,13 +130,15 @@ def train_command(
         eval_data=eval_data, eval_conversations=eval_conversations, eval_prompts=eval_prompts,
         eval_max_new_tokens=eval_max_new_tokens, eval_at_end=evaluate,
         eval_untrained=eval_untrained, tensorboard=tensorboard, progress=progress,
-        device=device, stop_at=stop_at,
+        device=device, fsdp=fsdp, stop_at=stop_at,
         resume=str(resume_from) if resume_from else ("latest" if resume else None),
         overwrite=overwrite)
     try:
         summary = train(cfg)
     except GateError as exc:
         _fail(f"training refused: {exc}", exc.exit_code)
+    if os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 reports the run
+        raise typer.Exit(summary.exit_code)
     console = _console()
     ev = summary.eval
     if "untrained" in ev or "trained" in ev:

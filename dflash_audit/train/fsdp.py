@@ -3,14 +3,17 @@ with the reference's mixed precision (speculators ``train/distributed.py``
 ``apply_fully_sharded``: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``),
 and full (unsharded) model / optimizer state dicts for checkpoints and exact resume.
 
-Needs an initialised process group (``torchrun``; NCCL on CUDA). Frozen verifier-owned weights
-(``requires_grad=False``) are sharded with the rest and skipped by the optimizers. Build the
-optimizers after :func:`shard_drafter`. Not yet wired into :func:`dflash_audit.train.loop.train`
-(which wraps in DDP); exercised by ``tests/test_cuda.py`` on a GPU.
+Needs an initialised process group (``torchrun``: gloo on CPU, NCCL on CUDA). Frozen
+verifier-owned weights (``requires_grad=False``) are sharded with the rest and skipped by the
+optimizers. Build the optimizers after :func:`shard_drafter`. Used by ``dflash-audit train
+--fsdp`` (:func:`dflash_audit.train.loop.train`; tested on CPU with gloo in
+``tests/test_train_fsdp.py``, on a GPU in ``tests/test_cuda.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,6 +45,24 @@ def shard_drafter(model: nn.Module, param_dtype: torch.dtype = torch.bfloat16) -
     return model
 
 
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype :func:`shard_drafter` gathers parameters in: bf16 on CUDA (the reference's
+    policy), fp32 elsewhere (CPU training is fp32 throughout)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Gradient accumulation under FSDP2: backward passes inside keep their (unsharded)
+    gradients local instead of reduce-scattering them; the next backward outside reduces the
+    sum (``FSDPModule.set_requires_gradient_sync``; DDP's ``no_sync``)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 def _options() -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -64,11 +85,11 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    model_state: dict[str, torch.Tensor],
+                    model_state: dict[str, torch.Tensor] | None,
                     optimizer_state: dict[str, Any] | None = None) -> None:
     """Load full state dicts (as saved by :func:`full_model_state` /
     :func:`full_optimizer_state`) into a sharded model and its optimizer; every rank passes
-    the full dicts."""
+    the full dicts (``None``: that part is left as it is)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -76,6 +97,37 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     )
 
     options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, model_state, options=options)
+    if model_state is not None:
+        set_model_state_dict(model, model_state, options=options)
     if optimizer is not None and optimizer_state is not None:
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+
+
+class ShardedDrafter:
+    """A drafter sharded in place by :func:`shard_drafter` for ``train --fsdp``, with an
+    unsharded CPU copy on rank 0 that checkpoints are written from and evaluation runs on.
+
+    Args:
+        model: the drafter train trains (on CPU, weights final for step 0 or the resume);
+            sharded in place, its shards moved to ``device`` (CUDA) by ``fully_shard``.
+        device: the rank's device (bf16 compute on CUDA, fp32 on CPU: :func:`compute_dtype`).
+        keep_copy: keep the unsharded copy (rank 0).
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, keep_copy: bool) -> None:
+        import copy
+
+        self.model = model
+        self.copy = copy.deepcopy(model) if keep_copy else None
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        shard_drafter(model, compute_dtype(device))
+
+    def unsharded(self) -> nn.Module | None:
+        """The copy holding the sharded model's current weights (a collective: every rank
+        calls it; rank 0 gets the copy, the others None)."""
+        state = full_model_state(self.model)
+        if self.copy is None:
+            return None
+        self.copy.load_state_dict(state)
+        return self.copy

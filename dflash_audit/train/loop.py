@@ -28,24 +28,25 @@ Order of a run (:func:`train`):
 
 Multi-process: under ``torchrun --nproc_per_node=P`` (``WORLD_SIZE`` > 1) the drafter is
 wrapped in ``DistributedDataParallel`` on the gloo backend (CPU) or NCCL (CUDA, one GPU per
-``LOCAL_RANK``); ranks read different rows and anchors, gradients are averaged, rank 0
-writes checkpoints (with every rank's RNG and data position) and metrics.
+``LOCAL_RANK``); ranks read different rows, gradients are averaged, rank 0 writes checkpoints
+(with every rank's RNG and data position) and metrics. A row's anchors are drawn from a
+generator seeded by the row's key, so P ranks x R rows per step train the same drafter as one
+process with P*R rows per step (offline batches; up to fp32 reduction order).
 
-FSDP on CUDA (documented, not exercised on CPU): for drafters too large for one GPU, replace
-the DDP wrap with FSDP2, ``torch.distributed.fsdp.fully_shard`` applied to each
-``model.layers[i]`` and then to the model, after the frozen verifier-owned weights are
-loaded (they stay unsharded-frozen: ``requires_grad=False`` parameters are skipped by the
-optimizers). Build the optimizers after sharding (Muon's Newton-Schulz works on DTensors),
-run the step unchanged (bf16 autocast, or ``MixedPrecisionPolicy(param_dtype=bfloat16,
-reduce_dtype=float32)``), and save with ``torch.distributed.checkpoint.state_dict.
-get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))``
-on rank 0 before :func:`dflash_audit.model.checkpoint.save_pretrained`.
+``--fsdp`` (``cfg.fsdp``) shards the drafter with FSDP2 instead of DDP
+(:class:`dflash_audit.train.fsdp.ShardedDrafter`: ``fully_shard`` per draft layer, then the
+model; bf16 compute and fp32 reduction on CUDA as the reference, fp32 on CPU). The canary runs
+on the model just before it is sharded in place; optimizers are built on the shards;
+checkpoints hold the full state dicts (the same files as without FSDP, written by rank 0 from
+an unsharded copy, which evaluation also runs on) and the full optimizer states, for an exact
+resume under ``--fsdp`` with the same number of processes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import signal
 import time
@@ -67,11 +68,16 @@ from dflash_audit.train.distributed import (
     init_distributed,
     resolve_device,
 )
+from dflash_audit.train.fsdp import (
+    ShardedDrafter,
+    full_optimizer_state,
+    load_full_state,
+    no_gradient_sync,
+)
 from dflash_audit.train.gate import GateResult, check_gate, expected_for
 from dflash_audit.train.optim import OptimSpec, build_optimizers, build_schedulers
 from dflash_audit.train.setup import (
     TrainError,
-    anchor_generator,
     build_drafter,
     eval_prompt_set,
     evaluate_drafter,
@@ -83,8 +89,7 @@ from dflash_audit.train.step import drafter_forward, train_step
 from dflash_audit.train.track import Tracker, loss_curve
 
 __all__ = ["RUN_FIELDS", "DistEnv", "TrainConfig", "TrainError", "TrainSummary",
-           "anchor_generator", "build_drafter", "make_source", "next_micro_batches",
-           "step_inputs", "train"]
+           "build_drafter", "make_source", "next_micro_batches", "step_inputs", "train"]
 
 
 @dataclass
@@ -128,6 +133,7 @@ class TrainConfig:
     tensorboard: bool = True
     progress: bool = True
     device: str = "auto"
+    fsdp: bool = False  # under torchrun: FSDP2 (fully_shard per draft layer) instead of DDP
     stop_at: int | None = None  # stop (with a checkpoint) once this global step is done
     resume: str | None = None  # "latest" or a checkpoint folder
     overwrite: bool = False  # start fresh in an `out` that holds a run (its files removed)
@@ -143,7 +149,7 @@ class TrainConfig:
 RUN_FIELDS = ("verifier", "batches", "data", "profile", "candidate", "steps", "rows_per_step",
               "seq_len", "regenerate", "max_new_tokens", "max_turns", "online_chunk", "seed",
               "optimizer", "lr", "muon_lr", "weight_decay", "schedule", "warmup_steps",
-              "min_lr_ratio", "grad_clip", "eval_conversations")
+              "min_lr_ratio", "grad_clip", "eval_conversations", "fsdp")
 
 
 @dataclass
@@ -223,7 +229,6 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
         run.update(world_size=env.world_size, profile_fingerprint=profile.fingerprint(),
                    optimizer=optim_spec.optimizer)
 
-        anchor_gen = anchor_generator(cfg.seed, env.rank)
         start_step = 0
         resumed = None
         if cfg.resume:
@@ -237,21 +242,38 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
                                        "without --resume")
             ckpt.load_model_weights(path, model)
             start_step = int(resumed["step"])
-        model.to(device).train()
+        model.train()
+        # behaviour, not only source: the canary through train's own step on this model
+        # (under FSDP just before it is sharded in place, on CPU as in the audit)
+        canary = functools.partial(run_canary, model, config, report_path=gate.report_path,
+                                   info=gate.canary)
+        shard = None
+        if cfg.fsdp:
+            if not env.distributed:
+                raise TrainError("--fsdp shards the drafter across processes: run train under "
+                                 "`torchrun --nproc_per_node=N` (N >= 2), or drop --fsdp")
+            note = canary(drafter_forward(model, profile.loss_spec(), config.block_size,
+                                          config.sample_from_anchor),
+                          [p for p in model.parameters() if p.requires_grad])
+            shard = ShardedDrafter(model, device, keep_copy=env.is_main)
+        else:
+            model.to(device)
         optimizers = build_optimizers(model, optim_spec)
         schedulers = build_schedulers(optimizers, optim_spec)
         if resumed is not None:
             for opt, sd in zip(optimizers, resumed["optimizers"], strict=True):
-                opt.load_state_dict(sd)
+                if shard is None:
+                    opt.load_state_dict(sd)
+                else:
+                    load_full_state(model, opt, None, sd)
             for sched, sd in zip(schedulers, resumed["schedulers"], strict=True):
                 sched.load_state_dict(sd)
             mine = resumed["ranks"][env.rank]
             torch.set_rng_state(mine["torch_rng"])
-            anchor_gen.set_state(mine["anchor_generator"])
             source.load_state_dict(mine["data"])
 
         ddp = None
-        if env.distributed:
+        if env.distributed and shard is None:
             from torch.nn.parallel import DistributedDataParallel
 
             ddp = DistributedDataParallel(
@@ -259,10 +281,11 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
         forward = drafter_forward(ddp or model, profile.loss_spec(), config.block_size,
                                   config.sample_from_anchor)
         params = [p for p in model.parameters() if p.requires_grad]
-        # behaviour, not only source: the canary through train's own step on this model
-        note = run_canary(model, config, forward, params, gate.report_path, gate.canary, device)
+        if shard is None:
+            note = canary(forward, params, device=device)
         if env.is_main:
             print(f"dflash-audit: {note}", flush=True)
+        no_sync = ddp.no_sync if ddp else (lambda: no_gradient_sync(model)) if shard else None
 
         tracker = Tracker(out, cfg.steps, start_step, enabled=env.is_main,
                           tensorboard=cfg.tensorboard, progress=cfg.progress)
@@ -274,9 +297,16 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
                 prompts, _ = eval_prompt_set(cfg, source, held, verifier.tokenizer)
                 if not prompts:
                     tracker.message("warning: no held-out prompt found; skipping evaluation")
-            if env.is_main and cfg.eval_untrained and start_step == 0 and prompts:
-                summary.eval["untrained"] = evaluate_drafter(model, verifier, prompts, cfg,
-                                                             tracker, 0, "untrained")
+            evaluates = bool(_all_max(int(bool(prompts)), env))  # rank 0 evaluates, all gather
+
+            def evaluate(step: int, name: str) -> None:
+                drafter = shard.unsharded() if shard else model
+                if env.is_main:
+                    summary.eval[name] = evaluate_drafter(drafter, verifier, prompts, cfg,
+                                                          tracker, step, name)
+
+            if cfg.eval_untrained and start_step == 0 and evaluates:
+                evaluate(0, "untrained")
             if env.distributed:
                 dist.barrier()
             tracker.message(f"training {config.num_hidden_layers}-layer drafter "
@@ -286,20 +316,26 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
                             f"audit report {gate.report_path}")
 
             def save(step: int) -> Path | None:
-                ranks = _gather(ckpt.RankState(torch.get_rng_state(), anchor_gen.get_state(),
-                                               source.state_dict()), env)
-                digests = _gather(ckpt.weights_digest(model), env)
+                ranks = _gather(ckpt.RankState(torch.get_rng_state(), source.state_dict()), env)
+                saved, optimizer_states = model, None
+                if shard is not None:  # every rank gathers; rank 0 holds the full state
+                    optimizer_states = [full_optimizer_state(model, o) for o in optimizers]
+                    saved = shard.unsharded()
+                    digests = [ckpt.weights_digest(saved)] if env.is_main else []
+                else:
+                    digests = _gather(ckpt.weights_digest(model), env)
                 if len(set(digests)) > 1:
                     raise TrainError(f"data-parallel ranks hold different weights at step {step} "
                                      f"(digests {[d[:12] for d in digests]}); DDP lost sync")
                 path = None
                 if env.is_main:
                     path = ckpt.save_checkpoint(
-                        out, step, model, optimizers, schedulers, ranks, run,
+                        out, step, saved, optimizers, schedulers, ranks, run,
                         gate.report_fingerprint, gate.checkpoint_metadata(),
                         verifier.identity.path, list(getattr(verifier.model.config,
                                                              "architectures", None) or []),
-                        keep=cfg.keep_checkpoints, extra={"weights_digests": digests})
+                        keep=cfg.keep_checkpoints, extra={"weights_digests": digests},
+                        optimizer_states=optimizer_states)
                 if env.distributed:
                     dist.barrier()
                 return path
@@ -308,10 +344,10 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
                 step = start_step
                 while step < cfg.steps:
                     t0 = time.perf_counter()
-                    micro = next_micro_batches(source, anchor_gen, profile.max_anchors,
+                    micro = next_micro_batches(source, cfg.seed, profile.max_anchors,
                                                config.block_size, device)
                     result = train_step(forward, micro, params, optimizers, schedulers,
-                                        optim_spec.grad_clip, ddp.no_sync if ddp else None, device)
+                                        optim_spec.grad_clip, no_sync, device)
                     step += 1
                     raw = _all_reduce_sum(result.metrics, env)
                     record = tracker.log_step(step, raw, result.grad_norm, result.lrs,
@@ -330,9 +366,8 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
                         summary.stopped_by = (signal.Signals(stop).name if stop else "stop_at")
                         break
                 summary.step = step
-            if env.is_main and summary.stopped_by is None and cfg.eval_at_end and prompts:
-                summary.eval["trained"] = evaluate_drafter(model, verifier, prompts, cfg,
-                                                           tracker, step, "trained")
+            if summary.stopped_by is None and cfg.eval_at_end and evaluates:
+                evaluate(step, "trained")
             summary.wall_s = time.perf_counter() - start_wall
             if env.is_main:
                 summary.loss_curve = loss_curve(out / "metrics.jsonl")

@@ -27,21 +27,24 @@ def step_inputs(batch: Any, anchors: tuple[torch.Tensor, torch.Tensor], device: 
     return {k: tensors[k] for k in MODEL_INPUTS}
 
 
-def next_micro_batches(source: Any, anchor_gen: torch.Generator, max_anchors: int,
-                       block_size: int, device: torch.device | str = "cpu"
-                       ) -> list[dict[str, torch.Tensor]]:
+def next_micro_batches(source: Any, seed: int, max_anchors: int, block_size: int,
+                       device: torch.device | str = "cpu") -> list[dict[str, torch.Tensor]]:
     """The next step's micro-batches: the source's rows for this rank, each with up to
-    ``max_anchors`` anchors drawn by ``select_anchors`` from ``anchor_gen``."""
+    ``max_anchors`` anchors drawn by ``select_anchors`` from the row's own generator
+    (:func:`anchor_generator` of ``seed`` and the row's key), so a row gets the same anchors
+    on whichever rank, in whichever world size, and after any resume."""
     micro = []
-    for batch in source.next_rows():
-        anchors = select_anchors(batch.loss_mask, max_anchors, block_size, anchor_gen)
+    for key, batch in source.next_rows():
+        anchors = select_anchors(batch.loss_mask, max_anchors, block_size,
+                                 anchor_generator(seed, key))
         micro.append(step_inputs(batch, anchors, torch.device(device)))
     return micro
 
 
-def anchor_generator(seed: int, rank: int = 0) -> torch.Generator:
-    """The seeded CPU generator that draws a rank's anchors."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + 7919 * rank)
+def anchor_generator(seed: int, row_key: int = 0) -> torch.Generator:
+    """The seeded CPU generator that draws the anchors of the row with key ``row_key`` (the
+    source's global row index: :mod:`dflash_audit.train.sources`)."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + 7919 * row_key) % (1 << 63))
 
 
 def build_drafter(candidate: Any, config: Any, verifier_model: Any, seed: int,

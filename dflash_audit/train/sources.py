@@ -4,14 +4,18 @@
   Global row index g (over all ranks and steps) maps to file ``perm_e[g mod N]`` with
   ``e = g // N`` and ``perm_e`` a permutation seeded by ``(seed, e)``: every epoch visits
   every file once, in a new order. Rank r of W takes g = (step * rows_per_step + m) * W + r
-  for micro-batch m, so the position is the step counter alone.
+  for micro-batch m, so the position is the step counter alone, and a step reads the same
+  rows whatever the split: W ranks x R rows equal 1 process x W*R rows (g is the row's key).
 * :class:`OnlineSource`: the verifier runs in the loop. Training conversations (the held-out
   ones removed) are shuffled per epoch, cut into chunks of ``chunk_conversations``, and each
   chunk is tokenized, (optionally regenerated,) packed and captured by
   :func:`dflash_audit.data.pipeline.build_batches` when the loop reaches it. Rank r takes
-  chunks r, r+W, ... The position is (chunk, row within chunk) per rank.
+  chunks r, r+W, ... The position is (chunk, row within chunk) per rank; a row's key is
+  ``(global chunk << 20) | row``.
 
-Both yield :class:`~dflash_audit.data.batch.Batch` objects.
+Both yield ``(key, Batch)`` pairs (:class:`~dflash_audit.data.batch.Batch`): the key names the
+row across ranks and world sizes, and seeds its anchors
+(:func:`dflash_audit.train.setup.next_micro_batches`).
 """
 
 from __future__ import annotations
@@ -111,13 +115,13 @@ class OfflineSource:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return self.files[int(torch.randperm(n, generator=gen)[i])]
 
-    def next_rows(self) -> list[Batch]:
-        """The ``rows_per_step`` rows of this rank for the next step."""
+    def next_rows(self) -> list[tuple[int, Batch]]:
+        """The ``rows_per_step`` ``(global row index, row)`` pairs of this rank for the next
+        step."""
         W, r, k = self.world_size, self.rank, self.step
-        rows = [Batch.load(self._file((k * self.rows_per_step + m) * W + r))
-                for m in range(self.rows_per_step)]
+        keys = [(k * self.rows_per_step + m) * W + r for m in range(self.rows_per_step)]
         self.step += 1
-        return rows
+        return [(g, Batch.load(self._file(g))) for g in keys]
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "step": self.step, "digest": self.digest(),
@@ -233,15 +237,16 @@ class OnlineSource:
         raise SourceError(f"{self.data_name!r}: 1000 consecutive chunks without a supervised "
                           "token; check the data")
 
-    def _next_row(self) -> Batch:
+    def _next_row(self) -> tuple[int, Batch]:
         if self.chunk < 0 or self.row >= len(self._rows):
             self._advance()
+        key = ((self.chunk * self.world_size + self.rank) << 20) | self.row
         row = self._rows[self.row]
         self.row += 1
-        return row
+        return key, row
 
-    def next_rows(self) -> list[Batch]:
-        """The ``rows_per_step`` rows of this rank for the next step."""
+    def next_rows(self) -> list[tuple[int, Batch]]:
+        """The ``rows_per_step`` ``(key, row)`` pairs of this rank for the next step."""
         return [self._next_row() for _ in range(self.rows_per_step)]
 
     def vocab_rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -9,7 +9,9 @@ renamed into place, so a crash never leaves a half checkpoint):
 * ``training_state.pt`` (``torch.save``, loadable with ``weights_only=True``):
   ``{"format", "version", "step", "world_size", "run": run-identity dict, "report_fingerprint",
   "optimizers": [state_dict...], "schedulers": [state_dict...], "ranks": [{"torch_rng",
-  "anchor_generator", "data"}, ...] (one entry per rank)}``.
+  "data"}, ...] (one entry per rank)}``; under ``--fsdp`` the optimizer states are full
+  (unsharded, keyed by parameter name: :func:`dflash_audit.train.fsdp.full_optimizer_state`).
+  Anchors need no state: each row's are drawn from a generator seeded by the row's key.
 
 ``<out>/checkpoints/latest`` (a one-line text file, replaced atomically) names the newest one.
 Each checkpoint folder carries ``dflash_audit_manifest.json`` (size and sha256 of its files,
@@ -38,7 +40,7 @@ from dflash_audit.model.checkpoint import (
 
 STATE_FILE = "training_state.pt"
 STATE_FORMAT = "dflash-audit-train-state"
-STATE_VERSION = 1
+STATE_VERSION = 2  # 1: anchors drawn from a per-rank generator (its state saved)
 LATEST = "latest"
 CHECKPOINTS = "checkpoints"
 
@@ -52,12 +54,10 @@ class RankState:
     """Per-rank randomness and data position."""
 
     torch_rng: torch.Tensor
-    anchor_generator: torch.Tensor
     data: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"torch_rng": self.torch_rng, "anchor_generator": self.anchor_generator,
-                "data": self.data}
+        return {"torch_rng": self.torch_rng, "data": self.data}
 
 
 def checkpoint_name(step: int) -> str:
@@ -69,10 +69,12 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module,
                     ranks: list[RankState], run: dict[str, Any], report_fingerprint: str,
                     metadata: dict[str, str], verifier_path: str | None,
                     verifier_architectures: list[str] | None, keep: int = 2,
-                    extra: dict[str, Any] | None = None) -> Path:
+                    extra: dict[str, Any] | None = None,
+                    optimizer_states: list[dict[str, Any]] | None = None) -> Path:
     """Write ``<out>/checkpoints/step-<step>`` atomically, point ``latest`` at it, and delete
     older step folders beyond the newest ``keep`` (``keep <= 0`` keeps all). ``extra``
-    entries are added to the training state.
+    entries are added to the training state; ``optimizer_states`` replace the optimizers'
+    own ``state_dict()`` (FSDP: the full states gathered from every rank).
 
     Returns:
         The checkpoint folder.
@@ -87,7 +89,8 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module,
             torch.save({"format": STATE_FORMAT, "version": STATE_VERSION, "step": step,
                         "world_size": len(ranks), "run": run,
                         "report_fingerprint": report_fingerprint,
-                        "optimizers": [o.state_dict() for o in optimizers],
+                        "optimizers": optimizer_states if optimizer_states is not None
+                        else [o.state_dict() for o in optimizers],
                         "schedulers": [s.state_dict() for s in schedulers],
                         "ranks": [r.to_dict() for r in ranks], **(extra or {})},
                        tmp / STATE_FILE)
@@ -226,6 +229,11 @@ def load_training_state(path: Path) -> dict[str, Any]:
         state = torch.load(Path(path) / STATE_FILE, weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - torch raises many types on a damaged file
         raise ResumeError(f"cannot read {Path(path) / STATE_FILE}: {exc}") from exc
+    if state.get("format") == STATE_FORMAT and state.get("version") == 1:
+        raise ResumeError(f"{path}/{STATE_FILE} was written by an older dflash-audit (training "
+                          "state v1: anchors drawn per rank, not per row), so this version "
+                          "cannot continue it exactly; finish it with the version that wrote "
+                          "it, or start a new run (--overwrite)")
     if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
         raise ResumeError(f"{path}/{STATE_FILE} is not a {STATE_FORMAT} v{STATE_VERSION} file")
     return state

@@ -67,7 +67,8 @@ def train_step(
         parameters: the trainable parameters (for clipping).
         optimizers, schedulers: stepped once each, in order.
         grad_clip: max total gradient L2 norm (None: no clipping).
-        no_sync: DDP's ``model.no_sync`` so only the last micro-batch all-reduces.
+        no_sync: DDP's ``model.no_sync`` (or :func:`dflash_audit.train.fsdp.no_gradient_sync`)
+            so only the last micro-batch reduces gradients across ranks.
         device: where the forward runs (bf16 autocast on CUDA).
 
     Returns:
@@ -97,10 +98,12 @@ def train_step(
         for k, v in m.items():
             metrics[k] = metrics.get(k, 0.0) + float(v)
     if grad_clip is not None:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(list(parameters), grad_clip))
+        norm = torch.nn.utils.clip_grad_norm_(list(parameters), grad_clip)
     else:
         grads = [p.grad.detach().norm() for p in parameters if p.grad is not None]
-        grad_norm = float(torch.stack(grads).norm()) if grads else 0.0
+        norm = torch.stack(grads).norm() if grads else torch.zeros(())
+    # FSDP: the norm of sharded (DTensor) gradients is a DTensor; its value is the full one
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     for opt in optimizers:
         opt.step()
     for sched in schedulers:
