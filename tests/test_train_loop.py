@@ -143,6 +143,18 @@ def test_loss_goes_down_and_evaluation_runs(paths, tmp_path):
              if '"eval"' in x]
     assert [(e["name"], e["step"]) for e in evals] == [("untrained", 0), ("trained", 12)]
     assert json.loads((tmp_path / "e" / "summary.json").read_text())["step"] == 12
+    # curves.png: the two panels of the run, drawn with its own numbers
+    from PIL import Image
+
+    from dflash_audit.train.plot import running_mean
+
+    assert summary.plot == str(tmp_path / "e" / "curves.png")
+    with Image.open(summary.plot) as image:
+        assert image.format == "PNG" and image.size == (800, 640)
+        colors = {c for _, c in image.convert("RGB").getcolors(1 << 20)}
+    assert (31, 119, 180) in colors and (255, 127, 14) in colors  # loss, acceptance lines
+    assert (44, 160, 44) in colors  # the held-out evaluation points
+    assert running_mean([1.0, 3.0, float("nan"), 5.0], 2) == [1.0, 2.0, 3.0, 5.0]
 
 
 def test_online_capture_with_muon(paths, tmp_path):

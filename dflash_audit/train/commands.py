@@ -150,6 +150,9 @@ def train_command(
                           for w in summary.loss_curve)
         console.print(f"training loss (mean per step range): {curve}", markup=False,
                       highlight=False)
+    if summary.plot:
+        console.print(f"loss and acceptance length over the steps: {summary.plot}",
+                      markup=False, highlight=False)
     how = f" ({summary.stopped_by}; resume with --resume)" if summary.stopped_by else ""
     console.print(f"step {summary.step}/{steps}{how}; checkpoint {summary.checkpoint}; "
                   f"{summary.wall_s:.0f} s", markup=False, highlight=False)

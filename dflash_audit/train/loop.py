@@ -76,6 +76,7 @@ from dflash_audit.train.fsdp import (
 )
 from dflash_audit.train.gate import GateResult, check_gate, expected_for
 from dflash_audit.train.optim import OptimSpec, build_optimizers, build_schedulers
+from dflash_audit.train.plot import plot_run
 from dflash_audit.train.setup import (
     TrainError,
     build_drafter,
@@ -166,6 +167,7 @@ class TrainSummary:
     wall_s: float = 0.0
     loss_curve: list[dict[str, Any]] = field(default_factory=list)  # track.loss_curve
     eval: dict[str, Any] = field(default_factory=dict)
+    plot: str | None = None  # <out>/curves.png: loss and acceptance length over the steps
 
     @property
     def exit_code(self) -> int:
@@ -371,6 +373,8 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
             summary.wall_s = time.perf_counter() - start_wall
             if env.is_main:
                 summary.loss_curve = loss_curve(out / "metrics.jsonl")
+                plot = plot_run(out)
+                summary.plot = str(plot) if plot else None
                 (out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
             return summary
         finally:

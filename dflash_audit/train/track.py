@@ -61,28 +61,40 @@ def describe(summary: dict[str, Any], max_slots: int = 4) -> str:
             f"eal {_fmt(summary.get('eal'))}")
 
 
-def loss_curve(metrics_path: str | Path, windows: int = 10) -> list[dict[str, Any]]:
-    """The training loss of a run, averaged over ``windows`` consecutive step ranges.
-
-    Reads the ``"kind": "train"`` lines of ``metrics.jsonl`` (a resumed run re-logs the steps
-    after its checkpoint: the last line of a step wins) and splits steps into ``windows``
-    near-equal contiguous ranges. One step's loss is one packed row's, too noisy to read
-    alone; a window mean is the curve.
-
-    Returns:
-        ``[{"first_step", "last_step", "loss"}, ...]`` in step order (empty without a
-        train line); ``loss`` is the mean over the range's steps that logged one.
-    """
-    losses: dict[int, float] = {}
+def read_metrics(metrics_path: str | Path) -> tuple[dict[int, dict[str, Any]],
+                                                    list[dict[str, Any]]]:
+    """The ``"kind": "train"`` lines of ``metrics.jsonl`` by step (a resumed run re-logs the
+    steps after its checkpoint: the last line of a step wins; a line cut by a kill is
+    skipped) and its ``"kind": "eval"`` lines in file order. Empty when there is no file."""
+    train: dict[int, dict[str, Any]] = {}
+    evals: list[dict[str, Any]] = []
     path = Path(metrics_path)
     if path.is_file():
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
                 record = json.loads(line)
             except ValueError:
-                continue  # a line cut by a kill
-            if record.get("kind") == "train" and isinstance(record.get("loss"), float):
-                losses[int(record["step"])] = record["loss"]
+                continue
+            if record.get("kind") == "train" and isinstance(record.get("step"), int):
+                train[record["step"]] = record
+            elif record.get("kind") == "eval":
+                evals.append(record)
+    return train, evals
+
+
+def loss_curve(metrics_path: str | Path, windows: int = 10) -> list[dict[str, Any]]:
+    """The training loss of a run, averaged over ``windows`` consecutive step ranges.
+
+    Reads the train lines of ``metrics.jsonl`` (:func:`read_metrics`) and splits steps into
+    ``windows`` near-equal contiguous ranges. One step's loss is one packed row's, too noisy
+    to read alone; a window mean is the curve.
+
+    Returns:
+        ``[{"first_step", "last_step", "loss"}, ...]`` in step order (empty without a
+        train line); ``loss`` is the mean over the range's steps that logged one.
+    """
+    losses = {step: r["loss"] for step, r in read_metrics(metrics_path)[0].items()
+              if isinstance(r.get("loss"), float)}
     steps = sorted(losses)
     curve = []
     n = min(windows, len(steps))

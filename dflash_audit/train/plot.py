@@ -1,0 +1,90 @@
+"""The picture of a training run: ``<out>/curves.png`` from its ``metrics.jsonl``.
+
+Two panels over the global step: the training loss (each step's value, faint, and its running
+mean over ``window`` steps), and the acceptance length -- the training rows' leading-run
+acceptance length per step (``eal``, teacher-forced; running mean) and the held-out
+evaluations by speculative decoding (``"kind": "eval"`` lines: untrained, trained) as
+labelled points. Drawn with matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from dflash_audit.train.track import read_metrics
+
+PLOT_FILE = "curves.png"
+
+
+def running_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the ``window - 1`` before it (fewer at the start); NaNs
+    are skipped (a window of NaNs gives NaN)."""
+    out = []
+    for i in range(len(values)):
+        part = [v for v in values[max(0, i - window + 1):i + 1] if not math.isnan(v)]
+        out.append(sum(part) / len(part) if part else math.nan)
+    return out
+
+
+def plot_run(out: str | Path, window: int | None = None) -> Path | None:
+    """Draw ``<out>/curves.png`` (written to a temporary file, then renamed into place).
+
+    Args:
+        out: the run folder (holds ``metrics.jsonl``).
+        window: steps in the running means (default: 1/50 of the steps, at least 1).
+
+    Returns:
+        The PNG's path, or None when the run logged no training step.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    train, evals = read_metrics(out / "metrics.jsonl")
+    if not train:
+        return None
+    steps = sorted(train)
+    window = window or max(1, len(steps) // 50)
+
+    def series(key: str) -> list[float]:
+        return [float(v) if isinstance(v := train[s].get(key), (int, float)) else math.nan
+                for s in steps]
+
+    loss, eal = series("loss"), series("eal")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.4), sharex=True)
+    top.plot(steps, loss, color="tab:blue", alpha=0.25, linewidth=0.8, label="loss per step")
+    top.plot(steps, running_mean(loss, window), color="tab:blue", linewidth=1.8,
+             label=f"running mean ({window} steps)")
+    top.set_ylabel("training loss")
+    top.legend(loc="upper right")
+    top.grid(alpha=0.3)
+    bottom.plot(steps, running_mean(eal, window), color="tab:orange", linewidth=1.8,
+                label=f"training rows, teacher-forced (running mean, {window} steps)")
+    for record in evals:
+        value = record.get("acceptance_length")
+        if isinstance(value, (int, float)):
+            bottom.plot([record.get("step", 0)], [value], "o", color="tab:green")
+            bottom.annotate(f"{record.get('name', 'eval')} {value:.3f}",
+                            (record.get("step", 0), value), textcoords="offset points",
+                            xytext=(6, 6))
+    if evals:
+        bottom.plot([], [], "o", color="tab:green", label="held-out, speculative decoding")
+    bottom.set_ylabel("acceptance length")
+    bottom.set_xlabel("step")
+    bottom.legend(loc="lower right")
+    bottom.grid(alpha=0.3)
+    fig.suptitle(f"{out.name}: {steps[-1]} steps")
+    fig.tight_layout()
+    target = out / PLOT_FILE
+    partial = out / f".{PLOT_FILE}.partial-{os.getpid()}"
+    try:
+        fig.savefig(partial, format="png", dpi=100)
+        os.replace(partial, target)
+    finally:
+        plt.close(fig)
+        partial.unlink(missing_ok=True)
+    return target
