@@ -163,7 +163,7 @@ def compare_command(ref: str | None, profile: str, candidate: str | None,
 
 def expected_for(candidate: Any, candidate_spec: str | None, profile: Any, ref: str | None,
                  reference_identity: dict[str, Any] | None = None,
-                 reports_dir: Path | None = None, verifier: str | None = None) -> Expected:
+                 reports_dir: Path | None = None, verifier: Any = None) -> Expected:
     """Fingerprints of the run about to start.
 
     Args:
@@ -174,8 +174,10 @@ def expected_for(candidate: Any, candidate_spec: str | None, profile: Any, ref: 
         reference_identity: an already resolved identity dict; else ``ref`` is resolved
             offline from the cache (a reference never resolved means no audit ran on it).
         reports_dir: where reports are looked up (named in the compare command).
-        verifier: ``--verifier`` of the training run (a folder, ``smollm2-135m``,
-            ``family:NAME`` or a config.json); None leaves the verifier unchecked.
+        verifier: the training run's verifier, as the
+            :class:`~dflash_audit.data.verifier.ResolvedVerifier` train resolved it to, or its
+            ``--verifier`` spec (a folder, ``smollm2-135m``, ``family:NAME`` or a
+            config.json); None leaves the verifier unchecked.
 
     Raises:
         GateError: the reference cannot be resolved offline, or the verifier's config
@@ -183,8 +185,9 @@ def expected_for(candidate: Any, candidate_spec: str | None, profile: Any, ref: 
     """
     from dflash_audit.report.fingerprint import candidate_fingerprint, reference_key
 
+    spec = getattr(verifier, "spec", verifier)
     command = compare_command(ref, profile.source or profile.name, candidate_spec, reports_dir,
-                              verifier)
+                              spec)
     if reference_identity is None:
         from dflash_audit.reference_source import (
             ReferenceSourceError,
@@ -202,11 +205,12 @@ def expected_for(candidate: Any, candidate_spec: str | None, profile: Any, ref: 
     return Expected(candidate_fingerprint=candidate_fingerprint(candidate, profile_fp)[
         "fingerprint"], profile_fingerprint=profile_fp,
         reference_key=reference_key(reference_identity), compare_command=command,
-        verifier_fingerprint=verifier_fp, verifier_name=verifier or "")
+        verifier_fingerprint=verifier_fp, verifier_name=spec or "")
 
 
-def _verifier_fingerprint(spec: str, profile: Any = None) -> str:
-    """Architecture fingerprint of a ``--verifier`` spec's config (no weights loaded); with
+def _verifier_fingerprint(spec: Any, profile: Any = None) -> str:
+    """Architecture fingerprint of a verifier's config (no weights loaded): a
+    ``ResolvedVerifier`` (not resolved again) or a ``--verifier`` spec; with
     ``profile``, its target layers are checked against the verifier's depth first, with the
     message compare gives (no compare command: compare would refuse the same profile).
 
@@ -214,15 +218,17 @@ def _verifier_fingerprint(spec: str, profile: Any = None) -> str:
         GateError: the config cannot be read, or the profile names layers it does not have.
     """
     from dflash_audit.data.errors import VerifierError
-    from dflash_audit.data.verifier import resolve_verifier_path
+    from dflash_audit.data.verifier import ResolvedVerifier, resolve_verifier_path
     from dflash_audit.profile import ProfileError
     from dflash_audit.report.fingerprint import verifier_fingerprint
 
     try:
         from transformers import AutoConfig
 
-        _, folder = resolve_verifier_path(spec, progress=None)
+        folder = spec.folder if isinstance(spec, ResolvedVerifier) else \
+            resolve_verifier_path(spec, progress=None)[1]
         config = AutoConfig.from_pretrained(folder)
+        spec = getattr(spec, "spec", spec)
     except (VerifierError, OSError, ValueError) as exc:
         raise GateError(f"cannot read the config of verifier {spec!r}: {exc}") from None
     if profile is not None:

@@ -196,7 +196,7 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
             bad settings, data or checkpoint; the message names the problem.
     """
     from dflash_audit.candidate import load_candidate
-    from dflash_audit.data.verifier import load_verifier
+    from dflash_audit.data.verifier import load_verifier, resolve_verifier
     from dflash_audit.profile import Profile
 
     start_wall = time.perf_counter()
@@ -209,9 +209,11 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
     try:
         profile = Profile.load(cfg.profile)
         candidate = load_candidate(cfg.candidate)
+        say = None if not env.is_main else (lambda m: print(f"dflash-audit: {m}", flush=True))
+        resolved = resolve_verifier(cfg.verifier, progress=say)  # once: the gate and the loop
         if gate is None:
             expected = expected_for(candidate, cfg.candidate, profile, cfg.ref,
-                                    reference_identity, Path(cfg.reports_dir), cfg.verifier)
+                                    reference_identity, Path(cfg.reports_dir), resolved)
             gate = check_gate(expected, Path(cfg.report) if cfg.report else None,
                               Path(cfg.reports_dir))
         optim_spec = cfg.optim_spec(profile.optimizer)
@@ -220,8 +222,7 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
         if env.distributed:
             dist.barrier()
 
-        verifier = load_verifier(cfg.verifier, progress=None if not env.is_main else
-                                 (lambda m: print(f"dflash-audit: {m}", flush=True)))
+        verifier = load_verifier(resolved, progress=say)
         source, held = make_source(cfg, verifier, profile, env)
         config = profile.to_drafter_config(verifier.model.config, source.mask_token_id,
                                            source.target_layer_ids)
