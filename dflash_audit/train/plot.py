@@ -1,7 +1,7 @@
 """The picture of a training run: ``<out>/curves.png`` from its ``metrics.jsonl``.
 
 Two panels over the global step: the training loss (each step's value, faint, and its running
-mean over ``window`` steps), and the acceptance length -- the training rows' leading-run
+mean over ``window`` steps; a log scale when every value is positive), and the acceptance length -- the training rows' leading-run
 acceptance length per step (``eal``, teacher-forced; running mean) and the held-out
 evaluations by speculative decoding (``"kind": "eval"`` lines: untrained, trained) as
 labelled points. Drawn with matplotlib's Agg backend (no display needed).
@@ -59,6 +59,8 @@ def plot_run(out: str | Path, window: int | None = None) -> Path | None:
     top.plot(steps, loss, color="tab:blue", alpha=0.25, linewidth=0.8, label="loss per step")
     top.plot(steps, running_mean(loss, window), color="tab:blue", linewidth=1.8,
              label=f"running mean ({window} steps)")
+    if all(v > 0 for v in loss if not math.isnan(v)):
+        top.set_yscale("log")  # the first steps' loss is often 10x the rest
     top.set_ylabel("training loss")
     top.legend(loc="upper right")
     top.grid(alpha=0.3)
@@ -70,7 +72,7 @@ def plot_run(out: str | Path, window: int | None = None) -> Path | None:
             bottom.plot([record.get("step", 0)], [value], "o", color="tab:green")
             bottom.annotate(f"{record.get('name', 'eval')} {value:.3f}",
                             (record.get("step", 0), value), textcoords="offset points",
-                            xytext=(6, 6))
+                            xytext=(-6, 8), ha="right")
     if evals:
         bottom.plot([], [], "o", color="tab:green", label="held-out, speculative decoding")
     bottom.set_ylabel("acceptance length")
