@@ -96,17 +96,27 @@ def sandbox_command(cmd: list[str], *, bwrap: str = "bwrap", writable: list[Path
         cmd: the command to run inside.
         writable: folders bound read-write (the candidate's output folder); must exist.
         readable: folders bound back read-only over the private ``/tmp`` (those outside
-            ``/tmp`` are visible read-only anyway); missing ones are skipped.
+            ``/tmp`` are visible read-only anyway); missing ones are skipped. When ``/tmp``
+            itself is one of them (``cd /tmp && dflash-audit compare``), ``/tmp`` stays
+            read-only as it is, and ``$TMPDIR`` is the sandbox's private ``/dev/shm``.
         hidden: folders covered by an empty tmpfs (the report key's folder); missing ones
             are skipped.
         cwd: working directory inside (default ``/``).
     """
-    args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-            "--tmpfs", "/tmp"]
+    readable = list(dict.fromkeys(Path(p).resolve() for p in readable))
+    args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    if Path("/tmp") in readable:
+        # the working directory (or the candidate's folder, a PYTHONPATH entry) is /tmp
+        # itself: it stays visible, read-only, like the rest; the private scratch space is
+        # the sandbox's own /dev/shm
+        args += ["--setenv", "TMPDIR", "/dev/shm"]
+        readable = []
+    else:
+        args += ["--tmpfs", "/tmp"]
     for pattern in GPU_DEVICES:
         for dev in sorted(glob.glob(pattern)):
             args += ["--dev-bind-try", dev, dev]
-    for path in dict.fromkeys(Path(p).resolve() for p in readable):
+    for path in readable:
         if _under_tmp(path) and path.exists():
             args += ["--ro-bind", str(path), str(path)]
     for path in dict.fromkeys(Path(p).resolve() for p in writable):
