@@ -4,6 +4,8 @@ session and is shared by tests/test_action.py and tests/test_report_browser.py."
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -85,11 +87,27 @@ def run_gate(repo: Path, candidate: str, compare_args: str = FAST_ARGS,
 
 
 def gate_run(kind: str, base: Path) -> GateRun:
-    """The session's ``"pass"`` or ``"fail"`` run (made on first use under ``base``)."""
+    """The session's ``"pass"`` or ``"fail"`` run, made once per test session even when xdist
+    spreads test_action.py and test_report_browser.py over several workers (a file lock in
+    the session's shared base folder, above ``base``, a worker's; the others read its
+    record)."""
     if kind not in _RUNS:
-        text = (PASSING_DRAFTER if kind == "pass" else FAILING_DRAFTER).read_text()
-        repo = user_repo(base / f"user-repo-{kind}", text)
-        _RUNS[kind] = run_gate(repo, "drafter.py:candidate")
+        from filelock import FileLock
+
+        shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / (
+            f"gate-run-{kind}")
+        shared.mkdir(parents=True, exist_ok=True)
+        record = shared / "run.json"
+        with FileLock(str(shared) + ".lock"):
+            if not record.is_file():
+                text = (PASSING_DRAFTER if kind == "pass" else FAILING_DRAFTER).read_text()
+                run = run_gate(user_repo(shared / "user-repo", text), "drafter.py:candidate")
+                record.write_text(json.dumps({**dataclasses.asdict(run), "repo": str(run.repo),
+                                              "report_dir": str(run.report_dir or "")}))
+        data = json.loads(record.read_text())
+        _RUNS[kind] = GateRun(**{**data, "repo": Path(data["repo"]),
+                                 "report_dir": Path(data["report_dir"]) if data["report_dir"]
+                                 else None})
     return _RUNS[kind]
 
 
