@@ -221,3 +221,24 @@ def test_a_damaged_metrics_file_is_read_not_raised(tmp_path):
     curve = loss_curve(tmp_path / "metrics.jsonl", windows=1)
     assert curve[0]["first_step"] == 1 and curve[0]["last_step"] == 6  # True is not step 1
     assert plot_run(tmp_path) == tmp_path / "curves.png"
+
+
+def test_a_full_disk_at_the_picture_is_a_warning_not_the_runs_failure(paths, tmp_path,
+                                                                      monkeypatch, capsys):
+    # curves.png is drawn from metrics.jsonl after the last checkpoint: ENOSPC there must not
+    # turn a finished run into exit 2 without summary.json
+    import errno
+
+    import matplotlib.figure
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    summary = train(tt.tiny_config(paths, tmp_path / "full", steps=2),
+                    reference_identity=tt.REFERENCE)
+    assert summary.exit_code == 0 and summary.step == 2 and summary.plot is None
+    assert json.loads((tmp_path / "full" / "summary.json").read_text())["step"] == 2
+    assert not list((tmp_path / "full").glob("*curves.png*"))
+    assert f"{tmp_path / 'full' / 'curves.png'} not written (No space left" in (
+        capsys.readouterr().err)
