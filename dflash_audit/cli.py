@@ -22,7 +22,19 @@ def quiet_third_party_bars() -> None:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+def refuse_a_deleted_working_directory() -> None:
+    """One line and exit 2 when the working directory was deleted: importing torch there
+    dies with an "Intel oneMKL FATAL ERROR" instead (and every path would resolve wrongly)."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        sys.stderr.write("error: the current working directory no longer exists (deleted "
+                         "while this shell was in it): cd to an existing folder and rerun\n")
+        sys.exit(2)
+
+
 quiet_third_party_bars()
+refuse_a_deleted_working_directory()
 
 import typer
 

@@ -201,3 +201,44 @@ def test_loss_curve_means_windows_and_takes_the_last_line_of_a_relogged_step(tmp
                      {"first_step": 3, "last_step": 4, "loss": 3.5},
                      {"first_step": 5, "last_step": 7, "loss": (5 + 6 + 70) / 3}]
     assert loss_curve(tmp_path / "missing.jsonl") == []
+
+
+def test_a_damaged_metrics_file_is_read_not_raised(tmp_path):
+    # an edited or damaged metrics.jsonl (JSON that is not an object, a byte cut inside a
+    # character, a step that is a string, a bool or null, NaN / inf losses) must not turn
+    # the end of a finished run into a traceback: loss_curve and curves.png skip such lines
+    from dflash_audit.train.plot import plot_run
+
+    good = [json.dumps({"kind": "train", "step": s, "loss": 1.0 / s, "eal": 1.5})
+            for s in range(1, 5)]
+    bad = ["[1, 2]", "3", "null", '"text"', json.dumps({"kind": "train", "step": "5"}),
+           json.dumps({"kind": "train", "step": True, "loss": 99.0}),
+           '{"kind": "train", "step": 6, "loss": NaN, "eal": Infinity}',
+           json.dumps({"kind": "eval", "step": None, "acceptance_length": 2.0}),
+           json.dumps({"kind": "eval", "step": "4", "acceptance_length": 2.0})]
+    (tmp_path / "metrics.jsonl").write_bytes(
+        ("\n".join(good + bad) + "\n").encode() + b'{"kind": "train", "step": 7, "x": "\xe2\x82')
+    curve = loss_curve(tmp_path / "metrics.jsonl", windows=1)
+    assert curve[0]["first_step"] == 1 and curve[0]["last_step"] == 6  # True is not step 1
+    assert plot_run(tmp_path) == tmp_path / "curves.png"
+
+
+def test_a_full_disk_at_the_picture_is_a_warning_not_the_runs_failure(paths, tmp_path,
+                                                                      monkeypatch, capsys):
+    # curves.png is drawn from metrics.jsonl after the last checkpoint: ENOSPC there must not
+    # turn a finished run into exit 2 without summary.json
+    import errno
+
+    import matplotlib.figure
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    summary = train(tt.tiny_config(paths, tmp_path / "full", steps=2),
+                    reference_identity=tt.REFERENCE)
+    assert summary.exit_code == 0 and summary.step == 2 and summary.plot is None
+    assert json.loads((tmp_path / "full" / "summary.json").read_text())["step"] == 2
+    assert not list((tmp_path / "full").glob("*curves.png*"))
+    assert f"{tmp_path / 'full' / 'curves.png'} not written (No space left" in (
+        capsys.readouterr().err)

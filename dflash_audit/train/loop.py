@@ -76,7 +76,7 @@ from dflash_audit.train.fsdp import (
 )
 from dflash_audit.train.gate import GateResult, check_gate, expected_for
 from dflash_audit.train.optim import OptimSpec, build_optimizers, build_schedulers
-from dflash_audit.train.plot import plot_run
+from dflash_audit.train.plot import plot_or_warn
 from dflash_audit.train.setup import (
     TrainError,
     build_drafter,
@@ -374,7 +374,7 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
             summary.wall_s = time.perf_counter() - start_wall
             if env.is_main:
                 summary.loss_curve = loss_curve(out / "metrics.jsonl")
-                plot = plot_run(out)
+                plot = plot_or_warn(out, tracker.message)
                 summary.plot = str(plot) if plot else None
                 (out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
             return summary

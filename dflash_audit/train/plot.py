@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from dflash_audit.train.track import read_metrics
@@ -90,3 +91,15 @@ def plot_run(out: str | Path, window: int | None = None) -> Path | None:
         plt.close(fig)
         partial.unlink(missing_ok=True)
     return target
+
+
+def plot_or_warn(out: str | Path, warn: Callable[[str], None]) -> Path | None:
+    """:func:`plot_run` at the end of a finished run: the picture is a by-product of
+    ``metrics.jsonl``, so an OS error writing it (a full disk) is a warning through ``warn``
+    naming the file, not the run's failure (its checkpoints and metrics are complete)."""
+    try:
+        return plot_run(out)
+    except OSError as exc:
+        warn(f"warning: {Path(out) / PLOT_FILE} not written ({exc.strerror or exc}); the "
+             "run's checkpoints and metrics.jsonl are complete")
+        return None
