@@ -57,6 +57,7 @@ from dflash_audit.audit.replay.noise import measured_tolerances
 from dflash_audit.audit.setup_error import CompareSetupError
 from dflash_audit.audit.sides.canary import publish_canary, stage_canary
 from dflash_audit.audit.sides.integrity import reference_code_digest
+from dflash_audit.audit.sides.sandbox import work_root
 from dflash_audit.audit.sides.run_sides import (
     CANDIDATE_OUTPUTS,
     ImportCheck,
@@ -199,7 +200,7 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
             import_check.wait()
         reference_code = reference_code_digest(  # before any candidate code runs
             identity, whole_prefix=not sandbox["sandboxed"])
-        with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-", dir=work_root()) as tmp:
             with st.stage("load_candidate", "loading the candidate (own process)"):
                 try:  # never imported here: its import may exit, crash or print
                     candidate = load_candidate_identity(launch, Path(tmp) / ".load")

@@ -10,7 +10,10 @@ The candidate is untrusted code (DESIGN.md section 9). Inside the sandbox it see
   a ``file.py`` candidate, the working directory and ``PYTHONPATH`` entries under ``/tmp``;
   read-write its own output folder;
 - nothing of the report key (:data:`dflash_audit.report.fingerprint.KEY_DIR` is covered by an
-  empty tmpfs);
+  empty tmpfs), nor of any audit's work folder (:func:`work_root`, where every compare keeps
+  its cases and both sides' outputs, is covered by an empty tmpfs, and only this candidate's
+  own cases and output folder are bound back): not even when ``/tmp`` itself is readable or
+  ``$TMPDIR`` points outside it, and not for folders another audit creates later;
 - its own PID namespace (``--unshare-pid``) that ends with it: the kernel kills every process
   of the namespace when its first process exits, so a daemon that ``setsid``s or
   double-forks never outlives the candidate; ``--die-with-parent`` ends it with compare;
@@ -83,13 +86,24 @@ def sandbox_status() -> SandboxStatus:
     return SandboxStatus(bwrap)
 
 
+def work_root() -> Path:
+    """The folder every compare makes its work folder in (``<tempdir>/dflash-audit-work``,
+    created here): one root the sandbox hides as a whole, so a candidate never reads another
+    audit's cases or reference outputs."""
+    import tempfile
+
+    root = Path(tempfile.gettempdir()).resolve() / "dflash-audit-work"
+    root.mkdir(mode=0o700, exist_ok=True)
+    return root
+
+
 def _under_tmp(path: Path) -> bool:
     return path == Path("/tmp") or Path("/tmp") in path.parents
 
 
 def sandbox_command(cmd: list[str], *, bwrap: str = "bwrap", writable: list[Path] = (),
                     readable: list[Path] = (), hidden: list[Path] = (),
-                    cwd: Path | None = None) -> list[str]:
+                    private: list[Path] = (), cwd: Path | None = None) -> list[str]:
     """``bwrap ... -- cmd``: the sandbox of the module docstring.
 
     Args:
@@ -101,23 +115,31 @@ def sandbox_command(cmd: list[str], *, bwrap: str = "bwrap", writable: list[Path
             read-only as it is, and ``$TMPDIR`` is the sandbox's private ``/dev/shm``.
         hidden: folders covered by an empty tmpfs (the report key's folder); missing ones
             are skipped.
+        private: folders covered by an empty tmpfs BEFORE ``readable`` and ``writable`` are
+            bound (which may lie inside them: :func:`work_root` and the candidate's own work
+            folders); missing ones are skipped.
         cwd: working directory inside (default ``/``).
     """
     readable = list(dict.fromkeys(Path(p).resolve() for p in readable))
     args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-    if Path("/tmp") in readable:
+    tmp_visible = Path("/tmp") in readable
+    if tmp_visible:
         # the working directory (or the candidate's folder, a PYTHONPATH entry) is /tmp
         # itself: it stays visible, read-only, like the rest; the private scratch space is
         # the sandbox's own /dev/shm
         args += ["--setenv", "TMPDIR", "/dev/shm"]
-        readable = []
     else:
         args += ["--tmpfs", "/tmp"]
     for pattern in GPU_DEVICES:
         for dev in sorted(glob.glob(pattern)):
             args += ["--dev-bind-try", dev, dev]
+    covered = [Path(p).resolve() for p in private if Path(p).is_dir()]
+    for path in covered:
+        args += ["--tmpfs", str(path)]
     for path in readable:
-        if _under_tmp(path) and path.exists():
+        hidden_here = (_under_tmp(path) and not tmp_visible) or any(
+            c in path.parents for c in covered)
+        if hidden_here and path.exists():
             args += ["--ro-bind", str(path), str(path)]
     for path in dict.fromkeys(Path(p).resolve() for p in writable):
         args += ["--bind", str(path), str(path)]
@@ -162,4 +184,4 @@ def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
         except (OSError, ValueError, KeyError, TypeError):
             pass
     return sandbox_command(cmd, bwrap=status.bwrap, writable=[Path(out_dir)], readable=readable,
-                           hidden=key_dirs(), cwd=Path.cwd())
+                           hidden=key_dirs(), private=[work_root()], cwd=Path.cwd())
