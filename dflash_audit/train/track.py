@@ -65,18 +65,24 @@ def read_metrics(metrics_path: str | Path) -> tuple[dict[int, dict[str, Any]],
                                                     list[dict[str, Any]]]:
     """The ``"kind": "train"`` lines of ``metrics.jsonl`` by step (a resumed run re-logs the
     steps after its checkpoint: the last line of a step wins; a line cut by a kill is
-    skipped) and its ``"kind": "eval"`` lines in file order. Empty when there is no file."""
+    skipped, as is one that is not an object or has no integer step) and its ``"kind": "eval"``
+    lines in file order. Empty when there is no file."""
     train: dict[int, dict[str, Any]] = {}
     evals: list[dict[str, Any]] = []
     path = Path(metrics_path)
     if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 record = json.loads(line)
             except ValueError:
                 continue
-            if record.get("kind") == "train" and isinstance(record.get("step"), int):
-                train[record["step"]] = record
+            if not isinstance(record, dict):  # a damaged line that parses: `1`, `[...]`
+                continue
+            step = record.get("step")
+            if not isinstance(step, int) or isinstance(step, bool):  # True == step 1
+                continue
+            if record.get("kind") == "train":
+                train[step] = record
             elif record.get("kind") == "eval":
                 evals.append(record)
     return train, evals
