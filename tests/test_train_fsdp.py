@@ -114,3 +114,27 @@ def test_fsdp_without_torchrun_is_refused(tmp_path):
     with pytest.raises(TrainError, match="torchrun --nproc_per_node"):
         train(tt.tiny_config(paths, tmp_path / "run", fsdp=True),
               reference_identity=tt.REFERENCE)
+
+
+def test_fsdp_without_torchrun_is_refused_before_overwrite_removes_the_old_run(tmp_path):
+    """The refusal comes before anything is read or removed: `--fsdp --overwrite` outside
+    torchrun keeps the run already in --out (it used to delete its checkpoints and metrics
+    first, then refuse)."""
+    paths = tt.setup_run(tmp_path, rows=2)
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step-00000004\n")
+    (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 1.0}\n')
+    with pytest.raises(TrainError, match="torchrun --nproc_per_node"):
+        train(tt.tiny_config(paths, out, fsdp=True, overwrite=True),
+              reference_identity=tt.REFERENCE)
+    assert (out / "checkpoints" / "latest").is_file() and (out / "metrics.jsonl").is_file()
+
+
+def test_overwrite_removes_the_old_runs_curves(tmp_path):
+    from dflash_audit.train.state import check_run_folder
+
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "curves.png").write_bytes(b"old picture")
+    check_run_folder(tmp_path, None, overwrite=True)
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "curves.png").exists()

@@ -242,3 +242,26 @@ def test_a_full_disk_at_the_picture_is_a_warning_not_the_runs_failure(paths, tmp
     assert not list((tmp_path / "full").glob("*curves.png*"))
     assert f"{tmp_path / 'full' / 'curves.png'} not written (No space left" in (
         capsys.readouterr().err)
+
+
+def test_metrics_lines_that_parse_but_are_not_records_are_skipped(tmp_path):
+    """A damaged metrics.jsonl (a line that parses as a list or a number, a step that is a
+    string or a boolean, bytes that are not UTF-8) is read around, not a traceback at the
+    end of train; curves.png draws the good lines only."""
+    from dflash_audit.train.plot import plot_run
+    from dflash_audit.train.track import read_metrics
+
+    good = [{"kind": "train", "step": s, "loss": 4.0 / s, "eal": 1.0 + s / 10}
+            for s in range(1, 5)]
+    bad = ["[1, 2, 3]", "7", '"text"', "null",
+           json.dumps({"kind": "train", "step": "2", "loss": 99.0}),
+           json.dumps({"kind": "train", "step": True, "loss": 99.0}),
+           json.dumps({"kind": "eval", "step": "abc", "name": "x", "acceptance_length": 1.5})]
+    data = "\n".join([json.dumps(good[0]), *bad, *(json.dumps(g) for g in good[1:])]) + "\n"
+    (tmp_path / "metrics.jsonl").write_bytes(data.encode() + b"\xff\xfe{\n")
+    train, evals = read_metrics(tmp_path / "metrics.jsonl")
+    assert sorted(train) == [1, 2, 3, 4] and train[1]["loss"] == 4.0 and train[2]["loss"] == 2.0
+    assert evals == []
+    assert [w["loss"] for w in loss_curve(tmp_path / "metrics.jsonl", windows=4)] == \
+        [4.0, 2.0, 4.0 / 3, 1.0]
+    assert plot_run(tmp_path) == tmp_path / "curves.png"

@@ -205,6 +205,9 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
     device = resolve_device(cfg.device, DistEnv())
     env = init_distributed(device.type)
     device = resolve_device(cfg.device, env)
+    if cfg.fsdp and not env.distributed:  # before anything is read, written or removed
+        raise TrainError("--fsdp shards the drafter across processes: run train under "
+                         "`torchrun --nproc_per_node=N` (N >= 2), or drop --fsdp")
     out = Path(cfg.out)
     try:
         profile = Profile.load(cfg.profile)
@@ -252,9 +255,6 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
                                    info=gate.canary)
         shard = None
         if cfg.fsdp:
-            if not env.distributed:
-                raise TrainError("--fsdp shards the drafter across processes: run train under "
-                                 "`torchrun --nproc_per_node=N` (N >= 2), or drop --fsdp")
             note = canary(drafter_forward(model, profile.loss_spec(), config.block_size,
                                           config.sample_from_anchor),
                           [p for p in model.parameters() if p.requires_grad])

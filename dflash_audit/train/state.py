@@ -188,8 +188,8 @@ def check_run_folder(out: Path, resume: str | None, overwrite: bool, remove: boo
     """Refuse to write a new run over an existing one.
 
     ``out`` holds a run when it has ``checkpoints/`` with anything in it, ``metrics.jsonl``
-    or ``summary.json``. Then a fresh start needs ``overwrite`` (which removes them, and
-    ``tensorboard/``; only when ``remove``: rank 0 of a multi-process run), else ``resume``.
+    or ``summary.json``. Then a fresh start needs ``overwrite`` (which removes them,
+    ``tensorboard/`` and ``curves.png``; only when ``remove``: rank 0 of a multi-process run), else ``resume``.
     Also proves ``out`` is a writable folder.
 
     Raises:
@@ -215,7 +215,7 @@ def check_run_folder(out: Path, resume: str | None, overwrite: bool, remove: boo
         return
     for name in (CHECKPOINTS, "tensorboard"):
         shutil.rmtree(out / name, ignore_errors=True)
-    for name in RUN_FILES:
+    for name in (*RUN_FILES, "curves.png"):  # the picture of the old run too (train/plot.py)
         (out / name).unlink(missing_ok=True)
 
 
