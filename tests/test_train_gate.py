@@ -69,6 +69,23 @@ def test_profile_difference_is_named(setup):
     assert expected.compare_command in msg
 
 
+def test_a_refusal_explains_against_the_closest_report_not_the_newest(setup):
+    """A newer FAIL of another candidate and profile must not be the report the refusal is
+    explained against (a newcomer read "its code changed"): the closest one, a PASS that
+    differs only by the profile, is."""
+    tmp, profile_path, expected = setup
+    other = tt.write_profile(tmp / "other.toml", gamma=7.0)
+    close = tt.write_report(tmp / "reports", other, name="20260101T000000Z-ad5e21eedc89")
+    far = tt.write_report(tmp / "reports", tt.write_profile(tmp / "far.toml", block_size=5),
+                          "tests/test_compare.py:FcNMinusOne", verdict="fail",
+                          name="20260102T000000Z-ad5e21eedc89")
+    with pytest.raises(GateError) as err:
+        check_gate(expected, reports_dir=tmp / "reports")
+    msg = str(err.value)
+    assert f"the closest of its 2 report(s) ({close}, verdict PASS" in msg, msg
+    assert str(far) not in msg and "profile differs" in msg
+
+
 def test_candidate_difference_is_named(setup):
     tmp, profile_path, expected = setup
     path = tt.write_report(tmp / "reports", profile_path)

@@ -318,8 +318,10 @@ def check_gate(expected: Expected, report: Path | None = None,
             skipped.append(str(exc))
             continue
         diffs = differences(fields, expected)
-        if diffs:
-            first_mismatch = first_mismatch or (fields, diffs)
+        if diffs:  # explain against the closest: fewest differences, a PASS, the newest
+            if first_mismatch is None or (len(diffs), fields.verdict != "pass") < (
+                    len(first_mismatch[1]), first_mismatch[0].verdict != "pass"):
+                first_mismatch = (fields, diffs)
             continue
         if fields.signature_problem is not None:
             raise GateError(f"audit report {path} is not one this machine's `dflash-audit "
@@ -346,7 +348,9 @@ def check_gate(expected: Expected, report: Path | None = None,
         raise GateError(f"no `dflash-audit compare` report in {reports_dir}/ ({len(skipped)} "
                         f"other or unreadable report(s) skipped):\n{shown}\n{how}")
     fields, diffs = first_mismatch
-    which = "the given report" if report is not None else f"the newest report ({fields.path})"
+    which = "the given report" if report is not None else (
+        f"the closest of its {len(paths)} report(s) ({fields.path}, verdict "
+        f"{fields.verdict.upper()}; the newest of those with the fewest differences)")
     listing = "\n".join(f"  - {d}" for d in diffs)
     raise GateError(f"no audit report matches this training run; {which} differs:\n{listing}\n"
                     f"{how}")
