@@ -107,6 +107,8 @@ def test_fsdp_two_ranks_killed_resume_exactly_and_follow_one_process(tmp_path):
     assert la == lb
     assert all(abs(la[s] - lc[s]) <= 1e-5 * max(1.0, abs(lc[s])) for s in lc), (la, lc)
     assert lc[stop] < lc[1]  # it trained
+    summary = json.loads((straight / "summary.json").read_text())
+    assert (summary["parallel"], summary["world_size"]) == ("fsdp", 2)
 
 
 def test_fsdp_without_torchrun_is_refused(tmp_path):

@@ -168,6 +168,8 @@ class TrainSummary:
     loss_curve: list[dict[str, Any]] = field(default_factory=list)  # track.loss_curve
     eval: dict[str, Any] = field(default_factory=dict)
     plot: str | None = None  # <out>/curves.png: loss and acceptance length over the steps
+    parallel: str = "none"  # "none" | "ddp" | "fsdp"
+    world_size: int = 1
 
     @property
     def exit_code(self) -> int:
@@ -293,8 +295,10 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
         tracker = Tracker(out, cfg.steps, start_step, enabled=env.is_main,
                           tensorboard=cfg.tensorboard, progress=cfg.progress)
         try:
+            parallel = "fsdp" if shard else "ddp" if ddp else "none"
             summary = TrainSummary(out=str(out), step=start_step, checkpoint=None, stopped_by=None,
-                                   report_fingerprint=gate.report_fingerprint)
+                                   report_fingerprint=gate.report_fingerprint,
+                                   parallel=parallel, world_size=env.world_size)
             prompts: list[list[int]] = []
             if env.is_main and (cfg.eval_at_end or cfg.eval_untrained):
                 prompts, _ = eval_prompt_set(cfg, source, held, verifier.tokenizer)
@@ -315,7 +319,10 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
             tracker.message(f"training {config.num_hidden_layers}-layer drafter "
                             f"(B={config.block_size}, A={profile.max_anchors}, "
                             f"V_d={config.effective_draft_vocab_size}, {optim_spec.optimizer}, "
-                            f"lr {optim_spec.lr:g}) from step {start_step} to {cfg.steps}; "
+                            f"lr {optim_spec.lr:g}"
+                            + ({"none": "", "ddp": f", DDP over {env.world_size} processes",
+                                "fsdp": f", FSDP2 over {env.world_size} processes"}[parallel])
+                            + f") from step {start_step} to {cfg.steps}; "
                             f"audit report {gate.report_path}")
 
             def save(step: int) -> Path | None:

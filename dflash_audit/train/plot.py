@@ -21,11 +21,16 @@ PLOT_FILE = "curves.png"
 
 def running_mean(values: list[float], window: int) -> list[float]:
     """The mean of each value and the ``window - 1`` before it (fewer at the start); NaNs
-    are skipped (a window of NaNs gives NaN)."""
-    out = []
-    for i in range(len(values)):
-        part = [v for v in values[max(0, i - window + 1):i + 1] if not math.isnan(v)]
-        out.append(sum(part) / len(part) if part else math.nan)
+    and infinities are skipped (a window without a finite value gives NaN). O(n)."""
+    sums, counts, out = [0.0], [0], []
+    for v in values:
+        ok = math.isfinite(v)
+        sums.append(sums[-1] + (v if ok else 0.0))
+        counts.append(counts[-1] + ok)
+    for i in range(1, len(values) + 1):
+        j = max(0, i - window)
+        n = counts[i] - counts[j]
+        out.append((sums[i] - sums[j]) / n if n else math.nan)
     return out
 
 
@@ -56,29 +61,38 @@ def plot_run(out: str | Path, window: int | None = None) -> Path | None:
                 for s in steps]
 
     loss, eal = series("loss"), series("eal")
+    from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter
+
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.4), sharex=True)
-    top.plot(steps, loss, color="tab:blue", alpha=0.25, linewidth=0.8, label="loss per step")
+    if window > 1:
+        top.plot(steps, loss, color="tab:blue", alpha=0.25, linewidth=0.8,
+                 label="loss per step")
     top.plot(steps, running_mean(loss, window), color="tab:blue", linewidth=1.8,
-             label=f"running mean ({window} steps)")
-    if all(v > 0 for v in loss if not math.isnan(v)):
+             label=f"running mean ({window} steps)" if window > 1 else "loss per step")
+    if all(v > 0 for v in loss if math.isfinite(v)) and any(math.isfinite(v) for v in loss):
         top.set_yscale("log")  # the first steps' loss is often 10x the rest
+        top.yaxis.set_major_formatter(ScalarFormatter())  # 1, 10 (not 10^0, 10^1)
+        top.yaxis.set_minor_formatter(NullFormatter())
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     top.set_ylabel("training loss")
-    top.legend(loc="upper right")
+    top.legend(loc="best")
     top.grid(alpha=0.3)
     bottom.plot(steps, running_mean(eal, window), color="tab:orange", linewidth=1.8,
-                label=f"training rows, teacher-forced (running mean, {window} steps)")
+                label="training rows, teacher-forced" + (
+                    f" (running mean, {window} steps)" if window > 1 else ""))
     for record in evals:
         value = record.get("acceptance_length")
         if isinstance(value, (int, float)):
             bottom.plot([record.get("step", 0)], [value], "o", color="tab:green")
             bottom.annotate(f"{record.get('name', 'eval')} {value:.3f}",
                             (record.get("step", 0), value), textcoords="offset points",
-                            xytext=(-6, 8), ha="right")
+                            xytext=(-6, 8) if record.get("step", 0) else (6, 8),
+                            ha="right" if record.get("step", 0) else "left")
     if evals:
         bottom.plot([], [], "o", color="tab:green", label="held-out, speculative decoding")
     bottom.set_ylabel("acceptance length")
     bottom.set_xlabel("step")
-    bottom.legend(loc="lower right")
+    bottom.legend(loc="best")
     bottom.grid(alpha=0.3)
     fig.suptitle(f"{out.name}: {steps[-1]} steps")
     fig.tight_layout()
