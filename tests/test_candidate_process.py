@@ -199,3 +199,28 @@ def test_threads_per_side_follow_dflash_audit_threads(monkeypatch):
         monkeypatch.setenv("DFLASH_AUDIT_THREADS", bad)
         with pytest.raises(CompareSetupError, match=f"DFLASH_AUDIT_THREADS='{bad}'"):
             usable_cores()
+
+
+@pytest.mark.parametrize("where", ["cases", "private copy"])
+def test_a_full_work_folder_is_a_setup_error_not_a_traceback(where, tmp_path, monkeypatch):
+    # no space left writing the cases (safetensors raises its own error, not OSError) or
+    # copying them for the candidate: one message naming the folder (exit 2)
+    import errno
+    import shutil
+
+    from safetensors import SafetensorError
+
+    from dflash_audit.audit.setup_error import CompareSetupError
+    from dflash_audit.audit.sides.run_sides import write_work_cases
+
+    if where == "cases":
+        def full(self, folder):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                                  "(os error 28)")
+        monkeypatch.setattr(Case, "write", full)
+    else:
+        def full(src, dst, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        monkeypatch.setattr(shutil, "copy2", full)
+    with pytest.raises(CompareSetupError, match="cannot write the cases into .*No space left"):
+        write_work_cases(tiny_cases([40]), tmp_path / "work")

@@ -77,3 +77,95 @@ def test_a_private_scratch_space_wherever_compare_starts(where, tmp_path):
         marker.unlink(missing_ok=True)
         shutil.rmtree(mine, ignore_errors=True)
         shutil.rmtree(other.parent, ignore_errors=True)
+
+
+LIST_ROOT = """
+import os, sys
+from pathlib import Path
+print("root", sorted(os.listdir(sys.argv[1])))
+print("own-cases", Path(sys.argv[2], "case.json").read_text())
+Path(sys.argv[3], "result").write_text("written")
+"""
+
+
+def _audit_folders(root: Path, tag: str) -> tuple[Path, Path]:
+    """This audit's cases and output folder in ``root``, and another audit's folder beside."""
+    mine = root / f"dflash-audit-cases-mine-{tag}"
+    (mine / "cases").mkdir(parents=True)
+    (mine / "cases" / "case.json").write_text("my case")
+    (mine / "out").mkdir()
+    other = root / f"dflash-audit-cases-other-{tag}"
+    other.mkdir(parents=True)
+    (other / "reference.json").write_text("another audit's reference outputs")
+    return mine, other
+
+
+@pytest.mark.parametrize("holder", ["tempdir", "root"])
+def test_a_readable_folder_holding_the_work_root_never_binds_it_back(holder, tmp_path):
+    # $TMPDIR is the candidate's folder (or the working directory), or compare starts inside
+    # the root: binding that folder back after the root's cover showed every audit's folder
+    root = tmp_path / "dflash-audit-work"
+    mine, _ = _audit_folders(root, uuid.uuid4().hex)
+    held = tmp_path if holder == "tempdir" else root
+    cmd = sandbox_command([sys.executable, "-I", "-c", LIST_ROOT, str(root), str(mine / "cases"),
+                           str(mine / "out")], bwrap=sandbox_status().bwrap,
+                          writable=[mine / "out"], readable=[held, mine / "cases"],
+                          private=[root], cwd=held)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert lines["root"] == repr([mine.name]), lines  # never the other audit's folder
+    assert lines["own-cases"] == "my case"
+    assert (mine / "out" / "result").read_text() == "written"
+
+
+def test_an_audit_with_another_tmpdir_is_hidden_too(tmp_path, monkeypatch):
+    # audit A ran with $TMPDIR=a, this one with $TMPDIR=b from /tmp (so /tmp stays readable):
+    # A's root is not this audit's root, yet its candidate must not read it
+    import tempfile
+
+    from dflash_audit.audit.sides.sandbox import sandboxed
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "a"))
+    root_a = work_root()
+    _, other = _audit_folders(root_a, "a")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "b"))
+    root_b = work_root()
+    assert root_b != root_a
+    mine, _ = _audit_folders(root_b, "b")
+    monkeypatch.chdir("/tmp")
+    probe = LIST_ROOT.replace('print("root"', 'print("other", Path(sys.argv[4]).exists())\n'
+                                             'print("root"')
+    cmd = sandboxed([sys.executable, "-I", "-c", probe, str(root_b), str(mine / "cases"),
+                     str(mine / "out"), str(other / "reference.json")], None, mine / "cases",
+                    mine / "out", env={})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert lines["other"] == "False", lines
+    assert lines["root"] == repr([mine.name]) and lines["own-cases"] == "my case"
+
+
+@pytest.mark.parametrize("planted", ["file", "link", "dangling-link"])
+def test_a_work_root_that_is_no_folder_of_ours_is_a_setup_error(planted, tmp_path, monkeypatch):
+    # a file or a link where the root goes: one message (exit 2), not a traceback, and a link
+    # is never followed (the candidate's paths would not exist inside the sandbox)
+    import tempfile
+
+    from dflash_audit.audit.setup_error import CompareSetupError
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    root = tmp_path / "dflash-audit-work"
+    if planted == "file":
+        root.write_text("not a folder")
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        root.symlink_to(tmp_path / ("elsewhere" if planted == "link" else "gone"))
+    with pytest.raises(CompareSetupError, match="cannot use the work folder"):
+        work_root()
+    assert not (tmp_path / "elsewhere").exists() or not any((tmp_path / "elsewhere").iterdir())
+    assert not (tmp_path / "gone").exists()

@@ -228,6 +228,25 @@ def write_cases(cases: list[Any], folder: Path, advance: Callable[[int], None] =
         advance(1)
 
 
+def write_work_cases(cases: list[Any], cases_dir: Path,
+                     advance: Callable[[int], None] = lambda n: None) -> Path:
+    """:func:`write_cases` into ``cases_dir``, then the candidate's :func:`private_copy`
+    (returned).
+
+    Raises:
+        CompareSetupError: they cannot be written (a full disk, a read-only folder): one
+            message naming the folder, not a traceback.
+    """
+    from safetensors import SafetensorError
+
+    try:
+        write_cases(cases, cases_dir, advance)
+        return private_copy(cases_dir, [c.name for c in cases], cases_dir / CANDIDATE_CASES)
+    except (OSError, SafetensorError) as exc:
+        raise CompareSetupError(f"cannot write the cases into {cases_dir} (a full disk? "
+                                f"$TMPDIR chooses the folder): {exc}") from None
+
+
 def private_copy(cases_dir: Path, names: list[str], dest: Path) -> Path:
     """Copy the case folders ``names`` of ``cases_dir`` into ``dest`` (made here): byte copies,
     never links to the originals; files hard-linked to each other in ``cases_dir`` (the real
@@ -319,8 +338,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
 
     names = [p.case.name for p in planned]
     with st.stage("write_cases", "writing cases", total=len(planned)) as advance:
-        write_cases([p.case for p in planned], cases_dir, advance)
-        cand_cases = private_copy(cases_dir, names, cases_dir / CANDIDATE_CASES)
+        cand_cases = write_work_cases([p.case for p in planned], cases_dir, advance)
         digests = case_digests(cases_dir, names)
     with st.stage("import_check", "checking that the reference imports"):
         import_check.wait()

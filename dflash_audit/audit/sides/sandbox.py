@@ -12,8 +12,10 @@ The candidate is untrusted code (DESIGN.md section 9). Inside the sandbox it see
 - nothing of the report key (:data:`dflash_audit.report.fingerprint.KEY_DIR` is covered by an
   empty tmpfs), nor of any audit's work folder (:func:`work_root`, where every compare keeps
   its cases and both sides' outputs, is covered by an empty tmpfs, and only this candidate's
-  own cases and output folder are bound back): not even when ``/tmp`` itself is readable or
-  ``$TMPDIR`` points outside it, and not for folders another audit creates later;
+  own cases and output folder are bound back; every root an audit of this user made, whatever
+  its ``$TMPDIR``, is covered too: :func:`known_work_roots`): not even when ``/tmp`` itself is
+  readable, ``$TMPDIR`` points outside it or is the candidate's folder, and not for folders
+  another audit creates later;
 - its own PID namespace (``--unshare-pid``) that ends with it: the kernel kills every process
   of the namespace when its first process exits, so a daemon that ``setsid``s or
   double-forks never outlives the candidate; ``--die-with-parent`` ends it with compare;
@@ -31,6 +33,7 @@ import glob
 import json
 import os
 import shutil
+import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,14 +89,85 @@ def sandbox_status() -> SandboxStatus:
     return SandboxStatus(bwrap)
 
 
+#: The work root of the default temporary directory: hidden from every candidate, whatever
+#: ``$TMPDIR`` its own audit has.
+DEFAULT_WORK_ROOT = Path("/tmp/dflash-audit-work")
+
+
+def _roots_registry() -> Path:
+    """``~/.cache/dflash-audit/work-roots``: every work root :func:`work_root` made (one
+    resolved path a line), shared by all audits of this user whatever their ``$TMPDIR`` or
+    ``$DFLASH_AUDIT_CACHE``, so the sandbox hides them all, not only its own audit's."""
+    return Path.home() / ".cache" / "dflash-audit" / "work-roots"
+
+
+def _record_root(root: Path) -> None:
+    """Add ``root`` to :func:`_roots_registry` (under a lock), dropping roots that are gone;
+    best effort: a registry that cannot be written leaves the default root and this audit's
+    own hidden."""
+    import fcntl
+
+    registry = _roots_registry()
+    try:
+        registry.parent.mkdir(parents=True, exist_ok=True)
+        with open(registry, "a+", encoding="utf-8") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.seek(0)
+            known = [line for line in f.read().splitlines() if line]
+            keep = [line for line in dict.fromkeys(known) if Path(line).is_dir()]
+            if str(root) not in keep:
+                keep.append(str(root))
+            if keep != known:
+                f.seek(0)
+                f.truncate()
+                f.write("".join(f"{line}\n" for line in keep))
+    except (OSError, UnicodeDecodeError):
+        pass
+
+
+def known_work_roots() -> list[Path]:
+    """Every audit's work root a candidate must not read: the default one and those of
+    :func:`_roots_registry` (audits run with another ``$TMPDIR``)."""
+    roots = [DEFAULT_WORK_ROOT]
+    try:
+        text = _roots_registry().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    roots += [Path(line) for line in text.splitlines() if line.startswith("/")]
+    return list(dict.fromkeys(roots))
+
+
 def work_root() -> Path:
     """The folder every compare makes its work folder in (``<tempdir>/dflash-audit-work``,
-    created here): one root the sandbox hides as a whole, so a candidate never reads another
-    audit's cases or reference outputs."""
+    created here, recorded in :func:`_roots_registry`): one root the sandbox hides as a whole,
+    so a candidate never reads another audit's cases or reference outputs.
+
+    Raises:
+        CompareSetupError: it is not a folder this user owns and can write (a file, a link,
+            another user's folder, chmod 000): no audit keeps its cases there.
+    """
     import tempfile
 
+    from dflash_audit.audit.setup_error import CompareSetupError
+
     root = Path(tempfile.gettempdir()).resolve() / "dflash-audit-work"
-    root.mkdir(mode=0o700, exist_ok=True)
+    try:
+        if not os.path.lexists(root):  # a link (maybe dangling) is refused below, not followed
+            root.mkdir(mode=0o700, exist_ok=True)
+        info = root.lstat()
+    except OSError as exc:
+        raise CompareSetupError(
+            f"cannot use the work folder {root} (every audit keeps its cases there): {exc}; "
+            "remove it or set $TMPDIR to another folder") from None
+    if (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid()
+            or not os.access(root, os.W_OK | os.X_OK)):
+        what = ("a link" if stat.S_ISLNK(info.st_mode) else "not a folder"
+                if not stat.S_ISDIR(info.st_mode) else "another user's folder"
+                if info.st_uid != os.geteuid() else "a folder this user cannot write")
+        raise CompareSetupError(
+            f"cannot use the work folder {root} (every audit keeps its cases there): it is "
+            f"{what}; remove it or set $TMPDIR to another folder")
+    _record_root(root)
     return root
 
 
@@ -115,9 +189,11 @@ def sandbox_command(cmd: list[str], *, bwrap: str = "bwrap", writable: list[Path
             read-only as it is, and ``$TMPDIR`` is the sandbox's private ``/dev/shm``.
         hidden: folders covered by an empty tmpfs (the report key's folder); missing ones
             are skipped.
-        private: folders covered by an empty tmpfs BEFORE ``readable`` and ``writable`` are
-            bound (which may lie inside them: :func:`work_root` and the candidate's own work
-            folders); missing ones are skipped.
+        private: folders covered by an empty tmpfs (every audit's work root): after the
+            ``readable`` folders that hold them are bound (a candidate's folder or working
+            directory that is ``$TMPDIR``, or the root itself, never binds a root back), before
+            those inside them and ``writable`` (this candidate's cases and output folder);
+            missing ones are skipped.
         cwd: working directory inside (default ``/``).
     """
     readable = list(dict.fromkeys(Path(p).resolve() for p in readable))
@@ -133,13 +209,21 @@ def sandbox_command(cmd: list[str], *, bwrap: str = "bwrap", writable: list[Path
     for pattern in GPU_DEVICES:
         for dev in sorted(glob.glob(pattern)):
             args += ["--dev-bind-try", dev, dev]
-    covered = [Path(p).resolve() for p in private if Path(p).is_dir()]
+    covered = list(dict.fromkeys(Path(p).resolve() for p in private if Path(p).is_dir()))
+
+    def inside_covered(path: Path) -> bool:
+        return any(c in path.parents for c in covered)
+
+    # readable folders first, the covers after them: a readable folder that holds a work root
+    # (the candidate's folder or the working directory is $TMPDIR, or the root itself) must
+    # not bind the host's root back over its cover
+    for path in readable:
+        if _under_tmp(path) and not tmp_visible and not inside_covered(path) and path.exists():
+            args += ["--ro-bind", str(path), str(path)]
     for path in covered:
         args += ["--tmpfs", str(path)]
-    for path in readable:
-        hidden_here = (_under_tmp(path) and not tmp_visible) or any(
-            c in path.parents for c in covered)
-        if hidden_here and path.exists():
+    for path in readable:  # this candidate's own cases inside a covered root
+        if inside_covered(path) and path.exists():
             args += ["--ro-bind", str(path), str(path)]
     for path in dict.fromkeys(Path(p).resolve() for p in writable):
         args += ["--bind", str(path), str(path)]
@@ -184,4 +268,5 @@ def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
         except (OSError, ValueError, KeyError, TypeError):
             pass
     return sandbox_command(cmd, bwrap=status.bwrap, writable=[Path(out_dir)], readable=readable,
-                           hidden=key_dirs(), private=[work_root()], cwd=Path.cwd())
+                           hidden=key_dirs(), private=[work_root(), *known_work_roots()],
+                           cwd=Path.cwd())
