@@ -230,13 +230,8 @@ def write_cases(cases: list[Any], folder: Path, advance: Callable[[int], None] =
 
 def write_work_cases(cases: list[Any], cases_dir: Path,
                      advance: Callable[[int], None] = lambda n: None) -> Path:
-    """:func:`write_cases` into ``cases_dir``, then the candidate's :func:`private_copy`
-    (returned).
-
-    Raises:
-        CompareSetupError: they cannot be written (a full disk, a read-only folder): one
-            message naming the folder, not a traceback.
-    """
+    """:func:`write_cases` into ``cases_dir`` and the candidate's :func:`private_copy`
+    (returned). Raises CompareSetupError naming the folder on a full disk or a read-only one."""
     from safetensors import SafetensorError
 
     try:
