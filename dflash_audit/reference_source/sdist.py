@@ -167,10 +167,9 @@ def _pip_download(version: str, dest: Path) -> Path:
                 "Use a git ref (--ref speculators@<ref>) or a local tree (--ref path:DIR)."
             )
         raise ReferenceResolutionError(
-            f"{PACKAGE} {version} is not on the package index"
-            + (f" (releases there: {', '.join(known[-6:])})" if known else "")
-            + ". Use one of those (--ref speculators==X), a git ref (--ref speculators@<ref>) "
-            "or a local tree (--ref path:DIR)."
+            f"{PACKAGE} {version} is not on the package index (releases there: "
+            f"{', '.join(known[-6:])}). Use one of those (--ref speculators==X), a git ref "
+            "(--ref speculators@<ref>) or a local tree (--ref path:DIR)."
         )
     if proc.returncode != 0 or len(archives) != 1:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])

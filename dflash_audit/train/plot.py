@@ -1,10 +1,10 @@
 """The picture of a training run: ``<out>/curves.png`` from its ``metrics.jsonl``.
 
 Two panels over the global step: the training loss (each step's value, faint, and its running
-mean over ``window`` steps; a log scale when every value is positive), and the acceptance length -- the training rows' leading-run
-acceptance length per step (``eal``, teacher-forced; running mean) and the held-out
-evaluations by speculative decoding (``"kind": "eval"`` lines: untrained, trained) as
-labelled points. Drawn with matplotlib's Agg backend (no display needed).
+mean over ``window`` steps; a log scale when every value is positive), and the acceptance
+length -- the training rows' leading-run acceptance length per step (``eal``, teacher-forced;
+running mean) and the held-out evaluations by speculative decoding (``"kind": "eval"`` lines:
+untrained, trained) as labelled points. Drawn with matplotlib's Agg backend (no display needed).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def plot_run(out: str | Path, window: int | None = None) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter
 
     out = Path(out)
     train, evals = read_metrics(out / "metrics.jsonl")
@@ -61,8 +62,6 @@ def plot_run(out: str | Path, window: int | None = None) -> Path | None:
                 for s in steps]
 
     loss, eal = series("loss"), series("eal")
-    from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter
-
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.4), sharex=True)
     if window > 1:
         top.plot(steps, loss, color="tab:blue", alpha=0.25, linewidth=0.8,
@@ -81,13 +80,12 @@ def plot_run(out: str | Path, window: int | None = None) -> Path | None:
                 label="training rows, teacher-forced" + (
                     f" (running mean, {window} steps)" if window > 1 else ""))
     for record in evals:
-        value = record.get("acceptance_length")
+        value, at = record.get("acceptance_length"), record["step"]  # an int: read_metrics
         if isinstance(value, (int, float)):
-            bottom.plot([record.get("step", 0)], [value], "o", color="tab:green")
-            bottom.annotate(f"{record.get('name', 'eval')} {value:.3f}",
-                            (record.get("step", 0), value), textcoords="offset points",
-                            xytext=(-6, 8) if record.get("step", 0) else (6, 8),
-                            ha="right" if record.get("step", 0) else "left")
+            bottom.plot([at], [value], "o", color="tab:green")
+            bottom.annotate(f"{record.get('name', 'eval')} {value:.3f}", (at, value),
+                            textcoords="offset points", xytext=(-6, 8) if at else (6, 8),
+                            ha="right" if at else "left")  # step 0's label inside the frame
     if evals:
         bottom.plot([], [], "o", color="tab:green", label="held-out, speculative decoding")
     bottom.set_ylabel("acceptance length")

@@ -189,7 +189,8 @@ def check_run_folder(out: Path, resume: str | None, overwrite: bool, remove: boo
 
     ``out`` holds a run when it has ``checkpoints/`` with anything in it, ``metrics.jsonl``
     or ``summary.json``. Then a fresh start needs ``overwrite`` (which removes them,
-    ``tensorboard/`` and ``curves.png``; only when ``remove``: rank 0 of a multi-process run), else ``resume``.
+    ``tensorboard/`` and ``curves.png``; only when ``remove``: rank 0 of a multi-process
+    run), else ``resume``.
     Also proves ``out`` is a writable folder.
 
     Raises:
@@ -215,7 +216,9 @@ def check_run_folder(out: Path, resume: str | None, overwrite: bool, remove: boo
         return
     for name in (CHECKPOINTS, "tensorboard"):
         shutil.rmtree(out / name, ignore_errors=True)
-    for name in (*RUN_FILES, "curves.png"):  # the picture of the old run too (train/plot.py)
+    from dflash_audit.train.plot import PLOT_FILE
+
+    for name in (*RUN_FILES, PLOT_FILE):  # the picture of the old run too
         (out / name).unlink(missing_ok=True)
 
 

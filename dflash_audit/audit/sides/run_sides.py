@@ -311,9 +311,10 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     the reference on all of them; a candidate that raises, exits, crashes, is killed or times
     out on a case fails that case. The sides run one after the other so the candidate never
     sees the reference's outputs nor the reference process: before the reference starts, the
-    case inputs and the reference's code (``reference_code``, :func:`.integrity.reference_code_digest`
-    taken before the candidate was loaded) must be unchanged, and afterwards its outputs must
-    be the files it reported writing. ``launch``: how the candidate process starts
+    case inputs and the reference's code (``reference_code``,
+    :func:`.integrity.reference_code_digest` taken before the candidate was loaded) must be
+    unchanged, and afterwards its outputs must be the files it reported writing.
+    ``launch``: how the candidate process starts
     (:class:`dflash_audit.audit.sides.launch.CandidateLaunch`; None: ``opts.candidate`` under
     this interpreter). Returns ``{case name: (SideOutputs | None, failing "run" result |
     None)}``.

@@ -89,9 +89,11 @@ def sandbox_status() -> SandboxStatus:
     return SandboxStatus(bwrap)
 
 
+#: The name of the work root in a temporary directory (:func:`work_root`).
+WORK_ROOT_NAME = "dflash-audit-work"
 #: The work root of the default temporary directory: hidden from every candidate, whatever
 #: ``$TMPDIR`` its own audit has.
-DEFAULT_WORK_ROOT = Path("/tmp/dflash-audit-work")
+DEFAULT_WORK_ROOT = Path("/tmp") / WORK_ROOT_NAME
 
 
 def _roots_registry() -> Path:
@@ -150,7 +152,7 @@ def work_root() -> Path:
 
     from dflash_audit.audit.setup_error import CompareSetupError
 
-    root = Path(tempfile.gettempdir()).resolve() / "dflash-audit-work"
+    root = Path(tempfile.gettempdir()).resolve() / WORK_ROOT_NAME
     try:
         if not os.path.lexists(root):  # a link (maybe dangling) is refused below, not followed
             root.mkdir(mode=0o700, exist_ok=True)
