@@ -17,12 +17,16 @@ def copy_of_cache(dest: Path, releases: bool = True, private_bytecode: bool = Fa
     reference process ~5 s of compiling torch and transformers) and a link to the converted
     verifiers (read only). The bytecode is linked to the suite's, or copied when
     ``private_bytecode`` (a test whose candidate writes there, or whose audit discards it).
+    With the releases come the records of their passed import checks (``compare/import-ok``,
+    keyed by the release's digest, not its folder: a copy imports as the original does).
     Returns ``dest``."""
     src = Path(os.environ["DFLASH_AUDIT_CACHE"])
     dest.mkdir(parents=True, exist_ok=True)
     if releases:
         shutil.copytree(src / "reference" / "sdist", dest / "reference" / "sdist",
                         ignore=shutil.ignore_patterns("__pycache__", "tmp"))
+        if (src / "compare" / "import-ok").is_dir():
+            shutil.copytree(src / "compare" / "import-ok", dest / "compare" / "import-ok")
     (src / "pycache").mkdir(exist_ok=True)
     if private_bytecode:
         shutil.copytree(src / "pycache", dest / "pycache")

@@ -61,10 +61,14 @@ from dflash_audit.audit.case import Case, SideOutputs
 
 @pytest.fixture(scope="session")
 def reference_identity():
-    """The pinned reference release, resolved once per session (downloads on first use)."""
+    """The pinned reference release, resolved once per session (downloads on first use), its
+    import check passed and recorded in the suite's cache (what a warm audit finds there)."""
+    from dflash_audit.audit.sides.import_check import ImportCheck, import_ok_marker
     from dflash_audit.reference_source import resolve_reference
 
-    return resolve_reference("speculators==0.9.0")
+    identity = resolve_reference("speculators==0.9.0")
+    ImportCheck(identity, import_ok_marker(identity, None)).wait()
+    return identity
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from dflash_audit.audit import compare as cmp
 from dflash_audit.audit.compare import run_compare
 from dflash_audit.audit.compare_cli import main
+from dflash_audit.audit.sides.run_sides import REFERENCE_NOT_RUN
 from dflash_audit.audit.options import CompareOptions
 from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.cli import app
@@ -199,6 +200,9 @@ def test_crashing_candidate_is_a_conformance_failure(tmp_path, tiny_verifier, co
     assert {(r.name, r.status) for r in outcome.report.results} == {("run", "fail")}
     assert "RuntimeError: size mismatch" in outcome.report.results[0].summary
     assert "state dict" in outcome.report.results[0].diagnosis[0]
+    # nothing to compare: the reference is not run, and the report says why
+    assert REFERENCE_NOT_RUN in outcome.report.notes
+    assert "reference" not in outcome.report.timing
 
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "candidates"

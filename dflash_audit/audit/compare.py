@@ -56,12 +56,13 @@ from dflash_audit.audit.progress import Stages
 from dflash_audit.audit.replay.noise import measured_tolerances
 from dflash_audit.audit.setup_error import CompareSetupError
 from dflash_audit.audit.sides.canary import publish_canary, stage_canary
+from dflash_audit.audit.sides.import_check import ImportCheck, import_ok_marker
 from dflash_audit.audit.sides.integrity import reference_code_digest
 from dflash_audit.audit.sides.sandbox import work_root
 from dflash_audit.audit.sides.run_sides import (
     CANDIDATE_OUTPUTS,
-    ImportCheck,
-    import_ok_marker,
+    REFERENCE_NOT_RUN,
+    candidate_ran,
     resolve_reference,
     run_both_sides,
 )
@@ -213,6 +214,7 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
                 framework_label=framework["label"] if framework else "")
             outputs = run_both_sides(opts, identity, planned, Path(tmp), st, import_check,
                                      reference_code, launch=launch)
+            reference_ran = candidate_ran(outputs)
             tolerance = measured_tolerances(planned, Path(tmp))
             records, pictures = check_all(planned, outputs, Path(tmp), st, framework)
             ref_info = _reference_info(identity, Path(tmp))
@@ -230,6 +232,8 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
                     "capabilities": framework["capabilities"].to_dict()}
                 report.notes += inputs_info.get("unsupported", [])
             report.tolerance = tolerance
+            if not reference_ran:
+                report.notes.append(REFERENCE_NOT_RUN)
             report.candidate["sandbox"] = sandbox
             if not sandbox["sandboxed"]:
                 report.notes.append(sandbox["note"])

@@ -85,7 +85,8 @@ def check_all(planned: list[Any], outputs: dict[str, Any], cases_dir: Path, st: 
     its adapter computed are marked (:mod:`dflash_audit.audit.frameworks.provenance`).
 
     Raises:
-        CompareSetupError: the reference wrote no outputs for a case.
+        CompareSetupError: the reference wrote no outputs for a case the candidate ran on (a
+            case the candidate failed fails without them).
     """
     from dflash_audit.audit.case import SideOutputs
     from dflash_audit.audit.replay.evidence import SearchMemo
@@ -95,12 +96,14 @@ def check_all(planned: list[Any], outputs: dict[str, Any], cases_dir: Path, st: 
     with st.stage("checks", "checks + diagnosis", total=len(planned)) as advance:
         for p in planned:
             name = p.case.name
+            cand, failure = outputs.pop(name)
             try:
                 ref = SideOutputs.read(cases_dir / name)
             except (OSError, KeyError, ValueError) as exc:
-                raise CompareSetupError(f"the reference wrote no usable outputs for case "
-                                        f"{name}: {exc}") from None
-            cand, failure = outputs.pop(name)
+                if failure is None:
+                    raise CompareSetupError(f"the reference wrote no usable outputs for case "
+                                            f"{name}: {exc}") from None
+                ref = None
             if failure is not None:
                 results = [failure]
             elif p.case.unsupported:

@@ -6,9 +6,7 @@ per-case timeout), then the reference on all of them in one subprocess
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_audit.audit.progress import Stages
 from dflash_audit.audit.setup_error import CompareSetupError
+from dflash_audit.audit.sides.import_check import Background, ImportCheck
 
 if TYPE_CHECKING:
     from dflash_audit.audit.options import CompareOptions
@@ -27,6 +26,9 @@ CANDIDATE_OUTPUTS = ".candidate-outputs"
 #: The candidate's own copy of the cases: what its process reads (and may damage) is never
 #: what the reference reads.
 CANDIDATE_CASES = ".candidate-cases"
+#: Said (and noted in the report) when the candidate gave no outputs on any case.
+REFERENCE_NOT_RUN = ("the reference was not run: the candidate gave no outputs on any case, so "
+                     "there is nothing to compare (each case fails on the candidate's side)")
 REF_ALTERNATIVES = ("--ref speculators==0.9.0 (the release from the package index), "
                     "--ref path:DIR (a local checkout of speculators), or --ref-url URL "
                     "(a reachable mirror or a local clone; file:// and plain paths work)")
@@ -49,86 +51,6 @@ def resolve_reference(spec: str | None, url: str | None, offline: bool) -> Any:
         if spec and spec.startswith("speculators@") and "speculators==" not in message:
             message += f"\nAlternatives: {REF_ALTERNATIVES}."
         raise CompareSetupError(message) from None
-
-
-def import_ok_marker(identity: Any, cache_dir: Path | None) -> Path:
-    """Marker file that records a passed import check for this reference source under this
-    interpreter and these site-packages (their mtimes change when packages are installed or
-    removed, which invalidates the marker)."""
-    import hashlib
-    import os
-
-    from dflash_audit.data.builtin_verifier import cache_dir as user_cache_dir
-
-    site = sorted(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))
-                  and os.path.isdir(p))
-    state = {"source": identity.short_id, "src": str(identity.src_dir),
-             "python": sys.executable, "version": sys.version,
-             "site": {p: os.stat(p).st_mtime_ns for p in site}}
-    key = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
-    return Path(cache_dir or user_cache_dir()) / "compare" / "import-ok" / key
-
-
-class Background:
-    """``fn(*args)`` in a daemon thread (its work is a subprocess, so it overlaps with the
-    in-process steps; a daemon thread never delays the exit of a failed audit)."""
-
-    def __init__(self, fn: Callable[..., Any], *args: Any, name: str = "dflash-audit"):
-        import threading
-
-        self._result: Any = None
-        self._error: BaseException | None = None
-
-        def target() -> None:
-            try:
-                self._result = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by result()
-                self._error = exc
-
-        self._thread = threading.Thread(target=target, name=name, daemon=True)
-        self._thread.start()
-
-    def result(self) -> Any:
-        """Wait for ``fn``; return its value or raise its exception."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-
-class ImportCheck:
-    """``check_reference_importable`` in the background; :meth:`wait` is called before
-    expensive work. A check that passed before for the same source, interpreter and
-    site-packages is not repeated (the reference run would still report a missing module
-    clearly)."""
-
-    def __init__(self, identity: Any, marker: Path | None = None):
-        from dflash_audit.reference_source import check_reference_importable
-
-        self._marker = marker
-        self.cached = marker is not None and marker.is_file()
-        self._job = None if self.cached else Background(
-            check_reference_importable, identity, 180.0, name="dflash-audit-import-check")
-
-    def wait(self) -> None:
-        """Block until the check is done.
-
-        Raises:
-            CompareSetupError: missing import-time dependencies (with the install command),
-                speculators imported from elsewhere, or an API this adapter does not know.
-        """
-        from dflash_audit.reference_source import ReferenceSourceError
-
-        if self._job is None:
-            return
-        try:
-            self._job.result()
-        except ReferenceSourceError as exc:
-            raise CompareSetupError(str(exc)) from None
-        self._job = None
-        if self._marker is not None:
-            self._marker.parent.mkdir(parents=True, exist_ok=True)
-            self._marker.touch()
 
 
 def usable_cores() -> int:
@@ -308,7 +230,8 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
                    ) -> dict[str, Any]:
     """Write the cases, run the candidate on each (in its own process, all cores,
     ``opts.candidate_timeout_s`` per case), then -- once the candidate's process is gone --
-    the reference on all of them; a candidate that raises, exits, crashes, is killed or times
+    the reference on all of them (not at all when the candidate gave outputs on no case:
+    :data:`REFERENCE_NOT_RUN`); a candidate that raises, exits, crashes, is killed or times
     out on a case fails that case. The sides run one after the other so the candidate never
     sees the reference's outputs nor the reference process: before the reference starts, the
     case inputs and the reference's code (``reference_code``,
@@ -372,6 +295,9 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     _refuse_changes(changed_files(digests, case_digests(cases_dir, names)))
     if reference_code is not None:
         _refuse_code_changes(identity, reference_code, "while the candidate ran")
+    if not candidate_ran(outputs):
+        st.say(REFERENCE_NOT_RUN)
+        return outputs
     start = time.perf_counter()
     with st.stage("reference_wait", "reference (speculators) on all cases"):
         try:
@@ -387,6 +313,12 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     _refuse_changes(sorted(k for k in digests if digests[k] != after.get(k))
                     + reference_output_changes(reference_run.stdout, cases_dir, names))
     return outputs
+
+
+def candidate_ran(outputs: dict[str, Any]) -> bool:
+    """Whether the candidate gave outputs on at least one case of ``outputs`` (what
+    :func:`run_both_sides` returns); when not, the reference is not run."""
+    return any(out is not None for out, _ in outputs.values())
 
 
 def _refuse_changes(changed: list[str]) -> None:

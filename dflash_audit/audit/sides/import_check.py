@@ -1,0 +1,95 @@
+"""The reference's import check of a compare: a small reference process, in the background
+while the candidate loads and the cases are built, that proves the reference imports from its
+resolved tree (:func:`dflash_audit.reference_source.check_reference_importable`); a passed
+check is recorded in the cache and not repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dflash_audit.audit.setup_error import CompareSetupError
+
+
+def import_ok_marker(identity: Any, cache_dir: Path | None) -> Path:
+    """Marker file that records a passed import check for this reference source (its
+    ``short_id``: commit, sdist digest, or a path ref's path + mtime, wherever the cache keeps
+    the tree) under this interpreter and these site-packages (their mtimes change when packages
+    are installed or removed, which invalidates the marker)."""
+    import hashlib
+    import os
+
+    from dflash_audit.data.builtin_verifier import cache_dir as user_cache_dir
+
+    site = sorted(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))
+                  and os.path.isdir(p))
+    state = {"source": identity.short_id, "python": sys.executable, "version": sys.version,
+             "site": {p: os.stat(p).st_mtime_ns for p in site}}
+    key = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+    return Path(cache_dir or user_cache_dir()) / "compare" / "import-ok" / key
+
+
+class Background:
+    """``fn(*args)`` in a daemon thread (its work is a subprocess, so it overlaps with the
+    in-process steps; a daemon thread never delays the exit of a failed audit)."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, name: str = "dflash-audit"):
+        import threading
+
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+        def target() -> None:
+            try:
+                self._result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=target, name=name, daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        """Wait for ``fn``; return its value or raise its exception."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class ImportCheck:
+    """``check_reference_importable`` in the background; :meth:`wait` is called before
+    expensive work. A check that passed before for the same source, interpreter and
+    site-packages is not repeated (the reference run would still report a missing module
+    clearly)."""
+
+    def __init__(self, identity: Any, marker: Path | None = None):
+        from dflash_audit.reference_source import check_reference_importable
+
+        self._marker = marker
+        self.cached = marker is not None and marker.is_file()
+        self._job = None if self.cached else Background(
+            check_reference_importable, identity, 180.0, name="dflash-audit-import-check")
+
+    def wait(self) -> None:
+        """Block until the check is done.
+
+        Raises:
+            CompareSetupError: missing import-time dependencies (with the install command),
+                speculators imported from elsewhere, or an API this adapter does not know.
+        """
+        from dflash_audit.reference_source import ReferenceSourceError
+
+        if self._job is None:
+            return
+        try:
+            self._job.result()
+        except ReferenceSourceError as exc:
+            raise CompareSetupError(str(exc)) from None
+        self._job = None
+        if self._marker is not None:
+            self._marker.parent.mkdir(parents=True, exist_ok=True)
+            self._marker.touch()
