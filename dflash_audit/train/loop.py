@@ -387,8 +387,14 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
             return summary
         finally:
             tracker.close()
+            # DDP's reducer holds the group: torn down after it, at exit, gloo's threads can
+            # abort the rank ("terminate called without an active exception")
+            ddp = forward = no_sync = None
     finally:
         if env.distributed and dist.is_initialized():
+            import gc
+
+            gc.collect()
             with contextlib.suppress(Exception):
                 dist.barrier()
             dist.destroy_process_group()
