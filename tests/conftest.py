@@ -72,15 +72,28 @@ def reference_identity():
 
 
 @pytest.fixture(scope="session")
-def run_reference_cases(reference_identity, tmp_path_factory):
-    """``run(cases) -> {name: SideOutputs}``: the real reference on each case, one process."""
-    from dflash_audit.reference_source import run_reference
+def reference_zygote(reference_identity):
+    """This test process's forking reference interpreter (:mod:`reference_zygote`): scripts in
+    the reference's process without importing it again."""
+    from reference_zygote import ReferenceZygote
+
+    zygote = ReferenceZygote(reference_identity)
+    yield zygote
+    zygote.close()
+
+
+@pytest.fixture(scope="session")
+def run_reference_cases(reference_zygote, tmp_path_factory):
+    """``run(cases) -> {name: SideOutputs}``: the real reference (``reference/adapter.py``) on
+    each case, one forked reference process."""
+    from dflash_audit.reference_source.runner import adapter_path
 
     def run(cases: list[Case]) -> dict[str, SideOutputs]:
         folder = tmp_path_factory.mktemp("reference-cases")
         for case in cases:
             case.write(folder)
-        run_reference(reference_identity, [str(folder)], folder, timeout_s=900)
+        done = reference_zygote.run(adapter_path(), [folder], folder)
+        assert done.returncode == 0, done.stdout[-4000:]
         return {case.name: SideOutputs.read(Path(folder) / case.name) for case in cases}
 
     return run

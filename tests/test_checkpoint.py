@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -56,10 +54,8 @@ def forward_logits(model: DFlashDrafter, inputs) -> torch.Tensor:
 
 @pytest.mark.reference
 @pytest.mark.parametrize("draft_vocab", [None, 40])
-def test_checkpoints_cross_load_with_reference(verifier, tmp_path, reference_identity,
+def test_checkpoints_cross_load_with_reference(verifier, tmp_path, reference_zygote,
                                                draft_vocab):
-    from dflash_audit.reference_source import reference_env
-
     vmodel, vdir = verifier
     config = drafter_config(vmodel, draft_vocab_size=draft_vocab)
     torch.manual_seed(3)
@@ -80,9 +76,8 @@ def test_checkpoints_cross_load_with_reference(verifier, tmp_path, reference_ide
     (tmp_path / "profile.json").write_text(json.dumps({"drafter": config.to_dict()}))
     (tmp_path / "verifier.txt").write_text(str(vdir))
 
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True,
-                          text=True, env=reference_env(reference_identity), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = reference_zygote.run(SCRIPT, [tmp_path], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
 
     ref_loading_ours = load_file(tmp_path / "logits_ref_loading_ours.safetensors")["logits"]
     torch.testing.assert_close(ref_loading_ours, forward_logits(ours, inputs), atol=1e-5,

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -170,9 +168,7 @@ def test_heads_follow_head_dim_when_hidden_size_is_not_a_multiple_of_heads():
 
 
 @pytest.mark.reference
-def test_derivation_matches_the_reference_for_every_family(tmp_path, reference_identity):
-    from dflash_audit.reference_source import reference_env
-
+def test_derivation_matches_the_reference_for_every_family(tmp_path, reference_zygote):
     configs = {name: family_config(name, num_hidden_layers=8) for name in FAMILIES}
     folders = {}
     for name, config in configs.items():
@@ -185,10 +181,8 @@ def test_derivation_matches_the_reference_for_every_family(tmp_path, reference_i
         folders[name].mkdir()
         (folders[name] / "config.json").write_text(json.dumps(real))
         configs[name] = AutoConfig.from_pretrained(folders[name])
-    proc = subprocess.run([sys.executable, str(ADAPTER), "--derive", *map(str, folders.values())],
-                          capture_output=True, text=True, env=reference_env(reference_identity),
-                          timeout=900, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = reference_zygote.run(ADAPTER, ["--derive", *folders.values()], tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:]
     for name, folder in folders.items():
         ref = json.loads((folder / "derivation.json").read_text())
         if name == "olmo3":  # the reference's CLI cannot derive it: Olmo3Config has no head_dim
@@ -242,7 +236,7 @@ def test_default_spread_fails_a_candidate_that_hard_codes_llama(run_reference_ca
 
 @pytest.mark.reference
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
-def test_reference_loading_our_checkpoint_runs_our_rope(family, tmp_path, reference_identity):
+def test_reference_loading_our_checkpoint_runs_our_rope(family, tmp_path, reference_zygote):
     """Our saved config.json makes the reference run the RoPE we trained with (nested
     per-layer-type rope, partial rotary): same logits from the reference loading our
     checkpoint as from our drafter."""
@@ -252,7 +246,6 @@ def test_reference_loading_our_checkpoint_runs_our_rope(family, tmp_path, refere
     from dflash_audit.model.anchors import select_anchors
     from dflash_audit.model.checkpoint import save_pretrained
     from dflash_audit.model.verifier_weights import load_verifier_weights
-    from dflash_audit.reference_source import reference_env
 
     verifier = build_proxy(family_config(family, num_hidden_layers=6), seed=2)
     verifier.save_pretrained(tmp_path / "verifier")
@@ -272,10 +265,8 @@ def test_reference_loading_our_checkpoint_runs_our_rope(family, tmp_path, refere
     (tmp_path / "profile.json").write_text(json.dumps({"drafter": config.to_dict()}))
     (tmp_path / "verifier.txt").write_text(str(tmp_path / "verifier"))
     script = Path(__file__).parent / "reference_scripts" / "checkpoint_roundtrip.py"
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
-                          check=False, text=True, env=reference_env(reference_identity),
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = reference_zygote.run(script, [tmp_path], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
     with torch.no_grad():
         ours_logits = drafter.eval()(**inputs).logits
     torch.testing.assert_close(load_file(tmp_path / "logits_ref_loading_ours.safetensors")

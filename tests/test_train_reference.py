@@ -7,8 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,10 +33,8 @@ def _bench():
 
 
 @pytest.mark.parametrize("draft_vocab", [None, 40])
-def test_training_checkpoint_loads_in_reference_from_pretrained(tmp_path, reference_identity,
+def test_training_checkpoint_loads_in_reference_from_pretrained(tmp_path, reference_zygote,
                                                                 draft_vocab):
-    from dflash_audit.reference_source import reference_env
-
     changes = {"draft_vocab_size": draft_vocab} if draft_vocab else {}
     paths = tt.setup_run(tmp_path, rows=2, **changes)
     summary = train(tt.tiny_config(paths, tmp_path / "run", steps=3),
@@ -54,9 +50,8 @@ def test_training_checkpoint_loads_in_reference_from_pretrained(tmp_path, refere
     save_file(inputs, work / "inputs.safetensors")
     (work / "profile.json").write_text(json.dumps({"drafter": ours.config.to_dict()}))
     (work / "verifier.txt").write_text(str(paths["verifier"]))
-    proc = subprocess.run([sys.executable, str(ROUNDTRIP), str(work)], capture_output=True,
-                          text=True, env=reference_env(reference_identity), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = reference_zygote.run(ROUNDTRIP, [work], work, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
 
     with torch.no_grad():
         logits = ours(**inputs).logits
