@@ -613,7 +613,19 @@ CANDIDATES = {
               "    def run_case(self, *a):\n        print('CANDIDATE-STDOUT-NOISE')\n"
               "        return super().run_case(*a)\ncandidate = C\n",
 }
-MODIFIERS = {  # candidates that return changed outputs: body of a function of ``out``
+# Outputs changed after a conformant run, one fault per case of ONE compare (--cases 4): the
+# case of each verifier family gets its own (the spread's first four families, seed 8);
+# (fault, family, case, fragments of the output, fragments of the case's results).
+MODIFIERS = [
+    ("nan_metrics", "llama", "syn-000-llama-full", ("failing: protocol",),
+     ("non-finite values", "metrics")),
+    ("all_nan", "qwen3", "syn-001-qwen3-sliding", ("verdict: FAIL",), ("candidate logits:", "NaN")),
+    ("int64_masks", "qwen3_5_text", "syn-002-qwen3_5-mixed", ("failing: protocol",),
+     ("is int64 0/1; expected bool, True = attend", "not compared")),
+    ("float16_logits", "gemma3_text", "syn-003-gemma3_text-full", ("failing: protocol",),
+     ("is float16; expected float32",)),
+]
+FAULTS = {  # body of a function of ``out``
     "nan_metrics": "out.metrics = {k: float('nan') for k in out.metrics}",
     "all_nan": "out.tensors.update({k: torch.full_like(v, float('nan')) for k, v in "
                "out.tensors.items() if v.is_floating_point() and not k.startswith('mask.')})",
@@ -630,19 +642,23 @@ CANDIDATES["env_scaled"] = (
     "super().build(config)\ncandidate = C\n")
 
 
-def _modifier(body: str) -> str:
+def _faulty_outputs() -> str:
+    """A candidate whose run_case applies the fault of its case's verifier family."""
     import textwrap
 
-    return ("class C(DrafterCandidate):\n    def run_case(self, *a):\n"
-            "        out = super().run_case(*a)\n" + textwrap.indent(body, " " * 8) +
-            "\n        return out\ncandidate = C\n")
+    faults = "".join(f"    if family == {family!r}:\n" + textwrap.indent(FAULTS[fault], " " * 8)
+                     + "\n" for fault, family, *_ in MODIFIERS)
+    return ("def fault(out, family):\n" + faults +
+            "class C(DrafterCandidate):\n    def run_case(self, config, *a):\n"
+            "        out = super().run_case(config, *a)\n"
+            "        fault(out, config.verifier_model_type)\n"
+            "        return out\ncandidate = C\n")
 
 
 @pytest.fixture(scope="module")
 def candidates(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("candidates")
-    for name, body in {**CANDIDATES, **{k: _modifier(v) for k, v in MODIFIERS.items()}
-                       }.items():
+    for name, body in {**CANDIDATES, "faulty_outputs": _faulty_outputs()}.items():
         (folder / f"{name}.py").write_text(CANDIDATE_HEAD + body)
     return folder
 
@@ -720,14 +736,6 @@ COMPARE_CASES = [
                 ("was killed by SIGKILL", "OOM killer")),
     CompareCase("compare-hangs", "sleeps", 1, ("verdict: FAIL",),
                 ("did not finish the case within 5 s",), ("--candidate-timeout", "5")),
-    CompareCase("compare-nan-metrics", "nan_metrics", 1, ("failing: protocol",),
-                ("non-finite values", "metrics")),
-    CompareCase("compare-all-nan-outputs", "all_nan", 1, ("verdict: FAIL",),
-                ("candidate logits:", "NaN")),
-    CompareCase("compare-int64-masks", "int64_masks", 1, ("failing: protocol",),
-                ("is int64 0/1; expected bool, True = attend", "not compared")),
-    CompareCase("compare-float16-logits", "float16_logits", 1, ("failing: protocol",),
-                ("is float16; expected float32",)),
     CompareCase("compare-candidate-overwrites-reference-outputs",
                 "overwrites_reference_outputs", 2,
                 ("the audit's files changed during the run", "/outputs.safetensors",
@@ -791,8 +799,35 @@ def test_compare_bad_input(case: CompareCase, candidates: Path, tmp_path: Path,
         text = json.dumps(report)
         for fragment in case.in_report:
             assert fragment in text, f"{fragment!r} not in report.json"
-        if case.candidate == "int64_masks":
-            assert "entries differ" not in text and "differ at" not in text
+
+
+@pytest.fixture(scope="module")
+def faulty_outputs(candidates: Path, tmp_path_factory, reference_identity):
+    """One compare of the faulty-outputs candidate: (its output, report.json)."""
+    tmp = tmp_path_factory.mktemp("faulty-outputs")
+    result = run_cli(compare_args(candidates, tmp, "faulty_outputs", "--cases",
+                                  str(len(MODIFIERS))), tmp)
+    assert result.returncode == 1 and "Traceback" not in result.stdout, result.stdout
+    return " ".join(result.stdout.split()), the_report(tmp)
+
+
+@pytest.mark.parametrize("fault, family, case, fragments, in_results", MODIFIERS,
+                         ids=[m[0] for m in MODIFIERS])
+def test_faulty_outputs_fail_their_case(faulty_outputs, fault, family, case, fragments,
+                                        in_results) -> None:
+    """Outputs with NaN metrics or values, int64 masks or fp16 logits: the case FAILs naming
+    the fault (a protocol failure where the dtype is wrong), never a traceback."""
+    flat, report = faulty_outputs
+    assert report["verdict"] == "fail" and report["exit_code"] == 1
+    for fragment in fragments:
+        assert fragment in flat, f"{fragment!r} not in the output"
+    (record,) = [c for c in report["cases"] if c["name"] == case]
+    text = json.dumps(record)
+    assert any(r["status"] == "fail" for r in record["results"]), text
+    for fragment in in_results:
+        assert fragment in text, f"{fragment!r} not in case {case}'s results"
+    if fault == "int64_masks":
+        assert "entries differ" not in text and "differ at" not in text
 
 
 def test_compare_candidate_stdout_stays_out(candidates: Path, tmp_path: Path,
