@@ -164,7 +164,10 @@ def load_candidate(spec: str | None) -> Candidate:
         if target.endswith(".py"):
             path = Path(target).resolve()
             if not path.is_file():
-                raise CandidateError(f"candidate file {path} does not exist")
+                raise CandidateError(
+                    f"candidate file {path} does not exist (a relative path is read from the "
+                    f"working folder {Path.cwd()}); give an existing FILE.py:ATTR or an "
+                    "importable module:attr")
             mod_name = f"dflash_audit_candidate_{path.stem}"
             module_spec = importlib.util.spec_from_file_location(mod_name, path)
             module = importlib.util.module_from_spec(module_spec)
@@ -180,7 +183,9 @@ def load_candidate(spec: str | None) -> Candidate:
     obj = getattr(module, attr, None)
     if obj is None:
         offered = sorted((n for n, v in vars(module).items() if not n.startswith("_") and (
-            hasattr(v, "run_case") or n == "candidate")), key=lambda n: (n != "candidate", n))
+            n == "candidate" or (hasattr(v, "run_case") and getattr(
+                v, "__module__", module.__name__) == module.__name__))),  # not imported ones
+            key=lambda n: (n != "candidate", n))
         hint = (f"; it offers {', '.join(f'{target}:{n}' for n in offered)}" if offered else
                 "; a candidate is an object with run_case(config, loss, weights, inputs), or a "
                 "class / factory returning one")

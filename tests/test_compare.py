@@ -230,12 +230,15 @@ def test_unreachable_remote_exits_2(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("args, message", [
     (["--ref", "speculators-main"], "unrecognised reference spec"),
-    (["--ref", "path:/nonexistent/speculators"], "is not a directory"),
+    (["--ref", "path:/nonexistent/speculators"],
+     "is not a directory; point path: at the root of a speculators checkout"),
     (["--profile", "nope"], "unknown profile 'nope'"),
-    (["--candidate", "/nonexistent/cand.py:x"], "does not exist"),
+    (["--candidate", "/nonexistent/cand.py:x"],
+     "does not exist (a relative path is read from the working folder"),
     (["--candidate", "dflash_audit.candidate:NoSuchThing"], "has no attribute 'NoSuchThing'"),
     (["--candidate", f"{EXAMPLES}/gamma7.py:wrong"],
-     f"has no attribute 'wrong'; it offers {EXAMPLES}/gamma7.py:candidate"),
+     f"has no attribute 'wrong'; it offers {EXAMPLES}/gamma7.py:candidate, "
+     f"{EXAMPLES}/gamma7.py:Gamma7Candidate\n"),  # not the DrafterCandidate it imports
     (["--cases", "-1"], "--cases must be >= 0"),
 ])
 def test_usage_errors_exit_2(tmp_path, args, message):

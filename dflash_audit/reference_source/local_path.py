@@ -22,7 +22,10 @@ from dflash_audit.reference_source.identity import (
 def _resolve_path(spec: str, directory: Path) -> ReferenceIdentity:
     directory = directory.expanduser().resolve()
     if not directory.is_dir():
-        raise ReferenceResolutionError(f"--ref {spec}: {directory} is not a directory.")
+        raise ReferenceResolutionError(
+            f"--ref {spec}: {directory} is not a directory; point path: at the root of a "
+            "speculators checkout, or audit against the pinned release: --ref speculators==0.9.0."
+        )
     if not (directory / "src" / PACKAGE).is_dir():
         raise ReferenceResolutionError(
             f"--ref {spec}: {directory} has no src/{PACKAGE}; point path: at the root of a "
