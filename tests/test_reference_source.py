@@ -481,6 +481,21 @@ def test_import_check_record_follows_the_trees_content(tmp_path):
     assert import_ok_marker(edited, tmp_path / "cache") != marker
 
 
+def test_reference_zygote_over_a_reference_that_does_not_import(tmp_path):
+    """The suite's reference zygote (tests/reference_zygote.py) over a reference whose import
+    fails: a run through it raises naming the zygote's death (the adapter's message is on its
+    stderr), and the adapter's error.json is not left in the checkout it starts in."""
+    from reference_zygote import ROOT, ReferenceZygote
+
+    zygote = ReferenceZygote(_fake_source(tmp_path / "ref", ""))  # no speculators.losses
+    try:
+        with pytest.raises(RuntimeError, match="the zygote died"):
+            zygote.run(ROOT / "reference" / "adapter.py", [tmp_path], tmp_path, timeout=300)
+    finally:
+        zygote.close()
+    assert not (ROOT / "error.json").exists()
+
+
 def test_install_command_maps_known_modules():
     cmd = rs.install_command(["hs_connectors", "pydantic_settings", "loguru", "datasets.utils"])
     pkgs = "hs-connectors pydantic-settings loguru 'datasets<=5.1'"
