@@ -24,10 +24,12 @@ from zygote import Zygote
 ROOT = Path(__file__).resolve().parents[1]
 
 _PRELOAD = f"""\
+import tempfile
 from pathlib import Path
 sys.path.insert(0, {str(ROOT / "reference")!r})
 import adapter
-adapter.import_reference(Path.cwd())
+with tempfile.TemporaryDirectory(prefix="reference-zygote-") as failed:  # its error.json
+    adapter.import_reference(Path(failed))
 import safetensors.torch, transformers
 sys.path.pop(0)
 """

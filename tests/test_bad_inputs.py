@@ -715,6 +715,18 @@ def bad_layers_profile(tmp: Path) -> dict[str, str]:
     return _profile_line(tmp, "target_layers = [2, 15, 99]", "target_layers")
 
 
+def ref_without_backbone_forward(tmp: Path) -> dict[str, str]:
+    """``tmp/ref-api``: the release's tree whose DFlashDraftModel has no ``_backbone_forward``
+    (a ref whose API the adapter does not know; its core still imports)."""
+    from dflash_audit.reference_source import resolve_reference
+
+    shutil.copytree(resolve_reference("speculators==0.9.0", offline=True).source_dir,
+                    tmp / "ref-api", ignore=shutil.ignore_patterns("__pycache__"))
+    core = tmp / "ref-api" / "src" / "speculators" / "models" / "dflash" / "core.py"
+    core.write_text(core.read_text().replace("_backbone_forward", "_backbone_forward_v2"))
+    return {}
+
+
 def _write(path: Path, text: str) -> dict[str, str]:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
@@ -744,6 +756,11 @@ COMPARE_CASES = [
                 prepare=lambda tmp: {  # unsandboxed: bytecode of its own, no other audit's
                     "DFLASH_AUDIT_SANDBOX": "off", "DFLASH_AUDIT_CACHE": str(copy_of_cache(
                         tmp / "cache", private_bytecode=True))}),
+    # the candidate fails every case, so the reference never runs on them: its import check
+    # must still refuse a ref whose API the adapter does not know (not a FAIL verdict)
+    CompareCase("compare-ref-api-unknown-candidate-fails-every-case", "exit_in_run_case", 2,
+                ("DFlashDraftModel has no '_backbone_forward'", "API is not supported"),
+                extra=("--ref", "path:ref-api"), prepare=ref_without_backbone_forward),
     CompareCase("compare-profile-layers-without-rows", None, 2,
                 ("ids [99] do not exist in a verifier with 30 layers",
                  "audit the drafter with the verifier it was made for: --verifier"),

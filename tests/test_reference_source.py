@@ -450,6 +450,52 @@ def test_import_from_elsewhere_is_wrong_source(tmp_path):
         check_reference_importable(ident)
 
 
+def test_import_check_record_follows_the_trees_content(tmp_path):
+    """A passed import check's record (compare/import-ok) names the tree's files, not its
+    short_id: a path ref whose module was renamed away, or edited with its mtime kept (short_id,
+    path + newest mtime, unchanged), is checked again -- a stale record would otherwise be the
+    only evidence the reference imports in an audit that never runs it (a candidate failing
+    every case); its own bytecode does not count."""
+    import os
+
+    from dflash_audit.audit.sides.import_check import import_ok_marker
+
+    root = tmp_path / "ref"
+    ident = _fake_source(root, "")
+    module = root / "src/speculators/helper.py"
+    module.write_text("X = 1\n")
+    os.utime(module, ns=(1, 1))  # older than every other file: not the tree's newest mtime
+    marker = import_ok_marker(ident, tmp_path / "cache")
+    (root / "src/speculators/__pycache__").mkdir()
+    (root / "src/speculators/__pycache__/helper.cpython-311.pyc").write_bytes(b"x")
+    assert import_ok_marker(resolve_reference(f"path:{root}"), tmp_path / "cache") == marker
+    module.rename(module.with_name("helper_old.py"))
+    moved = resolve_reference(f"path:{root}")
+    assert moved.short_id == ident.short_id
+    assert import_ok_marker(moved, tmp_path / "cache") != marker
+    module.with_name("helper_old.py").rename(module)
+    module.write_text("X = 2\n")
+    os.utime(module, ns=(1, 1))
+    edited = resolve_reference(f"path:{root}")
+    assert edited.short_id == ident.short_id
+    assert import_ok_marker(edited, tmp_path / "cache") != marker
+
+
+def test_reference_zygote_over_a_reference_that_does_not_import(tmp_path):
+    """The suite's reference zygote (tests/reference_zygote.py) over a reference whose import
+    fails: a run through it raises naming the zygote's death (the adapter's message is on its
+    stderr), and the adapter's error.json is not left in the checkout it starts in."""
+    from reference_zygote import ROOT, ReferenceZygote
+
+    zygote = ReferenceZygote(_fake_source(tmp_path / "ref", ""))  # no speculators.losses
+    try:
+        with pytest.raises(RuntimeError, match="the zygote died"):
+            zygote.run(ROOT / "reference" / "adapter.py", [tmp_path], tmp_path, timeout=300)
+    finally:
+        zygote.close()
+    assert not (ROOT / "error.json").exists()
+
+
 def test_install_command_maps_known_modules():
     cmd = rs.install_command(["hs_connectors", "pydantic_settings", "loguru", "datasets.utils"])
     pkgs = "hs-connectors pydantic-settings loguru 'datasets<=5.1'"

@@ -180,6 +180,21 @@ def test_html_shows_differing_masks(failing):
     assert "difference: 1 entries" in page and "context rule &lt;= vs &lt;" in page
 
 
+def test_html_of_an_audit_without_masks_claims_no_comparison():
+    """The candidate failed every case, so the reference was not run: no mask was compared,
+    and the page says so and shows the report's notes (as report.md does), never "No mask
+    differs between candidate and reference"."""
+    from dflash_audit.audit.sides.run_sides import REFERENCE_NOT_RUN
+
+    report = make_report({"syn-000-full": [result("run", "syn-000-full", FAIL)]})
+    report.notes.append(REFERENCE_NOT_RUN)
+    page = render_html(report)
+    assert "No mask differs" not in page
+    assert "No mask was compared" in page
+    assert REFERENCE_NOT_RUN.replace("'", "&#x27;") in page
+    assert REFERENCE_NOT_RUN in render_markdown(report)
+
+
 def test_junit_one_testcase_per_check_and_case(failing):
     root = ET.fromstring(render_junit(failing))
     suite = root.find("testsuite")

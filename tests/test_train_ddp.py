@@ -74,3 +74,50 @@ def test_torchrun_two_ranks_agree_on_weights(tmp_path):
         torch.testing.assert_close(alone[key], saved[key], rtol=1e-5, atol=1e-6)
     assert [json.loads(x)["loss"] for x in (tmp_path / "single" / "metrics.jsonl").read_text()
             .splitlines()] == pytest.approx([r["loss"] for r in lines], rel=1e-5)
+
+
+RAISES_AFTER_DDP = textwrap.dedent("""
+    import gc, os, sys
+    sys.path.insert(0, {tests!r})
+    from pathlib import Path
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    import train_tiny as tt
+    from dflash_audit.train import loop
+    paths = {{k: Path(v) for k, v in {paths!r}.items()}}
+    destroy = dist.destroy_process_group
+
+    def counted(*args, **kwargs):  # the DDP wrappers still alive when the group goes
+        gc.collect()
+        live = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+        Path({out!r}, "live-" + os.environ["RANK"]).write_text(str(live))
+        destroy(*args, **kwargs)
+
+    def tracker(*args, **kwargs):  # fails after the DDP wrapper exists, before the loop
+        raise OSError("tensorboard folder not writable")
+
+    dist.destroy_process_group, loop.Tracker = counted, tracker
+    Path({out!r}).mkdir(parents=True, exist_ok=True)
+    try:
+        loop.train(tt.tiny_config(paths, {out!r}, steps=2), reference_identity=tt.REFERENCE)
+    except OSError:
+        pass
+""")
+
+
+def test_ddp_wrapper_is_released_before_the_group_on_an_early_error(tmp_path):
+    """A run that fails after the DDP wrapper is built but before its loop (the canary's
+    refusal, an unwritable tensorboard folder) still releases the wrapper before
+    destroy_process_group: its reducer, alive there, holds the group into interpreter exit,
+    where a gloo rank can abort ("terminate called without an active exception")."""
+    paths = tt.setup_run(tmp_path, rows=4)
+    out = tmp_path / "ddp"
+    script = tmp_path / "raises_after_ddp.py"
+    script.write_text(RAISES_AFTER_DDP.format(tests=str(TESTS), out=str(out),
+                                              paths={k: str(v) for k, v in paths.items()}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(script)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [(out / f"live-{r}").read_text() for r in (0, 1)] == ["0", "0"]

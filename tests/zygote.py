@@ -104,8 +104,12 @@ class Zygote:
         read, write = os.pipe()
         request = json.dumps({"args": list(map(str, args)), "cwd": str(cwd), "env": env,
                               "prelude": prelude}).encode()
-        socket.send_fds(self.sock, [request], [write])
-        os.close(write)
+        try:
+            socket.send_fds(self.sock, [request], [write])
+        except OSError:
+            raise self._died() from None
+        finally:
+            os.close(write)
         pid = struct.unpack("!q", self._recv(8))[0]
         chunks, deadline = [], time.monotonic() + timeout
         with os.fdopen(read, "rb") as pipe:
@@ -126,8 +130,18 @@ class Zygote:
     def _recv(self, n: int) -> bytes:
         data = b""
         while len(data) < n:
-            part = self.sock.recv(n - len(data))
+            try:
+                part = self.sock.recv(n - len(data))
+            except OSError:
+                part = b""
             if not part:
-                raise RuntimeError(f"the zygote died (exit {self.proc.poll()})")
+                raise self._died()
             data += part
         return data
+
+    def _died(self) -> RuntimeError:
+        try:
+            code = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            code = None
+        return RuntimeError(f"the zygote died (exit {code}; its preload's error is on stderr)")

@@ -13,7 +13,9 @@ from dflash_audit.reference_source.runner import (
     ReferenceRunError,
     ReferenceTimeoutError,
     ReferenceWrongSourceError,
+    _code_dirs,
     _crash_error,
+    _error_from_json,
     _missing_dependency_error,
     _tail,
     pycache_prefix,
@@ -30,7 +32,7 @@ REFERENCE_IMPORT_DEPS: tuple[str, ...] = (
 
 
 _IMPORT_PROBE = """
-import importlib.metadata, importlib.util, json, sys
+import importlib.metadata, importlib.util, json, pathlib, sys
 version, known = sys.argv[1], json.loads(sys.argv[2])
 try:  # a git checkout has no installed metadata, but speculators reads its version at import
     importlib.metadata.version("speculators")
@@ -45,6 +47,12 @@ try:
     import speculators.models.dflash.core
     import speculators
     out = {"ok": True, "file": speculators.__file__}
+    sys.path.insert(0, sys.argv[3])  # then the adapter's own checks of the API it uses
+    import adapter
+    try:
+        adapter.import_reference(pathlib.Path.cwd())
+    except SystemExit:  # it wrote error.json (a kind the reference run reports too)
+        out["adapter"] = json.loads(pathlib.Path("error.json").read_text())
 except ModuleNotFoundError as e:
     extra = [m for m in known if importlib.util.find_spec(m) is None]
     out = {"ok": False, "missing": [e.name] + [m for m in extra if m != e.name], "error": repr(e)}
@@ -56,7 +64,9 @@ print("DFLASH_AUDIT_PROBE " + json.dumps(out))
 
 def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 180.0) -> None:
     """Check, in a small subprocess, that ``speculators.models.dflash.core`` imports from the
-    resolved source; cheap compared with a full reference run. The process is isolated as
+    resolved source and that the adapter's own import of the reference passes
+    (``import_reference`` of ``reference/adapter.py``: the names and methods it uses); cheap
+    compared with a full reference run. The process is isolated as
     the reference's (:func:`dflash_audit.reference_source.runner.reference_command`; bytecode
     in :func:`~dflash_audit.reference_source.runner.pycache_prefix`).
 
@@ -64,14 +74,15 @@ def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 1
         ReferenceMissingDependencyError: import-time dependencies are missing (the one that
             failed plus every absent one of :data:`REFERENCE_IMPORT_DEPS`, with the install
             command).
-        ReferenceApiMismatchError: the source has no ``speculators.models.dflash.core`` or a
-            name it imports from speculators is missing.
+        ReferenceApiMismatchError: the source has no ``speculators.models.dflash.core``, a
+            name it imports from speculators is missing, or the adapter misses what it uses.
         ReferenceWrongSourceError: speculators was imported from outside the resolved source.
         ReferenceTimeoutError: the import took longer than ``timeout_s``.
         ReferenceRunError: any other import failure (with the tail of stderr).
     """
     cmd = reference_command(identity, "", [identity.version or "0.0.0+git",
-                                           json.dumps(list(REFERENCE_IMPORT_DEPS))],
+                                           json.dumps(list(REFERENCE_IMPORT_DEPS)),
+                                           _code_dirs(identity)["reference"]],
                             pycache_prefix(),
                             code=_IMPORT_PROBE)
     try:
@@ -112,3 +123,5 @@ def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 1
             "other copies (`pip uninstall speculators`) or remove them from PYTHONPATH.",
             returncode=proc.returncode,
         )
+    if probe.get("adapter") is not None:
+        raise _error_from_json(identity, probe["adapter"], proc.returncode, proc.stderr)

@@ -207,6 +207,8 @@ def render_html(report: Report) -> str:
     if pictures:
         parts.append(f"<p>{sum(p.differs for p in report.masks)} mask(s) differ; the first "
                      f"{len(pictures)} are shown.</p>")
+    elif not any(r.name == "mask" for r in report.results):  # e.g. every case failed to run
+        parts.append("<p>No mask was compared (no case has both sides' outputs).</p>")
     else:
         pictures = report.masks[:2]
         parts.append("<p>No mask differs between candidate and reference"
@@ -225,6 +227,10 @@ def render_html(report: Report) -> str:
         [_e(k), _e(val.strip("`"))] for k, val in reference_rows(ref)], "kv")]
     parts += ["<h2>Inputs and profile</h2>", _table(["field", "value"], [
         [_e(k), _e(val)] for k, val in {**inp, "profile": prof.get("fields")}.items()], "kv")]
+    notes = [n for n in report.notes if n not in framework]
+    if notes:
+        parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{_e(n)}</li>" for n in notes)
+                     + "</ul>")
     if report.timing:
         parts += ["<h2>Timing</h2>", _table(["stage", "seconds"], [
             [_e(k), f"{val:.2f}"] for k, val in report.timing.items()])]

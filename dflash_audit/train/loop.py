@@ -387,10 +387,11 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
             return summary
         finally:
             tracker.close()
-            # DDP's reducer holds the group: torn down after it, at exit, gloo's threads can
-            # abort the rank ("terminate called without an active exception")
-            ddp = forward = no_sync = None
     finally:
+        # DDP's reducer holds the group: torn down after it, at exit, gloo's threads can abort
+        # the rank ("terminate called without an active exception"); released here, also when
+        # the run failed between building the wrapper and its loop (canary, tracker)
+        ddp = forward = no_sync = None
         if env.distributed and dist.is_initialized():
             import gc
 

@@ -16,19 +16,30 @@ from dflash_audit.audit.setup_error import CompareSetupError
 
 
 def import_ok_marker(identity: Any, cache_dir: Path | None) -> Path:
-    """Marker file that records a passed import check for this reference source (its
-    ``short_id``: commit, sdist digest, or a path ref's path + mtime, wherever the cache keeps
-    the tree) under this interpreter and these site-packages (their mtimes change when packages
-    are installed or removed, which invalidates the marker)."""
+    """Marker file that records a passed import check for this reference tree's content (the
+    sha256 of each of its files but bytecode, wherever the cache keeps it: not its ``short_id``,
+    which for a path ref is its path and newest mtime, unchanged by a rename or an edit that
+    keeps the mtime), by this check (the probe's and the adapter's sources: a newer check
+    asks more) under this interpreter and the site-packages the reference imports from
+    (their mtimes change when packages are installed or removed, which invalidates the
+    marker). In an audit whose candidate fails every case the reference is not run, and this
+    record is all that shows it imports."""
     import hashlib
     import os
 
+    from dflash_audit.atomic import file_sha256
+    from dflash_audit.audit.sides.integrity import reference_tree_digest
     from dflash_audit.data.builtin_verifier import cache_dir as user_cache_dir
+    from dflash_audit.reference_source import import_probe
+    from dflash_audit.reference_source.identity import reference_dir
+    from dflash_audit.reference_source.runner import site_dirs
 
-    site = sorted(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))
-                  and os.path.isdir(p))
-    state = {"source": identity.short_id, "python": sys.executable, "version": sys.version,
-             "site": {p: os.stat(p).st_mtime_ns for p in site}}
+    tree = {k.partition("/")[2]: v
+            for k, v in reference_tree_digest(identity, skip_pycache=True).items()}
+    check = [Path(import_probe.__file__), *sorted(reference_dir().glob("*.py"))]
+    state = {"tree": tree, "check": {p.name: file_sha256(p) for p in check},
+             "python": sys.executable, "version": sys.version,
+             "site": {p: os.stat(p).st_mtime_ns for p in sorted(site_dirs())}}
     key = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
     return Path(cache_dir or user_cache_dir()) / "compare" / "import-ok" / key
 
@@ -62,9 +73,8 @@ class Background:
 
 class ImportCheck:
     """``check_reference_importable`` in the background; :meth:`wait` is called before
-    expensive work. A check that passed before for the same source, interpreter and
-    site-packages is not repeated (the reference run would still report a missing module
-    clearly)."""
+    expensive work. A check that passed before for the same tree content, interpreter and
+    site-packages (:func:`import_ok_marker`) is not repeated."""
 
     def __init__(self, identity: Any, marker: Path | None = None):
         from dflash_audit.reference_source import check_reference_importable

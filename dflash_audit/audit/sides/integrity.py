@@ -53,10 +53,11 @@ def _digest(roots: dict[str, Path], skip_pycache: bool) -> dict[str, str]:
     return out
 
 
-def reference_tree_digest(identity: Any) -> dict[str, str]:
+def reference_tree_digest(identity: Any, skip_pycache: bool = False) -> dict[str, str]:
     """``{"ref/<path>": sha256}`` of every file of the reference tree (see the module
-    docstring)."""
-    return _digest({"ref": Path(identity.source_dir)}, skip_pycache=False)
+    docstring; ``skip_pycache``: without its ``__pycache__`` folders, which no reference process
+    reads)."""
+    return _digest({"ref": Path(identity.source_dir)}, skip_pycache=skip_pycache)
 
 
 def reference_bytecode_digest(identity: Any) -> dict[str, str]:
