@@ -389,8 +389,7 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
             tracker.close()
     finally:
         # DDP's reducer holds the group: torn down after it, at exit, gloo's threads can abort
-        # the rank ("terminate called without an active exception"); released here, also when
-        # the run failed between building the wrapper and its loop (canary, tracker)
+        # the rank ("terminate called without an active exception"), even after an error
         ddp = forward = no_sync = None
         if env.distributed and dist.is_initialized():
             import gc
