@@ -35,17 +35,24 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_torchrun_two_ranks_agree_on_weights(tmp_path):
+def torchrun_two_ranks(tmp_path: Path, template: str) -> tuple[dict[str, Path], Path]:
+    """``template`` (formatted with tests, out, paths) run by torchrun on 2 CPU ranks over a
+    tiny run's data; returns (the run's paths, its out folder). Fails on a non-zero exit."""
     paths = tt.setup_run(tmp_path, rows=4)
     out = tmp_path / "ddp"
     script = tmp_path / "run_ddp.py"
-    script.write_text(SCRIPT.format(tests=str(TESTS), out=str(out),
-                                    paths={k: str(v) for k, v in paths.items()}))
+    script.write_text(template.format(tests=str(TESTS), out=str(out),
+                                      paths={k: str(v) for k, v in paths.items()}))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          str(script)], capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return paths, out
+
+
+def test_torchrun_two_ranks_agree_on_weights(tmp_path):
+    paths, out = torchrun_two_ranks(tmp_path, SCRIPT)
     assert [(out / f"rank-{r}").read_text() for r in (0, 1)] == ["2", "2"]
 
     checkpoint = out / "checkpoints" / "step-00000002"
@@ -110,14 +117,5 @@ def test_ddp_wrapper_is_released_before_the_group_on_an_early_error(tmp_path):
     refusal, an unwritable tensorboard folder) still releases the wrapper before
     destroy_process_group: its reducer, alive there, holds the group into interpreter exit,
     where a gloo rank can abort ("terminate called without an active exception")."""
-    paths = tt.setup_run(tmp_path, rows=4)
-    out = tmp_path / "ddp"
-    script = tmp_path / "raises_after_ddp.py"
-    script.write_text(RAISES_AFTER_DDP.format(tests=str(TESTS), out=str(out),
-                                              paths={k: str(v) for k, v in paths.items()}))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(script)], capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _, out = torchrun_two_ranks(tmp_path, RAISES_AFTER_DDP)
     assert [(out / f"live-{r}").read_text() for r in (0, 1)] == ["0", "0"]
