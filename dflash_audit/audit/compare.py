@@ -16,7 +16,8 @@ Order of work (cheap and likely-to-fail steps first, so a setup error costs seco
 4. the candidate runs every case in its own, sandboxed process (:mod:`.candidate_process`,
    :mod:`.sandbox`: its exit, crash, kill or a case over ``--candidate-timeout`` fails that
    case), then the reference runs ALL cases in one isolated subprocess
-   (``reference/adapter.py``), with its own drafter-config derivation of each case's
+   (``reference/adapter.py``; not at all when the candidate gave outputs on no case: there is
+   nothing to compare), with its own drafter-config derivation of each case's
    verifier; anchors and weights are the same on both sides. The verdict's modules are
    imported, the report key exists and the reference's tree and the tool's files are hashed
    before any candidate code runs (:mod:`.integrity`); any change, or a candidate process
