@@ -74,6 +74,5 @@ class ReferenceZygote:
                                     "OMP_NUM_THREADS", "1")}, timeout=timeout)
 
     def close(self) -> None:
-        """End the server (it exits when its socket closes)."""
-        self._zygote.sock.close()
-        self._zygote.proc.wait(timeout=60)
+        """End the server (:meth:`zygote.Zygote.close`)."""
+        self._zygote.close()

@@ -92,6 +92,11 @@ class Zygote:
         """Whether the server still runs."""
         return self.proc.poll() is None
 
+    def close(self) -> None:
+        """End the server (it exits when its socket closes)."""
+        self.sock.close()
+        self.proc.wait(timeout=60)
+
     def run(self, args: list[str], cwd: Path, env: dict[str, str], prelude: str = "",
             timeout: float = 600.0) -> subprocess.CompletedProcess:
         """A child with ``args`` in ``cwd`` and exactly ``env``, after ``prelude`` (Python run
