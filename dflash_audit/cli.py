@@ -1,4 +1,5 @@
-"""Command-line entry point: ``dflash-audit data | compare | check-batches | train | eval``.
+"""Command-line entry point: ``dflash-audit data | compare | check-batches | serve-check | train |
+eval``.
 
 Each command lives in the module that does its job; this file only wires them to typer,
 each through :func:`~dflash_audit.command_errors.command_boundary` (one error contract: a
@@ -65,6 +66,11 @@ app.command("compare")(command_boundary(compare_command))
 from dflash_audit.batch_audit.command import check_batches_command  # noqa: E402
 
 app.command("check-batches")(check_batches_command)
+
+# --- serve-check (dflash_audit/serve) ------------------------------------------------
+from dflash_audit.serve.command import serve_check_command  # noqa: E402
+
+app.command("serve-check")(command_boundary(serve_check_command))
 
 # --- train / eval (dflash_audit/train) -----------------------------------------------
 from dflash_audit.train.commands import eval_command, train_command  # noqa: E402

@@ -41,12 +41,13 @@ def setup_errors() -> tuple[type[BaseException], ...]:
     from dflash_audit.model.config import ConfigError
     from dflash_audit.profile import ProfileError
     from dflash_audit.reference_source import ReferenceSourceError
+    from dflash_audit.serve.engines import ServeCheckError
     from dflash_audit.train.optim import OptimConfigError
     from dflash_audit.train.setup import TrainError
     from dflash_audit.train.state import ResumeError
 
     return (CandidateError, DataError, CheckpointError, ConfigError, ProfileError,
-            ReferenceSourceError, TrainError, OptimConfigError, ResumeError)
+            ReferenceSourceError, ServeCheckError, TrainError, OptimConfigError, ResumeError)
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

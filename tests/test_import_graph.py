@@ -22,6 +22,7 @@ RANKS: dict[str, int] = {
     "dflash_audit.train.commands": 100,
     "dflash_audit.train": 90,
     "dflash_audit.batch_audit": 85,
+    "dflash_audit.serve": 85,
     "dflash_audit.audit.compare": 80,
     "dflash_audit.audit.judge": 75,
     "dflash_audit.audit.sides": 70,

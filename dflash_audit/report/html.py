@@ -115,14 +115,16 @@ def _crop_rows(pic: MaskPicture, cand: np.ndarray | None, ref: np.ndarray | None
     return start, start + MAX_ROWS
 
 
-def mask_figures(pic: MaskPicture) -> str:
-    """HTML of the candidate / reference / difference pictures of one mask."""
+def mask_figures(pic: MaskPicture, labels: tuple[str, str] = ("candidate", "reference")
+                 ) -> str:
+    """HTML of the candidate / reference / difference pictures of one mask (``labels``: what
+    the two sides are called, e.g. ``("served", "trained")``)."""
     cand, ref = _as_bool(pic.candidate), _as_bool(pic.reference)
     r0, r1 = _crop_rows(pic, cand, ref)
     cols = max(m.shape[1] for m in (cand, ref) if m is not None)
     scale = max(1, min(4, 900 // max(cols, 1)))
     figs = []
-    for label, m in (("candidate", cand), ("reference", ref)):
+    for label, m in zip(labels, (cand, ref), strict=True):
         if m is None:
             figs.append(f"<figure><figcaption>{label}: no mask produced</figcaption></figure>")
             continue
@@ -133,11 +135,11 @@ def mask_figures(pic: MaskPicture) -> str:
         d = cand[r0:r1] != ref[r0:r1]
         src = _png(diff_rgb(cand[r0:r1], ref[r0:r1]), scale)
         figs.append(f'<figure><img alt="difference" src="{src}">'
-                    f"<figcaption>difference: {int(d.sum())} entries (red: only candidate "
-                    f"attends, blue: only reference)</figcaption></figure>")
+                    f"<figcaption>difference: {int(d.sum())} entries (red: only {labels[0]} "
+                    f"attends, blue: only {labels[1]})</figcaption></figure>")
     elif cand is not None and ref is not None:
-        figs.append(f"<figure><figcaption>shapes differ: candidate {list(cand.shape)}, reference "
-                    f"{list(ref.shape)}</figcaption></figure>")
+        figs.append(f"<figure><figcaption>shapes differ: {labels[0]} {list(cand.shape)}, "
+                    f"{labels[1]} {list(ref.shape)}</figcaption></figure>")
     rows_note = f", rows {r0}..{r1 - 1}" if (r0, r1) != (0, max(
         m.shape[0] for m in (cand, ref) if m is not None)) else ""
     title = (f"<h3>{html.escape(pic.layer_type)} on <code>{html.escape(pic.case)}</code> "

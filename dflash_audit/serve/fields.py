@@ -48,7 +48,8 @@ Probe output (``probe.json``, written by every engine's or the reference's probe
 
     {"side": "vllm 0.33.0", "fields": {key: value}, "sources": {key: "file:function"},
      "not_run": {key: "why"}, "refused": null | "the engine's own error, one line",
-     "notes": ["..."]}
+     "notes": ["..."], "masks": {"0": {"anchor": a, "total_seq_len": T, "rows": [[0, 1, ...]],
+     "source": "file:function"}}}
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ class SideRecord:
     ``fields``: key -> JSON value (see the module docstring); ``sources``: key -> the code or
     config key that decided it; ``not_run``: key -> why the side could not compute it;
     ``refused``: the side's own error when it refuses the checkpoint (then ``fields`` may be
-    empty); ``notes``: free lines for the report (what the adapter had to invent).
+    empty); ``notes``: free lines for the report (what the adapter had to invent);
+    ``masks``: layer index (str) -> ``{"anchor", "total_seq_len", "rows", "source"}``, the
+    ``[B, T + B]`` 0/1 rows of one block as the side's own mask code builds them
+    (:mod:`dflash_audit.serve.attention`), where the side has such code.
     """
 
     side: str
@@ -81,6 +85,7 @@ class SideRecord:
     not_run: dict[str, str] = field(default_factory=dict)
     refused: str | None = None
     notes: list[str] = field(default_factory=list)
+    masks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def set(self, key: str, value: Any, source: str) -> None:
         """Record ``key = value`` as decided by ``source`` (``file:function`` or a config key)."""
@@ -90,14 +95,15 @@ class SideRecord:
     def to_dict(self) -> dict[str, Any]:
         """The record as written to ``probe.json`` / ``report.json``."""
         return {"side": self.side, "fields": self.fields, "sources": self.sources,
-                "not_run": self.not_run, "refused": self.refused, "notes": self.notes}
+                "not_run": self.not_run, "refused": self.refused, "notes": self.notes,
+                "masks": self.masks}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SideRecord:
         """Inverse of :meth:`to_dict`. Raises ``KeyError`` / ``TypeError`` on a bad record."""
         return cls(side=str(d["side"]), fields=dict(d["fields"]), sources=dict(d["sources"]),
                    not_run=dict(d.get("not_run") or {}), refused=d.get("refused"),
-                   notes=list(d.get("notes") or []))
+                   notes=list(d.get("notes") or []), masks=dict(d.get("masks") or {}))
 
     def write(self, path: str | Path) -> None:
         """Write the record as JSON to ``path``."""

@@ -1,0 +1,119 @@
+"""The attention rule of one drafting step: which context positions and which block slots
+each slot of a block sees, in training and at serving, per draft layer.
+
+Layout of one step (DESIGN.md section 3; the engines' drafting step): the anchor ``a`` is the
+last accepted token, the context is the verifier's hidden states at positions ``< a`` of the
+same document, the block's slot s sits at position ``a + s``. A *mask* here is the
+``[B, T + B]`` bool rows of one block (True = may attend; columns ``< T`` context, ``>= T``
+the block's slots), for a row of ``T`` context positions and one anchor.
+
+Training masks come from the reference's own mask builder (its probe) and our
+``model/mask.py``; a serving mask is built from what the engine's code resolved for the layer
+(window, causality, where the window is counted from), by :func:`serving_mask`, unless the
+engine's probe gave its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: ``window_origin`` values: the window counted back from the anchor (the reference's
+#: ``kv >= a - W`` for every slot), or from each query's own position (``kv > a + s - W``:
+#: flash / flex attention's sliding window applied to the block's positions).
+ORIGINS = ("anchor", "query")
+
+
+def serving_mask(block_size: int, total_seq_len: int, anchor: int, window: int | None,
+                 block_causal: bool, origin: str | None) -> torch.Tensor:
+    """``[B, T + B]`` bool: the rule an engine runs for one block at anchor ``anchor``.
+
+    Context column kv (< T) is visible to slot s when ``kv < anchor`` and, for a window W,
+    ``kv >= anchor - W`` (origin ``"anchor"``) or ``kv > anchor + s - W`` (origin
+    ``"query"``). Block column T + t is visible when ``t <= s`` (causal) or always.
+
+    Raises:
+        ValueError: an origin other than :data:`ORIGINS` for a windowed layer.
+    """
+    B, T = block_size, total_seq_len
+    s = torch.arange(B)[:, None]
+    kv = torch.arange(T)[None, :]
+    ctx = kv < anchor
+    if window is not None:
+        if origin == "anchor":
+            ctx = ctx & (kv >= anchor - window)
+        elif origin == "query":
+            ctx = ctx & (kv > anchor + s - window)
+        else:
+            raise ValueError(f"window_origin {origin!r}: expected one of {ORIGINS}")
+    t = torch.arange(B)[None, :]
+    block = (t <= s) if block_causal else torch.ones(B, B, dtype=torch.bool)
+    return torch.cat([ctx.expand(B, T), block.expand(B, B)], dim=1)
+
+
+def block_rows(mask: Any, total_seq_len: int) -> torch.Tensor:
+    """The ``[B, T + B]`` bool rows of one block from a probe's ``rows`` (lists of 0/1)."""
+    rows = torch.as_tensor(mask).bool()
+    if rows.dim() != 2 or rows.shape[1] <= total_seq_len:
+        raise ValueError(f"a block mask must be [B, T + B] with T = {total_seq_len}, got "
+                         f"{list(rows.shape)}")
+    return rows
+
+
+def rule_of(rows: torch.Tensor, anchor: int, total_seq_len: int) -> dict[str, Any]:
+    """What each slot sees, as offsets from the anchor.
+
+    Returns:
+        ``{"context": [[lo, hi] | None per slot], "slots": [[t, ...] per slot],
+        "block_causal": bool}``: ``lo..hi`` are ``kv - anchor`` of the first and last
+        visible context position (``lo`` is ``"start"`` when the slot sees back to the
+        row's first position, i.e. no window bound was hit); ``None`` when it sees none.
+    """
+    T = total_seq_len
+    context, slots = [], []
+    for row in rows:
+        idx = torch.nonzero(row[:T]).flatten()
+        if idx.numel() == 0:
+            context.append(None)
+        else:
+            lo = "start" if int(idx[0]) == 0 else int(idx[0]) - anchor
+            context.append([lo, int(idx[-1]) - anchor])
+        slots.append([int(t) for t in torch.nonzero(row[T:]).flatten()])
+    B = rows.shape[0]
+    causal = all(slots[s] == list(range(s + 1)) for s in range(B))
+    return {"context": context, "slots": slots, "block_causal": causal}
+
+
+def window_origin(rule: dict[str, Any], window: int | None) -> str | None:
+    """``"anchor"`` / ``"query"`` / ``"other"`` from a rule's context ranges (None for no
+    window): every slot's first position ``-W`` is the anchor rule, ``s + 1 - W`` per slot the
+    query rule."""
+    if window is None:
+        return None
+    lows = [c[0] if c else None for c in rule["context"]]
+    if all(lo == -window for lo in lows):
+        return "anchor"
+    if all(lo == s + 1 - window for s, lo in enumerate(lows)):
+        return "query"
+    return "other"
+
+
+def rule_differences(trained: dict[str, Any], served: dict[str, Any]) -> list[str]:
+    """One line per slot whose visible context or slots differ (empty when equal)."""
+    out = []
+    for s, (tc, sc) in enumerate(zip(trained["context"], served["context"], strict=True)):
+        if tc != sc:
+            out.append(f"slot {s} sees context {_span(sc)} at serving, {_span(tc)} in training")
+    for s, (tb, sb) in enumerate(zip(trained["slots"], served["slots"], strict=True)):
+        if tb != sb:
+            out.append(f"slot {s} sees block slots {sb} at serving, {tb} in training")
+    return out
+
+
+def _span(c: list | None) -> str:
+    if c is None:
+        return "nothing"
+    lo, hi = c
+    left = "the document start" if lo == "start" else f"a{lo:+d}"
+    return f"{left}..a{hi:+d}"

@@ -1,0 +1,158 @@
+"""``dflash-audit serve-check CHECKPOINT --engine vllm|sglang|zlab``: what an engine will run
+for a drafter checkpoint, computed by the engine's own code at its pinned version, against
+what the drafter was trained as (the reference's and our drafter's reading of the same
+folder), field by field and as the attention of one drafting step.
+
+Data flow: checkpoint folder -> (reference probe, our reading) = trained; engine installed
+into the tool's cache -> engine probe = served -> differences + attention rules -> report.
+
+Exit codes: 0 no difference that can change what is drafted, 1 train-serve differences,
+2 usage / setup errors (a folder without config or weights, an unknown engine or version,
+a config the engine itself refuses, an engine that cannot be installed offline).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from dflash_audit.serve.engines import (
+    PROBES,
+    Engine,
+    ServeCheckError,
+    install_engine,
+    resolve_engine,
+    run_probe,
+)
+
+
+def _say(message: str) -> None:
+    print(f"dflash-audit: {message}", file=sys.stderr, flush=True)
+
+
+def verifier_max_positions(spec: str | None) -> int | None:
+    """The target's ``max_position_embeddings`` from a local HF folder (``spec``), the
+    built-in verifier's cached folder (``smollm2-135m``), or None when it cannot be read."""
+    if not spec:
+        return None
+    path = Path(spec).expanduser()
+    from dflash_audit.data.builtin_verifier import BUILTIN_VERIFIERS, builtin_verifier_dir
+
+    if spec in BUILTIN_VERIFIERS:
+        path = builtin_verifier_dir(spec)
+    try:
+        d = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    d = d.get("text_config") or d
+    value = d.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) else None
+
+
+def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | None = None,
+                    verifier: str | None = None, offline: bool = False) -> Any:
+    """Audit ``checkpoint`` as ``engine`` will serve it.
+
+    Args:
+        checkpoint: the drafter folder (speculators or z-lab format).
+        engine: ``vllm`` / ``sglang`` / ``zlab`` (optionally ``==VERSION``) or an Engine.
+        ref: the reference that tells what it was trained as (default: the pinned release).
+        verifier: the target (a local HF folder or ``smollm2-135m``) whose context length
+            bounds the served positions; default: the folder the checkpoint names.
+        offline: use only the tool's cache (engine and reference).
+
+    Returns:
+        The :class:`~dflash_audit.serve.report.ServeReport`.
+
+    Raises:
+        ServeCheckError: bad folder, unknown engine, engine not installable, the engine's
+            own refusal of the config, a probe that failed.
+    """
+    from dflash_audit.serve import trained as trained_sides
+    from dflash_audit.serve.checkpoint import SPECULATORS, read_checkpoint
+    from dflash_audit.serve.differences import compare, complete_from_masks, layer_rules
+    from dflash_audit.serve.report import ServeReport
+
+    start = time.perf_counter()
+    folder = read_checkpoint(checkpoint)
+    eng = engine if isinstance(engine, Engine) else resolve_engine(engine)
+    _say(f"checkpoint {folder.path} ({folder.format} format); engine {eng.label}")
+    site = install_engine(eng, offline=offline)
+    if folder.format == SPECULATORS:
+        _say("reading it as the reference trains it (the reference's process) ...")
+        trained = trained_sides.reference(folder, ref, offline=offline)
+        ours = trained_sides.ours(folder)
+    else:
+        _say("reading it with z-lab's own model (the format's trainer) ...")
+        zlab = resolve_engine("zlab")
+        trained = run_probe(PROBES / zlab.probe, folder.path, install_engine(zlab, offline=offline),
+                            zlab.label)
+        ours = None
+    if trained.refused:
+        raise ServeCheckError(f"{trained.side} refuses this checkpoint ({trained.refused}): it "
+                              "cannot have been trained as it is; fix the config it names")
+    _say(f"asking {eng.label}'s own code what it will run ...")
+    served = run_probe(PROBES / eng.probe, folder.path, site, eng.label)
+    if served.refused:
+        raise ServeCheckError(f"{eng.label} refuses this checkpoint: {served.refused} (the "
+                              "engine's own check; fix the config field it names, or serve "
+                              "with another engine)")
+    for record in (trained, ours, served):
+        if record is not None:
+            complete_from_masks(record)
+    positions = verifier_max_positions(verifier or folder.verifier)
+    rows = compare(trained, ours, served, eng.label, positions)
+    rules = layer_rules(trained, served, eng.label)
+    notes = [f"{served.side}: {n}" for n in served.notes] + [
+        f"{trained.side}: {n}" for n in trained.notes]
+    if positions is None:
+        notes.append("the target's context length is unknown (pass --verifier DIR): the "
+                     "rotary table size is not checked against it")
+    sides = {r.side: r.to_dict() for r in (trained, ours, served) if r is not None}
+    for side in sides.values():
+        side.pop("masks", None)
+    report = ServeReport(
+        checkpoint=str(folder.path), checkpoint_format=folder.format,
+        engine={"key": eng.key, "label": eng.label, "version": eng.version,
+                "requirements": list(eng.requirements), "site": str(site),
+                "adapter": f"dflash_audit/serve/probes/{eng.probe}"},
+        rows=rows, rules=rules, sides=sides, notes=notes)
+    report.notes.append(f"serve-check took {time.perf_counter() - start:.1f} s")
+    return report
+
+
+def serve_check_command(
+    checkpoint: Annotated[Path, typer.Argument(
+        help="Drafter checkpoint folder: config.json + *.safetensors (speculators format, as "
+             "`dflash-audit train` writes it, or a z-lab config).")],
+    engine: Annotated[str, typer.Option(
+        help="Serving engine: vllm (0.33.0), sglang (0.5.23) or zlab (dflash 0.1.0).")
+    ] = "vllm",
+    ref: Annotated[str | None, typer.Option(
+        help="The reference that tells how it was trained (default: the pinned release).")
+    ] = None,
+    verifier: Annotated[str | None, typer.Option(
+        help="The target model (local HF folder or smollm2-135m) whose context length the "
+             "served drafter must cover; default: the one the checkpoint names.")] = None,
+    offline: Annotated[bool, typer.Option(
+        help="Use only the tool's cache for the engine and the reference.")] = False,
+    out: Annotated[Path, typer.Option(help="Report folder parent.")] = Path("reports"),
+) -> None:
+    """What an engine will serve for a checkpoint (its own code, pinned) vs what the drafter
+    was trained as. Exit 0 no train-serve difference, 1 differences, 2 setup error."""
+    from dflash_audit.serve.report import write_report
+
+    report = run_serve_check(checkpoint, engine, ref=ref, verifier=verifier, offline=offline)
+    folder = write_report(report, out)
+    for line in report.summary_lines():
+        print(line, file=sys.stderr)
+    print(f"serve-check ({report.engine['label']}): {report.verdict.upper()} "
+          f"({len(report.rows)} fields, {len(report.differences)} differ; attention differs "
+          f"in {len(report.rule_differences)} of {len(report.rules)} layers) report: {folder}",
+          file=sys.stderr)
+    raise typer.Exit(report.exit_code)

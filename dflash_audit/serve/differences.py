@@ -1,0 +1,214 @@
+"""Train-serve differences: each field of what the engine will run against what the drafter
+was trained as, with a name for every difference and whether it can change what is drafted.
+
+A row is ``same``, ``differs`` (it changes the drafted tokens: the verdict fails), ``warn``
+(it cannot change a drafting step, or only past a bound the report names), ``not run``
+(the engine's adapter could not compute it here, e.g. it needs CUDA) or ``unknown`` (no side
+says). The training value is the reference's reading; our drafter's reading is compared with
+it too (a disagreement there is a ``warn``: the checkpoint is ambiguous to loaders).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dflash_audit.serve.attention import (
+    block_rows,
+    rule_differences,
+    rule_of,
+    serving_mask,
+    window_origin,
+)
+from dflash_audit.serve.fields import SideRecord, layer_key
+
+SAME, DIFFERS, WARN, NOT_RUN, UNKNOWN = "same", "differs", "warn", "not run", "unknown"
+
+#: The name of a difference in each field (the bug class a user searches for).
+NAMES: dict[str, str] = {
+    "attention": "layer type", "sliding_window": "window size",
+    "block_causal": "causality inside the block",
+    "window_origin": "where the window is counted from",
+    "rope.type": "RoPE type", "rope.theta": "RoPE theta", "rope.scaling": "RoPE scaling",
+    "rope.rotary_dim": "partial rotary", "rope.neox_style": "RoPE layout (neox vs interleaved)",
+    "rope.max_positions": "rotary table shorter than the target's context",
+    "norm.one_plus_weight": "norm convention", "target_layer_ids": "target layer ids",
+    "fc.in_features": "fc width", "mask_token_id": "mask token", "block_size": "block size",
+    "num_speculative_tokens": "speculative tokens per step",
+    "sample_from_anchor": "anchor-first layout", "draft_vocab_size": "draft vocabulary size",
+    "draft_vocab.mapping": "draft vocabulary mapping",
+    "lm_head.source": "draft lm_head replaced", "embed_tokens.source": "embeddings source",
+}
+
+
+@dataclass
+class Row:
+    """One field: ``key``; the ``trained`` value and its ``trained_source`` (the reference's,
+    else ours); ``served`` and ``served_source`` (the engine's); ``status`` (see the module
+    docstring); ``name`` of the difference; ``message`` one line for a person."""
+
+    key: str
+    trained: Any
+    served: Any
+    status: str
+    message: str = ""
+    name: str = ""
+    trained_source: str = ""
+    served_source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class LayerRule:
+    """The attention rule of one draft layer, trained vs served (:mod:`.attention`)."""
+
+    layer: int
+    trained: dict[str, Any]
+    served: dict[str, Any] | None
+    differences: list[str] = field(default_factory=list)
+    served_from: str = ""
+    trained_rows: Any = None
+    served_rows: Any = None
+    total_seq_len: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer": self.layer, "trained": self.trained, "served": self.served,
+                "differences": self.differences, "served_from": self.served_from}
+
+
+def complete_from_masks(record: SideRecord) -> None:
+    """Add ``layers.{i}.block_causal`` / ``window_origin`` read off the side's own masks
+    (never overriding what the side computed itself)."""
+    for i, m in record.masks.items():
+        rule = rule_of(block_rows(m["rows"], m["total_seq_len"]), m["anchor"],
+                       m["total_seq_len"])
+        src = m.get("source", "the side's mask")
+        window = record.fields.get(layer_key(int(i), "sliding_window"))
+        for key, value in (("block_causal", rule["block_causal"]),
+                           ("window_origin", window_origin(rule, window))):
+            if layer_key(int(i), key) not in record.fields:
+                record.set(layer_key(int(i), key), value, f"{src} (read off its mask)")
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-12)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if a in (None, {}) and b in (None, {}):
+        return True
+    return a == b
+
+
+def _base(key: str) -> str:
+    return key.split(".", 2)[2] if key.startswith("layers.") else key
+
+
+def _ordered_keys(*records: SideRecord) -> list[str]:
+    keys: list[str] = []
+    for r in records:
+        for k in list(r.fields) + list(r.not_run):
+            if k not in keys:
+                keys.append(k)
+    return keys
+
+
+def compare(trained: SideRecord, ours: SideRecord | None, served: SideRecord,
+            engine_label: str, verifier_max_positions: int | None = None) -> list[Row]:
+    """Every field's row, trained (``trained``, the reference's reading) vs ``served``.
+
+    Args:
+        ours: our drafter's reading, compared with ``trained`` (warn rows), or None.
+        engine_label: ``vLLM 0.33.0``, for the messages.
+        verifier_max_positions: the target's context length (its ``max_position_embeddings``),
+            which bounds the positions a served drafter sees; None when unknown.
+    """
+    rows = []
+    for key in _ordered_keys(trained, served):
+        t, s = trained.fields.get(key), served.fields.get(key)
+        t_src, s_src = trained.sources.get(key, ""), served.sources.get(key, "")
+        name = NAMES.get(_base(key), key)
+        row = Row(key, t, s, SAME, name="", trained_source=t_src, served_source=s_src)
+        if key in served.not_run:
+            row.status, row.message = NOT_RUN, served.not_run[key]
+        elif key not in served.fields:
+            row.status, row.message = UNKNOWN, f"{engine_label}'s adapter does not report it"
+        elif key not in trained.fields:
+            row.status, row.message = WARN, "the training side does not define it"
+        elif not _equal(t, s):
+            row.status, row.name = DIFFERS, name
+            row.message = (f"{engine_label} serves this drafter with {key} {s!r} ({s_src}); it "
+                           f"was trained with {t!r} ({t_src})")
+            _soften(row, engine_label, verifier_max_positions)
+        rows.append(row)
+    if ours is not None and not ours.refused:
+        for key, value in ours.fields.items():
+            if key in trained.fields and not _equal(value, trained.fields[key]):
+                rows.append(Row(f"{key} (our drafter)", trained.fields[key], value, WARN,
+                                f"our drafter reads {key} as {value!r}, the reference as "
+                                f"{trained.fields[key]!r}", "loaders disagree",
+                                trained.sources.get(key, ""), ours.sources.get(key, "")))
+    return rows
+
+
+def _soften(row: Row, engine: str, verifier_max_positions: int | None) -> None:
+    """Turn a difference that cannot change what is drafted into a warning, with why."""
+    key, t, s = row.key, row.trained, row.served
+    if key == "rope.max_positions" and t is None and isinstance(s, int):
+        if verifier_max_positions is not None and s >= verifier_max_positions:
+            row.status = SAME
+            row.message = (f"{engine}'s rotary table covers {s} positions, the target's "
+                           f"context {verifier_max_positions}")
+        else:
+            bound = (f"the target serves {verifier_max_positions}" if verifier_max_positions
+                     else "the target's context length is unknown (pass --verifier)")
+            row.status = DIFFERS if verifier_max_positions else WARN
+            row.message = (f"{engine} sizes the draft's rotary table to {s} positions "
+                           f"({row.served_source}); training computed RoPE at every position; "
+                           f"{bound}: drafting past position {s} uses wrong or no RoPE")
+    elif key == "num_speculative_tokens" and isinstance(t, int) and isinstance(s, int) and s < t:
+        row.status = WARN
+        row.message += f": {engine} drafts {t - s} fewer slots than were trained (no wrong token)"
+
+
+def layer_rules(trained: SideRecord, served: SideRecord, engine_label: str) -> list[LayerRule]:
+    """Per layer: the training rule (the trained side's own mask) beside the serving rule
+    (the engine's own mask if its probe built one, else :func:`serving_mask` of what the
+    engine resolved for the layer)."""
+    out = []
+    for i, m in sorted(trained.masks.items(), key=lambda kv: int(kv[0])):
+        layer, T, anchor = int(i), int(m["total_seq_len"]), int(m["anchor"])
+        t_rows = block_rows(m["rows"], T)
+        B = t_rows.shape[0]
+        rule = LayerRule(layer, rule_of(t_rows, anchor, T), None, trained_rows=t_rows,
+                         total_seq_len=T)
+        if i in served.masks:
+            own = served.masks[i]
+            s_rows = block_rows(own["rows"], int(own["total_seq_len"]))
+            rule.served_from = own.get("source", f"{engine_label}'s mask code")
+            rule.served, rule.served_rows = rule_of(s_rows, int(own["anchor"]),
+                                                    int(own["total_seq_len"])), s_rows
+            rule.differences = rule_differences(rule.trained, rule.served)
+            out.append(rule)
+            continue
+        else:
+            f = served.fields
+            kind, window = f.get(layer_key(layer, "attention")), f.get(
+                layer_key(layer, "sliding_window"))
+            causal, origin = f.get(layer_key(layer, "block_causal")), f.get(
+                layer_key(layer, "window_origin"))
+            if kind is None or causal is None or (window and origin is None):
+                rule.served_from = f"{engine_label}'s adapter did not resolve this layer"
+                out.append(rule)
+                continue
+            s_rows = serving_mask(B, T, anchor, window if kind == "sliding" else None,
+                                  bool(causal), origin)
+            rule.served_from = (f"{engine_label}'s resolved window {window}, causal {causal}, "
+                                f"origin {origin} (dflash_audit/serve/attention.py:serving_mask)")
+        rule.served, rule.served_rows = rule_of(s_rows, anchor, T), s_rows
+        rule.differences = rule_differences(rule.trained, rule.served)
+        out.append(rule)
+    return out

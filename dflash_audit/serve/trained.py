@@ -1,0 +1,123 @@
+"""What a checkpoint was trained as: the reference's own reading of it (``reference/
+serve_probe.py`` in the reference's process) and our drafter's (:mod:`dflash_audit.model`),
+each as a :class:`~dflash_audit.serve.fields.SideRecord` with the training mask of one block
+per layer."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dflash_audit.serve.checkpoint import SPECULATORS, CheckpointFolder
+from dflash_audit.serve.engines import ServeCheckError
+from dflash_audit.serve.fields import SideRecord, layer_key
+
+OURS = "dflash-audit drafter"
+CONFIG = "dflash_audit/model/checkpoint.py:config_from_reference"
+
+
+def probe_block(block_size: int, window: int | None) -> tuple[int, int]:
+    """``(anchor, T)`` of the one-block row every side's mask is built on: the anchor far
+    enough from the row's start that a window ``W`` and every slot's shift fit before it."""
+    anchor = int(window or 0) + 2 * block_size + 8
+    return anchor, anchor + block_size + 1
+
+
+def ours(folder: CheckpointFolder) -> SideRecord:
+    """Our drafter's reading of a speculators-format checkpoint (``config_from_reference``,
+    the loader ``dflash-audit train`` and ``eval`` use) and the masks ``model/mask.py`` builds.
+
+    Raises:
+        ServeCheckError: our loader refuses the config (the message names the field).
+    """
+    from dflash_audit.model.checkpoint import CheckpointError, config_from_reference
+    from dflash_audit.model.config import ConfigError
+    from dflash_audit.model.mask import dense_mask
+
+    record = SideRecord(OURS)
+    if folder.format != SPECULATORS:
+        record.refused = "not a speculators-format checkpoint (our drafter reads only those)"
+        return record
+    ids = folder.config.get("aux_hidden_state_layer_ids") or [1]
+    try:
+        c = config_from_reference(folder.config, max(max(int(i) for i in ids), 1))
+    except (CheckpointError, ConfigError, KeyError, TypeError, ValueError) as exc:
+        record.refused = f"{type(exc).__name__}: {exc}"
+        return record
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "num_hidden_layers", "rms_norm_eps", "hidden_act"):
+        record.set(key, getattr(c, key), CONFIG)
+    for i in range(c.num_hidden_layers):
+        window = c.sliding_window if c.is_sliding(i) else None
+        record.set(layer_key(i, "attention"), "sliding" if window else "full", CONFIG)
+        record.set(layer_key(i, "sliding_window"), window, CONFIG)
+        anchor, T = probe_block(c.block_size, c.sliding_window)
+        rows = dense_mask(torch.zeros(T, dtype=torch.long), torch.tensor([anchor]),
+                          c.block_size, window, c.sliding_window_non_causal)
+        record.masks[str(i)] = {"anchor": anchor, "total_seq_len": T,
+                                "rows": rows.reshape(c.block_size, -1).int().tolist(),
+                                "source": "dflash_audit/model/mask.py:dense_mask"}
+    rope = dict(c.rope_parameters or {})
+    record.set("rope.type", rope.get("rope_type", "default"), CONFIG)
+    record.set("rope.theta", float(c.rope_theta), CONFIG)
+    record.set("rope.scaling", {k: v for k, v in rope.items()
+                                if k not in ("rope_type", "rope_theta", "partial_rotary_factor")}
+               or None, CONFIG)
+    from dflash_audit.model.layers import RotaryEmbedding
+
+    record.set("rope.rotary_dim", 2 * int(RotaryEmbedding(c).inv_freq.numel()),
+               "dflash_audit/model/layers.py:RotaryEmbedding")
+    record.set("rope.neox_style", True, "dflash_audit/model/layers.py (rotate_half)")
+    record.set("rope.max_positions", None, "dflash_audit/model/layers.py (no table)")
+    record.set("norm.one_plus_weight", False, "dflash_audit/model/layers.py:RMSNorm (x * w)")
+    record.set("target_layer_ids", list(c.target_layer_ids), CONFIG)
+    fc = folder.weights.get("fc.weight")
+    record.set("fc.in_features", fc[-1] if fc else c.num_target_layers * c.hidden_size,
+               "model.safetensors fc.weight" if fc else CONFIG)
+    record.set("mask_token_id", c.mask_token_id, CONFIG)
+    record.set("block_size", c.block_size, CONFIG)
+    record.set("sample_from_anchor", c.sample_from_anchor, CONFIG)
+    record.set("num_speculative_tokens",
+               c.block_size if c.sample_from_anchor else c.block_size - 1, CONFIG)
+    record.set("draft_vocab_size", c.effective_draft_vocab_size, CONFIG)
+    record.set("draft_vocab.mapping", "d2t offsets" if c.uses_draft_vocab else "none", CONFIG)
+    record.set("lm_head.source", "checkpoint" if "lm_head.weight" in folder.weights else
+               "target", "model.safetensors (lm_head.weight saved only with a draft vocabulary)")
+    record.set("embed_tokens.source", "checkpoint" if "embed_tokens.weight" in folder.weights
+               else "target", "dflash_audit/model/verifier_weights.py:load_verifier_weights")
+    return record
+
+
+def reference(folder: CheckpointFolder, ref: str | None = None, offline: bool = False,
+              timeout_s: float = 600.0) -> SideRecord:
+    """The reference's reading of the checkpoint: ``reference/serve_probe.py`` run in the
+    reference's process (the pinned release unless ``ref``).
+
+    Raises:
+        ServeCheckError: the reference cannot be resolved or its process failed.
+    """
+    from dflash_audit.reference_source.identity import ReferenceSourceError, reference_dir
+    from dflash_audit.reference_source.runner import run_reference
+    from dflash_audit.reference_source.spec import resolve_reference
+
+    if folder.format != SPECULATORS:
+        return SideRecord("reference", refused="not a speculators-format checkpoint: the "
+                          "reference loads only those")
+    try:
+        identity = resolve_reference(ref, offline=offline)
+        with tempfile.TemporaryDirectory(prefix="dflash-serve-ref-") as tmp:
+            out = Path(tmp) / "probe.json"
+            run_reference(identity, [str(folder.path.resolve()), str(out)], Path(tmp),
+                          timeout_s, adapter=reference_dir() / "serve_probe.py")
+            import json
+
+            record = SideRecord.from_dict(json.loads(out.read_text()))
+    except ReferenceSourceError as exc:
+        raise ServeCheckError(f"the reference could not read the checkpoint: {exc}") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ServeCheckError(f"the reference's serve probe wrote no readable record "
+                              f"({type(exc).__name__}: {exc})") from None
+    record.side = identity.spec
+    return record

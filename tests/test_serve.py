@@ -1,0 +1,216 @@
+"""serve-check's own parts on real inputs: the attention rule of one drafting step, the
+reference's reading of a checkpoint (``reference/serve_probe.py`` in the real reference's
+process) against our drafter's, the field comparison and its wording, the report files, and
+the bad inputs of the command (one line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cli_zygote import run_cli
+from serve_support import edit_config, make_checkpoint
+
+from dflash_audit.serve.attention import rule_of, serving_mask, window_origin
+from dflash_audit.serve.checkpoint import read_checkpoint
+from dflash_audit.serve.differences import (
+    DIFFERS,
+    SAME,
+    WARN,
+    compare,
+    complete_from_masks,
+    layer_rules,
+)
+from dflash_audit.serve.fields import SideRecord
+from dflash_audit.serve.report import ServeReport, write_report
+from dflash_audit.serve.trained import ours, probe_block
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ attention rule
+def test_serving_mask_counts_the_window_from_the_anchor_or_from_each_query():
+    B, W = 4, 8
+    anchor, T = probe_block(B, W)
+    by_anchor = rule_of(serving_mask(B, T, anchor, W, True, "anchor"), anchor, T)
+    by_query = rule_of(serving_mask(B, T, anchor, W, True, "query"), anchor, T)
+    assert by_anchor["context"] == [[-8, -1]] * 4
+    assert by_query["context"] == [[-7, -1], [-6, -1], [-5, -1], [-4, -1]]
+    assert window_origin(by_anchor, W) == "anchor" and window_origin(by_query, W) == "query"
+    assert by_anchor["slots"] == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]
+    assert by_anchor["block_causal"] is True
+    full = rule_of(serving_mask(B, T, anchor, None, False, None), anchor, T)
+    assert full["context"] == [["start", -1]] * 4 and full["block_causal"] is False
+    with pytest.raises(ValueError, match="window_origin"):
+        serving_mask(B, T, anchor, W, True, "middle")
+
+
+# ------------------------------------------------- the reference's reading vs ours
+VARIANTS = {
+    "mixed": {},
+    "non-causal window": {"sliding_window_non_causal": True},
+    "draft vocab": {"draft_vocab_size": 64},
+    "sample from anchor": {"sample_from_anchor": True, "layer_types": None,
+                           "sliding_window": None},
+}
+
+
+@pytest.fixture(scope="module")
+def reference_readings(reference_zygote, tmp_path_factory):
+    """``{variant: (reference record, our record)}`` of each variant's checkpoint."""
+    out = {}
+    for name, changes in VARIANTS.items():
+        folder = make_checkpoint(tmp_path_factory.mktemp("ckpt"), **changes)
+        probe = folder.parent / "probe.json"
+        done = reference_zygote.run(ROOT / "reference" / "serve_probe.py", [folder, probe],
+                                    folder.parent)
+        assert done.returncode == 0, done.stdout[-3000:]
+        ref = SideRecord.from_dict(json.loads(probe.read_text()))
+        mine = ours(read_checkpoint(folder))
+        for record in (ref, mine):
+            complete_from_masks(record)
+        out[name] = (ref, mine)
+    return out
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_reference_and_our_drafter_read_a_checkpoint_alike(reference_readings, variant):
+    ref, mine = reference_readings[variant]
+    assert ref.refused is None and mine.refused is None
+    assert set(ref.fields) == set(mine.fields)
+    for key, value in ref.fields.items():
+        assert json.dumps(mine.fields[key]) == json.dumps(value), key
+    for layer, m in ref.masks.items():
+        assert mine.masks[layer]["rows"] == m["rows"], layer
+
+
+def test_the_reference_probe_reads_each_fact_off_the_built_model(reference_readings):
+    ref, _ = reference_readings["mixed"]
+    f = ref.fields
+    assert (f["layers.0.attention"], f["layers.1.attention"]) == ("full", "sliding")
+    assert f["layers.0.block_causal"] is False and f["layers.1.block_causal"] is True
+    assert f["layers.1.window_origin"] == "anchor" and f["layers.0.window_origin"] is None
+    assert f["rope.theta"] == 10000.0 and f["rope.rotary_dim"] == 8
+    assert f["fc.in_features"] == 3 * 32 and f["target_layer_ids"] == [1, 3, 4]
+    assert f["num_speculative_tokens"] == 3 and f["lm_head.source"] == "target"
+    assert reference_readings["non-causal window"][0].fields["layers.1.block_causal"] is False
+    vocab = reference_readings["draft vocab"][0].fields
+    assert vocab["draft_vocab_size"] == 64 and vocab["lm_head.source"] == "checkpoint"
+    assert vocab["draft_vocab.mapping"] == "d2t offsets"
+    assert reference_readings["sample from anchor"][0].fields["num_speculative_tokens"] == 4
+
+
+# ------------------------------------------------------- the comparison, worded
+def _served_from(trained: SideRecord, **changes) -> SideRecord:
+    served = SideRecord("engine X", dict(trained.fields), {k: "engine.py:resolve" for k in
+                                                             trained.fields})
+    served.fields.update(changes)
+    return served
+
+
+def test_each_changed_field_is_a_named_difference(reference_readings):
+    ref, mine = reference_readings["mixed"]
+    served = _served_from(ref, **{"rope.theta": 1000000.0, "layers.0.block_causal": True,
+                                  "layers.1.window_origin": "query", "rope.max_positions": 1024,
+                                  "num_speculative_tokens": 2})
+    rows = {r.key: r for r in compare(ref, mine, served, "engine X", 4096)}
+    assert rows["rope.theta"].status == DIFFERS and rows["rope.theta"].name == "RoPE theta"
+    assert "1000000.0" in rows["rope.theta"].message and "10000.0" in rows["rope.theta"].message
+    assert rows["layers.0.block_causal"].name == "causality inside the block"
+    assert rows["rope.max_positions"].status == DIFFERS  # 1024 < the target's 4096
+    assert rows["num_speculative_tokens"].status == WARN  # fewer slots: no wrong token
+    assert rows["hidden_size"].status == SAME
+    covered = compare(ref, mine, served, "engine X", 1024)
+    assert {r.key: r for r in covered}["rope.max_positions"].status == SAME
+    rules = {r.layer: r for r in layer_rules(ref, served, "engine X")}
+    assert rules[0].differences == [f"slot {s} sees block slots {list(range(s + 1))} at "
+                                    f"serving, [0, 1, 2, 3] in training" for s in range(3)]
+    assert rules[1].differences[0] == "slot 0 sees context a-7..a-1 at serving, a-8..a-1 in " \
+                                      "training"
+
+
+def test_an_unchanged_served_record_is_a_pass_and_every_format_is_written(reference_readings,
+                                                                         tmp_path):
+    ref, mine = reference_readings["mixed"]
+    served = _served_from(ref)
+    report = ServeReport("ckpt", "speculators", {"key": "x", "label": "engine X"},
+                         compare(ref, mine, served, "engine X", 1024),
+                         layer_rules(ref, served, "engine X"))
+    assert report.verdict == "pass" and report.exit_code == 0
+    folder = write_report(report, tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == ["junit.xml", "report.html",
+                                                         "report.json", "report.md"]
+    changed = _served_from(ref, **{"layers.1.window_origin": "query"})
+    bad = ServeReport("ckpt", "speculators", {"key": "x", "label": "engine X"},
+                      compare(ref, mine, changed, "engine X", 1024),
+                      layer_rules(ref, changed, "engine X"))
+    assert bad.verdict == "fail" and bad.exit_code == 1
+    folder = write_report(bad, tmp_path)
+    html = (folder / "report.html").read_text()
+    assert html.count("<img") == 3 * 2 and "only served" in html
+    junit = (folder / "junit.xml").read_text()
+    assert 'failures="2"' in junit  # the window_origin field and layer 1's attention
+    assert "where the window is counted from" in (folder / "report.md").read_text()
+
+
+def test_loaders_that_disagree_are_a_warning(reference_readings):
+    ref, mine = reference_readings["mixed"]
+    other = SideRecord(mine.side, {**mine.fields, "rope.theta": 5.0}, dict(mine.sources))
+    rows = [r for r in compare(ref, other, _served_from(ref), "engine X", None)
+            if r.name == "loaders disagree"]
+    assert [r.key for r in rows] == ["rope.theta (our drafter)"] and rows[0].status == WARN
+
+
+# ------------------------------------------------------------------ bad inputs
+def _no_config(tmp: Path) -> Path:
+    folder = make_checkpoint(tmp / "c")
+    (folder / "config.json").unlink()
+    return folder
+
+
+BAD = {
+    "missing folder": (lambda tmp: tmp / "nowhere", "is not a folder"),
+    "no config": (_no_config, "has no config.json"),
+    "config not JSON": (lambda tmp: _write(make_checkpoint(tmp / "c"), "config.json", "{oops"),
+                        "is not JSON"),
+    "not a drafter": (lambda tmp: edit_config(make_checkpoint(tmp / "c"),
+                                              lambda d: d.pop("speculators_model_type")),
+                      "is not a DFlash drafter config"),
+    "no weights": (lambda tmp: _unlink(make_checkpoint(tmp / "c"), "model.safetensors"),
+                   "has no *.safetensors"),
+    "broken weights": (lambda tmp: _write(make_checkpoint(tmp / "c"), "model.safetensors",
+                                          "garbage"), "is not a readable safetensors"),
+}
+
+
+def _write(folder: Path, name: str, text: str) -> Path:
+    (folder / name).write_text(text)
+    return folder
+
+
+def _unlink(folder: Path, name: str) -> Path:
+    (folder / name).unlink()
+    return folder
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_checkpoint_folder_is_one_line_and_exit_2(case, tmp_path):
+    make, words = BAD[case]
+    folder = make(tmp_path)
+    result = run_cli(["serve-check", str(folder), "--engine", "zlab", "--out", str(tmp_path)],
+                     tmp_path)
+    assert result.returncode == 2, result.stdout
+    assert words in result.stdout and "Traceback" not in result.stdout
+
+
+@pytest.mark.parametrize("engine, words", [("tensorrt", "unknown engine"),
+                                           ("vllm==0.30.0", "audits vLLM 0.33.0 only")])
+def test_an_unknown_engine_or_version_is_one_line_and_exit_2(engine, words, tmp_path):
+    folder = make_checkpoint(tmp_path / "c")
+    result = run_cli(["serve-check", str(folder), "--engine", engine], tmp_path)
+    assert result.returncode == 2 and words in result.stdout, result.stdout
+    assert "Traceback" not in result.stdout
