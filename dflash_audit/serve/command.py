@@ -54,8 +54,66 @@ def verifier_max_positions(spec: str | None) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def drafting_summary(comparison: Any) -> dict[str, Any]:
+    """The report's ``drafting`` entry of a :class:`~dflash_audit.serve.drafting.
+    DraftingComparison`: ``differs`` when the served step's draft logits leave the fp32
+    tolerance (the named served fields, and whether re-running training with them explains
+    it), the acceptance lengths side by side."""
+    step, acc = comparison.step, comparison.acceptance
+    out: dict[str, Any] = {
+        "engine": comparison.side, "verifier": comparison.verifier,
+        "differs": not step.equal, "max_abs_diff": step.max_abs_diff,
+        "tolerance": step.tolerance, "served_drafts": step.served_drafts,
+        "trained_drafts": step.trained_drafts, "context_tokens": step.context_tokens}
+    if not step.equal:
+        why = "; ".join(step.differences) or "no served field differs (unexplained)"
+        out["message"] = (f"one drafting step's draft logits differ by {step.max_abs_diff:.3g} "
+                          f"(tolerance {step.tolerance:g}): {why}"
+                          + (" -- training re-run with the served values reproduces the "
+                             "engine's logits" if step.explained else ""))
+    if acc is not None:
+        out["acceptance_served"] = acc.served
+        out["acceptance_trained_teacher_forced"] = acc.trained
+        out["acceptance_prompts"] = acc.prompts
+        out["acceptance_new_tokens"] = acc.max_new_tokens
+    return out
+
+
+def _served(eng: Engine, folder: Any, site: Path, notes: list[str]) -> Any:
+    """The engine's record of the folder; when the engine refuses a speculators-format folder
+    as such, its record of the adapter's z-lab-format conversion (noted), so the report still
+    says what the engine would serve once converted."""
+    from dflash_audit.serve.checkpoint import SPECULATORS
+
+    served = run_probe(PROBES / eng.probe, folder.path, site, eng.label)
+    if not served.refused or folder.format != SPECULATORS or eng.key == "zlab":
+        return served
+    import tempfile
+
+    from dflash_audit.serve.probes.zlab_probe import ZLabRefused, write_zlab_folder
+
+    with tempfile.TemporaryDirectory(prefix="dflash-serve-zlab-") as tmp:
+        try:
+            conversion = write_zlab_folder(folder.path, Path(tmp) / "zlab")
+        except ZLabRefused:
+            return served
+        converted = run_probe(PROBES / eng.probe, Path(tmp) / "zlab", site, eng.label)
+    if converted.refused:
+        return served
+    notes.append(f"{eng.label} cannot load this checkpoint as it is ({served.refused}); what "
+                 "follows is what it serves of the same drafter written in z-lab's format "
+                 f"by the adapter: {conversion[0]}")
+    converted.notes += conversion[1:]
+    converted.fields["checkpoint_format"] = "zlab (converted)"
+    converted.sources["checkpoint_format"] = f"{eng.label} refuses the speculators format: " \
+        f"{served.refused}"
+    return converted
+
+
 def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | None = None,
-                    verifier: str | None = None, offline: bool = False) -> Any:
+                    verifier: str | None = None, offline: bool = False,
+                    drafting: bool = True, prompts: int = 3,
+                    max_new_tokens: int = 32) -> Any:
     """Audit ``checkpoint`` as ``engine`` will serve it.
 
     Args:
@@ -65,6 +123,9 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
         verifier: the target (a local HF folder or ``smollm2-135m``) whose context length
             bounds the served positions; default: the folder the checkpoint names.
         offline: use only the tool's cache (engine and reference).
+        drafting: where the engine drafts on CPU (z-lab), also run one served drafting step
+            against the training forward and measure acceptance (needs the verifier).
+        prompts, max_new_tokens: the acceptance measurement's size.
 
     Returns:
         The :class:`~dflash_audit.serve.report.ServeReport`.
@@ -75,7 +136,13 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
     """
     from dflash_audit.serve import trained as trained_sides
     from dflash_audit.serve.checkpoint import SPECULATORS, read_checkpoint
-    from dflash_audit.serve.differences import compare, complete_from_masks, layer_rules
+    from dflash_audit.serve.differences import (
+        DIFFERS,
+        Row,
+        compare,
+        complete_from_masks,
+        layer_rules,
+    )
     from dflash_audit.serve.report import ServeReport
 
     start = time.perf_counter()
@@ -97,7 +164,8 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
         raise ServeCheckError(f"{trained.side} refuses this checkpoint ({trained.refused}): it "
                               "cannot have been trained as it is; fix the config it names")
     _say(f"asking {eng.label}'s own code what it will run ...")
-    served = run_probe(PROBES / eng.probe, folder.path, site, eng.label)
+    notes: list[str] = []
+    served = _served(eng, folder, site, notes)
     if served.refused:
         raise ServeCheckError(f"{eng.label} refuses this checkpoint: {served.refused} (the "
                               "engine's own check; fix the config field it names, or serve "
@@ -108,8 +176,16 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
     positions = verifier_max_positions(verifier or folder.verifier)
     rows = compare(trained, ours, served, eng.label, positions)
     rules = layer_rules(trained, served, eng.label)
-    notes = [f"{served.side}: {n}" for n in served.notes] + [
+    notes += [f"{served.side}: {n}" for n in served.notes] + [
         f"{trained.side}: {n}" for n in trained.notes]
+    if "checkpoint_format" in served.fields:
+        rows.insert(0, Row("checkpoint_format", folder.format, served.fields[
+            "checkpoint_format"], DIFFERS, f"{eng.label} cannot load this checkpoint as it "
+            f"is: {served.sources['checkpoint_format']}", "checkpoint format not loadable",
+            "serve-check", served.sources["checkpoint_format"]))
+    summary = None
+    if drafting and eng.key == "zlab" and folder.format == SPECULATORS:
+        summary = _drafting(folder, verifier, offline, prompts, max_new_tokens, notes)
     if positions is None:
         notes.append("the target's context length is unknown (pass --verifier DIR): the "
                      "rotary table size is not checked against it")
@@ -121,9 +197,29 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
         engine={"key": eng.key, "label": eng.label, "version": eng.version,
                 "requirements": list(eng.requirements), "site": str(site),
                 "adapter": f"dflash_audit/serve/probes/{eng.probe}"},
-        rows=rows, rules=rules, sides=sides, notes=notes)
+        rows=rows, rules=rules, sides=sides, drafting=summary, notes=notes)
     report.notes.append(f"serve-check took {time.perf_counter() - start:.1f} s")
     return report
+
+
+def _drafting(folder: Any, verifier: str | None, offline: bool, prompts: int,
+              max_new_tokens: int, notes: list[str]) -> dict[str, Any] | None:
+    """The drafting comparison's summary, or None (with a note) when the verifier is not at
+    hand."""
+    from dflash_audit.data.builtin_verifier import BUILTIN_VERIFIERS, builtin_verifier_dir
+    from dflash_audit.serve.drafting import compare_drafting
+
+    target = verifier or folder.verifier
+    if target in BUILTIN_VERIFIERS:
+        target = str(builtin_verifier_dir(target))
+    if not target or not (Path(target) / "config.json").is_file():
+        notes.append("the served drafting step and acceptance were not measured: the verifier "
+                     f"{target!r} is not a local folder (pass --verifier DIR)")
+        return None
+    _say(f"drafting with z-lab's own code on {prompts} prompts ({max_new_tokens} new tokens "
+         "each) beside the training forward ...")
+    return drafting_summary(compare_drafting(folder.path, target, num_prompts=prompts,
+                                             max_new_tokens=max_new_tokens, offline=offline))
 
 
 def serve_check_command(
@@ -141,13 +237,21 @@ def serve_check_command(
              "served drafter must cover; default: the one the checkpoint names.")] = None,
     offline: Annotated[bool, typer.Option(
         help="Use only the tool's cache for the engine and the reference.")] = False,
+    drafting: Annotated[bool, typer.Option(
+        help="zlab: also draft with the engine (one step vs the training forward, and "
+             "acceptance on held-out prompts).")] = True,
+    prompts: Annotated[int, typer.Option(help="Held-out prompts for the acceptance length.",
+                                         min=1)] = 3,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.", min=1)
+                              ] = 32,
     out: Annotated[Path, typer.Option(help="Report folder parent.")] = Path("reports"),
 ) -> None:
     """What an engine will serve for a checkpoint (its own code, pinned) vs what the drafter
     was trained as. Exit 0 no train-serve difference, 1 differences, 2 setup error."""
     from dflash_audit.serve.report import write_report
 
-    report = run_serve_check(checkpoint, engine, ref=ref, verifier=verifier, offline=offline)
+    report = run_serve_check(checkpoint, engine, ref=ref, verifier=verifier, offline=offline,
+                             drafting=drafting, prompts=prompts, max_new_tokens=max_new_tokens)
     folder = write_report(report, out)
     for line in report.summary_lines():
         print(line, file=sys.stderr)

@@ -69,6 +69,11 @@ class ServeReport:
                 for r in self.rule_differences]
         if self.drafting_differs:
             out.append(f"DIFFERS [draft logits] {self.drafting.get('message', '')}")
+        d = self.drafting or {}
+        if "acceptance_served" in d:
+            out.append(f"acceptance length on {d['acceptance_prompts']} held-out prompts: "
+                       f"served by {d['engine']} {d['acceptance_served']:.3f}, training-time "
+                       f"teacher-forced estimate {d['acceptance_trained_teacher_forced']:.3f}")
         out += [f"warn [{r.name or r.key}] {r.message}" for r in self.rows if r.status == "warn"]
         out += [f"not run [{r.key}] {r.message}" for r in self.rows if r.status == NOT_RUN]
         return out

@@ -156,6 +156,10 @@ def train_command(
     how = f" ({summary.stopped_by}; resume with --resume)" if summary.stopped_by else ""
     console.print(f"step {summary.step}/{steps}{how}; checkpoint {summary.checkpoint}; "
                   f"{summary.wall_s:.0f} s", markup=False, highlight=False)
+    if summary.checkpoint:
+        console.print("next, check how an engine will serve it: dflash-audit serve-check "
+                      f"{summary.checkpoint} --engine vllm (or sglang, zlab)", markup=False,
+                      highlight=False)
     if summary.exit_code:
         raise typer.Exit(summary.exit_code)
 
