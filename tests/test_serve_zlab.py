@@ -58,7 +58,8 @@ def test_probe_reads_zlabs_window_from_the_query(zlab_site, folders):
     # keys, where the reference trains kv >= a - W (W keys) for every slot
     assert (f["layers.1.attention"], f["layers.1.sliding_window"], f["layers.1.block_causal"],
             f["layers.1.window_origin"]) == ("sliding", 8, True, "query")
-    assert f["layers.1.context_keys_seen_by_slot0"] == 7
+    slot0 = rec.masks["1"]["rows"][0][:rec.masks["1"]["total_seq_len"]]
+    assert sum(slot0) == 7
     assert "_attention_mask (line 157)" in rec.sources["layers.1.window_origin"]
     assert f["target_layer_ids"] == list(TINY["target_layer_ids"]) == [1, 3, 4]
     assert "z-lab ids [0, 2, 3]" in rec.sources["target_layer_ids"]

@@ -104,9 +104,7 @@ def _served(eng: Engine, folder: Any, site: Path, notes: list[str]) -> Any:
                  "follows is what it serves of the same drafter written in z-lab's format "
                  f"by the adapter: {conversion[0]}")
     converted.notes += conversion[1:]
-    converted.fields["checkpoint_format"] = "zlab (converted)"
-    converted.sources["checkpoint_format"] = f"{eng.label} refuses the speculators format: " \
-        f"{served.refused}"
+    converted.refused_as_is = served.refused
     return converted
 
 
@@ -178,11 +176,11 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
     rules = layer_rules(trained, served, eng.label)
     notes += [f"{served.side}: {n}" for n in served.notes] + [
         f"{trained.side}: {n}" for n in trained.notes]
-    if "checkpoint_format" in served.fields:
-        rows.insert(0, Row("checkpoint_format", folder.format, served.fields[
-            "checkpoint_format"], DIFFERS, f"{eng.label} cannot load this checkpoint as it "
-            f"is: {served.sources['checkpoint_format']}", "checkpoint format not loadable",
-            "serve-check", served.sources["checkpoint_format"]))
+    if served.refused_as_is:
+        rows.insert(0, Row("checkpoint_format", folder.format, "zlab (converted)", DIFFERS,
+                           f"{eng.label} cannot load this checkpoint as it is: "
+                           f"{served.refused_as_is}", "checkpoint format not loadable",
+                           "the checkpoint's config.json", served.refused_as_is))
     summary = None
     if drafting and eng.key == "zlab" and folder.format == SPECULATORS:
         summary = _drafting(folder, verifier, offline, prompts, max_new_tokens, notes)

@@ -42,6 +42,11 @@ NAMES: dict[str, str] = {
 }
 
 
+#: Engine-only settings (no training counterpart) and the value that changes nothing.
+NEUTRAL: dict[str, Any] = {"embed_tokens.scale": 1.0, "logits.multiplier": 1.0,
+                           "logits.softcap": None}
+
+
 @dataclass
 class Row:
     """One field: ``key``; the ``trained`` value and its ``trained_source`` (the reference's,
@@ -137,7 +142,12 @@ def compare(trained: SideRecord, ours: SideRecord | None, served: SideRecord,
         elif key not in served.fields:
             row.status, row.message = UNKNOWN, f"{engine_label}'s adapter does not report it"
         elif key not in trained.fields:
-            row.status, row.message = WARN, "the training side does not define it"
+            if key in NEUTRAL and _equal(NEUTRAL[key], s):
+                row.message = f"only {engine_label} has this setting; its value is neutral"
+            else:
+                row.status, row.name = WARN, key
+                row.message = (f"{engine_label} runs {key} = {s!r} ({s_src}); training has no "
+                               "such setting")
         elif not _equal(t, s):
             row.status, row.name = DIFFERS, name
             row.message = (f"{engine_label} serves this drafter with {key} {s!r} ({s_src}); it "

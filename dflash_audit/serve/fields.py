@@ -86,6 +86,8 @@ class SideRecord:
     refused: str | None = None
     notes: list[str] = field(default_factory=list)
     masks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the engine's refusal of the folder as it is, when the record is of a conversion
+    refused_as_is: str | None = None
 
     def set(self, key: str, value: Any, source: str) -> None:
         """Record ``key = value`` as decided by ``source`` (``file:function`` or a config key)."""

@@ -297,10 +297,10 @@ def fill(rec, model, zm, from_zlab_ids, layer_key, torch) -> None:
                 f"(is_causal = {a.is_causal}: {init})")
         rec.set(layer_key(i, "window_origin"), origin, f"{decided}, observed in a forward: "
                 f"{how}")
-        visible_ctx = int(seen[i]["visible"][0, :C].sum())
-        if w is not None:
-            rec.fields[layer_key(i, "context_keys_seen_by_slot0")] = visible_ctx
-            rec.sources[layer_key(i, "context_keys_seen_by_slot0")] = decided
+        rec.masks[str(i)] = {"anchor": C, "total_seq_len": C,
+                             "rows": seen[i]["visible"].int().tolist(),
+                             "source": f"{decided}, observed in a forward (the keys whose "
+                                       "values change each query's output)"}
 
     rotary = model.rotary_emb
     rope = dict(getattr(rotary.config, "rope_parameters", None) or {})
