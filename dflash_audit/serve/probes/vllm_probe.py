@@ -290,7 +290,15 @@ def probe(rec, ckpt: Path, site: Path) -> None:
             continue
         if mask_mod_fn is None:
             mask_mod_fn = _flex_sliding_mask_mod(site, rec)
-        rec.set(layer_key(i, "window_origin"), _window_origin(mask_mod_fn, int(window), torch),
+        origin = _window_origin(mask_mod_fn, int(window), torch)
+        if origin == "query" and not any("counted back from each query" in n for n in rec.notes):
+            rec.notes.append(
+                f"sliding window W={window}: vLLM's mask keeps kv with |q - kv| < W, q the "
+                "slot's own position (slot s of a block at anchor a sees context from "
+                "a + s - W + 1): counted back from each query; the reference trains every "
+                "slot with kv >= a - W, so even slot 0 sees one context token fewer and slot "
+                "s sees s + 1 fewer")
+        rec.set(layer_key(i, "window_origin"), origin,
                 f"{FLEX}:FlexAttentionMetadata.get_sliding_window_mask_mod "
                 "(per_layer_sliding_window, run on index tensors)")
     # the V1 runner
