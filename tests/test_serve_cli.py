@@ -56,3 +56,17 @@ def test_sglang_cannot_load_the_speculators_format_and_is_shown_the_conversion(c
     assert "Unrecognized model" in rows["checkpoint_format"]["message"]
     assert rows["layers.1.window_origin"]["served"] == "query"
     assert rows["layers.0.block_causal"]["status"] == "same"
+
+
+def test_vllm_serves_the_full_layer_causal_and_counts_the_window_from_each_query(checkpoint,
+                                                                                tmp_path):
+    result, report, _ = _serve_check(checkpoint, "vllm", tmp_path)
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert "DIFFERS [causality inside the block]" in result.stdout
+    rows = {r["key"]: r for r in report["rows"]}
+    assert rows["layers.0.block_causal"]["served"] is True
+    assert rows["layers.0.block_causal"]["trained"] is False
+    assert "_dflash_layer_causal" in rows["layers.0.block_causal"]["served_source"]
+    assert rows["rope.max_positions"]["status"] == "same"  # raised to the target's context
+    assert rows["attention_backend"]["status"] == "not run"
+    assert report["attention"][0]["served"]["slots"][0] == [0]

@@ -44,7 +44,7 @@ NAMES: dict[str, str] = {
 
 #: Engine-only settings (no training counterpart) and the value that changes nothing.
 NEUTRAL: dict[str, Any] = {"embed_tokens.scale": 1.0, "logits.multiplier": 1.0,
-                           "logits.softcap": None}
+                           "logits.softcap": None, "rope.max_positions_raised_to_target": True}
 
 
 @dataclass
@@ -152,7 +152,7 @@ def compare(trained: SideRecord, ours: SideRecord | None, served: SideRecord,
             row.status, row.name = DIFFERS, name
             row.message = (f"{engine_label} serves this drafter with {key} {s!r} ({s_src}); it "
                            f"was trained with {t!r} ({t_src})")
-            _soften(row, engine_label, verifier_max_positions)
+            _soften(row, engine_label, verifier_max_positions, served)
         rows.append(row)
     if ours is not None and not ours.refused:
         for key, value in ours.fields.items():
@@ -164,10 +164,16 @@ def compare(trained: SideRecord, ours: SideRecord | None, served: SideRecord,
     return rows
 
 
-def _soften(row: Row, engine: str, verifier_max_positions: int | None) -> None:
+def _soften(row: Row, engine: str, verifier_max_positions: int | None,
+            served: SideRecord) -> None:
     """Turn a difference that cannot change what is drafted into a warning, with why."""
     key, t, s = row.key, row.trained, row.served
-    if key == "rope.max_positions" and t is None and isinstance(s, int):
+    raised = "rope.max_positions_raised_to_target"
+    if key == "rope.max_positions" and served.fields.get(raised):
+        row.status = SAME
+        row.message = (f"{engine} raises the draft's rotary table past its {s} positions to the "
+                       f"target's context ({served.sources.get(raised, '')})")
+    elif key == "rope.max_positions" and t is None and isinstance(s, int):
         if verifier_max_positions is not None and s >= verifier_max_positions:
             row.status = SAME
             row.message = (f"{engine}'s rotary table covers {s} positions, the target's "
