@@ -11,6 +11,8 @@
 #                                     Actions also output it and the cache folder
 #   scripts/audit-gate.sh audit       run `dflash-audit compare`, append report.md to the job
 #                                     summary, print a one-line reason, exit with compare's code
+#   scripts/audit-gate.sh serve-check run `dflash-audit serve-check` on a checkpoint for each
+#                                     engine (train-serve differences), the worst exit code
 #
 # Inputs (environment; an empty value means the tool's default):
 #   DFLASH_AUDIT_SOURCE        folder with dflash-audit's source (default: this script's repo)
@@ -21,6 +23,8 @@
 #   DFLASH_AUDIT_OUT           report folder (default: dflash-audit-report)
 #   DFLASH_AUDIT_CACHE         the tool's cache (default: ~/.cache/dflash-audit)
 #   DFLASH_AUDIT_REQUIRE_SANDBOX  1 (default): --require-sandbox; 0: --no-require-sandbox
+#   DFLASH_AUDIT_SERVE_CHECKPOINT  serve-check: the drafter checkpoint folder
+#   DFLASH_AUDIT_SERVE_ENGINES     serve-check: engines, space separated (vllm sglang zlab)
 #   DFLASH_AUDIT_TORCH_INDEX   where `install` gets torch (default: PyTorch's CPU wheel index)
 #   GITHUB_STEP_SUMMARY, GITHUB_OUTPUT   written when set (as in GitHub Actions)
 #
@@ -198,11 +202,36 @@ cmd_sandbox() {
   fi
 }
 
+# serve-check of $DFLASH_AUDIT_SERVE_CHECKPOINT with each engine of $DFLASH_AUDIT_SERVE_ENGINES
+# (default: vllm sglang zlab): report.md of each to the job summary; the worst exit code.
+cmd_serve_check() {
+  local ckpt="${DFLASH_AUDIT_SERVE_CHECKPOINT:-}" worst=0 rc engine
+  if [ -z "$ckpt" ]; then
+    reason_line 2 "dflash-audit: ERROR (exit 2): set DFLASH_AUDIT_SERVE_CHECKPOINT (the serve-check input) to a drafter checkpoint folder"
+    return 2
+  fi
+  for engine in ${DFLASH_AUDIT_SERVE_ENGINES:-vllm sglang zlab}; do
+    say "dflash-audit serve-check $ckpt --engine $engine --out $OUT"
+    dflash-audit serve-check "$ckpt" --engine "$engine" --out "$OUT"
+    rc=$?
+    case "$rc" in 0|1|2) ;; *) say "serve-check ended with exit code $rc (a crash)"; rc=2 ;; esac
+    local dir
+    dir=$(ls -1d "$OUT"/*-serve-check-"$engine"* 2>/dev/null | tail -n 1)
+    if [ -n "${GITHUB_STEP_SUMMARY:-}" ] && [ -n "$dir" ] && [ -f "$dir/report.md" ]; then
+      cat "$dir/report.md" >> "$GITHUB_STEP_SUMMARY"
+    fi
+    if [ "$rc" -eq 2 ] || { [ "$rc" -gt "$worst" ] && [ "$worst" -ne 2 ]; }; then worst=$rc; fi
+  done
+  reason_line "$worst" "dflash-audit serve-check: exit $worst (0: no train-serve difference, 1: differences, 2: setup error)"
+  return "$worst"
+}
+
 case "${1:-}" in
   install) cmd_install ;;
   sandbox) cmd_sandbox ;;
   cache-key) cmd_cache_key ;;
   audit) cmd_audit ;;
-  *) echo "usage: scripts/audit-gate.sh install|sandbox|cache-key|audit (inputs: see the header of this script)" >&2
+  serve-check) cmd_serve_check ;;
+  *) echo "usage: scripts/audit-gate.sh install|sandbox|cache-key|audit|serve-check (inputs: see the header of this script)" >&2
      exit 2 ;;
 esac

@@ -6,11 +6,9 @@ the bad inputs of the command (one line, exit 2)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from cli_zygote import run_cli
 from serve_support import edit_config, make_checkpoint

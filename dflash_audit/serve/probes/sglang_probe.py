@@ -26,10 +26,8 @@ import its kernels. So the probe
 
 from __future__ import annotations
 
-import __future__ as _future
 import ast
 import enum
-import hashlib
 import json
 import sys
 import types
@@ -43,9 +41,8 @@ from torch import nn
 
 from dflash_audit.serve.fields import SideRecord, layer_key
 from dflash_audit.serve.probes.engine_source import (
-    EngineSourceError,
     Provenance,
-    record_sha256,
+    engine_functions,
     site_folder,
 )
 
@@ -85,61 +82,6 @@ class NotRunHere(Exception):
 
 
 # --------------------------------------------------------------------------- engine code
-
-def engine_defs(relative: str, names: list[str], bindings: dict[str, Any] | None = None,
-                ) -> tuple[dict[str, Any], dict[str, Provenance]]:
-    """Like :func:`~dflash_audit.serve.probes.engine_source.engine_functions`, for the
-    top-level functions, classes and assignments ``names`` of an engine file, compiled with
-    the file's own ``from __future__ import annotations`` (so signatures need no bindings)."""
-    site = site_folder(relative.split("/")[0])
-    path = site / relative
-    if not path.is_file():
-        raise EngineSourceError(f"{relative} is not in the installed engine ({site})")
-    data = path.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    recorded = record_sha256(site, relative)
-    if recorded is not None and recorded != digest:
-        raise EngineSourceError(f"{path} differs from its wheel's RECORD: reinstall the engine")
-    tree = ast.parse(data, filename=str(path))
-    found: dict[str, ast.stmt] = {}
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in names:
-            found[node.name] = node
-        elif isinstance(node, ast.Assign):
-            for t in node.targets:
-                if isinstance(t, ast.Name) and t.id in names:
-                    found[t.id] = node
-    missing = [n for n in names if n not in found]
-    if missing:
-        raise EngineSourceError(f"{relative} defines no {', '.join(missing)}: the adapter was "
-                                "written for SGLang 0.5.23")
-    constants = [n for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
-                 and _literal(n.value) and n not in found.values()]
-    order = sorted(set(map(id, found.values())))
-    body = constants + [n for n in tree.body if id(n) in order]
-    flags = _future.annotations.compiler_flag if any(
-        isinstance(n, ast.ImportFrom) and n.module == "__future__"
-        and any(a.name == "annotations" for a in n.names) for n in tree.body) else 0
-    # a module of its own in sys.modules: a dataclass with string annotations looks it up
-    module = types.ModuleType(f"engine_source:{relative}")
-    sys.modules[module.__name__] = module
-    ns = module.__dict__
-    ns.update({"__builtins__": __builtins__, **(bindings or {})})
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec", flags=flags,
-                 dont_inherit=True), ns)  # noqa: S102 - the engine's own code
-    return ({n: ns[n] for n in names},
-            {n: Provenance(relative, n, found[n].lineno, digest) for n in names})
-
-
-def _literal(node: ast.AST | None) -> bool:
-    if node is None:
-        return False
-    try:
-        ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return False
-    return True
-
 
 def enter_bare_packages() -> None:
     """``sglang``, ``sglang.srt``, ``sglang.srt.utils`` as packages whose ``__init__`` is not
@@ -196,24 +138,24 @@ def sglang_code(ckpt: Path) -> dict[str, Any]:
                 "Union": typing.Union, "torch": torch, "Path": Path, "dataclass": dataclass,
                 "os": __import__("os"), "json": json}
 
-    f, p = engine_defs(HF_COMMON, ["get_rope_config", "check_gguf_file", "get_hf_text_config",
+    f, p = engine_functions(HF_COMMON, ["get_rope_config", "check_gguf_file", "get_hf_text_config",
                                    "_patch_text_config", "_is_deepseek_ocr_model",
                                    "_is_deepseek_ocr2_model"],
                        {**common_t, "PretrainedConfig": PretrainedConfig,
                         "normalize_rope_scaling_compat": normalize_rope_scaling_compat})
     prov.update(p)
     code = dict(f)
-    f, p = engine_defs("sglang/srt/utils/runai_utils.py", ["is_runai_obj_uri"], common_t)
+    f, p = engine_functions("sglang/srt/utils/runai_utils.py", ["is_runai_obj_uri"], common_t)
     prov.update(p)
     code.update(f)
-    f, p = engine_defs(HF_COMMON, ["resolve_runai_obj_uri"], {**common_t, **code})
+    f, p = engine_functions(HF_COMMON, ["resolve_runai_obj_uri"], {**common_t, **code})
     prov.update(p)
     code.update(f)
-    f, p = engine_defs("sglang/srt/utils/common.py", ["is_remote_url"],
+    f, p = engine_functions("sglang/srt/utils/common.py", ["is_remote_url"],
                        {**common_t, "re": __import__("re")})
     prov.update(p)
     code.update(f)
-    f, p = engine_defs("sglang/srt/utils/hf_transformers/mistral_utils.py",
+    f, p = engine_functions("sglang/srt/utils/hf_transformers/mistral_utils.py",
                        ["is_mistral_model"], common_t)
     prov.update(p)
     code.update(f)
@@ -229,7 +171,7 @@ def sglang_code(ckpt: Path) -> dict[str, Any]:
         pass
 
     parser_holder: dict[str, Any] = {}
-    f, p = engine_defs(HF_CONFIG, ["_set_architectures", "_try_load_longcat_config",
+    f, p = engine_functions(HF_CONFIG, ["_set_architectures", "_try_load_longcat_config",
                                    "_try_load_raw_mamba_config", "HfModelConfigParser",
                                    "get_config"],
                        {**common_t, **code, "copy": __import__("copy"),
@@ -250,12 +192,12 @@ def sglang_code(ckpt: Path) -> dict[str, Any]:
     model_config.load_pointer_adapter = load_pointer_adapter
     sys.modules["sglang.srt.configs.model_config"] = model_config
 
-    f, p = engine_defs(RADIX, ["AttentionType"], {"Enum": enum.Enum})
+    f, p = engine_functions(RADIX, ["AttentionType"], {"Enum": enum.Enum})
     prov.update(p)
     code.update(f)
     from numbers import Integral
 
-    f, p = engine_defs(UTILS, ["DEFAULT_DFLASH_MASK_TOKEN", "build_target_layer_ids",
+    f, p = engine_functions(UTILS, ["DEFAULT_DFLASH_MASK_TOKEN", "build_target_layer_ids",
                                "get_dflash_layer_types",
                                "get_dflash_attention_sliding_window_size", "_cfg_get",
                                "_get_text_config", "_get_dflash_config",
@@ -267,7 +209,7 @@ def sglang_code(ckpt: Path) -> dict[str, Any]:
 
     rope_classes = _rope_class_names()
     rope_bind = {n: recorder(n) for n in rope_classes}
-    f, p = engine_defs(ROPE, ["get_rope"], {**common_t, **rope_bind,
+    f, p = engine_functions(ROPE, ["get_rope"], {**common_t, **rope_bind,
                                             "_get_live_rope_cache_entry": lambda key: None})
     prov.update(p)
     engine_get_rope = f["get_rope"]
@@ -284,7 +226,7 @@ def sglang_code(ckpt: Path) -> dict[str, Any]:
         "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
         "ReplicatedLinear", "RowParallelLinear", "RMSNorm", "GemmaRMSNorm", "SiluAndMul",
         "VocabParallelEmbedding", "RadixAttention")}
-    f, p = engine_defs(DFLASH, ["_ROPE_DIM_SUPERSEDED_KEYS", "_get_dflash_attention_type",
+    f, p = engine_functions(DFLASH, ["_ROPE_DIM_SUPERSEDED_KEYS", "_get_dflash_attention_type",
                                 "_get_dflash_layer_attention_params", "DFlashAttention",
                                 "DFlashMLP", "DFlashDecoderLayer", "DFlashDraftModel"],
                        {**common_t, **code, **runtime, "nn": nn, "F": torch.nn.functional,
@@ -299,7 +241,7 @@ def sglang_code(ckpt: Path) -> dict[str, Any]:
     prov.update(p)
     code.update(f)
 
-    f, p = engine_defs(TORCH_NATIVE, ["TorchNativeAttnBackend"],
+    f, p = engine_functions(TORCH_NATIVE, ["TorchNativeAttnBackend"],
                        {**common_t, "AttentionBackend": object,
                         "AttentionType": code["AttentionType"],
                         "scaled_dot_product_attention": None, "SWAKVPool": None,

@@ -21,9 +21,7 @@ while it reads the checkpoint is the engine refusing it: ``refused`` holds it in
 
 from __future__ import annotations
 
-import ast
 import collections.abc
-import hashlib
 import json
 import sys
 import traceback
@@ -31,6 +29,8 @@ import types
 from pathlib import Path
 from types import SimpleNamespace as NS
 from typing import Any
+
+from dflash_audit.serve.probes.engine_source import EngineFile
 
 SIDE = "vLLM 0.33.0"
 QWEN3_DFLASH = "vllm/model_executor/models/qwen3_dflash.py"
@@ -73,87 +73,6 @@ def _raised_in_engine(exc: BaseException, site: Path) -> bool:
 
 
 # ---------------------------------------------------------------- the engine's source
-class _Source:
-    """One installed engine file, parsed once, verified against the wheel's RECORD."""
-
-    def __init__(self, site: Path, relative: str):
-        from dflash_audit.serve.probes.engine_source import EngineSourceError, record_sha256
-
-        self.relative, self.path = relative, site / relative
-        if not self.path.is_file():
-            raise EngineSourceError(f"{relative} is not in the installed engine ({site})")
-        data = self.path.read_bytes()
-        digest = hashlib.sha256(data).hexdigest()
-        recorded = record_sha256(site, relative)
-        if recorded is not None and recorded != digest:
-            raise EngineSourceError(f"{self.path} differs from its wheel's RECORD")
-        self.text = data.decode()
-        self.tree = ast.parse(data, filename=str(self.path))
-
-    def node(self, cls: str, method: str | None = None) -> ast.AST:
-        from dflash_audit.serve.probes.engine_source import EngineSourceError
-
-        for n in self.tree.body:
-            if isinstance(n, ast.ClassDef) and n.name == cls:
-                if method is None:
-                    return n
-                for m in n.body:
-                    if isinstance(m, ast.FunctionDef) and m.name == method:
-                        return m
-        raise EngineSourceError(f"{self.relative} defines no {cls}.{method}: the adapter was "
-                                "written for another version of the engine")
-
-    def method(self, cls: str, name: str, bindings: dict[str, Any]):
-        """The method ``cls.name`` compiled as a plain function (``self`` its first argument)."""
-        fn = self.node(cls, name)
-        fn = ast.FunctionDef(name=fn.name, args=fn.args, body=fn.body, decorator_list=[],
-                             returns=None, type_comment=None)
-        ast.copy_location(fn, self.node(cls, name))
-        return self._compile([fn], name, bindings), self.node(cls, name).lineno
-
-    def statement(self, cls: str, method: str, contains: str, params: list[str],
-                  bindings: dict[str, Any]):
-        """The first ``if`` statement of ``cls.method`` whose test mentions ``contains``, as a
-        function of ``params`` (the engine's statement, byte for byte)."""
-        from dflash_audit.serve.probes.engine_source import EngineSourceError
-
-        for n in ast.walk(self.node(cls, method)):
-            if isinstance(n, ast.If) and contains in (ast.get_source_segment(self.text, n.test)
-                                                      or ""):
-                args = ast.arguments(posonlyargs=[], args=[ast.arg(arg=p) for p in params],
-                                     kwonlyargs=[], kw_defaults=[], defaults=[])
-                fn = ast.FunctionDef(name="_statement", args=args, body=[n, ast.Pass()],
-                                     decorator_list=[], returns=None, type_comment=None)
-                ast.copy_location(fn, n)
-                ast.fix_missing_locations(fn)
-                return self._compile([fn], "_statement", bindings), n.lineno
-        raise EngineSourceError(f"{self.relative}: {cls}.{method} has no `if` on {contains!r}")
-
-    def constant(self, name: str, bindings: dict[str, Any] | None = None) -> Any:
-        """A module-level ``name = <expression>`` of the file, evaluated."""
-        from dflash_audit.serve.probes.engine_source import EngineSourceError
-
-        for n in self.tree.body:
-            if (isinstance(n, ast.Assign) and len(n.targets) == 1
-                    and isinstance(n.targets[0], ast.Name) and n.targets[0].id == name):
-                expr = ast.Expression(n.value)
-                return eval(compile(expr, str(self.path), "eval"),  # noqa: S307 - engine's
-                            {"__builtins__": __builtins__, **(bindings or {})})
-        raise EngineSourceError(f"{self.relative} defines no {name}")
-
-    def imported_names(self) -> list[str]:
-        """The names the file's top-level ``from ... import`` statements bind."""
-        return [a.asname or a.name for n in self.tree.body if isinstance(n, ast.ImportFrom)
-                for a in n.names]
-
-    def _compile(self, body: list[ast.stmt], name: str, bindings: dict[str, Any]):
-        module = ast.fix_missing_locations(ast.Module(body=body, type_ignores=[]))
-        ns: dict[str, Any] = {"__name__": f"engine_source:{self.relative}",
-                              "__builtins__": __builtins__, **bindings}
-        exec(compile(module, str(self.path), "exec"), ns)  # noqa: S102 - the engine's code
-        return ns[name]
-
-
 class _Recorder:
     """Stands in for a class the engine constructs (a rotary embedding, a weights loader):
     keeps the arguments it was given."""
@@ -313,7 +232,7 @@ def probe(rec, ckpt: Path, site: Path) -> None:
     finally:
         runner.use_v2_model_runner = True
     rec.set("runner.v1_model_runner", v1, f"{QWEN3_DFLASH}:_resolve_layer_attention")
-    vc = _Source(site, VLLM_CONFIG)
+    vc = EngineFile(VLLM_CONFIG, site)
     needs_multi, line = vc.method("VllmConfig", "_dflash_needs_multi_kv_group", {})
     multi = needs_multi(NS(speculative_config=NS(method="dflash",
                                                  draft_model_config=NS(hf_config=cfg))))
@@ -346,7 +265,7 @@ def probe(rec, ckpt: Path, site: Path) -> None:
     rec.set("rope.max_positions", rope["max_position"],
             f"{ROPE_INIT}:get_rope (max_position=config.max_position_embeddings from "
             f"{attn_src})")
-    sp = _Source(site, SPECULATIVE)
+    sp = EngineFile(SPECULATIVE, site)
     cache_only = sp.constant("_CACHE_ONLY_ROPE_TYPES")
     sizes_only, _ = engine_functions(SPECULATIVE, ["_rope_only_sizes_cache"],
                                      {"iter_rope_parameters": tuc.iter_rope_parameters,
@@ -380,7 +299,7 @@ def probe(rec, ckpt: Path, site: Path) -> None:
     rec.set("mask_token_id", su["get_parallel_drafting_token_id"](cfg),
             f"{SPEC_UTILS}:get_parallel_drafting_token_id")
 
-    spd = _Source(site, DFLASH_SPECULATOR)
+    spd = EngineFile(DFLASH_SPECULATOR, site)
     check, line = spd.statement("DFlashSpeculator", "__init__", "sample_from_anchor",
                                 ["dflash_config"], {})
     check(getattr(cfg, "dflash_config", None) or {})  # raises ValueError: refused on V2
@@ -433,7 +352,7 @@ def probe(rec, ckpt: Path, site: Path) -> None:
 def _flex_sliding_mask_mod(site: Path, rec):
     import torch
 
-    flex = _Source(site, FLEX)
+    flex = EngineFile(FLEX, site)
     fn, line = flex.method("FlexAttentionMetadata", "get_sliding_window_mask_mod",
                            {"torch": torch})
     rec.notes.append(f"{FLEX}:FlexAttentionMetadata.get_sliding_window_mask_mod (line {line}) "
@@ -463,7 +382,7 @@ def _window_origin(mask_mod_for, w: int, torch) -> str:
 def _run_get_rope(site: Path, rec, head_dim, max_position, neox, rope_params) -> dict:
     import torch
 
-    src = _Source(site, ROPE_INIT)
+    src = EngineFile(ROPE_INIT, site)
     classes = {n: _recorder(n) for n in src.imported_names() if n[0].isupper()}
     from dflash_audit.serve.probes.engine_source import engine_functions
 
@@ -508,7 +427,7 @@ def _weights(rec, site: Path, ckpt: Path, cfg, draft_vocab, torch) -> None:
 
     mu, _ = engine_functions(MODEL_UTILS, ["process_eagle_weight"],
                              {"supports_any_eagle": lambda m: True, "nn": torch.nn})
-    qd = _Source(site, QWEN3_DFLASH)
+    qd = EngineFile(QWEN3_DFLASH, site)
     load, line = qd.method("DFlashQwen3ForCausalLM", "load_weights",
                            {"process_eagle_weight": mu["process_eagle_weight"],
                             "WeightsMapper": Mapper, "AutoWeightsLoader": Loader,
