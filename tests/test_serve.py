@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from cli_zygote import run_cli
 from serve_support import edit_config, make_checkpoint
@@ -34,17 +35,18 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_serving_mask_counts_the_window_from_the_anchor_or_from_each_query():
     B, W = 4, 8
     anchor, T = probe_block(B, W)
-    by_anchor = rule_of(serving_mask(B, T, anchor, W, True, "anchor"), anchor, T)
-    by_query = rule_of(serving_mask(B, T, anchor, W, True, "query"), anchor, T)
+    row, at = torch.zeros(T, dtype=torch.long), torch.tensor([anchor])
+    by_anchor = rule_of(serving_mask(row, at, B, W, True, "anchor"), anchor, T)
+    by_query = rule_of(serving_mask(row, at, B, W, True, "query"), anchor, T)
     assert by_anchor["context"] == [[-8, -1]] * 4
     assert by_query["context"] == [[-7, -1], [-6, -1], [-5, -1], [-4, -1]]
     assert window_origin(by_anchor, W) == "anchor" and window_origin(by_query, W) == "query"
     assert by_anchor["slots"] == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]
     assert by_anchor["block_causal"] is True
-    full = rule_of(serving_mask(B, T, anchor, None, False, None), anchor, T)
+    full = rule_of(serving_mask(row, at, B, None, False, None), anchor, T)
     assert full["context"] == [["start", -1]] * 4 and full["block_causal"] is False
     with pytest.raises(ValueError, match="window_origin"):
-        serving_mask(B, T, anchor, W, True, "middle")
+        serving_mask(row, at, B, W, True, "middle")
 
 
 # ------------------------------------------------- the reference's reading vs ours

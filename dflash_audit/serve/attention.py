@@ -25,31 +25,46 @@ import torch
 ORIGINS = ("anchor", "query")
 
 
-def serving_mask(block_size: int, total_seq_len: int, anchor: int, window: int | None,
-                 block_causal: bool, origin: str | None) -> torch.Tensor:
-    """``[B, T + B]`` bool: the rule an engine runs for one block at anchor ``anchor``.
+def serving_mask(document_ids: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                 window: int | None, block_causal: bool, origin: str | None) -> torch.Tensor:
+    """``[Q, T + Q]`` bool (Q = A * B): the rule an engine runs for blocks at ``anchors``.
 
-    Context column kv (< T) is visible to slot s when ``kv < anchor`` and, for a window W,
-    ``kv >= anchor - W`` (origin ``"anchor"``) or ``kv > anchor + s - W`` (origin
-    ``"query"``). Block column T + t is visible when ``t <= s`` (causal) or always.
+    Context column kv (< T) is visible to slot s of the block at anchor a when it is in a's
+    document (not padding, -1), ``kv < a`` and, for a window W, ``kv >= a - W`` (origin
+    ``"anchor"``) or ``a + s - kv < W`` (origin ``"query"``: flash / flex attention's window
+    over the block's positions, which also bounds the block itself, ``|q - k| < W``). Block
+    column T + k is visible when it is the same block and ``k <= q`` (causal) or always.
+
+    Args:
+        document_ids: [T] or [1, T] int64.
+        anchors: [A] int64.
 
     Raises:
         ValueError: an origin other than :data:`ORIGINS` for a windowed layer.
     """
-    B, T = block_size, total_seq_len
-    s = torch.arange(B)[:, None]
+    if window is not None and origin not in ORIGINS:
+        raise ValueError(f"window_origin {origin!r}: expected one of {ORIGINS}")
+    doc = document_ids.reshape(-1)
+    T, B = doc.numel(), block_size
+    Q = anchors.numel() * B
+    a = anchors.long().repeat_interleave(B)[:, None]
+    s = (torch.arange(Q) % B)[:, None]
     kv = torch.arange(T)[None, :]
-    ctx = kv < anchor
+    base = (doc[None, :] == doc[a]) & (doc[a] != -1) & (kv < a)
+    k = torch.arange(Q)[None, :]
+    q = torch.arange(Q)[:, None]
+    block = (k // B) == (q // B)
+    if block_causal:
+        block &= k <= q
     if window is not None:
-        if origin == "anchor":
-            ctx = ctx & (kv >= anchor - window)
-        elif origin == "query":
-            ctx = ctx & (kv > anchor + s - window)
+        if origin == "query":
+            base &= (a + s) - kv < window
+            block &= (q - k) < window
+            if not block_causal:
+                block &= (k - q) < window
         else:
-            raise ValueError(f"window_origin {origin!r}: expected one of {ORIGINS}")
-    t = torch.arange(B)[None, :]
-    block = (t <= s) if block_causal else torch.ones(B, B, dtype=torch.bool)
-    return torch.cat([ctx.expand(B, T), block.expand(B, B)], dim=1)
+            base &= kv >= a - window
+    return torch.cat([base, block], dim=1)
 
 
 def block_rows(mask: Any, total_seq_len: int) -> torch.Tensor:

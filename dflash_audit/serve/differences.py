@@ -14,6 +14,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from dflash_audit.serve.attention import (
     block_rows,
     rule_differences,
@@ -220,8 +222,8 @@ def layer_rules(trained: SideRecord, served: SideRecord, engine_label: str) -> l
                 rule.served_from = f"{engine_label}'s adapter did not resolve this layer"
                 out.append(rule)
                 continue
-            s_rows = serving_mask(B, T, anchor, window if kind == "sliding" else None,
-                                  bool(causal), origin)
+            s_rows = serving_mask(torch.zeros(T, dtype=torch.long), torch.tensor([anchor]),
+                                  B, window if kind == "sliding" else None, bool(causal), origin)
             rule.served_from = (f"{engine_label}'s resolved window {window}, causal {causal}, "
                                 f"origin {origin} (dflash_audit/serve/attention.py:serving_mask)")
         rule.served, rule.served_rows = rule_of(s_rows, anchor, T), s_rows

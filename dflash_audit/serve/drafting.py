@@ -38,6 +38,7 @@ import torch
 
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_audit.model.drafter import DFlashDrafter, block_indices
+from dflash_audit.serve.attention import serving_mask
 
 #: Held-out prompts of the acceptance measurement when none are given (rendered with the
 #: verifier's chat template when it has one).
@@ -230,37 +231,10 @@ def field_differences(served: dict[str, Any], trained: dict[str, Any]) -> list[s
             if served.get(k) != v]
 
 
-def served_mask(document_ids: torch.Tensor, anchors: torch.Tensor, block_size: int,
-                window: int | None, block_causal: bool, origin: str | None) -> torch.Tensor:
-    """[Q, T+Q] mask of the served semantics: the context kv < a (same document), the window
-    counted from the query's own position (``origin="query"``: ``a + s - kv < W``, and within
-    the block ``|q - k| < W``) or from the anchor (``kv >= a - W``), the block causal or not."""
-    doc = document_ids.reshape(-1)
-    T, B = doc.numel(), block_size
-    Q = anchors.numel() * B
-    a = anchors.long().repeat_interleave(B)[:, None]
-    s = (torch.arange(Q) % B)[:, None]
-    kv = torch.arange(T)[None, :]
-    base = (doc[None, :] == doc[a]) & (doc[a] != -1) & (kv < a)
-    k = torch.arange(Q)[None, :]
-    q = torch.arange(Q)[:, None]
-    block = (k // B) == (q // B)
-    if block_causal:
-        block &= k <= q
-    if window is not None:
-        if origin == "query":
-            base &= (a + s) - kv < window
-            block &= (q - k) < window
-            if not block_causal:
-                block &= (k - q) < window
-        else:
-            base &= kv >= a - window
-    return torch.cat([base, block], dim=1)
-
-
 def _served_drafter(drafter: DFlashDrafter, served: dict[str, Any]) -> DFlashDrafter:
     """Our drafter, same weights, with the served config values (layer types, window, RoPE,
-    mask token, target layers) and the served masks (:func:`served_mask`)."""
+    mask token, target layers) and the served masks
+    (:func:`~dflash_audit.serve.attention.serving_mask`)."""
     c = drafter.config
     n = c.num_hidden_layers
     sliding = [served.get(f"layers.{i}.attention") == "sliding" for i in range(n)]
@@ -285,7 +259,7 @@ def _served_drafter(drafter: DFlashDrafter, served: dict[str, Any]) -> DFlashDra
                                 bool(served.get(f"layers.{i}.block_causal")),
                                 served.get(f"layers.{i}.window_origin")))
     model.attention_masks = lambda doc, anchors: {  # type: ignore[method-assign]
-        t: served_mask(doc, anchors, config.block_size, *v) for t, v in per_type.items()}
+        t: serving_mask(doc, anchors, config.block_size, *v) for t, v in per_type.items()}
     return model
 
 
