@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import html
 import json
-import re
-from datetime import UTC, datetime
 from pathlib import Path
 from xml.etree import ElementTree as ET
 
 from dflash_audit.batch_audit.result import FAIL, BatchReport, Check
 
-REPORT_FILES = ("report.json", "report.md", "report.html", "junit.xml")
 
 
 def _ordered(report: BatchReport) -> list[Check]:
@@ -81,15 +78,9 @@ def write_report(report: BatchReport, out_dir: str | Path) -> Path:
     Returns:
         The folder. Raises ``OSError`` when it cannot be written.
     """
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    base = Path(out_dir) / re.sub(r"[^A-Za-z0-9._-]", "_", f"{stamp}-check-batches")
-    folder, n = base, 1
-    while folder.exists():
-        n += 1
-        folder = base.with_name(f"{base.name}-{n}")
-    folder.mkdir(parents=True)
-    (folder / "report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
-    (folder / "report.md").write_text(render_markdown(report))
-    (folder / "report.html").write_text(render_html(report))
-    (folder / "junit.xml").write_text(render_junit(report))
-    return folder
+    from dflash_audit.report import write_report_texts
+
+    return write_report_texts(out_dir, "check-batches", {
+        "report.json": json.dumps(report.to_dict(), indent=2, default=str),
+        "report.md": render_markdown(report), "report.html": render_html(report),
+        "junit.xml": render_junit(report)})

@@ -16,19 +16,20 @@ from dflash_audit.report.schema import CaseRecord, MaskPicture, Report
 
 REPORT_FILES = ("report.json", "report.md", "report.html", "junit.xml")
 
-__all__ = ["REPORT_FILES", "CaseRecord", "MaskPicture", "Report", "report_folder",
-           "write_report"]
+__all__ = ["REPORT_FILES", "CaseRecord", "MaskPicture", "Report", "new_report_folder",
+           "report_folder", "write_report", "write_report_texts"]
 
 
-def report_folder(report: Report, out_dir: Path | str) -> Path:
-    """A new folder ``<out_dir>/<YYYYmmddTHHMMSSZ>-<ref short id>`` (``-2``, ``-3``... when
-    that name exists)."""
-    try:
-        created = datetime.fromisoformat(report.created_at).astimezone(timezone.utc)
-    except ValueError:
-        created = datetime.now(timezone.utc)
-    ref_id = str(report.reference.get("short_id") or "unknown")
-    name = f"{created:%Y%m%dT%H%M%SZ}-{re.sub(r'[^A-Za-z0-9._-]', '_', ref_id)}"
+def new_report_folder(out_dir: Path | str, suffix: str, created: datetime | None = None
+                      ) -> Path:
+    """A new folder ``<out_dir>/<YYYYmmddTHHMMSSZ>-<suffix>`` (``-2``, ``-3``... when that
+    name exists; characters outside ``[A-Za-z0-9._-]`` of ``suffix`` become ``_``).
+
+    Raises:
+        OSError: it cannot be created.
+    """
+    created = created or datetime.now(timezone.utc)
+    name = f"{created:%Y%m%dT%H%M%SZ}-{re.sub(r'[^A-Za-z0-9._-]', '_', suffix)}"
     out_dir = Path(out_dir)
     folder, n = out_dir / name, 1
     while folder.exists():
@@ -36,6 +37,25 @@ def report_folder(report: Report, out_dir: Path | str) -> Path:
         folder = out_dir / f"{name}-{n}"
     folder.mkdir(parents=True)
     return folder
+
+
+def write_report_texts(out_dir: Path | str, suffix: str, texts: dict[str, str]) -> Path:
+    """``texts`` (file name -> content, e.g. the four :data:`REPORT_FILES`) written into a
+    :func:`new_report_folder`; returns the folder (``OSError`` when it cannot be written)."""
+    folder = new_report_folder(out_dir, suffix)
+    for name, text in texts.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def report_folder(report: Report, out_dir: Path | str) -> Path:
+    """A new folder ``<out_dir>/<YYYYmmddTHHMMSSZ>-<ref short id>`` for a compare report."""
+    try:
+        created = datetime.fromisoformat(report.created_at).astimezone(timezone.utc)
+    except ValueError:
+        created = None
+    return new_report_folder(out_dir, str(report.reference.get("short_id") or "unknown"),
+                             created)
 
 
 def write_report(report: Report, out_dir: Path | str) -> Path:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import html
 import json
-import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -181,16 +180,9 @@ def render_junit(report: ServeReport) -> str:
 
 def write_report(report: ServeReport, out_dir: str | Path) -> Path:
     """Write the four files into a new folder; returns it (``OSError`` when unwritable)."""
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    base = Path(out_dir) / re.sub(r"[^A-Za-z0-9._-]", "_",
-                                  f"{stamp}-serve-check-{report.engine['key']}")
-    folder, n = base, 1
-    while folder.exists():
-        n += 1
-        folder = base.with_name(f"{base.name}-{n}")
-    folder.mkdir(parents=True)
-    (folder / "report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
-    (folder / "report.md").write_text(render_markdown(report))
-    (folder / "report.html").write_text(render_html(report))
-    (folder / "junit.xml").write_text(render_junit(report))
-    return folder
+    from dflash_audit.report import write_report_texts
+
+    return write_report_texts(out_dir, f"serve-check-{report.engine['key']}", {
+        "report.json": json.dumps(report.to_dict(), indent=2, default=str),
+        "report.md": render_markdown(report), "report.html": render_html(report),
+        "junit.xml": render_junit(report)})
