@@ -12,7 +12,6 @@ from xml.etree import ElementTree as ET
 from dflash_audit.batch_audit.result import FAIL, BatchReport, Check
 
 
-
 def _ordered(report: BatchReport) -> list[Check]:
     rank = {FAIL: 0, "skip": 1, "pass": 2}
     return sorted(report.checks, key=lambda c: rank.get(c.status, 3))
