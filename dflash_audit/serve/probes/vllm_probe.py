@@ -17,37 +17,27 @@ with the runtime names they read bound to small stand-ins, each listed in ``note
 
 A ``ValueError`` / ``NotImplementedError`` / ... raised inside vLLM's (or transformers') code
 while it reads the checkpoint is the engine refusing it: ``refused`` holds it in one line.
+
+The stand-ins and the engine definitions bound to them are in
+:mod:`dflash_audit.serve.probes.vllm_runtime`; this module reads the fields.
 """
 
 from __future__ import annotations
 
-import collections.abc
 import json
 import sys
 import traceback
-import types
 from pathlib import Path
 from types import SimpleNamespace as NS
-from typing import Any
 
 from dflash_audit.serve.probes.engine_source import EngineFile
+from dflash_audit.serve.probes.vllm_runtime import (
+    DFLASH_SPECULATOR, DFLASH_UTILS, EAGLE3_UTILS, EAGLE_UTILS, FLEX, LAYERNORM,
+    MODEL_UTILS, QWEN3_DFLASH, ROPE_INIT, SPEC_UTILS, SPECULATIVE, SPECULATORS_ALGOS,
+    SPECULATORS_BASE, TU_CONFIG, VLLM_CONFIG, dflash_functions, enter_bare_packages,
+    flex_sliding_mask_mod, run_get_rope, run_load_weights, uses_gemma_norm)
 
 SIDE = "vLLM 0.33.0"
-QWEN3_DFLASH = "vllm/model_executor/models/qwen3_dflash.py"
-ROPE_INIT = "vllm/model_executor/layers/rotary_embedding/__init__.py"
-FLEX = "vllm/v1/attention/backends/flex_attention.py"
-SPECULATIVE = "vllm/config/speculative.py"
-VLLM_CONFIG = "vllm/config/vllm.py"
-EAGLE3_UTILS = "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py"
-EAGLE_UTILS = "vllm/v1/worker/gpu/spec_decode/eagle/utils.py"
-DFLASH_UTILS = "vllm/v1/worker/gpu/spec_decode/dflash/utils.py"
-SPEC_UTILS = "vllm/v1/worker/gpu/spec_decode/utils.py"
-DFLASH_SPECULATOR = "vllm/v1/worker/gpu/spec_decode/dflash/speculator.py"
-MODEL_UTILS = "vllm/model_executor/models/utils.py"
-TU_CONFIG = "vllm/transformers_utils/config.py"
-SPECULATORS_BASE = "vllm/transformers_utils/configs/speculators/base.py"
-SPECULATORS_ALGOS = "vllm/transformers_utils/configs/speculators/algos.py"
-LAYERNORM = "vllm/model_executor/layers/layernorm.py"
 
 
 class Refused(Exception):
@@ -72,39 +62,12 @@ def _raised_in_engine(exc: BaseException, site: Path) -> bool:
                                  or last.startswith(str(site)))
 
 
-# ---------------------------------------------------------------- the engine's source
-class _Recorder:
-    """Stands in for a class the engine constructs (a rotary embedding, a weights loader):
-    keeps the arguments it was given."""
-
-    made: list[_Recorder] = []
-
-    def __init__(self, *args, **kwargs):
-        self.args, self.kwargs = args, kwargs
-        _Recorder.made.append(self)
-
-
-def _recorder(name: str) -> type:
-    return type(name, (_Recorder,), {})
-
-
 # ---------------------------------------------------------------- the probe
 def probe(rec, ckpt: Path, site: Path) -> None:
     from dflash_audit.serve.fields import layer_key
     from dflash_audit.serve.probes.engine_source import engine_functions
 
-    # vllm.config's __init__ does not import on CPU; its plain utils module does. vllm's own
-    # __init__ only re-exports the engine and imports vllm.env_override (torch._inductor
-    # settings, ~5 s here): neither reads a config, so the package is entered bare too.
-    for name in ("vllm", "vllm.config"):
-        pkg = types.ModuleType(name)
-        pkg.__path__ = [str(site.joinpath(*name.split(".")))]
-        sys.modules.setdefault(name, pkg)
-    rec.notes.append("vllm and vllm.config entered as bare packages (vllm/__init__ imports "
-                     "env_override's torch._inductor settings; vllm/config/__init__ imports "
-                     "cbor2/zmq/the tokenizer stack): vllm.transformers_utils and "
-                     "vllm.config.utils (getattr_iter, used by patch_rope_parameters) load "
-                     "from their own files")
+    enter_bare_packages(rec, site)
     import torch
     import vllm.transformers_utils.config as tuc
     from transformers import Qwen3Config
@@ -149,20 +112,7 @@ def probe(rec, ckpt: Path, site: Path) -> None:
         rec.notes.append("this probe follows qwen3_dflash.py (DFlashDraftModel) only")
 
     # the qwen3_dflash module's deciding functions --------------------------------------
-    runner = NS(use_v2_model_runner=True)
-    e3, e3_prov = engine_functions(EAGLE3_UTILS, ["get_eagle3_aux_layers_from_config"],
-                                   {"SpeculativeConfig": object})
-    aux_fn = e3["get_eagle3_aux_layers_from_config"]
-    qd, qd_prov = engine_functions(
-        QWEN3_DFLASH, ["_dflash_layer_causal", "dflash_has_any_non_causal",
-                       "_get_dflash_fc_input_size", "_resolve_layer_attention"],
-        {"Qwen3Config": Qwen3Config, "VllmConfig": object,
-         "get_current_vllm_config": lambda: runner,
-         "get_eagle3_aux_layers_from_config": aux_fn})
-    rec.notes.append(f"{QWEN3_DFLASH}: _resolve_layer_attention, _dflash_layer_causal, "
-                     "dflash_has_any_non_causal, _get_dflash_fc_input_size compiled from the "
-                     "wheel; get_current_vllm_config() replaced by an object with "
-                     "use_v2_model_runner (True = vLLM 0.33.0's default runner, then False)")
+    runner, aux_fn, qd = dflash_functions(rec, Qwen3Config)
 
     # 3. RoPE default theta, as DFlashQwen3DecoderLayer.__init__ applies it -------------
     layer_cfg = raw.get("transformer_layer_config", raw) if speculators else raw
@@ -208,7 +158,7 @@ def probe(rec, ckpt: Path, site: Path) -> None:
             rec.set(layer_key(i, "window_origin"), None, src)
             continue
         if mask_mod_fn is None:
-            mask_mod_fn = _flex_sliding_mask_mod(site, rec)
+            mask_mod_fn = flex_sliding_mask_mod(site, rec)
         origin = _window_origin(mask_mod_fn, int(window), torch)
         if origin == "query" and not any("counted back from each query" in n for n in rec.notes):
             rec.notes.append(
@@ -256,7 +206,7 @@ def probe(rec, ckpt: Path, site: Path) -> None:
     neox = getattr(cfg, "is_neox_style", True)
     rec.set("rope.neox_style", bool(neox), f"{attn_src} (getattr(config, 'is_neox_style', "
                                            "True))")
-    rope = _run_get_rope(site, rec, head_dim, cfg.max_position_embeddings, neox, rope_params)
+    rope = run_get_rope(site, rec, head_dim, cfg.max_position_embeddings, neox, rope_params)
     rec.set("rope.type", rope["type"], f"{ROPE_INIT}:get_rope (-> {rope['class']})")
     rec.set("rope.scaling", {k: v for k, v in rope_params.items()
                              if k not in ("rope_type", "rope_theta")} or None,
@@ -336,7 +286,7 @@ def probe(rec, ckpt: Path, site: Path) -> None:
     rec.set("norm.one_plus_weight", False,
             f"{QWEN3_DFLASH}:DFlashQwen3Model.__init__ / DFlashQwen3DecoderLayer.__init__ "
             f"(vllm {LAYERNORM}:RMSNorm, x * w; no GemmaRMSNorm)")
-    if _uses_gemma_norm(site):
+    if uses_gemma_norm(site):
         rec.notes.append("qwen3_dflash.py names GemmaRMSNorm: recheck norm.one_plus_weight")
 
     rec.not_run["attention_backend"] = (
@@ -347,18 +297,6 @@ def probe(rec, ckpt: Path, site: Path) -> None:
     rec.not_run["context_kv"] = (
         "not run here: needs CUDA: DFlashQwen3Model.precompute_and_store_context_kv (fc -> "
         "hidden_norm -> k_norm -> RoPE of the context keys) runs vllm._custom_ops kernels")
-
-
-def _flex_sliding_mask_mod(site: Path, rec):
-    import torch
-
-    flex = EngineFile(FLEX, site)
-    fn, line = flex.method("FlexAttentionMetadata", "get_sliding_window_mask_mod",
-                           {"torch": torch})
-    rec.notes.append(f"{FLEX}:FlexAttentionMetadata.get_sliding_window_mask_mod (line {line}) "
-                     "compiled and run with self.sliding_window = W, uses_paged_kv = False "
-                     "(logical indices)")
-    return lambda w: fn(NS(sliding_window=w, uses_paged_kv=False, doc_ids=None))
 
 
 def _window_origin(mask_mod_for, w: int, torch) -> str:
@@ -379,70 +317,12 @@ def _window_origin(mask_mod_for, w: int, torch) -> str:
     return f"other: first visible context position per slot {first} (anchor {a}, W {w})"
 
 
-def _run_get_rope(site: Path, rec, head_dim, max_position, neox, rope_params) -> dict:
-    import torch
-
-    src = EngineFile(ROPE_INIT, site)
-    classes = {n: _recorder(n) for n in src.imported_names() if n[0].isupper()}
-    from dflash_audit.serve.probes.engine_source import engine_functions
-
-    funcs, prov = engine_functions(ROPE_INIT, ["get_rope"], {"torch": torch, "Any": Any,
-                                                             **classes})
-    rec.notes.append(f"{prov['get_rope']} compiled and run with its rotary-embedding classes "
-                     "replaced by recorders of their arguments (the classes build kernels)")
-    _Recorder.made.clear()
-    emb = funcs["get_rope"](head_dim, max_position=max_position, is_neox_style=neox,
-                            rope_parameters=rope_params)
-    args = list(emb.args)
-    return {"class": type(emb).__name__, "rotary_dim": args[1], "max_position": args[2],
-            "type": rope_params.get("rope_type", "default")}
-
-
 def _weights(rec, site: Path, ckpt: Path, cfg, draft_vocab, torch) -> None:
     """DFlashQwen3ForCausalLM.load_weights on the checkpoint's names and tensors (loader
     replaced by a recorder), then the V2 runner's sharing rule for lm_head / embed_tokens."""
-    from safetensors import safe_open
-
     from dflash_audit.serve.probes.engine_source import engine_functions
 
-    tensors: dict[str, Any] = {}
-    for f in sorted(ckpt.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for k in st.keys():
-                tensors[k] = st.get_tensor(k)
-    loaded: dict[str, Any] = {}
-
-    class Loader:
-        def __init__(self, model):
-            pass
-
-        def load_weights(self, weights, mapper=None):
-            for name, t in weights:
-                loaded[name] = t
-            loaded["__mapper__"] = mapper
-
-    class Mapper:
-        def __init__(self, **kwargs):
-            self.kwargs = kwargs
-
-    mu, _ = engine_functions(MODEL_UTILS, ["process_eagle_weight"],
-                             {"supports_any_eagle": lambda m: True, "nn": torch.nn})
-    qd = EngineFile(QWEN3_DFLASH, site)
-    load, line = qd.method("DFlashQwen3ForCausalLM", "load_weights",
-                           {"process_eagle_weight": mu["process_eagle_weight"],
-                            "WeightsMapper": Mapper, "AutoWeightsLoader": Loader,
-                            "Iterable": collections.abc.Iterable, "torch": torch})
-    model = NS(model=NS(use_aux_hidden_state=True, has_separate_mask_embedding=False,
-                        _build_fused_kv_buffers=lambda: None),
-               _read_mask_embedding=lambda: None)
-    if (ckpt / "mask_embedding.pt").is_file():
-        rec.notes.append("mask_embedding.pt present: vLLM substitutes it for "
-                         "embed_tokens[mask_token_id] (not read by this probe)")
-    load(model, iter(tensors.items()))
-    rec.notes.append(f"{QWEN3_DFLASH}:DFlashQwen3ForCausalLM.load_weights (line {line}) run on "
-                     "the checkpoint's tensors with AutoWeightsLoader / WeightsMapper replaced by "
-                     "recorders; supports_any_eagle -> True (DFlashQwen3ForCausalLM is an "
-                     "Eagle3 model)")
+    model, loaded = run_load_weights(rec, site, ckpt, torch)
     dropped = loaded["__mapper__"].kwargs.get("orig_to_new_substr", {})
     vocab = int(cfg.vocab_size)
     has_d2t = "draft_id_to_target_id" in loaded
@@ -492,10 +372,6 @@ def _weights(rec, site: Path, ckpt: Path, cfg, draft_vocab, torch) -> None:
             rec.not_run[key] = ("needs the target's weights: vLLM shares the target's "
                                 f"{key.split('.')[0]} when the checkpoint's is torch.equal to "
                                 f"it ({EAGLE_UTILS}:_should_share)")
-
-
-def _uses_gemma_norm(site: Path) -> bool:
-    return "GemmaRMSNorm" in (site / QWEN3_DFLASH).read_text()
 
 
 def main(argv: list[str]) -> int:
