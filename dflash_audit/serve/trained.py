@@ -43,7 +43,8 @@ def ours(folder: CheckpointFolder) -> SideRecord:
     ids = folder.config.get("aux_hidden_state_layer_ids") or [1]
     try:
         c = config_from_reference(folder.config, max(max(int(i) for i in ids), 1))
-    except (CheckpointError, ConfigError, KeyError, TypeError, ValueError) as exc:
+    except (CheckpointError, ConfigError, AttributeError, KeyError, TypeError,
+            ValueError) as exc:
         record.refused = f"{type(exc).__name__}: {exc}"
         return record
     for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
