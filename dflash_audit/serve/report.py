@@ -180,17 +180,38 @@ def render_junit(report: ServeReport) -> str:
 
 
 def write_report(report: ServeReport, out_dir: str | Path) -> Path:
-    """Write the four files into a new folder; returns it (``OSError`` when unwritable)."""
+    """Write the four files into a new folder; returns it (``OSError`` when unwritable or
+    full). The files are written into a hidden folder beside it that is renamed when all
+    four are complete, so a killed or failed run leaves no half report under the name."""
+    import shutil
+    import tempfile
+
+    texts = {"report.json": json.dumps(report.to_dict(), indent=2, default=str),
+             "report.md": render_markdown(report), "report.html": render_html(report),
+             "junit.xml": render_junit(report)}
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     base = Path(out_dir) / re.sub(r"[^A-Za-z0-9._-]", "_",
                                   f"{stamp}-serve-check-{report.engine['key']}")
-    folder, n = base, 1
-    while folder.exists():
-        n += 1
-        folder = base.with_name(f"{base.name}-{n}")
-    folder.mkdir(parents=True)
-    (folder / "report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
-    (folder / "report.md").write_text(render_markdown(report))
-    (folder / "report.html").write_text(render_html(report))
-    (folder / "junit.xml").write_text(render_junit(report))
+    base.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{base.name}.", dir=base.parent))
+    try:
+        for name, text in texts.items():
+            (tmp / name).write_text(text)
+        folder, n = base, 1
+        while folder.exists():
+            n += 1
+            folder = base.with_name(f"{base.name}-{n}")
+        tmp.rename(folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    folder.chmod(0o777 & ~_umask())
     return folder
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
