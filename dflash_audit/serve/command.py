@@ -47,11 +47,14 @@ def verifier_max_positions(spec: str | None) -> int | None:
         path = builtin_verifier_dir(spec)
     try:
         d = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
-    d = d.get("text_config") or d
+    if not isinstance(d, dict):
+        return None
+    d = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
     value = d.get("max_position_embeddings")
-    return int(value) if isinstance(value, int) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
+        else None
 
 
 def drafting_summary(comparison: Any) -> dict[str, Any]:
@@ -145,6 +148,12 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
 
     start = time.perf_counter()
     folder = read_checkpoint(checkpoint)
+    from dflash_audit.data.builtin_verifier import BUILTIN_VERIFIERS
+
+    if verifier and verifier not in BUILTIN_VERIFIERS and not (
+            Path(verifier).expanduser() / "config.json").is_file():
+        raise ServeCheckError(f"--verifier {verifier}: no config.json there; give the target "
+                              f"model's local folder or one of {', '.join(BUILTIN_VERIFIERS)}")
     eng = engine if isinstance(engine, Engine) else resolve_engine(engine)
     _say(f"checkpoint {folder.path} ({folder.format} format); engine {eng.label}")
     site = install_engine(eng, offline=offline)
@@ -165,9 +174,8 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
     notes: list[str] = []
     served = _served(eng, folder, site, notes)
     if served.refused:
-        raise ServeCheckError(f"{eng.label} refuses this checkpoint: {served.refused} (the "
-                              "engine's own check; fix the config field it names, or serve "
-                              "with another engine)")
+        raise ServeCheckError(f"{eng.label} refuses this checkpoint: {served.refused} (fix "
+                              "the config field it names, or serve with another engine)")
     for record in (trained, ours, served):
         if record is not None:
             complete_from_masks(record)
@@ -185,7 +193,9 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
     if drafting and eng.key == "zlab" and folder.format == SPECULATORS:
         summary = _drafting(folder, verifier, offline, prompts, max_new_tokens, notes)
     if positions is None:
-        notes.append("the target's context length is unknown (pass --verifier DIR): the "
+        notes.append(f"the target's context length is unknown (no max_position_embeddings "
+                     f"in {verifier}/config.json)" if verifier else
+                     "the target's context length is unknown (pass --verifier DIR): the "
                      "rotary table size is not checked against it")
     sides = {r.side: r.to_dict() for r in (trained, ours, served) if r is not None}
     for side in sides.values():
