@@ -123,6 +123,7 @@ def main(folder: Path, out: Path) -> None:
 
 
 if __name__ == "__main__":
+    adapter.die_with_parent()  # a kill -9 of serve-check leaves no reference running
     folder, out = Path(sys.argv[1]), Path(sys.argv[2])
     try:
         main(folder, out)

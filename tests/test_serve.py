@@ -266,3 +266,43 @@ def test_a_report_that_cannot_be_written_leaves_no_half_folder(reference_reading
     folder = report_module.write_report(report, tmp_path / "out")
     assert [p.name for p in (tmp_path / "out").iterdir()] == [folder.name]
     assert not folder.name.startswith(".") and (folder / "junit.xml").is_file()
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(x) for x in path.read_text().split()] if path.is_file() else []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_serve_check_leaves_no_probe_running(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    folder = make_checkpoint(tmp_path / "c")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_audit.cli", "serve-check", str(folder),
+                             "--engine", "zlab", "--no-drafting", "--out", str(tmp_path / "out")],
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (kids := _children(proc.pid)) and time.monotonic() < deadline:
+        assert proc.poll() is None, "serve-check ended before starting a probe"
+        time.sleep(0.05)
+    assert kids, "no probe started"
+    time.sleep(1.0)  # the probe is past its start-up
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{k}").exists() and "zombie" not in _state(k) for k in kids) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [k for k in kids if Path(f"/proc/{k}").exists() and "zombie" not in _state(k)]
+    assert not (tmp_path / "out").exists()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].splitlines()[0]
+    except (OSError, IndexError):
+        return "zombie"
