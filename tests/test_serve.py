@@ -306,3 +306,21 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].splitlines()[0]
     except (OSError, IndexError):
         return "zombie"
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "0", "nan"])
+def test_a_bad_probe_timeout_is_one_line_and_exit_2(value, tmp_path):
+    folder = make_checkpoint(tmp_path / "c")
+    result = run_cli(["serve-check", str(folder), "--engine", "zlab", "--out", str(tmp_path)],
+                     tmp_path, env={"DFLASH_AUDIT_PROBE_TIMEOUT": value})
+    assert result.returncode == 2 and "give seconds above 0" in result.stdout, result.stdout
+    assert "reading it" not in result.stdout
+
+
+def test_a_reference_past_the_probe_timeout_names_the_variable(tmp_path):
+    folder = make_checkpoint(tmp_path / "c")
+    result = run_cli(["serve-check", str(folder), "--engine", "zlab", "--offline",
+                      "--out", str(tmp_path)], tmp_path,
+                     env={"DFLASH_AUDIT_PROBE_TIMEOUT": "0.5"})
+    assert result.returncode == 2, result.stdout
+    assert "raise DFLASH_AUDIT_PROBE_TIMEOUT" in result.stdout and "Traceback" not in result.stdout

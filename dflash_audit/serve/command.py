@@ -26,6 +26,7 @@ from dflash_audit.serve.engines import (
     Engine,
     ServeCheckError,
     install_engine,
+    probe_timeout,
     resolve_engine,
     run_probe,
 )
@@ -147,6 +148,7 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
     from dflash_audit.serve.report import ServeReport
 
     start = time.perf_counter()
+    probe_timeout()  # a bad $DFLASH_AUDIT_PROBE_TIMEOUT is an error before any work
     folder = read_checkpoint(checkpoint)
     from dflash_audit.data.builtin_verifier import BUILTIN_VERIFIERS
 
