@@ -255,11 +255,11 @@ def test_a_report_that_cannot_be_written_leaves_no_half_folder(reference_reading
 
     def full_disk(self, text, *a, **k):
         if self.name == "junit.xml":
-            raise OSError(28, "No space left on device", str(self))
+            raise OSError(28, "No space left on device")  # as a full disk does: no file
         return real_write(self, text, *a, **k)
 
     monkeypatch.setattr(Path, "write_text", full_disk)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match=str(tmp_path / "out")):
         report_module.write_report(report, tmp_path / "out")
     assert list((tmp_path / "out").iterdir()) == []
     monkeypatch.undo()
@@ -324,3 +324,12 @@ def test_a_reference_past_the_probe_timeout_names_the_variable(tmp_path):
                      env={"DFLASH_AUDIT_PROBE_TIMEOUT": "0.5"})
     assert result.returncode == 2, result.stdout
     assert "raise DFLASH_AUDIT_PROBE_TIMEOUT" in result.stdout and "Traceback" not in result.stdout
+
+
+def test_an_out_that_is_a_file_is_one_line_and_exit_2_before_any_work(tmp_path):
+    folder = make_checkpoint(tmp_path / "c")
+    (tmp_path / "afile").write_text("x")
+    result = run_cli(["serve-check", str(folder), "--engine", "zlab", "--out",
+                      str(tmp_path / "afile")], tmp_path)
+    assert result.returncode == 2 and "is a file" in result.stdout, result.stdout
+    assert "reading it" not in result.stdout

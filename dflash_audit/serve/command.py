@@ -260,6 +260,9 @@ def serve_check_command(
     was trained as. Exit 0 no train-serve difference, 1 differences, 2 setup error."""
     from dflash_audit.serve.report import write_report
 
+    if out.exists() and not out.is_dir():
+        raise ServeCheckError(f"--out {out} is a file: give the folder the report folder is "
+                              "made in")
     report = run_serve_check(checkpoint, engine, ref=ref, verifier=verifier, offline=offline,
                              drafting=drafting, prompts=prompts, max_new_tokens=max_new_tokens)
     folder = write_report(report, out)

@@ -202,6 +202,11 @@ def write_report(report: ServeReport, out_dir: str | Path) -> Path:
             n += 1
             folder = base.with_name(f"{base.name}-{n}")
         tmp.rename(folder)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.filename is None:  # a full disk on write names no file: name the folder
+            raise OSError(exc.errno, exc.strerror, str(base.parent)) from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
