@@ -189,7 +189,7 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
     if served.refused_as_is:
         rows.insert(0, Row("checkpoint_format", folder.format, "zlab (converted)", DIFFERS,
                            f"{eng.label} cannot load this checkpoint as it is: "
-                           f"{served.refused_as_is}", "checkpoint format not loadable",
+                           f"{served.refused_as_is}", "checkpoint not loadable as it is",
                            "the checkpoint's config.json", served.refused_as_is))
     summary = None
     if drafting and eng.key == "zlab" and folder.format == SPECULATORS:
