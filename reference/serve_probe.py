@@ -24,6 +24,14 @@ import adapter  # noqa: E402
 CORE = "speculators/models/dflash/core.py"
 
 
+def one_line(exc: BaseException) -> str:
+    """The error in one line: a pydantic ValidationError's first line names only the model, so
+    its next lines (the field and what is wrong with it) are kept, joined with '; '."""
+    lines = [x.strip() for x in str(exc).splitlines() if x.strip()
+             and not x.strip().startswith("For further information")]
+    return "; ".join(lines[:5])[:600]
+
+
 def main(folder: Path, out: Path) -> None:
     record = {"side": "reference", "fields": {}, "sources": {}, "not_run": {},
               "refused": None, "notes": [], "masks": {}}
@@ -43,7 +51,7 @@ def main(folder: Path, out: Path) -> None:
         torch.manual_seed(0)
         model = core.DFlashDraftModel(config)
     except Exception as exc:  # the reference's own refusal of this config
-        record["refused"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        record["refused"] = f"{type(exc).__name__}: {one_line(exc)}"
         out.write_text(json.dumps(record))
         return
     model._create_mask_fn = create_float_mask
@@ -115,6 +123,7 @@ def main(folder: Path, out: Path) -> None:
 
 
 if __name__ == "__main__":
+    adapter.die_with_parent()  # a kill -9 of serve-check leaves no reference running
     folder, out = Path(sys.argv[1]), Path(sys.argv[2])
     try:
         main(folder, out)

@@ -173,7 +173,8 @@ def _no_config(tmp: Path) -> Path:
 
 
 BAD = {
-    "missing folder": (lambda tmp: tmp / "nowhere", "is not a folder"),
+    "missing folder": (lambda tmp: tmp / "nowhere", "does not exist"),
+    "a file": (lambda tmp: _write(tmp, "file", "x") / "file", "is not a folder"),
     "no config": (_no_config, "has no config.json"),
     "config not JSON": (lambda tmp: _write(make_checkpoint(tmp / "c"), "config.json", "{oops"),
                         "is not JSON"),
@@ -184,7 +185,24 @@ BAD = {
                    "has no *.safetensors"),
     "broken weights": (lambda tmp: _write(make_checkpoint(tmp / "c"), "model.safetensors",
                                           "garbage"), "is not a readable safetensors"),
+    "config nested too deeply": (lambda tmp: _write(make_checkpoint(tmp / "c"), "config.json",
+                                                    "[" * 100_000 + "]" * 100_000),
+                                 "nested too deeply"),
+    "speculators_config a string": (lambda tmp: edit_config(
+        make_checkpoint(tmp / "c"), lambda d: d.update(speculators_config="x")),
+        "speculators_config is a str, not an object"),
+    "transformer_layer_config a list": (lambda tmp: edit_config(
+        make_checkpoint(tmp / "c"), lambda d: d.update(transformer_layer_config=[1])),
+        "transformer_layer_config is a list, not an object"),
+    "config a link loop": (lambda tmp: _link_loop(make_checkpoint(tmp / "c")),
+                           "is a link that leads to no file"),
 }
+
+
+def _link_loop(folder: Path) -> Path:
+    (folder / "config.json").unlink()
+    (folder / "config.json").symlink_to("config.json")
+    return folder
 
 
 def _write(folder: Path, name: str, text: str) -> Path:
@@ -214,3 +232,104 @@ def test_an_unknown_engine_or_version_is_one_line_and_exit_2(engine, words, tmp_
     result = run_cli(["serve-check", str(folder), "--engine", engine], tmp_path)
     assert result.returncode == 2 and words in result.stdout, result.stdout
     assert "Traceback" not in result.stdout
+
+
+def test_a_verifier_that_is_not_a_model_folder_is_one_line_and_exit_2(tmp_path):
+    folder = make_checkpoint(tmp_path / "c")
+    result = run_cli(["serve-check", str(folder), "--engine", "zlab", "--verifier",
+                      str(tmp_path / "no-model"), "--out", str(tmp_path)], tmp_path)
+    assert result.returncode == 2 and "--verifier" in result.stdout, result.stdout
+    assert "no config.json there" in result.stdout and "Traceback" not in result.stdout
+
+
+def test_a_report_that_cannot_be_written_leaves_no_half_folder(reference_readings, tmp_path,
+                                                               monkeypatch):
+    import dflash_audit.serve.report as report_module
+
+    ref, mine = reference_readings["mixed"]
+    served = _served_from(ref)
+    report = ServeReport("ckpt", "speculators", {"key": "x", "label": "engine X"},
+                         compare(ref, mine, served, "engine X", 1024),
+                         layer_rules(ref, served, "engine X"))
+    real_write = Path.write_text
+
+    def full_disk(self, text, *a, **k):
+        if self.name == "junit.xml":
+            raise OSError(28, "No space left on device")  # as a full disk does: no file
+        return real_write(self, text, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match=str(tmp_path / "out")):
+        report_module.write_report(report, tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
+    monkeypatch.undo()
+    folder = report_module.write_report(report, tmp_path / "out")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [folder.name]
+    assert not folder.name.startswith(".") and (folder / "junit.xml").is_file()
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(x) for x in path.read_text().split()] if path.is_file() else []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_serve_check_leaves_no_probe_running(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    folder = make_checkpoint(tmp_path / "c")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_audit.cli", "serve-check", str(folder),
+                             "--engine", "zlab", "--no-drafting", "--out", str(tmp_path / "out")],
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (kids := _children(proc.pid)) and time.monotonic() < deadline:
+        assert proc.poll() is None, "serve-check ended before starting a probe"
+        time.sleep(0.05)
+    assert kids, "no probe started"
+    time.sleep(1.0)  # the probe is past its start-up
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{k}").exists() and "zombie" not in _state(k) for k in kids) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [k for k in kids if Path(f"/proc/{k}").exists() and "zombie" not in _state(k)]
+    assert not (tmp_path / "out").exists()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].splitlines()[0]
+    except (OSError, IndexError):
+        return "zombie"
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "0", "nan"])
+def test_a_bad_probe_timeout_is_one_line_and_exit_2(value, tmp_path):
+    folder = make_checkpoint(tmp_path / "c")
+    result = run_cli(["serve-check", str(folder), "--engine", "zlab", "--out", str(tmp_path)],
+                     tmp_path, env={"DFLASH_AUDIT_PROBE_TIMEOUT": value})
+    assert result.returncode == 2 and "give seconds above 0" in result.stdout, result.stdout
+    assert "reading it" not in result.stdout
+
+
+def test_a_reference_past_the_probe_timeout_names_the_variable(tmp_path):
+    folder = make_checkpoint(tmp_path / "c")
+    result = run_cli(["serve-check", str(folder), "--engine", "zlab", "--offline",
+                      "--out", str(tmp_path)], tmp_path,
+                     env={"DFLASH_AUDIT_PROBE_TIMEOUT": "0.5"})
+    assert result.returncode == 2, result.stdout
+    assert "raise DFLASH_AUDIT_PROBE_TIMEOUT" in result.stdout and "Traceback" not in result.stdout
+
+
+def test_an_out_that_is_a_file_is_one_line_and_exit_2_before_any_work(tmp_path):
+    folder = make_checkpoint(tmp_path / "c")
+    (tmp_path / "afile").write_text("x")
+    result = run_cli(["serve-check", str(folder), "--engine", "zlab", "--out",
+                      str(tmp_path / "afile")], tmp_path)
+    assert result.returncode == 2 and "is a file" in result.stdout, result.stdout
+    assert "reading it" not in result.stdout

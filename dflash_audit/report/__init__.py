@@ -40,12 +40,31 @@ def new_report_folder(out_dir: Path | str, suffix: str, created: datetime | None
 
 
 def write_report_texts(out_dir: Path | str, suffix: str, texts: dict[str, str]) -> Path:
-    """``texts`` (file name -> content, e.g. the four :data:`REPORT_FILES`) written into a
-    :func:`new_report_folder`; returns the folder (``OSError`` when it cannot be written)."""
-    folder = new_report_folder(out_dir, suffix)
-    for name, text in texts.items():
-        (folder / name).write_text(text)
-    return folder
+    """``texts`` (file name -> content, e.g. the four :data:`REPORT_FILES`) written into a new
+    folder named as :func:`new_report_folder` names it, atomically: the files go into a hidden
+    sibling that is renamed when all are complete, so a killed run or a full disk leaves no
+    half report under the name.
+
+    Returns:
+        The folder.
+
+    Raises:
+        OSError: it cannot be written (a full disk, which names no file, names the folder).
+    """
+    from dflash_audit.atomic import atomic_folder
+
+    probe = new_report_folder(out_dir, suffix)  # reserves the name, then is replaced whole
+    try:
+        with atomic_folder(probe) as tmp:
+            for name, text in texts.items():
+                (tmp / name).write_text(text)
+    except OSError as exc:
+        if probe.is_dir() and not any(probe.iterdir()):
+            probe.rmdir()
+        if exc.filename is None:
+            raise OSError(exc.errno, exc.strerror, str(probe.parent)) from None
+        raise
+    return probe
 
 
 def report_folder(report: Report, out_dir: Path | str) -> Path:

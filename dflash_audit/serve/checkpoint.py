@@ -44,22 +44,34 @@ def read_checkpoint(path: str | Path) -> CheckpointFolder:
 
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise ServeCheckError(f"{path} is not a folder: give a drafter checkpoint folder (its "
+        what = "is not a folder" if path.exists() else "does not exist"
+        raise ServeCheckError(f"{path} {what}: give a drafter checkpoint folder (its "
                               "config.json and model.safetensors), e.g. one under "
                               "runs/<run>/checkpoints/")
     config_path = path / "config.json"
     if not config_path.is_file():
+        if config_path.is_symlink():
+            raise ServeCheckError(f"{config_path} is a link that leads to no file (broken or "
+                                  "a loop): replace it with the config itself")
         raise ServeCheckError(f"{path} has no config.json: not a drafter checkpoint")
     try:
         config = json.loads(config_path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise ServeCheckError(f"{config_path} is not JSON ({exc})") from None
+    except RecursionError:
+        raise ServeCheckError(f"{config_path} is nested too deeply to be a config") from None
     if not isinstance(config, dict):
         raise ServeCheckError(f"{config_path} holds a {type(config).__name__}, not a config")
     if config.get("speculators_model_type") == "dflash":
         fmt = SPECULATORS
-        verifier = ((config.get("speculators_config") or {}).get("verifier") or {}
-                    ).get("name_or_path")
+        for key in ("speculators_config", "transformer_layer_config"):
+            if not isinstance(config.get(key) or {}, dict):
+                raise ServeCheckError(f"{config_path}: {key} is a "
+                                      f"{type(config[key]).__name__}, not an object: not a "
+                                      "DFlash drafter config")
+        verifier = ((config.get("speculators_config") or {}).get("verifier") or {})
+        verifier = verifier.get("name_or_path") if isinstance(verifier, dict) else None
+        verifier = verifier if isinstance(verifier, str) else None
     elif isinstance(config.get("dflash_config"), dict):
         fmt, verifier = ZLAB, None
     else:

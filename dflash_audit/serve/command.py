@@ -26,6 +26,7 @@ from dflash_audit.serve.engines import (
     Engine,
     ServeCheckError,
     install_engine,
+    probe_timeout,
     resolve_engine,
     run_probe,
 )
@@ -47,11 +48,14 @@ def verifier_max_positions(spec: str | None) -> int | None:
         path = builtin_verifier_dir(spec)
     try:
         d = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
-    d = d.get("text_config") or d
+    if not isinstance(d, dict):
+        return None
+    d = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
     value = d.get("max_position_embeddings")
-    return int(value) if isinstance(value, int) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
+        else None
 
 
 def drafting_summary(comparison: Any) -> dict[str, Any]:
@@ -144,7 +148,14 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
     from dflash_audit.serve.report import ServeReport
 
     start = time.perf_counter()
+    probe_timeout()  # a bad $DFLASH_AUDIT_PROBE_TIMEOUT is an error before any work
     folder = read_checkpoint(checkpoint)
+    from dflash_audit.data.builtin_verifier import BUILTIN_VERIFIERS
+
+    if verifier and verifier not in BUILTIN_VERIFIERS and not (
+            Path(verifier).expanduser() / "config.json").is_file():
+        raise ServeCheckError(f"--verifier {verifier}: no config.json there; give the target "
+                              f"model's local folder or one of {', '.join(BUILTIN_VERIFIERS)}")
     eng = engine if isinstance(engine, Engine) else resolve_engine(engine)
     _say(f"checkpoint {folder.path} ({folder.format} format); engine {eng.label}")
     site = install_engine(eng, offline=offline)
@@ -165,9 +176,8 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
     notes: list[str] = []
     served = _served(eng, folder, site, notes)
     if served.refused:
-        raise ServeCheckError(f"{eng.label} refuses this checkpoint: {served.refused} (the "
-                              "engine's own check; fix the config field it names, or serve "
-                              "with another engine)")
+        raise ServeCheckError(f"{eng.label} refuses this checkpoint: {served.refused} (fix "
+                              "the config field it names, or serve with another engine)")
     for record in (trained, ours, served):
         if record is not None:
             complete_from_masks(record)
@@ -179,13 +189,15 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
     if served.refused_as_is:
         rows.insert(0, Row("checkpoint_format", folder.format, "zlab (converted)", DIFFERS,
                            f"{eng.label} cannot load this checkpoint as it is: "
-                           f"{served.refused_as_is}", "checkpoint format not loadable",
+                           f"{served.refused_as_is}", "checkpoint not loadable as it is",
                            "the checkpoint's config.json", served.refused_as_is))
     summary = None
     if drafting and eng.key == "zlab" and folder.format == SPECULATORS:
         summary = _drafting(folder, verifier, offline, prompts, max_new_tokens, notes)
     if positions is None:
-        notes.append("the target's context length is unknown (pass --verifier DIR): the "
+        notes.append(f"the target's context length is unknown (no max_position_embeddings "
+                     f"in {verifier}/config.json)" if verifier else
+                     "the target's context length is unknown (pass --verifier DIR): the "
                      "rotary table size is not checked against it")
     sides = {r.side: r.to_dict() for r in (trained, ours, served) if r is not None}
     for side in sides.values():
@@ -248,6 +260,9 @@ def serve_check_command(
     was trained as. Exit 0 no train-serve difference, 1 differences, 2 setup error."""
     from dflash_audit.serve.report import write_report
 
+    if out.exists() and not out.is_dir():
+        raise ServeCheckError(f"--out {out} is a file: give the folder the report folder is "
+                              "made in")
     report = run_serve_check(checkpoint, engine, ref=ref, verifier=verifier, offline=offline,
                              drafting=drafting, prompts=prompts, max_new_tokens=max_new_tokens)
     folder = write_report(report, out)

@@ -11,6 +11,7 @@ and this project on ``PYTHONPATH``; the probe writes a
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -94,9 +95,12 @@ def probe_timeout() -> float:
     """Seconds a probe may run: ``$DFLASH_AUDIT_PROBE_TIMEOUT`` or 600."""
     raw = os.environ.get(PROBE_TIMEOUT_ENV, "")
     try:
-        return float(raw) if raw else PROBE_TIMEOUT_S
+        value = float(raw) if raw else PROBE_TIMEOUT_S
     except ValueError:
-        raise ServeCheckError(f"{PROBE_TIMEOUT_ENV}={raw!r}: give seconds, e.g. 900") from None
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ServeCheckError(f"{PROBE_TIMEOUT_ENV}={raw!r}: give seconds above 0, e.g. 900")
+    return value
 
 
 def run_probe(script: Path, checkpoint: Path, site: Path | None, label: str,

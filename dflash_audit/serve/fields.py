@@ -60,8 +60,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: Keys that do not change what is drafted when they differ (a warning at most).
-COSMETIC_KEYS = frozenset({"hidden_act"})
 #: The per-layer keys, in display order.
 LAYER_KEYS = ("attention", "sliding_window", "block_causal", "window_origin")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from dflash_audit.serve.checkpoint import SPECULATORS, CheckpointFolder
-from dflash_audit.serve.engines import ServeCheckError
+from dflash_audit.serve.engines import PROBE_TIMEOUT_ENV, ServeCheckError, probe_timeout
 from dflash_audit.serve.fields import SideRecord, layer_key
 
 OURS = "dflash-audit drafter"
@@ -43,7 +43,8 @@ def ours(folder: CheckpointFolder) -> SideRecord:
     ids = folder.config.get("aux_hidden_state_layer_ids") or [1]
     try:
         c = config_from_reference(folder.config, max(max(int(i) for i in ids), 1))
-    except (CheckpointError, ConfigError, KeyError, TypeError, ValueError) as exc:
+    except (CheckpointError, ConfigError, AttributeError, KeyError, TypeError,
+            ValueError) as exc:
         record.refused = f"{type(exc).__name__}: {exc}"
         return record
     for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -91,7 +92,7 @@ def ours(folder: CheckpointFolder) -> SideRecord:
 
 
 def reference(folder: CheckpointFolder, ref: str | None = None, offline: bool = False,
-              timeout_s: float = 600.0) -> SideRecord:
+              timeout_s: float | None = None) -> SideRecord:
     """The reference's reading of the checkpoint: ``reference/serve_probe.py`` run in the
     reference's process (the pinned release unless ``ref``).
 
@@ -99,12 +100,13 @@ def reference(folder: CheckpointFolder, ref: str | None = None, offline: bool = 
         ServeCheckError: the reference cannot be resolved or its process failed.
     """
     from dflash_audit.reference_source.identity import ReferenceSourceError, reference_dir
-    from dflash_audit.reference_source.runner import run_reference
+    from dflash_audit.reference_source.runner import ReferenceTimeoutError, run_reference
     from dflash_audit.reference_source.spec import resolve_reference
 
     if folder.format != SPECULATORS:
         return SideRecord("reference", refused="not a speculators-format checkpoint: the "
                           "reference loads only those")
+    timeout_s = probe_timeout() if timeout_s is None else timeout_s
     try:
         identity = resolve_reference(ref, offline=offline)
         with tempfile.TemporaryDirectory(prefix="dflash-serve-ref-") as tmp:
@@ -114,6 +116,11 @@ def reference(folder: CheckpointFolder, ref: str | None = None, offline: bool = 
             import json
 
             record = SideRecord.from_dict(json.loads(out.read_text()))
+    except ReferenceTimeoutError:
+        raise ServeCheckError(
+            f"the reference's serve probe did not finish in {timeout_s:g} s (the machine may be "
+            f"busy): raise {PROBE_TIMEOUT_ENV} (e.g. {PROBE_TIMEOUT_ENV}={int(timeout_s * 3)})"
+        ) from None
     except ReferenceSourceError as exc:
         raise ServeCheckError(f"the reference could not read the checkpoint: {exc}") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:

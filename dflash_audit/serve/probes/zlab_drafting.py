@@ -185,4 +185,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from dflash_audit.audit.sides.candidate_runner import die_with_parent
+
+    die_with_parent()  # a kill -9 of serve-check leaves no probe running
     sys.exit(main(sys.argv[1:]))
