@@ -102,7 +102,7 @@ def render_markdown(report: ServeReport) -> str:
              f"- checkpoint: `{report.checkpoint}` ({report.checkpoint_format} format)",
              f"- engine: {e['label']} ({', '.join(e.get('requirements', []))}; adapter "
              f"`{e.get('adapter', '')}`)",
-             f"- trained as: {', '.join(report.sides)}"]
+             "- trained as: " + ", ".join(s for s in report.sides if s != e["label"])]
     lines += [f"- note: {n}" for n in report.notes]
     findings = report.summary_lines()
     if findings:
