@@ -27,10 +27,25 @@ from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter
 
 NOT_SAVED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+#: A training run's layout: ``<out>/checkpoints/step-*`` and the pointer ``<out>/checkpoints/
+#: latest`` (a one-line text file naming the newest step folder).
+CHECKPOINTS, LATEST = "checkpoints", "latest"
 
 
 class CheckpointError(Exception):
     """A checkpoint folder is missing, incomplete, or not a DFlash checkpoint."""
+
+
+def follow_latest(path: str | Path) -> Path:
+    """The checkpoint folder a user means: ``path`` itself, or, for the ``latest`` pointer
+    file (``<out>/checkpoints/latest``) or a run folder ``<out>`` that has one, the folder
+    the pointer names. Nothing is checked here (loading says what is missing)."""
+    path = Path(path)
+    if path.is_dir() and (path / CHECKPOINTS / LATEST).is_file():
+        path = path / CHECKPOINTS / LATEST
+    if path.is_file() and path.name == LATEST:
+        return path.parent / path.read_text().strip()
+    return path
 
 
 def reference_config(config: DFlashConfig, verifier_name_or_path: str | None,

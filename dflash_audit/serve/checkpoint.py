@@ -42,7 +42,10 @@ def read_checkpoint(path: str | Path) -> CheckpointFolder:
     """
     from safetensors import SafetensorError, safe_open
 
-    path = Path(path).expanduser()
+    from dflash_audit.model.checkpoint import follow_latest
+
+    # a run folder or its checkpoints/latest pointer, as `eval --checkpoint` takes them
+    path = follow_latest(Path(path).expanduser())
     if not path.is_dir():
         what = "is not a folder" if path.exists() else "does not exist"
         raise ServeCheckError(f"{path} {what}: give a drafter checkpoint folder (its "
@@ -53,7 +56,9 @@ def read_checkpoint(path: str | Path) -> CheckpointFolder:
         if config_path.is_symlink():
             raise ServeCheckError(f"{config_path} is a link that leads to no file (broken or "
                                   "a loop): replace it with the config itself")
-        raise ServeCheckError(f"{path} has no config.json: not a drafter checkpoint")
+        raise ServeCheckError(f"{path} has no config.json: not a drafter checkpoint; give a "
+                              "checkpoint folder (config.json + model.safetensors), a run "
+                              "folder or its checkpoints/latest")
     try:
         config = json.loads(config_path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:

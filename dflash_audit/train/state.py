@@ -32,8 +32,11 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_audit.atomic import atomic_folder, manifest_problems, write_manifest
-from dflash_audit.model.checkpoint import (
+from dflash_audit.model.checkpoint import (  # noqa: F401 (follow_latest: train's API too)
+    CHECKPOINTS,
+    LATEST,
     CheckpointError,
+    follow_latest,
     save_pretrained,
     validate_checkpoint,
 )
@@ -41,8 +44,6 @@ from dflash_audit.model.checkpoint import (
 STATE_FILE = "training_state.pt"
 STATE_FORMAT = "dflash-audit-train-state"
 STATE_VERSION = 2  # 1: anchors drawn from a per-rank generator (its state saved)
-LATEST = "latest"
-CHECKPOINTS = "checkpoints"
 
 
 class ResumeError(Exception):
@@ -110,18 +111,6 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module,
         for old in older[: max(0, len(older) - (keep - 1))]:
             shutil.rmtree(old, ignore_errors=True)
     return target
-
-
-def follow_latest(path: str | Path) -> Path:
-    """The checkpoint folder a user means: ``path`` itself, or, for the ``latest`` pointer
-    file (``<out>/checkpoints/latest``) or a run folder ``<out>`` that has one, the folder
-    the pointer names. Nothing is checked here (loading says what is missing)."""
-    path = Path(path)
-    if path.is_dir() and (path / CHECKPOINTS / LATEST).is_file():
-        path = path / CHECKPOINTS / LATEST
-    if path.is_file() and path.name == LATEST:
-        return path.parent / path.read_text().strip()
-    return path
 
 
 def checkpoint_problems(path: Path) -> list[str]:
