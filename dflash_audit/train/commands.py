@@ -159,7 +159,7 @@ def train_command(
     if summary.checkpoint:
         console.print("next, check how an engine will serve it: dflash-audit serve-check "
                       f"{summary.checkpoint} --engine vllm (or sglang, zlab)", markup=False,
-                      highlight=False)
+                      highlight=False, soft_wrap=True)
     if summary.exit_code:
         raise typer.Exit(summary.exit_code)
 
