@@ -223,13 +223,22 @@ def _drafting(folder: Any, verifier: str | None, offline: bool, prompts: int,
     if target in BUILTIN_VERIFIERS:
         target = str(builtin_verifier_dir(target))
     if not target or not (Path(target) / "config.json").is_file():
-        notes.append("the served drafting step and acceptance were not measured: the verifier "
-                     f"{target!r} is not a local folder (pass --verifier DIR)")
+        why = (f"the verifier {target} is not a local folder" if target else
+               "the checkpoint names no verifier")
+        notes.append(f"the served drafting step and acceptance were not measured: {why} "
+                     "(pass --verifier DIR)")
+        _say(notes[-1])
         return None
     _say(f"drafting with z-lab's own code on {prompts} prompts ({max_new_tokens} new tokens "
          "each) beside the training forward ...")
-    return drafting_summary(compare_drafting(folder.path, target, num_prompts=prompts,
-                                             max_new_tokens=max_new_tokens, offline=offline))
+    try:
+        return drafting_summary(compare_drafting(folder.path, target, num_prompts=prompts,
+                                                 max_new_tokens=max_new_tokens,
+                                                 offline=offline))
+    except ServeCheckError as exc:  # the static comparison stands; say what did not run
+        notes.append(f"the served drafting step and acceptance did not run: {exc}")
+        _say(notes[-1])
+        return None
 
 
 def serve_check_command(
@@ -268,8 +277,10 @@ def serve_check_command(
     folder = write_report(report, out)
     for line in report.summary_lines():
         print(line, file=sys.stderr)
+    not_run = sum(r.status == "not run" for r in report.rows)
     print(f"serve-check ({report.engine['label']}): {report.verdict.upper()} "
-          f"({len(report.rows)} fields, {len(report.differences)} differ; attention differs "
-          f"in {len(report.rule_differences)} of {len(report.rules)} layers) report: {folder}",
-          file=sys.stderr)
+          f"({len(report.rows)} fields, {len(report.differences)} differ"
+          + (f", {not_run} not run here" if not_run else "")
+          + f"; attention differs in {len(report.rule_differences)} of {len(report.rules)} "
+          f"layers) report: {folder}", file=sys.stderr)
     raise typer.Exit(report.exit_code)

@@ -46,7 +46,39 @@ NAMES: dict[str, str] = {
 
 #: Engine-only settings (no training counterpart) and the value that changes nothing.
 NEUTRAL: dict[str, Any] = {"embed_tokens.scale": 1.0, "logits.multiplier": 1.0,
-                           "logits.softcap": None, "rope.max_positions_raised_to_target": True}
+                           "logits.softcap": None, "rope.max_positions_raised_to_target": True,
+                           "runner.v1_model_runner": "runs"}
+#: What to do about a difference of each name (printed under it).
+FIXES: dict[str, str] = {
+    "causality inside the block": "make the config say what training did: the engine reads "
+    "causality from is_causal, then dflash_config.causal (vLLM derives it from speculators' "
+    "sliding_window_non_causal for every layer), then the layer types; for a drafter without "
+    "sliding layers, sliding_window_non_causal: true in config.json serves every layer "
+    "bidirectional as it was trained",
+    "where the window is counted from": "no config key changes it: the engine counts the "
+    "window back from each slot's own position, so slot s sees s + 1 fewer context keys than "
+    "in training once the context is longer than the window; serve with full attention "
+    "layers, or train with a window wider than your contexts",
+    "draft lm_head replaced": "this engine drafts with the target's full head: train without "
+    "a draft vocabulary (draft_vocab_size = the verifier's vocabulary) to serve with it",
+    "draft vocabulary size": "this engine drafts over the target's vocabulary: train without a "
+    "draft vocabulary to serve with it",
+    "draft vocabulary mapping": "this engine has no d2t mapping: train without a draft "
+    "vocabulary to serve with it",
+    "checkpoint not loadable as it is": "the engine reads z-lab-format configs (a Qwen3 "
+    "config with dflash_config); what it serves of this drafter written so is reported here",
+    "RoPE theta": "write rope_parameters.rope_theta explicitly in the checkpoint's config",
+    "rotary table shorter than the target's context": "set max_position_embeddings in the "
+    "checkpoint's config to the target's context length",
+    "mask token": "write mask_token_id explicitly in the checkpoint's config",
+    "speculative tokens per step": "pass num_speculative_tokens = block_size - 1 to the engine "
+    "(its speculative config)",
+    "block size": "write block_size explicitly in the checkpoint's config",
+    "anchor-first layout": "this engine never drafts slot 0: train with sample_from_anchor "
+    "false to serve with it",
+    "target layer ids": "write the target layer ids in the engine's convention (speculators "
+    "ids are HF hidden_states indices; z-lab ids are one less)",
+}
 
 
 @dataclass
@@ -63,6 +95,7 @@ class Row:
     name: str = ""
     trained_source: str = ""
     served_source: str = ""
+    fix: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,16 +167,19 @@ def compare(trained: SideRecord, ours: SideRecord | None, served: SideRecord,
             which bounds the positions a served drafter sees; None when unknown.
     """
     rows = []
+    # the training value: the reference's reading, else ours (a key only our loader reads)
+    train_fields = {**(ours.fields if ours and not ours.refused else {}), **trained.fields}
+    train_sources = {**(ours.sources if ours and not ours.refused else {}), **trained.sources}
     for key in _ordered_keys(trained, served):
-        t, s = trained.fields.get(key), served.fields.get(key)
-        t_src, s_src = trained.sources.get(key, ""), served.sources.get(key, "")
+        t, s = train_fields.get(key), served.fields.get(key)
+        t_src, s_src = train_sources.get(key, ""), served.sources.get(key, "")
         name = NAMES.get(_base(key), key)
         row = Row(key, t, s, SAME, name="", trained_source=t_src, served_source=s_src)
         if key in served.not_run:
             row.status, row.message = NOT_RUN, served.not_run[key]
         elif key not in served.fields:
             row.status, row.message = UNKNOWN, f"{engine_label}'s adapter does not report it"
-        elif key not in trained.fields:
+        elif key not in train_fields:
             if key in NEUTRAL and _equal(NEUTRAL[key], s):
                 row.message = f"only {engine_label} has this setting; its value is neutral"
             else:
@@ -155,6 +191,8 @@ def compare(trained: SideRecord, ours: SideRecord | None, served: SideRecord,
             row.message = (f"{engine_label} serves this drafter with {key} {s!r} ({s_src}); it "
                            f"was trained with {t!r} ({t_src})")
             _soften(row, engine_label, verifier_max_positions, served)
+        if row.status == DIFFERS:
+            row.fix = FIXES.get(row.name, "")
         rows.append(row)
     if ours is not None and not ours.refused:
         for key, value in ours.fields.items():
@@ -187,6 +225,10 @@ def _soften(row: Row, engine: str, verifier_max_positions: int | None,
             row.message = (f"{engine} sizes the draft's rotary table to {s} positions "
                            f"({row.served_source}); training computed RoPE at every position; "
                            f"{bound}: drafting past position {s} uses wrong or no RoPE")
+    elif key == "dtype":
+        row.status = WARN
+        row.message = (f"{engine} computes the draft in {s} ({row.served_source}), training ran "
+                       f"in {t}: rounding, not another computation")
     elif key == "num_speculative_tokens" and isinstance(t, int) and isinstance(s, int) and s < t:
         row.status = WARN
         row.message += f": {engine} drafts {t - s} fewer slots than were trained (no wrong token)"

@@ -219,6 +219,7 @@ def trained_fields(drafter: DFlashDrafter) -> dict[str, Any]:
     out["mask_token_id"] = c.mask_token_id
     out["block_size"] = c.block_size
     out["norm.one_plus_weight"] = bool(drafter.norm.one_plus_weight)
+    out["draft_vocab_size"] = c.effective_draft_vocab_size
     out["embed_tokens.scale"] = 1.0
     out["logits.multiplier"] = 1.0
     out["logits.softcap"] = None
@@ -304,7 +305,8 @@ def verifier_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[i
 def training_logits(drafter: DFlashDrafter, hidden_states: tuple[torch.Tensor, ...],
                     ids: list[int], anchor: int, served: dict[str, Any] | None = None
                     ) -> torch.Tensor:
-    """``[B, V]`` logits of our training forward for the block anchored at ``anchor``
+    """``[B, V]`` logits (verifier ids, :func:`target_space`) of our training forward for the
+    block anchored at ``anchor``
     (slot 0 = ``ids[anchor]``, context = positions < anchor) on the verifier's
     ``hidden_states`` (HF ``output_hidden_states`` of ``ids[:anchor]`` or longer).
 
@@ -315,13 +317,26 @@ def training_logits(drafter: DFlashDrafter, hidden_states: tuple[torch.Tensor, .
     c = model.config
     feats = verifier_features(hidden_states, list(c.target_layer_ids))[:, :anchor]
     row = _row(feats, list(ids[:anchor + 1]), [anchor], c.block_size, c.mask_token_id, anchor)
-    logits = _forward_logits(model, row)[0]
+    logits = target_space(_forward_logits(model, row)[0], model)
     if served:
         logits = logits * float(served.get("logits.multiplier") or 1.0)
         cap = served.get("logits.softcap")
         if cap:
             logits = torch.tanh(logits / float(cap)) * float(cap)
     return logits
+
+
+def target_space(logits: torch.Tensor, drafter: DFlashDrafter) -> torch.Tensor:
+    """``[..., V_d]`` draft logits as ``[..., V]`` over verifier ids (draft id i is verifier
+    id ``i + d2t[i]``; ``-inf`` outside the draft vocabulary); unchanged without a draft
+    vocabulary. What an engine's logits over the target's vocabulary are compared with."""
+    c = drafter.config
+    if not c.uses_draft_vocab:
+        return logits
+    ids = torch.arange(c.effective_draft_vocab_size) + drafter.d2t.long()
+    out = logits.new_full((*logits.shape[:-1], c.vocab_size), float("-inf"))
+    out[..., ids] = logits
+    return out
 
 
 def teacher_forced_acceptance(drafter: DFlashDrafter, hidden_states: tuple[torch.Tensor, ...],
@@ -340,7 +355,7 @@ def teacher_forced_acceptance(drafter: DFlashDrafter, hidden_states: tuple[torch
         return 0.0, 0.0
     feats = verifier_features(hidden_states, list(c.target_layer_ids))
     row = _row(feats, ids, anchors, B, c.mask_token_id, prompt_len)
-    logits = _forward_logits(drafter, row)
+    logits = target_space(_forward_logits(drafter, row), drafter)
     idx = block_indices(row["anchor_positions"], B)
     targets = verifier_logits[:, idx - 1].float()
     m = drafter.aligned_loss_mask(row["loss_mask"], idx, row["anchor_valid"])

@@ -96,14 +96,15 @@ class SideRecord:
         """The record as written to ``probe.json`` / ``report.json``."""
         return {"side": self.side, "fields": self.fields, "sources": self.sources,
                 "not_run": self.not_run, "refused": self.refused, "notes": self.notes,
-                "masks": self.masks}
+                "masks": self.masks, "refused_as_is": self.refused_as_is}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SideRecord:
         """Inverse of :meth:`to_dict`. Raises ``KeyError`` / ``TypeError`` on a bad record."""
         return cls(side=str(d["side"]), fields=dict(d["fields"]), sources=dict(d["sources"]),
                    not_run=dict(d.get("not_run") or {}), refused=d.get("refused"),
-                   notes=list(d.get("notes") or []), masks=dict(d.get("masks") or {}))
+                   notes=list(d.get("notes") or []), masks=dict(d.get("masks") or {}),
+                   refused_as_is=d.get("refused_as_is"))
 
     def write(self, path: str | Path) -> None:
         """Write the record as JSON to ``path``."""

@@ -103,10 +103,10 @@ def render_markdown(report: ServeReport) -> str:
              f"- engine: {e['label']} ({', '.join(e.get('requirements', []))}; adapter "
              f"`{e.get('adapter', '')}`)",
              "- trained as: " + ", ".join(s for s in report.sides if s != e["label"])]
-    lines += [f"- note: {n}" for n in report.notes]
     findings = report.summary_lines()
     if findings:
-        lines += ["", "## Findings", ""] + [f"- {f}" for f in findings]
+        lines += ["", "## Findings", ""] + [f"- {f}".replace("\n  fix:", "<br>fix:")
+                                            for f in findings]
     lines += ["", "## Attention of one drafting step (offsets from the anchor a)", "",
               "| layer | slot | trained: context | served: context | trained: slots | "
               "served: slots |", "|---|---|---|---|---|---|"]
@@ -126,6 +126,9 @@ def render_markdown(report: ServeReport) -> str:
     for r in report.rows:
         lines.append(f"| {r.status} | {r.key} | {_cell(r.trained)} | {_cell(r.served)} | "
                      f"{_cell(r.served_source or r.message)} |")
+    if report.notes:
+        lines += ["", "## Notes (how each side was read)", ""]
+        lines += [f"- {n}" for n in report.notes]
     return "\n".join(lines) + "\n"
 
 
@@ -136,6 +139,7 @@ def render_html(report: ServeReport) -> str:
 
     color = {DIFFERS: "#c62828", SAME: "#2e7d32", "warn": "#ef6c00"}
     head = "".join(f"<li>{html.escape(line)}</li>" for line in report.summary_lines())
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in report.notes)
     rows = "".join(
         f"<tr><td style='color:{color.get(r.status, '#555')}'><b>{r.status}</b></td>"
         f"<td>{html.escape(r.key)}</td><td>{html.escape(_cell(r.trained))}</td>"
@@ -156,7 +160,8 @@ def render_html(report: ServeReport) -> str:
             f"<ul>{head}</ul><h2>Attention of one drafting step</h2>{figures}"
             "<h2>Fields</h2><table border='1' cellpadding='4' style='border-collapse:collapse'>"
             "<tr><th>status</th><th>field</th><th>trained</th><th>served</th><th>engine's code"
-            f"</th><th>why</th></tr>{rows}</table></body></html>\n")
+            f"</th><th>why</th></tr>{rows}</table><h2>Notes (how each side was read)</h2>"
+            f"<ul>{notes}</ul></body></html>\n")
 
 
 def render_junit(report: ServeReport) -> str:

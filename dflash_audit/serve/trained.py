@@ -88,6 +88,10 @@ def ours(folder: CheckpointFolder) -> SideRecord:
                "target", "model.safetensors (lm_head.weight saved only with a draft vocabulary)")
     record.set("embed_tokens.source", "checkpoint" if "embed_tokens.weight" in folder.weights
                else "target", "dflash_audit/model/verifier_weights.py:load_verifier_weights")
+    dtype = folder.config.get("dtype") or folder.config.get("torch_dtype")
+    if isinstance(dtype, str):
+        record.set("dtype", dtype.removeprefix("torch."), "config.json dtype (the weights' "
+                   "training precision as saved)")
     return record
 
 

@@ -115,7 +115,8 @@ def write_zlab_folder(checkpoint: Path, out: Path) -> list[str]:
 
 def load_served(checkpoint: Path, work: Path, dtype=None):
     """z-lab's model of ``checkpoint`` loaded as z-lab loads a draft; ``(model, folder,
-    notes)``: the folder z-lab read (the checkpoint, or the adapter's conversion in ``work``).
+    notes, refused_as_is)``: the folder z-lab read (the checkpoint, or the adapter's conversion
+    in ``work``) and, for a conversion, z-lab's own error on the folder as it is.
 
     Raises:
         ZLabRefused: z-lab's (or the conversion's) error, one line.
@@ -131,7 +132,7 @@ def load_served(checkpoint: Path, work: Path, dtype=None):
     except (OSError, ValueError) as exc:
         raise ZLabRefused(f"{checkpoint}/config.json: {type(exc).__name__}: {exc}") from None
     notes: list[str] = []
-    folder = checkpoint
+    folder, refused_as_is = checkpoint, None
     if "dflash_config" not in d:
         try:
             AutoConfig.from_pretrained(checkpoint)
@@ -145,6 +146,7 @@ def load_served(checkpoint: Path, work: Path, dtype=None):
                      f"AutoConfig.from_pretrained) on the speculators folder as is: {as_is}")
         folder = work / "zlab-format"
         notes[:0] = write_zlab_folder(checkpoint, folder)
+        refused_as_is = None if as_is == "loads as is" else as_is
     try:
         config = AutoConfig.from_pretrained(folder)
         cls = (zm.DFlash2DraftModel if "DFlash2DraftModel" in (config.architectures or [])
@@ -162,7 +164,7 @@ def load_served(checkpoint: Path, work: Path, dtype=None):
         notes.append(f"weights z-lab ignores: {unexpected[:6]}")
     notes.append("z-lab serves the draft in bf16 (benchmark.py:load_transformers_models, "
                  "dtype=torch.bfloat16); probed here in fp32")
-    return model.eval(), folder, notes
+    return model.eval(), folder, notes, refused_as_is
 
 
 # ------------------------------------------------------------------------ the fields
@@ -250,7 +252,7 @@ def probe(checkpoint: Path) -> Any:
     rec = SideRecord(SIDE)
     with tempfile.TemporaryDirectory(prefix="zlab-probe-") as tmp:
         try:
-            model, folder, notes = load_served(Path(checkpoint), Path(tmp))
+            model, folder, notes, rec.refused_as_is = load_served(Path(checkpoint), Path(tmp))
         except ZLabRefused as exc:
             rec.refused = str(exc)
             return rec
