@@ -70,9 +70,11 @@ NAME = "NVIDIA ModelOpt"  # literals: the registry reads them from this source
 VERSION = "0.47.0"
 #: pip requirements installed ``--no-deps``: the wheel and what it needs to import
 #: (modelopt/torch/utils/robust_json.py:31 imports omegaconf, which needs antlr4 4.9.3;
-#: modelopt/torch/opt/searcher.py:32 imports pulp).
+#: modelopt/torch/opt/searcher.py:32 imports pulp; modelopt/torch/__init__.py imports
+#: modelopt.torch.nas, whose algorithms.py:28 imports scipy.interpolate: scipy 1.17.1's cp311+
+#: manylinux wheel, built for numpy >= 1.26.4, as setup.sh's numpy 2.x).
 REQUIREMENTS = ["nvidia-modelopt==0.47.0", "omegaconf==2.4.0", "antlr4-python3-runtime==4.9.3",
-                "pulp==3.3.2"]
+                "pulp==3.3.2", "scipy==1.17.1"]
 #: What ModelOpt 0.47.0's DFlash training can be configured to run (keys of
 #: :class:`dflash_audit.audit.frameworks.capabilities.Capabilities`).
 CAPABILITIES: dict[str, Any] = {
