@@ -27,6 +27,7 @@ from typer.testing import CliRunner
 
 from dflash_audit.audit.cases.plan import plan_synthetic_cases
 from dflash_audit.audit.compare import run_compare
+from dflash_audit.audit.frameworks import registry
 from dflash_audit.audit.hard_labels import DATA_TOKENS_CAUSE, data_tokens
 from dflash_audit.audit.judge import check_case
 from dflash_audit.audit.options import CompareOptions
@@ -164,6 +165,79 @@ def test_every_report_format_shows_the_adapter_mark(testfw):
             if tc.get("classname") == "dflash_audit.loss"]
     assert outs and all(o.startswith("WARN: loss: computed by the adapter") for o in outs)
     assert not any(tc.find("failure") is not None for tc in junit.iter("testcase"))
+
+
+# ------------------------------------- a framework that cannot import: setup, never a FAIL
+MISSING_ADAPTER = '''"""A test adapter whose framework code imports a module its REQUIREMENTS lack."""
+from dflash_audit.candidate import DrafterCandidate
+
+NAME = "TestFW"
+VERSION = "1.0"
+REQUIREMENTS = [{wheel!r}]
+{modules}
+
+class Candidate(DrafterCandidate):
+    name = "testfw"
+
+    def run_case(self, *args):
+        import demo_fw_core  # noqa: F401 - the "framework", lazily, as real adapters do
+        return super().run_case(*args)
+
+
+candidate = Candidate()
+'''
+
+
+@pytest.mark.parametrize("when", ["load", "case", "plain"])
+def test_a_framework_that_cannot_import_is_a_setup_error(when, reference_identity, tmp_path):
+    """The framework's module imports demo_fw_missing_dep, which no REQUIREMENTS install:
+    declared in FRAMEWORK_MODULES, the load step fails before any case; undeclared, the first
+    case does; both exit 2 naming the module, who imports it and the fix. The same file as a
+    plain candidate (user code, not a framework) is a conformance FAIL, exit 1."""
+    folder = tmp_path / "adapters"
+    folder.mkdir()
+    (folder / "demo_fw_core.py").write_text("import demo_fw_missing_dep  # noqa: F401\n")
+    modules = 'FRAMEWORK_MODULES = ["demo_fw_pkg", "demo_fw_core"]' if when == "load" else ""
+    wheel = build_wheel(tmp_path / "wheels")
+    (folder / "testfw_adapter.py").write_text(MISSING_ADAPTER.format(
+        wheel=str(wheel), modules=modules))
+    spec = (f"{folder / 'testfw_adapter.py'}:candidate" if when == "plain" else
+            "framework:testfw==1.0")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DFLASH_AUDIT_ADAPTER_PATH", str(folder))
+        mp.setenv("DFLASH_AUDIT_CACHE", str(copy_of_cache(tmp_path / "cache", releases=False)))
+        result = CliRunner().invoke(app, [
+            "compare", "--candidate", spec, "--ref", f"path:{reference_identity.source_dir}",
+            "--rows", "0", "--cases", "1", "--seed", "0", "--out", str(tmp_path / "reports")])
+    out = " ".join(result.output.split())
+    if when == "plain":
+        assert result.exit_code == 1, result.output
+        folder = Path(result.output.rsplit("report: ", 1)[1].split()[0])
+        report = json.loads((folder / "report.json").read_text())
+        runs = [r for c in report["cases"] for r in c["results"] if r["name"] == "run"]
+        assert report["verdict"] == "fail" and runs and all(
+            r["status"] == "fail" and r["summary"] == "the candidate's run_case raised "
+            "ModuleNotFoundError: No module named 'demo_fw_missing_dep'" for r in runs)
+        return
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "reports").exists()
+    assert "TestFW 1.0 cannot import 'demo_fw_missing_dep' (" in out
+    assert f"{folder / 'demo_fw_core.py'}:1 imports it)" in out
+    assert ("when its candidate loaded, before any case" if when == "load" else
+            " in case ") in out
+    assert "not a conformance finding" in out
+    assert f"lack it. Add the pinned distribution that provides 'demo_fw_missing_dep' to " \
+           f"REQUIREMENTS in {folder / 'testfw_adapter.py'}" in out
+    assert "-m pip install demo_fw_missing_dep" in out and "--candidate-python PATH" in out
+
+
+def test_every_built_in_framework_adapter_declares_its_framework_modules():
+    """A built-in adapter that installs a framework names the modules it imports, so the
+    candidate's load step imports them before any case (see test above)."""
+    for key, constants in registry.available_adapters().items():
+        if constants.get("folder") is None and constants.get("REQUIREMENTS"):
+            modules = constants.get("FRAMEWORK_MODULES")
+            assert modules and all(isinstance(m, str) for m in modules), key
 
 
 # --------------------------------------------------------------------------- hard labels

@@ -25,6 +25,15 @@ The contract every adapter module ``dflash_audit/audit/frameworks/<name>_adapter
   module's source without importing the framework.
 * ``REQUIREMENTS``: the pip requirements installed (``--no-deps``) into the tool's cache for
   the framework, pinned (``["specforge==0.2.0"]`` plus the few light import-time dependencies).
+  REQUIREMENTS must be complete for an environment made by the README's setup alone (a
+  package that happens to be installed elsewhere hides a missing one).
+* ``FRAMEWORK_MODULES``: the framework modules the adapter imports (lazily, in ``run_case``
+  and the other methods), as a literal list. With ``--candidate framework:NAME`` the
+  candidate's process imports them when it loads, before any case; a module that cannot be
+  imported there, on loading the adapter, or later inside a case is a setup error (exit 2)
+  naming the module, who imports it and the fix (REQUIREMENTS, ``pip install``,
+  ``--candidate-python``), never a conformance failure
+  (:func:`dflash_audit.audit.frameworks.registry.import_failure_message`).
 * ``NAME`` and ``VERSION``: the framework's display name and pinned version.
 * Layer ids of a z-lab-convention framework: :func:`dflash_audit.model.layer_ids.to_zlab_ids`
   / :func:`~dflash_audit.model.layer_ids.from_zlab_ids`; recorders: :mod:`.kit`.

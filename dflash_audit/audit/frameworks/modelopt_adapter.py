@@ -70,9 +70,19 @@ NAME = "NVIDIA ModelOpt"  # literals: the registry reads them from this source
 VERSION = "0.47.0"
 #: pip requirements installed ``--no-deps``: the wheel and what it needs to import
 #: (modelopt/torch/utils/robust_json.py:31 imports omegaconf, which needs antlr4 4.9.3;
-#: modelopt/torch/opt/searcher.py:32 imports pulp).
+#: modelopt/torch/opt/searcher.py:32 imports pulp; modelopt/torch/__init__.py imports
+#: modelopt.torch.nas, whose algorithms.py:28 imports scipy.interpolate: scipy 1.17.1's cp311+
+#: manylinux wheel, built for numpy >= 1.26.4, as setup.sh's numpy 2.x).
 REQUIREMENTS = ["nvidia-modelopt==0.47.0", "omegaconf==2.4.0", "antlr4-python3-runtime==4.9.3",
-                "pulp==3.3.2"]
+                "pulp==3.3.2", "scipy==1.17.1"]
+#: The framework modules run_case, select_anchors and derive_config import: imported when
+#: the candidate loads, so a missing dependency is a setup error before any case.
+FRAMEWORK_MODULES = ["modelopt.torch.speculative", "modelopt.torch.speculative.config",
+                     "modelopt.torch.speculative.plugins.hf_dflash",
+                     "modelopt.torch.speculative.plugins.modeling_dflash",
+                     "modelopt.torch.speculative.plugins.modeling_fakebase",
+                     "modelopt.torch.speculative.plugins.modeling_final_norm",
+                     "modelopt.torch.speculative.eagle.utils"]
 #: What ModelOpt 0.47.0's DFlash training can be configured to run (keys of
 #: :class:`dflash_audit.audit.frameworks.capabilities.Capabilities`).
 CAPABILITIES: dict[str, Any] = {

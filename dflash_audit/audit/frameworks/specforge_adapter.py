@@ -51,6 +51,12 @@ NAME = "SpecForge"
 VERSION = "0.2.0"
 #: Imports with torch + transformers alone (no extra package; research sec. 2.10).
 REQUIREMENTS = ["specforge==0.2.0"]
+#: The framework modules run_case and derive_config import: imported when the candidate
+#: loads, so a missing dependency is a setup error before any case.
+FRAMEWORK_MODULES = ["specforge.algorithms.common.dflash_family_model",
+                     "specforge.modeling.draft.dflash", "specforge.modeling.target.target_utils",
+                     "specforge.algorithms.dflash.providers", "specforge.config.schema",
+                     "specforge.training.model_loading"]
 #: What SpecForge 0.2.0's DFlash training can be configured to run (keys of
 #: :class:`dflash_audit.audit.frameworks.capabilities.Capabilities`; None = all). Any profile
 #: loss and weighting is supported: SpecForge runs its own variant (hard cross-entropy on the

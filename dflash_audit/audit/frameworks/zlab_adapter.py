@@ -58,6 +58,8 @@ from dflash_audit.model.metrics import dflash_metrics
 NAME = "z-lab dflash"
 VERSION = "0.1.0"
 REQUIREMENTS = ["dflash==0.1.0"]
+#: The framework modules run_case imports: imported when the candidate loads.
+FRAMEWORK_MODULES = ["dflash.model"]
 #: What the adapter can audit z-lab on (keys of ``frameworks.capabilities.Capabilities``;
 #: None = all). Packed rows: each block's context is its own document's prefix, as z-lab
 #: drafts one sequence; a non-causal window through ``is_causal = False``; no draft vocabulary

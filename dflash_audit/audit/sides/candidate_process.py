@@ -114,6 +114,23 @@ class CandidateCaseRun:
                                     "stdout_tail": self.stdout_tail, "seconds": self.seconds})
 
 
+def load_error(out_dir: Path, launch: CandidateLaunch) -> CandidateLoadError:
+    """The setup error of the runner's ``load_error.json`` in ``out_dir``: its message, or,
+    when a framework cannot import a module, one naming the module, who imports it and the
+    fix (:func:`dflash_audit.audit.frameworks.registry.import_failure_message`)."""
+    try:
+        data = json.loads((out_dir / LOAD_ERROR).read_text())
+    except (OSError, ValueError):
+        data = {}
+    if not isinstance(data, dict):
+        data = {}
+    if launch.framework is not None and data.get("missing_module"):
+        from dflash_audit.audit.frameworks.registry import import_failure_message
+
+        return CandidateLoadError(import_failure_message(launch, data))
+    return CandidateLoadError(str(data.get("message", "")))
+
+
 def _tail(path: Path) -> str:
     """The last ``TAIL_CHARS`` of a log file ("" when unreadable); a symlink is never followed
     (the logs live outside what the candidate can write, and this holds if one does not)."""
@@ -224,6 +241,7 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
         cmd = [launch.executable, "-m", "dflash_audit.audit.sides.candidate_runner", str(cases_dir),
                str(out_dir), *(["--candidate", spec] if spec else []),
                *(["--threads", str(threads)] if threads else []),
+               *(["--framework"] if launch.framework else []),
                *[a for n in remaining for a in ("--case", n)]]
         env = runner_env(threads, launch)
         cmd = sandboxed(cmd, spec, cases_dir, out_dir, env)
@@ -237,8 +255,7 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
             _kill_group(proc)  # also any child the candidate left behind
         _collect(out_dir, remaining, results, stdout, stderr, on_case)
         if (out_dir / LOAD_ERROR).is_file() and proc.returncode == EXIT_LOAD_ERROR:
-            message = json.loads((out_dir / LOAD_ERROR).read_text()).get("message", "")
-            raise CandidateLoadError(message)
+            raise load_error(out_dir, launch)
         if not remaining:
             break
         tails = {"stderr_tail": _tail(stderr), "stdout_tail": _tail(stdout)}
@@ -359,7 +376,8 @@ def load_candidate_identity(spec: str | CandidateLaunch | None, out_dir: Path,
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / IDENTITY).unlink(missing_ok=True)
     cmd = [launch.executable, "-m", "dflash_audit.audit.sides.candidate_runner", str(out_dir),
-           str(out_dir), "--load-only", *(["--candidate", spec] if spec else [])]
+           str(out_dir), "--load-only", *(["--candidate", spec] if spec else []),
+           *(["--framework"] if launch.framework else [])]
     env = runner_env(None, launch)
     try:
         proc = subprocess.run(sandboxed(cmd, spec, out_dir, out_dir, env), capture_output=True,
@@ -369,7 +387,7 @@ def load_candidate_identity(spec: str | CandidateLaunch | None, out_dir: Path,
         raise CandidateLoadError(f"loading the candidate {spec!r} took more than "
                                  f"{timeout_s:g} s") from None
     if proc.returncode == EXIT_LOAD_ERROR and (out_dir / LOAD_ERROR).is_file():
-        raise CandidateLoadError(json.loads((out_dir / LOAD_ERROR).read_text())["message"])
+        raise load_error(out_dir, launch)
     try:
         return json.loads((out_dir / IDENTITY).read_text())
     except (OSError, ValueError):

@@ -14,6 +14,11 @@ Files written into OUT_DIR (the only channel to the parent, :mod:`.candidate_pro
   (:meth:`SideOutputs.write`, read back with :meth:`SideOutputs.read` as the reference's are);
   the folder is published atomically, so it exists only once the case is complete;
 - ``load_error.json`` = ``{"message"}`` when the candidate cannot be loaded (exit code 3);
+  with ``--framework`` (a framework adapter, ``--candidate framework:NAME``) also when the
+  framework cannot import a module -- loading the adapter, importing the modules its
+  ``FRAMEWORK_MODULES`` names (before any case), or inside a case -- then with
+  ``"missing_module"`` and ``"importer"`` (file:line of the import) added: a setup error of
+  the audit (the adapter's REQUIREMENTS or the environment), never a conformance failure;
 - ``candidate.json`` = ``{"name", "class", "source_files", "has_select_anchors"}`` once it is
   loaded (so the parent never imports the candidate: its name and the files its fingerprint
   hashes come from here). ``--load-only`` stops there (a cheap setup check).
@@ -39,6 +44,39 @@ HEARTBEAT = "started.json"
 STATUS = "status.json"
 LOAD_ERROR = "load_error.json"
 IDENTITY = "candidate.json"
+
+
+def import_failure(exc: BaseException) -> dict[str, str] | None:
+    """``{"missing_module", "importer", "error"}`` of an ImportError (ModuleNotFoundError
+    included) at or under ``exc`` (its ``__cause__`` / ``__context__`` chain); None when
+    there is none. ``importer`` is the ``file:line`` of the last frame outside importlib."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ImportError):
+            frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                      if not f.filename.startswith("<frozen")]
+            name = exc.name or (str(exc).split("'")[1] if str(exc).count("'") >= 2 else "?")
+            return {"missing_module": name,
+                    "importer": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "",
+                    "error": f"{type(exc).__name__}: {exc}"}
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def import_framework_modules(spec: str | None) -> None:
+    """Import every module the adapter module of ``spec`` lists in ``FRAMEWORK_MODULES`` (the
+    framework code its ``run_case`` imports lazily), so an import that fails does so before
+    any case.
+
+    Raises:
+        ImportError: one of them (or what it imports) cannot be imported.
+    """
+    import importlib
+
+    module = sys.modules.get((spec or "").rpartition(":")[0])
+    for name in getattr(module, "FRAMEWORK_MODULES", None) or ():
+        importlib.import_module(name)
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -95,9 +133,13 @@ def run_one(candidate: Any, case: Any) -> tuple[dict[str, Any], Any]:
         if stage == "select_anchors":
             causes.append("select_anchors(loss_mask [1,T], max_anchors, block_size[, generator]"
                           "[, document_ids]) must return (anchor_positions [A], anchor_valid [A])")
-        return {"status": "raised", "summary": f"the candidate's {stage} raised "
-                f"{type(exc).__name__}: {str(exc).strip()[:600]}",
-                "traceback": traceback.format_exc(), "diagnosis": causes}, None
+        status = {"status": "raised", "summary": f"the candidate's {stage} raised "
+                  f"{type(exc).__name__}: {str(exc).strip()[:600]}",
+                  "traceback": traceback.format_exc(), "diagnosis": causes}
+        failure = import_failure(exc)
+        if failure is not None:  # a framework's: a setup error (main); a candidate's: a FAIL
+            status["import_failure"] = failure
+        return status, None
     out.derivation = candidate_derivation(candidate, case)
     return {"status": "ok", "summary": "", "traceback": ""}, out
 
@@ -177,7 +219,9 @@ def die_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Load the candidate, run every pending case, write results; 0 when all cases ran
-    (whatever their status), 3 when the candidate cannot be loaded."""
+    (whatever their status), 3 when the candidate cannot be loaded (or, with
+    ``--framework``, the framework cannot import a module: then the remaining cases are not
+    run)."""
     parser = argparse.ArgumentParser(prog="python -m dflash_audit.audit.sides.candidate_runner")
     parser.add_argument("cases_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
@@ -185,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--case", action="append", default=None)
     parser.add_argument("--load-only", action="store_true")
+    parser.add_argument("--framework", action="store_true",
+                        help="the candidate is a framework adapter: an import that fails is "
+                             "a setup error (load_error.json), not a case's failure")
     args = parser.parse_args(argv)
     die_with_parent()
     faulthandler.enable()
@@ -202,8 +249,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(Path(target).resolve().parent))
     try:
         candidate = load_candidate(args.candidate)
+        if args.framework:
+            import_framework_modules(args.candidate)
     except CandidateError as exc:
-        write_json_atomic(args.out_dir / LOAD_ERROR, {"message": str(exc)})
+        failure = import_failure(exc) if args.framework else None
+        write_json_atomic(args.out_dir / LOAD_ERROR, {"message": str(exc), **(failure or {})})
+        return EXIT_LOAD_ERROR
+    except ImportError as exc:  # FRAMEWORK_MODULES (only with --framework)
+        write_json_atomic(args.out_dir / LOAD_ERROR, {
+            "message": f"{type(exc).__name__}: {exc}", **(import_failure(exc) or {})})
         return EXIT_LOAD_ERROR
     write_json_atomic(args.out_dir / IDENTITY, identity(candidate, args.candidate))
     if args.load_only:
@@ -216,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         write_json_atomic(args.out_dir / HEARTBEAT, {"case": name})
         status, outputs = run_one(candidate, Case.read(args.cases_dir / name))
+        if args.framework and status.get("import_failure"):  # the framework cannot import
+            write_json_atomic(args.out_dir / LOAD_ERROR, {
+                "message": status["summary"], "case": name, **status["import_failure"]})
+            return EXIT_LOAD_ERROR
         publish(args.out_dir, name, status, outputs)
     return 0
 
