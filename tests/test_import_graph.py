@@ -1,5 +1,5 @@
 """The package's import graph: no circle, and every import points down the data flow of
-DESIGN.md (commands -> train -> compare -> judging -> cases / sides -> diagnosis -> checks ->
+DESIGN.md (commands -> serve-check -> train -> compare -> judging -> cases / sides -> diagnosis -> checks ->
 replay -> the audit's vocabulary -> reference source / profile -> data -> model). Imports
 inside functions count: a function-level import that climbs is still a circle waiting.
 """
@@ -20,9 +20,9 @@ RANKS: dict[str, int] = {
     "dflash_audit.command_errors": 100,
     "dflash_audit.audit.compare_cli": 100,
     "dflash_audit.train.commands": 100,
+    "dflash_audit.serve": 95,
     "dflash_audit.train": 90,
     "dflash_audit.batch_audit": 85,
-    "dflash_audit.serve": 85,
     "dflash_audit.audit.compare": 80,
     "dflash_audit.audit.judge": 75,
     "dflash_audit.audit.sides": 70,

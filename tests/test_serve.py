@@ -6,6 +6,7 @@ the bad inputs of the command (one line, exit 2)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest

@@ -114,8 +114,8 @@ def _served(eng: Engine, folder: Any, site: Path, notes: list[str]) -> Any:
 
 def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | None = None,
                     verifier: str | None = None, offline: bool = False,
-                    drafting: bool = True, prompts: int = 3,
-                    max_new_tokens: int = 32) -> Any:
+                    drafting: bool = True, prompts: int = 8, max_new_tokens: int = 32,
+                    data: str = "chitchat") -> Any:
     """Audit ``checkpoint`` as ``engine`` will serve it.
 
     Args:
@@ -128,6 +128,7 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
         drafting: where the engine drafts on CPU (z-lab), also run one served drafting step
             against the training forward and measure acceptance (needs the verifier).
         prompts, max_new_tokens: the acceptance measurement's size.
+        data: the conversations its held-out prompts come from (as ``eval --data``).
 
     Returns:
         The :class:`~dflash_audit.serve.report.ServeReport`.
@@ -140,6 +141,7 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
     from dflash_audit.serve.checkpoint import SPECULATORS, read_checkpoint
     from dflash_audit.serve.differences import (
         DIFFERS,
+        FIXES,
         Row,
         compare,
         complete_from_masks,
@@ -187,13 +189,14 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
     notes += [f"{served.side}: {n}" for n in served.notes] + [
         f"{trained.side}: {n}" for n in trained.notes]
     if served.refused_as_is:
+        name = "checkpoint not loadable as it is"
         rows.insert(0, Row("checkpoint_format", folder.format, "zlab (converted)", DIFFERS,
                            f"{eng.label} cannot load this checkpoint as it is: "
-                           f"{served.refused_as_is}", "checkpoint not loadable as it is",
-                           "the checkpoint's config.json", served.refused_as_is))
+                           f"{served.refused_as_is}", name, "the checkpoint's config.json",
+                           served.refused_as_is, FIXES[name]))
     summary = None
     if drafting and eng.key == "zlab" and folder.format == SPECULATORS:
-        summary = _drafting(folder, verifier, offline, prompts, max_new_tokens, notes)
+        summary = _drafting(folder, verifier, offline, prompts, max_new_tokens, notes, data)
     if positions is None:
         notes.append(f"the target's context length is unknown (no max_position_embeddings "
                      f"in {verifier}/config.json)" if verifier else
@@ -213,9 +216,12 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
 
 
 def _drafting(folder: Any, verifier: str | None, offline: bool, prompts: int,
-              max_new_tokens: int, notes: list[str]) -> dict[str, Any] | None:
+              max_new_tokens: int, notes: list[str], data: str = "chitchat"
+              ) -> dict[str, Any] | None:
     """The drafting comparison's summary, or None (with a note) when the verifier is not at
-    hand."""
+    hand. Its prompts are ``eval``'s held-out prompts (:func:`~dflash_audit.train.evaluate.
+    held_out_prompts`: the contexts of assistant turns of the last conversations of ``data``,
+    which training draws from the start of)."""
     from dflash_audit.data.builtin_verifier import BUILTIN_VERIFIERS, builtin_verifier_dir
     from dflash_audit.serve.drafting import compare_drafting
 
@@ -229,10 +235,18 @@ def _drafting(folder: Any, verifier: str | None, offline: bool, prompts: int,
                      "(pass --verifier DIR)")
         _say(notes[-1])
         return None
-    _say(f"drafting with z-lab's own code on {prompts} prompts ({max_new_tokens} new tokens "
-         "each) beside the training forward ...")
+    from transformers import AutoTokenizer
+
+    from dflash_audit.data.conversations import load_conversations
+    from dflash_audit.train.evaluate import held_out_prompts
+
+    ids, _ = held_out_prompts(AutoTokenizer.from_pretrained(target),
+                              load_conversations(data).conversations, prompts)
+    _say(f"drafting with z-lab's own code on {len(ids)} held-out prompts of {data} "
+         f"({max_new_tokens} new tokens each) beside the training forward ...")
     try:
-        return drafting_summary(compare_drafting(folder.path, target, num_prompts=prompts,
+        return drafting_summary(compare_drafting(folder.path, target, prompts=ids or None,
+                                                 num_prompts=prompts,
                                                  max_new_tokens=max_new_tokens,
                                                  offline=offline))
     except ServeCheckError as exc:  # the static comparison stands; say what did not run
@@ -260,7 +274,10 @@ def serve_check_command(
         help="zlab: also draft with the engine (one step vs the training forward, and "
              "acceptance on held-out prompts).")] = True,
     prompts: Annotated[int, typer.Option(help="Held-out prompts for the acceptance length.",
-                                         min=1)] = 3,
+                                         min=1)] = 8,
+    data: Annotated[str, typer.Option(
+        help="Conversations the held-out prompts come from (chitchat, or a JSONL file), as "
+             "`eval --data`.")] = "chitchat",
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.", min=1)
                               ] = 32,
     out: Annotated[Path, typer.Option(help="Report folder parent.")] = Path("reports"),
@@ -273,7 +290,8 @@ def serve_check_command(
         raise ServeCheckError(f"--out {out} is a file: give the folder the report folder is "
                               "made in")
     report = run_serve_check(checkpoint, engine, ref=ref, verifier=verifier, offline=offline,
-                             drafting=drafting, prompts=prompts, max_new_tokens=max_new_tokens)
+                             drafting=drafting, prompts=prompts, max_new_tokens=max_new_tokens,
+                             data=data)
     folder = write_report(report, out)
     for line in report.summary_lines():
         print(line, file=sys.stderr)

@@ -62,7 +62,8 @@ class ServeReport:
 
     def summary_lines(self) -> list[str]:
         """One line per finding (causes first, then attention rules), for the terminal."""
-        out = [f"DIFFERS [{r.name}] {r.message}" for r in self.differences]
+        out = [f"DIFFERS [{r.name}] {r.message}" + (f"\n  fix: {r.fix}" if r.fix else "")
+               for r in self.differences]
         out += [f"DIFFERS [attention, layer {r.layer}] {'; '.join(r.differences[:3])}"
                 + (f" (+{len(r.differences) - 3} more)" if len(r.differences) > 3 else "")
                 for r in self.rule_differences]
