@@ -82,7 +82,7 @@ def reference_readings(reference_zygote, tmp_path_factory):
 def test_the_reference_and_our_drafter_read_a_checkpoint_alike(reference_readings, variant):
     ref, mine = reference_readings[variant]
     assert ref.refused is None and mine.refused is None
-    assert set(ref.fields) == set(mine.fields)
+    assert set(ref.fields) == set(mine.fields) - {"dtype"}  # the saved dtype: ours only
     for key, value in ref.fields.items():
         assert json.dumps(mine.fields[key]) == json.dumps(value), key
     for layer, m in ref.masks.items():

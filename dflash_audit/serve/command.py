@@ -238,18 +238,20 @@ def _drafting(folder: Any, verifier: str | None, offline: bool, prompts: int,
     from transformers import AutoTokenizer
 
     from dflash_audit.data.conversations import load_conversations
+    from dflash_audit.data.errors import DataError
     from dflash_audit.train.evaluate import held_out_prompts
 
-    ids, _ = held_out_prompts(AutoTokenizer.from_pretrained(target),
-                              load_conversations(data).conversations, prompts)
-    _say(f"drafting with z-lab's own code on {len(ids)} held-out prompts of {data} "
-         f"({max_new_tokens} new tokens each) beside the training forward ...")
     try:
+        ids, _ = held_out_prompts(AutoTokenizer.from_pretrained(target),
+                                  load_conversations(data).conversations, prompts)
+        _say(f"drafting with z-lab's own code on {len(ids)} held-out prompts of {data} "
+             f"({max_new_tokens} new tokens each) beside the training forward ...")
         return drafting_summary(compare_drafting(folder.path, target, prompts=ids or None,
                                                  num_prompts=prompts,
                                                  max_new_tokens=max_new_tokens,
                                                  offline=offline))
-    except ServeCheckError as exc:  # the static comparison stands; say what did not run
+    except (ServeCheckError, DataError, OSError, ValueError) as exc:  # the static
+        # comparison stands; say what did not run
         notes.append(f"the served drafting step and acceptance did not run: {exc}")
         _say(notes[-1])
         return None

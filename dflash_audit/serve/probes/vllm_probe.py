@@ -17,7 +17,6 @@ with the runtime names they read bound to small stand-ins, each listed in ``note
 
 A ``ValueError`` / ``NotImplementedError`` / ... raised inside vLLM's (or transformers') code
 while it reads the checkpoint is the engine refusing it: ``refused`` holds it in one line.
-
 The stand-ins and the engine definitions bound to them are in
 :mod:`dflash_audit.serve.probes.vllm_runtime`; this module reads the fields.
 """
