@@ -25,9 +25,6 @@ The helpers below are ours (no z-lab import): the probe calls them for the train
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -149,14 +146,7 @@ def compare_drafting(checkpoint: str | Path, verifier: str | Path | None = None,
     Raises:
         ServeCheckError: no verifier, z-lab not installable, the probe failed or timed out.
     """
-    from dflash_audit.serve.engines import (
-        ENGINES,
-        PROBE_TIMEOUT_ENV,
-        PROJECT_ROOT,
-        ServeCheckError,
-        install_engine,
-        probe_timeout,
-    )
+    from dflash_audit.serve.engines import ENGINES, ServeCheckError, install_engine, run_script
 
     engine = ENGINES["zlab"]
     verifier = verifier or checkpoint_verifier(checkpoint)
@@ -169,25 +159,12 @@ def compare_drafting(checkpoint: str | Path, verifier: str | Path | None = None,
             "prompts": list(prompts) if prompts else list(DEFAULT_PROMPTS[:num_prompts]),
             "max_new_tokens": int(max_new_tokens), "tolerance": float(tolerance),
             "acceptance": bool(acceptance)}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(PROJECT_ROOT)]),
-           "PYTHONNOUSERSITE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    timeout = probe_timeout()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dflash-drafting-") as tmp:
-        spec_file, out = Path(tmp) / "spec.json", Path(tmp) / "drafting.json"
+        spec_file = Path(tmp) / "spec.json"
         spec_file.write_text(json.dumps(spec))
-        try:
-            proc = subprocess.run([sys.executable, str(DRAFTING_PROBE), str(spec_file), str(out)],
-                                  env=env, capture_output=True, text=True, timeout=timeout,
-                                  stdin=subprocess.DEVNULL, cwd=tmp)
-        except subprocess.TimeoutExpired:
-            raise ServeCheckError(f"the {engine.label} drafting comparison did not finish in "
-                                  f"{timeout:g} s: raise {PROBE_TIMEOUT_ENV}") from None
-        if not out.is_file():
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
-            raise ServeCheckError(f"the {engine.label} drafting comparison failed (exit "
-                                  f"{proc.returncode}):\n{tail}")
-        d = json.loads(out.read_text())
+        d = run_script(DRAFTING_PROBE, [str(spec_file)], site,
+                       f"the {engine.label} drafting comparison")
     if d.get("refused"):
         raise ServeCheckError(f"{engine.label} refuses the checkpoint: {d['refused']}")
     d["wall_s"] = round(time.perf_counter() - start, 2)

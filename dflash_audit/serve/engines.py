@@ -18,6 +18,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dflash_audit.audit.setup_error import CompareSetupError
 from dflash_audit.serve.fields import SideRecord
@@ -103,9 +104,48 @@ def probe_timeout() -> float:
     return value
 
 
+def run_script(script: Path, args: list[str], site: Path | None, what: str,
+               python: str | None = None) -> dict[str, Any]:
+    """Run ``script ARGS OUT_JSON`` in a fresh process (the engine's ``site`` and this project
+    on ``PYTHONPATH``, offline, in a temporary folder) and return the JSON it wrote to OUT.
+
+    Args:
+        what: who runs, for messages (``the vLLM 0.33.0 probe``).
+
+    Raises:
+        ServeCheckError: it did not finish in :func:`probe_timeout` (the message names the
+            setting to raise), or exited without writing readable JSON (with the end of its
+            output).
+    """
+    import json
+
+    paths = [str(p) for p in ([site] if site else []) + [PROJECT_ROOT]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONNOUSERSITE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    timeout = probe_timeout()
+    with tempfile.TemporaryDirectory(prefix="dflash-serve-") as tmp:
+        out = Path(tmp) / "out.json"
+        cmd = [python or sys.executable, str(script), *map(str, args), str(out)]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                                  stdin=subprocess.DEVNULL, cwd=tmp)
+        except subprocess.TimeoutExpired:
+            raise ServeCheckError(
+                f"{what} did not finish in {timeout:g} s (the machine may be busy): raise "
+                f"{PROBE_TIMEOUT_ENV} (e.g. {PROBE_TIMEOUT_ENV}={int(timeout * 3)})") from None
+        if out.is_file():
+            try:
+                return json.loads(out.read_text())
+            except ValueError as exc:
+                raise ServeCheckError(f"{what} wrote unreadable JSON ({exc})") from None
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
+        raise ServeCheckError(f"{what} failed (exit {proc.returncode}) without a record:\n"
+                              f"{tail}")
+
+
 def run_probe(script: Path, checkpoint: Path, site: Path | None, label: str,
-              python: str | None = None, extra_path: list[Path] = ()) -> SideRecord:
-    """Run ``script CHECKPOINT OUT_JSON`` in a fresh process and read its record.
+              python: str | None = None) -> SideRecord:
+    """Run the probe ``script CHECKPOINT OUT_JSON`` (:func:`run_script`) and read its record.
 
     Args:
         script: the probe (runs in the engine's or the reference's process).
@@ -113,35 +153,13 @@ def run_probe(script: Path, checkpoint: Path, site: Path | None, label: str,
         site: the engine's site folder (first on ``PYTHONPATH``), or None.
         label: who is probed, for messages (``vLLM 0.33.0``).
         python: the interpreter (default: this one).
-        extra_path: more ``PYTHONPATH`` entries after the site and this project.
 
-    Returns:
-        The probe's :class:`SideRecord`. A probe that exits non-zero without a record, or
-        does not finish, is a :class:`ServeCheckError` carrying the end of its output.
+    Raises:
+        ServeCheckError: see :func:`run_script`; or a record that is not a SideRecord.
     """
-    paths = [str(p) for p in ([site] if site else []) + [PROJECT_ROOT, *extra_path]]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONNOUSERSITE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    timeout = probe_timeout()
-    with tempfile.TemporaryDirectory(prefix="dflash-serve-") as tmp:
-        out = Path(tmp) / "probe.json"
-        cmd = [python or sys.executable, str(script), str(checkpoint), str(out)]
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                                  stdin=subprocess.DEVNULL, cwd=tmp)
-        except subprocess.TimeoutExpired:
-            raise ServeCheckError(
-                f"the {label} probe did not finish in {timeout:g} s (the machine may be busy): "
-                f"raise {PROBE_TIMEOUT_ENV} (e.g. {PROBE_TIMEOUT_ENV}={int(timeout * 3)})"
-            ) from None
-        if out.is_file():
-            try:
-                import json
-
-                return SideRecord.from_dict(json.loads(out.read_text()))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ServeCheckError(f"the {label} probe wrote an unreadable record "
-                                      f"({type(exc).__name__}: {exc})") from None
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
-        raise ServeCheckError(f"the {label} probe failed (exit {proc.returncode}) without a "
-                              f"record:\n{tail}")
+    d = run_script(script, [str(checkpoint)], site, f"the {label} probe", python)
+    try:
+        return SideRecord.from_dict(d)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ServeCheckError(f"the {label} probe wrote an unreadable record "
+                              f"({type(exc).__name__}: {exc})") from None
