@@ -37,6 +37,7 @@ def setup_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input or setup (exit code 2, one-line message)."""
     from dflash_audit.candidate import CandidateError
     from dflash_audit.data.errors import DataError
+    from dflash_audit.limits import LimitError
     from dflash_audit.model.checkpoint import CheckpointError
     from dflash_audit.model.config import ConfigError
     from dflash_audit.profile import ProfileError
@@ -46,7 +47,7 @@ def setup_errors() -> tuple[type[BaseException], ...]:
     from dflash_audit.train.setup import TrainError
     from dflash_audit.train.state import ResumeError
 
-    return (CandidateError, DataError, CheckpointError, ConfigError, ProfileError,
+    return (CandidateError, DataError, LimitError, CheckpointError, ConfigError, ProfileError,
             ReferenceSourceError, ServeCheckError, TrainError, OptimConfigError, ResumeError)
 
 

@@ -62,7 +62,12 @@ print("DFLASH_AUDIT_PROBE " + json.dumps(out))
 """
 
 
-def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 180.0) -> None:
+#: The reference import check's limit on a quiet machine, and the variable that sets it.
+IMPORT_TIMEOUT_S, IMPORT_TIMEOUT_ENV = 180.0, "DFLASH_AUDIT_REFERENCE_IMPORT_TIMEOUT"
+
+
+def check_reference_importable(identity: ReferenceIdentity, timeout_s: float | None = None
+                               ) -> None:
     """Check, in a small subprocess, that ``speculators.models.dflash.core`` imports from the
     resolved source and that the adapter's own import of the reference passes
     (``import_reference`` of ``reference/adapter.py``: the names and methods it uses); cheap
@@ -77,9 +82,14 @@ def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 1
         ReferenceApiMismatchError: the source has no ``speculators.models.dflash.core``, a
             name it imports from speculators is missing, or the adapter misses what it uses.
         ReferenceWrongSourceError: speculators was imported from outside the resolved source.
-        ReferenceTimeoutError: the import took longer than ``timeout_s``.
+        ReferenceTimeoutError: the import took longer than ``timeout_s`` (default: 180 s
+            scaled with the machine's load, or ``$DFLASH_AUDIT_REFERENCE_IMPORT_TIMEOUT``;
+            :func:`dflash_audit.limits.limit_s`); the message names the setting to raise.
         ReferenceRunError: any other import failure (with the tail of stderr).
     """
+    from dflash_audit.limits import exceeded, limit_s
+
+    timeout_s = timeout_s or limit_s(IMPORT_TIMEOUT_S, IMPORT_TIMEOUT_ENV)
     cmd = reference_command(identity, "", [identity.version or "0.0.0+git",
                                            json.dumps(list(REFERENCE_IMPORT_DEPS)),
                                            _code_dirs(identity)["reference"]],
@@ -93,8 +103,8 @@ def check_reference_importable(identity: ReferenceIdentity, timeout_s: float = 1
             )
     except subprocess.TimeoutExpired as exc:
         raise ReferenceTimeoutError(
-            f"importing the reference ({identity.spec}) took longer than {timeout_s:g} s."
-        ) from exc
+            exceeded(f"importing the reference ({identity.spec})", timeout_s,
+                     IMPORT_TIMEOUT_ENV)) from exc
     probe = next(
         (json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
          if line.startswith("DFLASH_AUDIT_PROBE ")),

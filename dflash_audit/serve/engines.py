@@ -11,7 +11,6 @@ and this project on ``PYTHONPATH``; the probe writes a
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -93,15 +92,18 @@ def install_engine(engine: Engine, *, offline: bool = False) -> Path:
 
 
 def probe_timeout() -> float:
-    """Seconds a probe may run: ``$DFLASH_AUDIT_PROBE_TIMEOUT`` or 600."""
-    raw = os.environ.get(PROBE_TIMEOUT_ENV, "")
+    """Seconds a probe may run: ``$DFLASH_AUDIT_PROBE_TIMEOUT``, else 600 scaled with the
+    machine's load (:func:`dflash_audit.limits.limit_s`).
+
+    Raises:
+        ServeCheckError: a variable that is not a positive number.
+    """
+    from dflash_audit.limits import LimitError, limit_s
+
     try:
-        value = float(raw) if raw else PROBE_TIMEOUT_S
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise ServeCheckError(f"{PROBE_TIMEOUT_ENV}={raw!r}: give seconds above 0, e.g. 900")
-    return value
+        return limit_s(PROBE_TIMEOUT_S, PROBE_TIMEOUT_ENV)
+    except LimitError as exc:
+        raise ServeCheckError(str(exc)) from None
 
 
 def run_script(script: Path, args: list[str], site: Path | None, what: str,
@@ -130,9 +132,9 @@ def run_script(script: Path, args: list[str], site: Path | None, what: str,
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                                   stdin=subprocess.DEVNULL, cwd=tmp)
         except subprocess.TimeoutExpired:
-            raise ServeCheckError(
-                f"{what} did not finish in {timeout:g} s (the machine may be busy): raise "
-                f"{PROBE_TIMEOUT_ENV} (e.g. {PROBE_TIMEOUT_ENV}={int(timeout * 3)})") from None
+            from dflash_audit.limits import exceeded
+
+            raise ServeCheckError(exceeded(what, timeout, PROBE_TIMEOUT_ENV)) from None
         if out.is_file():
             try:
                 return json.loads(out.read_text())

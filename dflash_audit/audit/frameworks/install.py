@@ -31,7 +31,7 @@ from dflash_audit.audit.setup_error import CompareSetupError
 CACHE_ENV = "DFLASH_AUDIT_CACHE"
 SITE = "site"
 MANIFEST = "manifest.json"
-PIP_TIMEOUT_S = 900.0
+PIP_TIMEOUT_S, PIP_TIMEOUT_ENV = 900.0, "DFLASH_AUDIT_PIP_TIMEOUT"
 
 
 class FrameworkInstallError(CompareSetupError):
@@ -113,13 +113,19 @@ def install_framework(name: str, version: str, requirements: Sequence[str], *,
           f"{', '.join(requirements)}", file=sys.stderr)
     with atomic_folder(entry) as tmp:
         cmd = pip_command(requirements, tmp / SITE, pip_args)
+        from dflash_audit.limits import LimitError, exceeded, limit_s
+
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S,
+            timeout = limit_s(PIP_TIMEOUT_S, PIP_TIMEOUT_ENV)
+        except LimitError as exc:
+            raise FrameworkInstallError(str(exc)) from None
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                                   stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             raise FrameworkInstallError(
-                f"installing {name} {version} did not finish in {PIP_TIMEOUT_S:g} s (`"
-                f"{command}`): is the package index reachable?") from None
+                exceeded(f"installing {name} {version} (`{command}`)", timeout, PIP_TIMEOUT_ENV)
+                + "; or check that the package index is reachable") from None
         if proc.returncode != 0:
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-6:])
             raise FrameworkInstallError(

@@ -82,7 +82,7 @@ class ImportCheck:
         self._marker = marker
         self.cached = marker is not None and marker.is_file()
         self._job = None if self.cached else Background(
-            check_reference_importable, identity, 180.0, name="dflash-audit-import-check")
+            check_reference_importable, identity, None, name="dflash-audit-import-check")
 
     def wait(self) -> None:
         """Block until the check is done.
