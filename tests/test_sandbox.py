@@ -169,3 +169,24 @@ def test_a_work_root_that_is_no_folder_of_ours_is_a_setup_error(planted, tmp_pat
         work_root()
     assert not (tmp_path / "elsewhere").exists() or not any((tmp_path / "elsewhere").iterdir())
     assert not (tmp_path / "gone").exists()
+
+
+def test_an_interpreter_in_a_venv_under_tmp_runs_in_the_sandbox(tmp_path_factory):
+    """A venv (or clone) under /tmp, which the sandbox replaces with a private one: its
+    interpreter, the file it links to and its site-packages are bound back read-only."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="dflash-audit-venv-test-", dir="/tmp"))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(base / "venv")],
+                       check=True, capture_output=True, timeout=120)
+        python = base / "venv" / "bin" / "python"
+        cmd = sandbox_command([str(python), "-c", "import sys, site; print(sys.prefix); "
+                               "print(site.getsitepackages()[0])"],
+                              bwrap=sandbox_status().bwrap, cwd=Path("/"))
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        prefix, site_dir = done.stdout.split()
+        assert prefix == str(base / "venv") and Path(site_dir).is_relative_to(base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -35,6 +35,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,6 +174,23 @@ def work_root() -> Path:
     return root
 
 
+def interpreter_folders(executable: str) -> list[Path]:
+    """What the interpreter ``executable`` runs from, wherever it lives (also under ``/tmp``,
+    which the sandbox replaces): its environment (``bin/..``: a venv with its site-packages),
+    the folder of the file it links to and that file's prefix; for this interpreter also its
+    ``sys.prefix``, ``sys.base_prefix`` and every ``sys.path`` folder (an editable install's
+    project). Bound back read-only by :func:`sandbox_command`."""
+    if not executable:
+        return []
+    exe = Path(executable)
+    real = exe.resolve()
+    out = [exe.parent.parent, real.parent, real.parent.parent]
+    if exe.absolute() == Path(sys.executable).absolute():
+        out += [Path(sys.prefix), Path(sys.base_prefix)]
+        out += [Path(p) for p in sys.path if p and Path(p).is_dir()]
+    return out
+
+
 def _under_tmp(path: Path) -> bool:
     return path == Path("/tmp") or Path("/tmp") in path.parents
 
@@ -198,7 +216,8 @@ def sandbox_command(cmd: list[str], *, bwrap: str = "bwrap", writable: list[Path
             missing ones are skipped.
         cwd: working directory inside (default ``/``).
     """
-    readable = list(dict.fromkeys(Path(p).resolve() for p in readable))
+    readable = list(dict.fromkeys(Path(p).resolve() for p in
+                                  [*readable, *interpreter_folders(cmd[0] if cmd else "")]))
     args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
     tmp_visible = Path("/tmp") in readable
     if tmp_visible:
