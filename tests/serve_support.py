@@ -30,6 +30,11 @@ def make_checkpoint(folder: Path, verifier: str | None = None, seed: int = 0,
     """Save a random drafter of :data:`TINY` (with ``changes``) into ``folder``."""
     torch.manual_seed(seed)
     model = DFlashDrafter(DFlashConfig(**{**TINY, **changes}))
+    if model.t2d is not None:  # a draft vocabulary: every k-th verifier id, mapped by d2t
+        V, Vd = model.t2d.numel(), model.d2t.numel()
+        ids = torch.arange(Vd) * (V // Vd)
+        model.t2d[ids] = True
+        model.d2t.copy_(ids - torch.arange(Vd))
     return save_pretrained(model, folder, verifier_name_or_path=verifier,
                            verifier_architectures=["LlamaForCausalLM"])
 

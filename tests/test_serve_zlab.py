@@ -156,3 +156,22 @@ def test_drafting_names_an_edited_served_config(zlab_site, folders):
     assert not step["equal"]
     assert step["differences"] == ["rope.theta: served 10000.0, trained 1000000.0"]
     assert step["explained"]
+
+
+def test_drafting_a_draft_vocabulary_checkpoint_compares_in_verifier_ids(zlab_site, folders):
+    """z-lab drafts over the target's whole head; our drafter over V_d ids mapped by d2t: the
+    comparison runs in verifier ids (it raised 'size of tensor a (300) must match ... (64)')
+    and names the vocabulary; the acceptance estimate maps draft ids too."""
+    from dflash_audit.serve.probes.zlab_drafting import run
+
+    vocab = make_checkpoint(folders["base"] / "vocab", verifier=str(folders["verifier"]),
+                            layer_types=("full_attention", "full_attention"),
+                            sliding_window=None, draft_vocab_size=64)
+    out = run({"checkpoint": str(vocab), "verifier": str(folders["verifier"]), "served": None,
+               "prompts": ["What is the capital of France?"], "max_new_tokens": 8,
+               "tolerance": 1e-4, "acceptance": True})
+    step = out["step"]
+    assert "draft_vocab_size: served 300, trained 64" in step["differences"]
+    assert step["max_abs_diff"] == step["max_abs_diff"]  # finite, over the 64 shared ids
+    assert len(step["trained_drafts"]) == 3 and all(0 <= t < 300 for t in step["trained_drafts"])
+    assert out["acceptance"]["trained_blocks"] >= 1 and out["acceptance"]["trained"] >= 1.0
