@@ -39,6 +39,10 @@ the comparison is field by field. Keys, values and units:
 ``embed_tokens.source``            ``"checkpoint"`` or ``"target"``
 =================================  ==========================================================
 
+``dtype`` (the precision the draft is computed in) and engine-only settings
+(``embed_tokens.scale``, ``logits.multiplier``, ``logits.softcap``, ``runner.*``,
+``rope.max_positions_raised_to_target``) may be written too.
+
 A side that cannot compute a field leaves it out and says why in ``not_run`` (e.g. "not run
 here: needs CUDA"); nothing is guessed. ``sources[key]`` names the file and function (or the
 config key) that decided the value, e.g.
@@ -59,9 +63,6 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-#: The per-layer keys, in display order.
-LAYER_KEYS = ("attention", "sliding_window", "block_causal", "window_origin")
 
 
 @dataclass
