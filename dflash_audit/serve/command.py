@@ -36,16 +36,23 @@ def _say(message: str) -> None:
     print(f"dflash-audit: {message}", file=sys.stderr, flush=True)
 
 
-def verifier_max_positions(spec: str | None) -> int | None:
-    """The target's ``max_position_embeddings`` from a local HF folder (``spec``), the
-    built-in verifier's cached folder (``smollm2-135m``), or None when it cannot be read."""
-    if not spec:
-        return None
-    path = Path(spec).expanduser()
+def verifier_folder(spec: str | None) -> Path | None:
+    """The target's local folder: the built-in verifier's cached folder (``smollm2-135m``) or
+    ``spec`` itself when it holds a ``config.json``; None otherwise (a hub id, nothing)."""
     from dflash_audit.data.builtin_verifier import BUILTIN_VERIFIERS, builtin_verifier_dir
 
-    if spec in BUILTIN_VERIFIERS:
-        path = builtin_verifier_dir(spec)
+    if not spec:
+        return None
+    path = builtin_verifier_dir(spec) if spec in BUILTIN_VERIFIERS else Path(spec).expanduser()
+    return path if (path / "config.json").is_file() else None
+
+
+def verifier_max_positions(spec: str | None) -> int | None:
+    """The target's ``max_position_embeddings`` from its :func:`verifier_folder`, or None when
+    it cannot be read."""
+    path = verifier_folder(spec)
+    if path is None:
+        return None
     try:
         d = json.loads((path / "config.json").read_text())
     except (OSError, ValueError, RecursionError):
@@ -154,8 +161,7 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
     folder = read_checkpoint(checkpoint)
     from dflash_audit.data.builtin_verifier import BUILTIN_VERIFIERS
 
-    if verifier and verifier not in BUILTIN_VERIFIERS and not (
-            Path(verifier).expanduser() / "config.json").is_file():
+    if verifier and verifier not in BUILTIN_VERIFIERS and verifier_folder(verifier) is None:
         raise ServeCheckError(f"--verifier {verifier}: no config.json there; give the target "
                               f"model's local folder or one of {', '.join(BUILTIN_VERIFIERS)}")
     eng = engine if isinstance(engine, Engine) else resolve_engine(engine)
@@ -222,14 +228,12 @@ def _drafting(folder: Any, verifier: str | None, offline: bool, prompts: int,
     hand. Its prompts are ``eval``'s held-out prompts (:func:`~dflash_audit.train.evaluate.
     held_out_prompts`: the contexts of assistant turns of the last conversations of ``data``,
     which training draws from the start of)."""
-    from dflash_audit.data.builtin_verifier import BUILTIN_VERIFIERS, builtin_verifier_dir
     from dflash_audit.serve.drafting import compare_drafting
 
-    target = verifier or folder.verifier
-    if target in BUILTIN_VERIFIERS:
-        target = str(builtin_verifier_dir(target))
-    if not target or not (Path(target) / "config.json").is_file():
-        why = (f"the verifier {target} is not a local folder" if target else
+    named = verifier or folder.verifier
+    local = verifier_folder(named)
+    if local is None:
+        why = (f"the verifier {named} is not a local folder" if named else
                "the checkpoint names no verifier")
         notes.append(f"the served drafting step and acceptance were not measured: {why} "
                      "(pass --verifier DIR)")
@@ -241,6 +245,7 @@ def _drafting(folder: Any, verifier: str | None, offline: bool, prompts: int,
     from dflash_audit.data.errors import DataError
     from dflash_audit.train.evaluate import held_out_prompts
 
+    target = str(local)
     try:
         ids, _ = held_out_prompts(AutoTokenizer.from_pretrained(target),
                                   load_conversations(data).conversations, prompts)

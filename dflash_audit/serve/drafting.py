@@ -115,16 +115,6 @@ class DraftingComparison:
                    notes=list(d.get("notes") or []), wall_s=float(d.get("wall_s") or 0.0))
 
 
-def checkpoint_verifier(checkpoint: str | Path) -> str | None:
-    """The verifier a speculators-format checkpoint names (``speculators_config.verifier.
-    name_or_path``), or None."""
-    try:
-        d = json.loads((Path(checkpoint) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return ((d.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-
-
 def compare_drafting(checkpoint: str | Path, verifier: str | Path | None = None, *,
                      served: str | Path | None = None, prompts: list[Any] | None = None,
                      num_prompts: int = 2, max_new_tokens: int = 16,
@@ -149,7 +139,9 @@ def compare_drafting(checkpoint: str | Path, verifier: str | Path | None = None,
     from dflash_audit.serve.engines import ENGINES, ServeCheckError, install_engine, run_script
 
     engine = ENGINES["zlab"]
-    verifier = verifier or checkpoint_verifier(checkpoint)
+    from dflash_audit.serve.checkpoint import read_checkpoint
+
+    verifier = verifier or read_checkpoint(checkpoint).verifier
     if not verifier:
         raise ServeCheckError(f"{checkpoint}/config.json names no verifier "
                               "(speculators_config.verifier.name_or_path): give the verifier")

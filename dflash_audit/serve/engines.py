@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +36,14 @@ class ServeCheckError(CompareSetupError):
 @dataclass(frozen=True)
 class Engine:
     """One engine adapter: ``key`` (``--engine``), display ``name``, pinned ``version``, pip
-    ``requirements`` (installed with ``--no-deps``), the probe script under ``probes/``, and
-    what the adapter cannot run on this machine (``cpu_limits``: field or step -> why)."""
+    ``requirements`` (installed with ``--no-deps``) and the probe script under ``probes/``
+    (what it cannot run on this machine it says itself, in its record's ``not_run``)."""
 
     key: str
     name: str
     version: str
     requirements: tuple[str, ...]
     probe: str
-    cpu_limits: dict[str, str] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
