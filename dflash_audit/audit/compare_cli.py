@@ -13,6 +13,7 @@ import typer
 
 from dflash_audit.audit.compare import run_compare
 from dflash_audit.audit.options import (
+    CANDIDATE_TIMEOUT_ENV,
     DEFAULT_ANCHORS,
     DEFAULT_CANDIDATE_TIMEOUT_S,
     DEFAULT_CASES,
@@ -83,10 +84,11 @@ def compare_command(
     device: Annotated[str, typer.Option(
         help="cpu | cuda: cuda runs both sides on the GPU with their flex-attention paths.")
     ] = "cpu",
-    candidate_timeout: Annotated[float, typer.Option(
+    candidate_timeout: Annotated[Optional[float], typer.Option(  # noqa: UP007
         "--candidate-timeout", metavar="SECONDS", min=1.0,
         help="Seconds the candidate (in its own process) may take per case; a case over it "
-             "fails (exit 1).")] = DEFAULT_CANDIDATE_TIMEOUT_S,
+             f"fails (exit 1). Default: ${CANDIDATE_TIMEOUT_ENV}, else "
+             f"{DEFAULT_CANDIDATE_TIMEOUT_S:g} times the load average per core.")] = None,
     require_sandbox: Annotated[Optional[bool], typer.Option(  # noqa: UP007
         "--require-sandbox/--no-require-sandbox",
         help="Refuse (exit 2) when the candidate's sandbox (bubblewrap) cannot start. "
