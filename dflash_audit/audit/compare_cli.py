@@ -1,6 +1,7 @@
 """The ``dflash-audit compare`` command: its options and its exit code (0 pass, 1 a
 conformance failure, 2 a usage or setup error); the work is
-:func:`dflash_audit.audit.compare.run_compare`."""
+:func:`dflash_audit.audit.compare.run_compare`, imported when the command runs (``--help``
+and usage errors need no torch)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_audit.audit.compare import run_compare
 from dflash_audit.audit.options import (
     CANDIDATE_TIMEOUT_ENV,
     DEFAULT_ANCHORS,
@@ -24,6 +24,7 @@ from dflash_audit.audit.options import (
     DEFAULT_SEQ_LEN,
     DEFAULT_VERIFIER,
     CompareOptions,
+    check_options,
 )
 from dflash_audit.audit.setup_error import EXIT_SETUP, CompareSetupError
 
@@ -115,6 +116,9 @@ def main(opts: CompareOptions) -> int:
     code. Setup errors print one message (no traceback) and return 2; an internal error
     prints its traceback and returns 2 too (1 is reserved for conformance failures)."""
     try:
+        check_options(opts)  # before torch is imported: a bad option answers at once
+        from dflash_audit.audit.compare import run_compare
+
         outcome = run_compare(opts)
     except CompareSetupError as exc:
         print(f"dflash-audit compare: error: {exc}", file=sys.stderr)

@@ -25,7 +25,6 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from dflash_audit.audit.sides.candidate_runner import (
     LOAD_ERROR,
     STATUS,
 )
+from dflash_audit.audit.sides.case_run import CandidateCaseRun, death_summary
 from dflash_audit.audit.sides.launch import CandidateLaunch, launch_env
 from dflash_audit.audit.sides.sandbox import links_in, sandboxed
 from dflash_audit.candidate import CandidateError
@@ -49,72 +49,8 @@ from dflash_audit.limits import Watch, exceeded, limit_s
 
 TAIL_CHARS = 3000
 POLL_S = 0.05
-#: Statuses of :class:`CandidateCaseRun` (``ok`` and the failure causes).
-CAUSES = {"ok": "ran", "raised": "raised an exception", "exit": "exited",
-          "protocol": "broke the output protocol", "crash": "crashed", "killed": "was killed",
-          "timeout": "timed out", "startup": "did not start"}
-SIGNAL_HINTS = {
-    signal.SIGSEGV: "segmentation fault: native code (an extension, a kernel) read invalid "
-                    "memory",
-    signal.SIGKILL: "the kernel's OOM killer sends SIGKILL when memory runs out",
-    signal.SIGABRT: "abort: a native assertion or an uncaught C++ exception",
-    signal.SIGBUS: "bus error: invalid memory access in native code",
-}
-
-
 class CandidateLoadError(CandidateError):
     """The candidate process could not load the candidate (a setup error, exit 2)."""
-
-
-@dataclass
-class CandidateCaseRun:
-    """What the candidate process did on one case.
-
-    ``status`` is a key of :data:`CAUSES`; ``summary`` one line for the report; ``detail``
-    the candidate's traceback when it raised; ``stderr_tail`` / ``stdout_tail`` the last
-    :data:`TAIL_CHARS` characters of what the process printed up to then.
-    """
-
-    case: str
-    status: str
-    summary: str = ""
-    detail: str = ""
-    stderr_tail: str = ""
-    stdout_tail: str = ""
-    seconds: float | None = None
-    #: causes named from the raise's message (:func:`dflash_audit.audit.sides.raised.name_raise`)
-    diagnosis: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @classmethod
-    def from_status(cls, case: str, status: dict[str, Any]) -> CandidateCaseRun:
-        """The run recorded by a ``status.json`` of :mod:`.candidate_runner`."""
-        return cls(case, status.get("status", "protocol"), status.get("summary", ""),
-                   status.get("traceback", ""), diagnosis=list(status.get("diagnosis", [])))
-
-    def to_check_result(self) -> Any:
-        """The failing ``run`` CheckResult of a failed case (cause, traceback, stderr tail)."""
-        from dflash_audit.audit.result import FAIL, CheckResult
-
-        hint = {"timeout": [("the candidate did not finish the case in time: an endless loop, "
-                            "a deadlock, or a case far slower than the reference (raise "
-                            "--candidate-timeout if it is only slow)")],
-                "killed": ["out of memory is the usual cause of SIGKILL"],
-                "exit": ["the candidate must return SideOutputs from run_case, not exit"],
-                "raised": ["the candidate's parameters do not match the reference's state dict "
-                           "(names or shapes): compare fc in/out features, layer count and "
-                           "head sizes with the reference"]
-                if "state_dict" in self.summary or "size mismatch" in self.summary else [],
-                "protocol": [("the candidate does not follow the protocol of "
-                             "dflash_audit.candidate")]}.get(self.status, [])
-        return CheckResult(name="run", case=self.case, status=FAIL, summary=self.summary,
-                           diagnosis=[*self.diagnosis, *hint],
-                           details={"cause": self.status, "traceback": self.detail,
-                                    "stderr_tail": self.stderr_tail,
-                                    "stdout_tail": self.stdout_tail, "seconds": self.seconds})
 
 
 def load_error(out_dir: Path, launch: CandidateLaunch) -> CandidateLoadError:
@@ -151,21 +87,6 @@ def _new_log(path: Path) -> Any:
     """A fresh log file opened for writing: created, never an existing file or a symlink."""
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600),
                      "wb")
-
-
-def death_summary(returncode: int) -> tuple[str, str]:
-    """``(status, summary)`` for a candidate process that ended with ``returncode`` while a
-    case ran (negative: killed by that signal, as :mod:`subprocess` reports it)."""
-    if returncode < 0:
-        sig = signal.Signals(-returncode)
-        hint = SIGNAL_HINTS.get(sig)
-        status = "killed" if sig in (signal.SIGKILL, signal.SIGTERM) else "crash"
-        verb = "was killed by" if status == "killed" else "crashed with"
-        return status, (f"the candidate process {verb} {sig.name} while running the case"
-                        + (f" ({hint})" if hint else ""))
-    return "exit", (f"the candidate process exited with code {returncode} while running the "
-                    "case (os._exit or sys.exit in the candidate's code, or an interpreter "
-                    "abort)")
 
 
 def runner_env(threads: int | None, launch: CandidateLaunch | None = None) -> dict[str, str]:

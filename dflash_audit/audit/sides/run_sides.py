@@ -124,7 +124,7 @@ def run_candidate(candidate: Any, case: Any) -> tuple[Any, Any]:
     audit runs it in its own process, :func:`run_both_sides`) exactly as the candidate
     process does (:func:`dflash_audit.audit.sides.candidate_runner.run_one`); returns
     ``(SideOutputs, None)`` or ``(None, failing CheckResult "run")``."""
-    from dflash_audit.audit.sides.candidate_process import CandidateCaseRun
+    from dflash_audit.audit.sides.case_run import CandidateCaseRun
     from dflash_audit.audit.sides.candidate_runner import run_one
 
     status, out = run_one(candidate, case)
