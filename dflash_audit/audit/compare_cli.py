@@ -166,8 +166,37 @@ def main(opts: CompareOptions) -> int:
             ("unexplained differences", any(c.startswith("unexplained") for c in rest))) if hit]
         what = f" ({', '.join(kinds)})" if kinds else ""
         print(f"  ... {len(rest)} more{what} in report.md")
+    command = train_command(opts) if report.verdict == "pass" else None
+    if command:
+        print(f"next: {command}")
     print(f"report: {outcome.folder}")
     return guarded_exit_code(outcome.exit_code, outcome.folder)
+
+
+#: The run folder the printed train command names (the person picks their own).
+TRAIN_OUT = "runs/drafter"
+
+
+def train_command(opts: CompareOptions) -> str | None:
+    """The ``dflash-audit train`` command (shell-quoted) whose gate finds this audit's report:
+    the same ``--profile``, ``--candidate``, ``--ref`` and ``--verifier`` (when not the
+    defaults), ``--reports-dir`` = compare's ``--out`` (when not ``reports``), the audited
+    ``--data`` and ``--out`` :data:`TRAIN_OUT`. None for a framework candidate (audited, not
+    trained here). The reverse of :func:`dflash_audit.train.gate.compare_command`."""
+    import shlex
+
+    from dflash_audit.audit.frameworks.registry import is_framework_spec
+
+    if is_framework_spec(opts.candidate):
+        return None
+    parts = ["dflash-audit", "train", "--profile", opts.profile]
+    for flag, value, default in (("--candidate", opts.candidate, None),
+                                 ("--ref", opts.ref, None),
+                                 ("--verifier", opts.verifier, DEFAULT_VERIFIER),
+                                 ("--reports-dir", str(opts.out), "reports")):
+        if value is not None and value != default:
+            parts += [flag, value]
+    return shlex.join([*parts, "--data", opts.data, "--out", TRAIN_OUT])
 
 
 #: Named root causes a FAIL's terminal summary lists before pointing to report.md.
