@@ -30,7 +30,7 @@ def main() -> None:
 
     import torch
 
-    from dflash_audit.batch_audit.command import run_check_batches
+    from dflash_audit.batch_audit.run import run_check_batches
     from dflash_audit.batch_audit.recompute import Recomputer
     from dflash_audit.data.pipeline import build_batches, write_batches
     from dflash_audit.data.verifier import load_verifier

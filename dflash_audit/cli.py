@@ -53,7 +53,7 @@ app = typer.Typer(
 )
 
 # --- data (dflash_audit/data) ---------------------------------------------------------
-from dflash_audit.data.pipeline import data_command  # noqa: E402
+from dflash_audit.data.command import data_command  # noqa: E402
 
 app.command("data")(command_boundary(data_command))
 

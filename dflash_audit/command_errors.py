@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -33,22 +34,27 @@ _FIXES = {
 }
 
 
-def setup_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean bad input or setup (exit code 2, one-line message)."""
-    from dflash_audit.candidate import CandidateError
-    from dflash_audit.data.errors import DataError
-    from dflash_audit.limits import LimitError
-    from dflash_audit.model.checkpoint import CheckpointError
-    from dflash_audit.model.config import ConfigError
-    from dflash_audit.profile import ProfileError
-    from dflash_audit.reference_source import ReferenceSourceError
-    from dflash_audit.serve.engines import ServeCheckError
-    from dflash_audit.train.optim import OptimConfigError
-    from dflash_audit.train.setup import TrainError
-    from dflash_audit.train.state import ResumeError
+#: (defining module, class) of the exceptions that mean bad input or setup (exit 2, one line).
+SETUP_ERRORS = (("dflash_audit.candidate", "CandidateError"),
+                ("dflash_audit.data.errors", "DataError"),
+                ("dflash_audit.limits", "LimitError"),
+                ("dflash_audit.model.checkpoint", "CheckpointError"),
+                ("dflash_audit.model.config", "ConfigError"),
+                ("dflash_audit.profile", "ProfileError"),
+                ("dflash_audit.reference_source.identity", "ReferenceSourceError"),
+                ("dflash_audit.serve.engines", "ServeCheckError"),
+                ("dflash_audit.train.setup", "TrainError"),
+                ("dflash_audit.train.optim", "OptimConfigError"),
+                ("dflash_audit.train.state", "ResumeError"))
 
-    return (CandidateError, DataError, LimitError, CheckpointError, ConfigError, ProfileError,
-            ReferenceSourceError, ServeCheckError, TrainError, OptimConfigError, ResumeError)
+
+def setup_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input or setup (exit code 2, one-line message): the classes
+    of :data:`SETUP_ERRORS` whose module is imported (an exception of a module never imported
+    cannot have been raised, and importing them would import torch: seconds for a one-line
+    error)."""
+    found = (getattr(sys.modules.get(module), name, None) for module, name in SETUP_ERRORS)
+    return tuple(cls for cls in found if isinstance(cls, type))
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

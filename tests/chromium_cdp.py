@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash_audit.limits import limit_s
+
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--disable-dev-shm-usage", "--hide-scrollbars", "--mute-audio"]
@@ -33,7 +35,7 @@ class Browser:
     """A headless Chromium process and its DevTools pipe."""
 
     def __init__(self, executable: str, profile_dir: Path, timeout_s: float = 60.0):
-        self.timeout_s = timeout_s
+        self.timeout_s = limit_s(timeout_s)  # seconds on a quiet machine, scaled with the load
         cmd_r, cmd_w = os.pipe()  # we write commands, the browser reads fd 3
         out_r, out_w = os.pipe()  # the browser writes replies on fd 4
         hi_r, hi_w = (fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (cmd_r, out_w))
@@ -60,14 +62,14 @@ class Browser:
     def close(self) -> None:
         """Close the browser (Browser.close, then terminate if it lingers)."""
         try:
-            self.send("Browser.close", timeout_s=10)
+            self.send("Browser.close", timeout_s=limit_s(10))
         except (CDPError, OSError):
             pass
         try:
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=limit_s(10))
         except subprocess.TimeoutExpired:
             self.proc.terminate()
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=limit_s(10))
 
     def _read_message(self, deadline: float) -> dict:
         while b"\0" not in self._buf:

@@ -58,6 +58,13 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 from dflash_audit.audit.case import Case, SideOutputs
 
 
+@pytest.hookimpl(trylast=True)  # after the terminal reporter is registered
+def pytest_configure(config):
+    """A progress line every 30 s for a person watching the run (tests/suite_progress.py)."""
+    from suite_progress import register
+
+    register(config)
+
 
 @pytest.fixture(scope="session")
 def reference_identity():

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import git
 
+from dflash_audit.limits import limit_s
+
 ROOT = Path(__file__).resolve().parents[1]
 GATE = ROOT / "scripts" / "audit-gate.sh"
 # the smallest audit that still runs every check on both layer layouts: 2 synthetic cases
@@ -79,7 +81,7 @@ def run_gate(repo: Path, candidate: str, compare_args: str = FAST_ARGS,
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
                                          if p)}
     proc = subprocess.run(["bash", str(GATE), "audit"], cwd=repo, env=env, text=True,
-                          capture_output=True, timeout=timeout_s)
+                          capture_output=True, timeout=limit_s(timeout_s))
     out = dict(line.split("=", 1) for line in outputs.read_text().splitlines() if "=" in line)
     report_dir = out.get("report-dir") or None
     return GateRun(proc.returncode, proc.stdout, proc.stderr, summary.read_text(), out, repo,

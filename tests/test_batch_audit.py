@@ -14,7 +14,7 @@ import torch
 from data_support import SAMPLE_CONVERSATIONS, make_tiny_verifier, write_jsonl
 from typer.testing import CliRunner
 
-from dflash_audit.batch_audit.command import run_check_batches, sample_rows
+from dflash_audit.batch_audit.run import run_check_batches, sample_rows
 from dflash_audit.batch_audit.recompute import file_precision
 from dflash_audit.data.pipeline import build_batches, write_batches
 from dflash_audit.data.verifier import load_verifier

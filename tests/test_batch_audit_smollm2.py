@@ -10,7 +10,7 @@ import pytest
 from data_support import smollm2
 from test_batch_audit import broken_script, failed
 
-from dflash_audit.batch_audit.command import run_check_batches
+from dflash_audit.batch_audit.run import run_check_batches
 from dflash_audit.data.pipeline import build_batches, write_batches
 
 pytestmark = pytest.mark.slow

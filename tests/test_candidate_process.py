@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dflash_audit.audit.case import Case, SideOutputs
+from dflash_audit.audit.options import CANDIDATE_TIMEOUT_ENV
 from dflash_audit.audit.cases.plan import plan_synthetic_cases
 from dflash_audit.audit.cases.synthetic import synthetic_case
 from dflash_audit.audit.sides.candidate_process import (
@@ -40,8 +41,10 @@ def chaos_run(tmp_path_factory):
     cases = tiny_cases(range(40, 49))
     write_cases(cases, tmp / "cases")
     seen = []
-    runs = run_candidate_process(CHAOS, tmp / "cases", [c.name for c in cases], tmp / "out",
-                                 timeout_s=CASE_TIMEOUT_S, threads=1, on_case=seen.append)
+    with pytest.MonkeyPatch.context() as env:  # the limit by its variable, as a user sets it
+        env.setenv(CANDIDATE_TIMEOUT_ENV, str(CASE_TIMEOUT_S))
+        runs = run_candidate_process(CHAOS, tmp / "cases", [c.name for c in cases],
+                                     tmp / "out", threads=1, on_case=seen.append)
     return cases, runs, seen, tmp
 
 
@@ -56,7 +59,7 @@ def test_every_case_gets_one_result(chaos_run):
     ("c42", "exit", "exited with code 3 while running the case"),
     ("c43", "crash", "crashed with SIGSEGV while running the case (segmentation fault"),
     ("c44", "killed", "was killed by SIGKILL while running the case (the kernel's OOM killer"),
-    ("c45", "timeout", f"did not finish the case within {CASE_TIMEOUT_S:g} s and was killed"),
+    ("c45", "timeout", f"run_case did not finish in {CASE_TIMEOUT_S:.0f} s (load "),
     ("c47", "raised", "the candidate's run_case raised RuntimeError: boom in run_case"),
 ])
 def test_fault_is_a_failed_case_with_cause(chaos_run, name, status, fragment):
@@ -66,6 +69,13 @@ def test_fault_is_a_failed_case_with_cause(chaos_run, name, status, fragment):
     assert "chaos: " in run.stderr_tail  # the candidate's own stderr, kept for the report
     check = run.to_check_result()
     assert (check.name, check.status, check.details["cause"]) == ("run", "fail", status)
+
+
+def test_a_timeout_names_the_option_and_the_variable_to_raise(chaos_run):
+    more = int(CASE_TIMEOUT_S * 3)
+    assert chaos_run[1]["c45"].summary.endswith(
+        f"raise the limit with --candidate-timeout {more} (or {CANDIDATE_TIMEOUT_ENV}={more} "
+        "or DFLASH_AUDIT_TIMEOUT_SCALE=3 for every limit)")
 
 
 def test_segfault_tail_has_the_python_stack(chaos_run):
@@ -104,15 +114,14 @@ def test_load_error_is_a_setup_error(tmp_path):
     write_cases(cases, tmp_path / "cases")
     with pytest.raises(CandidateLoadError, match="has no attribute 'Nope'"):
         run_candidate_process(f"{HERE / 'isolation_candidates.py'}:Nope", tmp_path / "cases",
-                              ["c40"], tmp_path / "out", timeout_s=30)
+                              ["c40"], tmp_path / "out")
 
 
 def test_exit_while_loading_fails_every_case_without_looping(tmp_path):
     cases = tiny_cases([40, 41])
     write_cases(cases, tmp_path / "cases")
     runs = run_candidate_process(f"{HERE / 'isolation_candidates.py'}:ExitAtImport",
-                                 tmp_path / "cases", ["c40", "c41"], tmp_path / "out",
-                                 timeout_s=30)
+                                 tmp_path / "cases", ["c40", "c41"], tmp_path / "out")
     assert {r.status for r in runs.values()} == {"startup"}
     assert "ended (code 0) before running it" in runs["c40"].summary
 

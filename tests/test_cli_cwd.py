@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash_audit.limits import limit_s
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -21,7 +23,7 @@ def test_a_deleted_working_directory_is_one_line(command, tmp_path):
     script = f'cd "{gone}" && rmdir "{gone}" && exec "$0" -m dflash_audit.cli {command} --help'
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(["sh", "-c", script, sys.executable], capture_output=True, text=True,
-                          timeout=120, env=env, check=False)
+                          timeout=limit_s(120), env=env, check=False)
     assert proc.returncode == 2, proc.stderr
     lines = [x for x in proc.stderr.splitlines() if not x.startswith("shell-init")]
     assert lines == [("error: the current working directory no longer exists (deleted while "

@@ -350,6 +350,32 @@ def test_real_cases_share_weights_anchors_and_a_draft_vocabulary(tiny_verifier, 
     assert torch.equal(torch.arange(40) + w["d2t"], w["t2d"].nonzero().squeeze(-1))
 
 
+@pytest.mark.parametrize("kw", [
+    {},
+    {"candidate": "my drafter.py:candidate", "ref": "speculators@main", "out": Path("my reports"),
+     "verifier": "/models/my verifier", "profile": "p.toml", "data": "chats.jsonl"},
+])
+def test_a_pass_names_the_train_command_its_gate_accepts(kw):
+    """The printed ``dflash-audit train`` carries the flags the gate matches the report by:
+    read back, they give the compare command the gate itself would ask for."""
+    import shlex
+
+    from dflash_audit.audit.compare_cli import TRAIN_OUT, train_command
+    from dflash_audit.train.gate import compare_command
+
+    opts = CompareOptions(**kw)
+    words = shlex.split(train_command(opts))
+    assert words[:2] == ["dflash-audit", "train"]
+    flags = dict(zip(words[2::2], words[3::2], strict=True))
+    assert flags["--out"] == TRAIN_OUT and flags["--data"] == opts.data
+    back = compare_command(flags.get("--ref"), flags["--profile"], flags.get("--candidate"),
+                           Path(flags.get("--reports-dir", "reports")), flags.get("--verifier"))
+    assert back == compare_command(opts.ref, opts.profile, opts.candidate, opts.out,
+                                   opts.verifier)
+    assert ("--reports-dir" in flags) == bool(kw) and ("--verifier" in flags) == bool(kw)
+    assert train_command(CompareOptions(candidate="framework:specforge")) is None
+
+
 def test_exit_0_needs_a_written_pass_verdict(tmp_path, capsys):
     """The last guard of the gate: 0 only when report.json exists and says pass."""
     import json

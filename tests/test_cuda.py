@@ -15,6 +15,7 @@ import torch
 from dflash_audit.audit.cases.synthetic import synthetic_case
 from dflash_audit.audit.precision import in_dtype, outputs_on_cpu
 from dflash_audit.candidate import DrafterCandidate
+from dflash_audit.limits import limit_s
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
 from dflash_audit.model.loss import LossSpec
 from dflash_audit.model.mask import dense_mask, flex_block_mask, materialise_block_mask
@@ -143,7 +144,7 @@ def test_fsdp2_step_and_exact_resume_under_torchrun(tmp_path):
     nproc = min(2, torch.cuda.device_count())
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc_per_node={nproc}", str(script)], check=False,
-                          capture_output=True, text=True, timeout=600,
+                          capture_output=True, text=True, timeout=limit_s(600),
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "FSDP-OK" in proc.stdout

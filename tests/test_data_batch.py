@@ -218,7 +218,7 @@ def test_sigterm_interrupts_like_ctrl_c():
     import os
     import signal
 
-    from dflash_audit.data.pipeline import _terminated_as_interrupt
+    from dflash_audit.data.command import _terminated_as_interrupt
 
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(KeyboardInterrupt), _terminated_as_interrupt():

@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 
 from dflash_audit.data import regenerate as regen_mod
 from dflash_audit.data.conversations import load_chitchat, load_jsonl
+from dflash_audit.data.command import data_command
 from dflash_audit.data.errors import VerifierError
 from dflash_audit.data.pipeline import (
     build_batches,
-    data_command,
     load_batches,
     write_batches,
 )

@@ -18,6 +18,7 @@ from dflash_audit.audit.frameworks.kit import (
     seeded_global_rng,
     slot_weights_from_losses,
 )
+from dflash_audit.limits import limit_s
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -154,7 +155,7 @@ def test_toy_framework_example_runs_and_its_adapter_is_short():
     lines = [ln for ln in adapter.splitlines() if ln.strip() and not ln.strip().startswith("#")]
     assert len(lines) < 100, len(lines)
     out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
+                         timeout=limit_s(120), cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "anchors injected: [2, 5]" in out.stdout
     assert "mask recorded: [8, 24] bool" in out.stdout

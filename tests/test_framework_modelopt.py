@@ -37,6 +37,7 @@ from dflash_audit.audit.frameworks.modelopt_rows import (
     to_slots,
 )
 from dflash_audit.data.families import family_config
+from dflash_audit.limits import limit_s
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.loss import LossSpec
 
@@ -181,7 +182,7 @@ print(json.dumps({{"dflash": {{k: f.default for k, f in DFlashConfig.model_field
     "recipe": recipe.dflash.model_dump(), "recipe_training": recipe.training.model_dump()}}))
 """
     proc = subprocess.run([sys.executable, "-c", script], env=_env(modelopt_site),
-                          capture_output=True, text=True, timeout=600, check=False)
+                          capture_output=True, text=True, timeout=limit_s(600), check=False)
     assert proc.returncode == 0, proc.stderr[-1500:]
     own = json.loads(proc.stdout.strip().splitlines()[-1])
     assert own["dflash"] == DFLASH_DEFAULTS

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash_audit.limits import limit_s
+
 ROOT = Path(__file__).resolve().parents[1]
 HOSTILE = ROOT / "tests" / "hostile"
 sys.path.insert(0, str(HOSTILE))
@@ -67,7 +69,7 @@ class World:
             [sys.executable, "-m", "dflash_audit.cli", "compare", "--candidate",
              f"{HOSTILE / route}.py:candidate", "--cases", str(cases), "--rows", "0", "--offline",
              "--out", str(out)], cwd=self.tmp, env=env, text=True, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, timeout=600, check=False)
+            stderr=subprocess.STDOUT, timeout=limit_s(600), check=False)
 
     def reports(self, route: str) -> list[dict]:
         return [json.loads(p.read_text()) for p in
@@ -191,7 +193,8 @@ def test_require_sandbox_refuses_without_one(world: World) -> None:
     result = subprocess.run([sys.executable, "-m", "dflash_audit.cli", "compare", "--candidate",
                              f"{HOSTILE / 'edits_tool'}.py:candidate", "--cases", "1", "--rows",
                              "0", "--offline", "--out", str(world.tmp / "r")], cwd=world.tmp,
-                            env=env, text=True, capture_output=True, timeout=300, check=False)
+                            env=env, text=True, capture_output=True,
+                            timeout=limit_s(300), check=False)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "a sandbox is required" in result.stderr and "Traceback" not in result.stderr
     assert not (world.tmp / "r").exists()

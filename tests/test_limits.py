@@ -4,10 +4,11 @@ limit that is hit says how long it waited and what to raise."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
-from dflash_audit.limits import SCALE_ENV, LimitError, exceeded, limit_s, load_factor
+from dflash_audit.limits import SCALE_ENV, LimitError, Watch, exceeded, limit_s, load_factor
 
 ENV = "DFLASH_AUDIT_TEST_LIMIT"
 
@@ -45,3 +46,42 @@ def test_serve_checks_probe_limit_is_settable_and_refuses_nonsense(monkeypatch):
     monkeypatch.setenv(PROBE_TIMEOUT_ENV, "-1")
     with pytest.raises(ServeCheckError, match="give seconds above 0"):
         probe_timeout()
+
+
+def test_a_watch_stretches_with_the_load_but_a_fixed_limit_does_not(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv(SCALE_ENV, "1")
+    stretched, fixed = Watch(0.05, ENV), Watch(0.05, ENV, fixed_s=0.05)
+    assert stretched.limit == fixed.limit == 0.05
+    time.sleep(0.1)
+    monkeypatch.setenv(SCALE_ENV, "100")  # the machine got busier while it waited
+    assert not stretched.over() and stretched.limit == 5.0
+    assert fixed.over() and fixed.limit == 0.05
+    monkeypatch.setenv(SCALE_ENV, "1")  # and quieter again: never shorter than it was
+    assert not stretched.over() and stretched.limit == 5.0
+    stretched.restart()
+    assert stretched.limit == 0.05 and stretched.elapsed() < 0.05
+
+
+def test_a_limit_with_an_option_names_it_first_and_alone_when_it_was_given():
+    scaled = exceeded("the candidate's run_case", 600.0, ENV, option="--candidate-timeout")
+    assert scaled.endswith(f"raise the limit with --candidate-timeout 1800 (or {ENV}=1800 or "
+                           f"{SCALE_ENV}=3 for every limit)")
+    given = exceeded("the candidate's run_case", 5.0, ENV, option="--candidate-timeout",
+                     scaled=False)
+    assert given.endswith(
+        ": the machine may be busy); raise the limit with --candidate-timeout 15")
+
+
+@pytest.mark.parametrize("env", ["DFLASH_AUDIT_CANDIDATE_TIMEOUT",
+                                 "DFLASH_AUDIT_CANDIDATE_START_TIMEOUT",
+                                 "DFLASH_AUDIT_REFERENCE_TIMEOUT"])
+def test_compare_refuses_a_bad_limit_before_any_work(monkeypatch, tmp_path, env):
+    from dflash_audit.audit.options import CompareOptions, check_options
+    from dflash_audit.audit.setup_error import CompareSetupError
+
+    monkeypatch.setenv(env, "soon")
+    with pytest.raises(CompareSetupError, match=f"{env}='soon': give seconds above 0"):
+        check_options(CompareOptions(out=tmp_path))
+    monkeypatch.setenv(env, "30")
+    check_options(CompareOptions(out=tmp_path))

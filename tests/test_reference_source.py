@@ -20,6 +20,7 @@ import pytest
 from cache_support import copy_of_cache
 
 from dflash_audit import reference_source as rs
+from dflash_audit.limits import limit_s
 from dflash_audit.reference_source import (
     REQUIRED_PATHS,
     ReferenceApiMismatchError,
@@ -542,8 +543,9 @@ def ident(tmp_path) -> ReferenceIdentity:
     return _fake_source(tmp_path / "ref", "")
 
 
-def _run(ident, adapter, args, tmp_path, timeout_s=30.0):
-    return run_reference(ident, args, tmp_path / "work", timeout_s, adapter=adapter)
+def _run(ident, adapter, args, tmp_path, timeout_s=None):
+    return run_reference(ident, args, tmp_path / "work", timeout_s or limit_s(30.0),
+                         adapter=adapter)
 
 
 def test_run_reference_ok_sets_env_and_cwd(ident, fake_adapter, tmp_path):
@@ -601,7 +603,7 @@ def test_error_json_in_an_argument_directory(ident, fake_adapter, tmp_path):
         "sys.exit(3)\n"
     )
     with pytest.raises(ReferenceApiMismatchError, match="core has no 'select_anchors'") as exc:
-        run_reference(ident, [str(cases)], tmp_path / "work", 30.0, adapter=adapter)
+        run_reference(ident, [str(cases)], tmp_path / "work", limit_s(30.0), adapter=adapter)
     assert exc.value.returncode == 3
 
 
@@ -613,7 +615,7 @@ def test_stale_error_json_is_removed(ident, fake_adapter, tmp_path):
 
 
 def test_run_reference_timeout(ident, fake_adapter, tmp_path):
-    with pytest.raises(ReferenceTimeoutError, match="did not finish within 1 s"):
+    with pytest.raises(ReferenceTimeoutError, match="did not finish in 1 s"):
         _run(ident, fake_adapter, ["sleep"], tmp_path, timeout_s=1.0)
 
 

@@ -20,6 +20,8 @@ import pytest
 from chromium_cdp import Browser
 from gate_support import chromium, gate_run
 
+from dflash_audit.limits import limit_s
+
 pytestmark = pytest.mark.reference
 
 WIDE, NARROW = (1280, 900), (390, 844)
@@ -159,7 +161,7 @@ def test_print_to_pdf_from_the_command_line(chromium_path, failing_report, shots
                     "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
                     f"--user-data-dir={shots / 'profile-pdf'}", "--no-pdf-header-footer",
                     f"--print-to-pdf={pdf}", (failing_report / "report.html").as_uri()],
-                   check=True, capture_output=True, timeout=120)
+                   check=True, capture_output=True, timeout=limit_s(120))
     data = pdf.read_bytes()
     print(f"\nPDF: {pdf} ({len(data)} bytes)")
     assert data.startswith(b"%PDF") and len(data) > 10_000

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dflash_audit.audit.sides.sandbox import sandbox_command, sandbox_status, work_root
+from dflash_audit.limits import limit_s
 
 pytestmark = pytest.mark.skipif(not sandbox_status().available,
                                 reason="no bubblewrap sandbox on this machine")
@@ -58,7 +59,8 @@ def test_a_private_scratch_space_wherever_compare_starts(where, tmp_path):
                                str(out), str(mine / "cases"), str(other)],
                               bwrap=sandbox_status().bwrap, writable=[out],
                               readable=[cwd, mine / "cases"], private=[work_root()], cwd=cwd)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s(60),
+                              check=False)
         assert proc.returncode == 0, proc.stderr
         lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
         assert lines["sees"] == "the user's file"  # the working directory is readable
@@ -111,7 +113,7 @@ def test_a_readable_folder_holding_the_work_root_never_binds_it_back(holder, tmp
                            str(mine / "out")], bwrap=sandbox_status().bwrap,
                           writable=[mine / "out"], readable=[held, mine / "cases"],
                           private=[root], cwd=held)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s(60), check=False)
     assert proc.returncode == 0, proc.stderr
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
     assert lines["root"] == repr([mine.name]), lines  # never the other audit's folder
@@ -142,7 +144,7 @@ def test_an_audit_with_another_tmpdir_is_hidden_too(tmp_path, monkeypatch):
     cmd = sandboxed([sys.executable, "-I", "-c", probe, str(root_b), str(mine / "cases"),
                      str(mine / "out"), str(other / "reference.json")], None, mine / "cases",
                     mine / "out", env={})
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s(60), check=False)
     assert proc.returncode == 0, proc.stderr
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
     assert lines["other"] == "False", lines
@@ -179,12 +181,12 @@ def test_an_interpreter_in_a_venv_under_tmp_runs_in_the_sandbox(tmp_path_factory
     base = Path(tempfile.mkdtemp(prefix="dflash-audit-venv-test-", dir="/tmp"))
     try:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(base / "venv")],
-                       check=True, capture_output=True, timeout=120)
+                       check=True, capture_output=True, timeout=limit_s(120))
         python = base / "venv" / "bin" / "python"
         cmd = sandbox_command([str(python), "-c", "import sys, site; print(sys.prefix); "
                                "print(site.getsitepackages()[0])"],
                               bwrap=sandbox_status().bwrap, cwd=Path("/"))
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s(120))
         assert done.returncode == 0, done.stderr
         prefix, site_dir = done.stdout.split()
         assert prefix == str(base / "venv") and Path(site_dir).is_relative_to(base)

@@ -16,6 +16,7 @@ import train_tiny as tt
 from typer.testing import CliRunner
 
 from dflash_audit.cli import app
+from dflash_audit.limits import limit_s
 from dflash_audit.train.state import load_training_state
 
 TESTS = Path(__file__).resolve().parent
@@ -112,7 +113,7 @@ def test_signal_saves_a_checkpoint_before_exiting(paths, tmp_path, sig, code):
         time.sleep(0.1)
     assert proc.poll() is None, proc.communicate()[0]
     os.kill(proc.pid, sig)
-    output, _ = proc.communicate(timeout=120)
+    output, _ = proc.communicate(timeout=limit_s(120))
     assert proc.returncode == code, output
     steps = len(metrics.read_text().splitlines())
     latest = (out / "checkpoints" / "latest").read_text().strip()

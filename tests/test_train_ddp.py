@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from dflash_audit.candidate import load_candidate
+from dflash_audit.limits import limit_s
 from dflash_audit.model.checkpoint import config_from_reference
 from dflash_audit.train.loop import build_drafter, train
 from dflash_audit.train.state import load_training_state
@@ -45,7 +46,7 @@ def torchrun_two_ranks(tmp_path: Path, template: str) -> tuple[dict[str, Path], 
                                       paths={k: str(v) for k, v in paths.items()}))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(script)], capture_output=True, text=True, timeout=300,
+         str(script)], capture_output=True, text=True, timeout=limit_s(300),
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return paths, out

@@ -19,6 +19,7 @@ import torch
 import train_tiny as tt
 from safetensors.torch import load_file
 
+from dflash_audit.limits import limit_s
 from dflash_audit.train.loop import TrainError, train
 from dflash_audit.train.state import load_training_state
 
@@ -46,7 +47,7 @@ def _torchrun(script: Path, out: Path, **changes) -> subprocess.Popen:
 
 
 def _finish(proc: subprocess.Popen) -> None:
-    output, _ = proc.communicate(timeout=300)
+    output, _ = proc.communicate(timeout=limit_s(300))
     assert proc.returncode == 0, output[-4000:]
 
 
@@ -71,7 +72,7 @@ def test_fsdp_two_ranks_killed_resume_exactly_and_follow_one_process(tmp_path):
     # of its own, so the process group would miss them)
     for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
         p.kill()
-    output, _ = proc.communicate(timeout=60)
+    output, _ = proc.communicate(timeout=limit_s(60))
     assert latest.is_file(), output[-4000:]
     resumed_from = int(latest.read_text().strip().split("-")[1])
     assert 3 <= resumed_from < STEPS and resumed_from % 3 == 0

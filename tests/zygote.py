@@ -19,9 +19,10 @@ import signal
 import socket
 import struct
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
+
+from dflash_audit.limits import Watch, limit_s
 
 #: The server, after the preload code and ``def _child(req):`` with the run body: each request
 #: forks a child that runs ``req["prelude"]``, then ``_child(req)`` (req: args, cwd, env).
@@ -95,12 +96,15 @@ class Zygote:
     def close(self) -> None:
         """End the server (it exits when its socket closes)."""
         self.sock.close()
-        self.proc.wait(timeout=60)
+        self.proc.wait(timeout=limit_s(60))
 
     def run(self, args: list[str], cwd: Path, env: dict[str, str], prelude: str = "",
             timeout: float = 600.0) -> subprocess.CompletedProcess:
         """A child with ``args`` in ``cwd`` and exactly ``env``, after ``prelude`` (Python run
         in the child first). stdout and stderr merged into ``stdout``.
+
+        ``timeout``: seconds on a quiet machine, scaled with the load
+        (:class:`dflash_audit.limits.Watch`).
 
         Raises:
             subprocess.TimeoutExpired: it ran past ``timeout`` (the child's group is killed).
@@ -116,14 +120,13 @@ class Zygote:
         finally:
             os.close(write)
         pid = struct.unpack("!q", self._recv(8))[0]
-        chunks, deadline = [], time.monotonic() + timeout
+        chunks, watch = [], Watch(timeout)  # stretched while the machine is busy
         with os.fdopen(read, "rb") as pipe:
             while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if watch.over():
                     os.killpg(pid, signal.SIGKILL)
-                    raise subprocess.TimeoutExpired(args, timeout, b"".join(chunks))
-                ready, _, _ = select.select([pipe], [], [], min(left, 1.0))
+                    raise subprocess.TimeoutExpired(args, watch.limit, b"".join(chunks))
+                ready, _, _ = select.select([pipe], [], [], 1.0)
                 if ready:
                     data = os.read(pipe.fileno(), 1 << 16)
                     if not data:
@@ -146,7 +149,7 @@ class Zygote:
 
     def _died(self) -> RuntimeError:
         try:
-            code = self.proc.wait(timeout=30)
+            code = self.proc.wait(timeout=limit_s(30))
         except subprocess.TimeoutExpired:
             code = None
         return RuntimeError(f"the zygote died (exit {code}; its preload's error is on stderr)")

@@ -1,6 +1,7 @@
 """The ``dflash-audit compare`` command: its options and its exit code (0 pass, 1 a
 conformance failure, 2 a usage or setup error); the work is
-:func:`dflash_audit.audit.compare.run_compare`."""
+:func:`dflash_audit.audit.compare.run_compare`, imported when the command runs (``--help``
+and usage errors need no torch)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from dflash_audit.audit.compare import run_compare
 from dflash_audit.audit.options import (
+    CANDIDATE_TIMEOUT_ENV,
     DEFAULT_ANCHORS,
     DEFAULT_CANDIDATE_TIMEOUT_S,
     DEFAULT_CASES,
@@ -23,6 +24,7 @@ from dflash_audit.audit.options import (
     DEFAULT_SEQ_LEN,
     DEFAULT_VERIFIER,
     CompareOptions,
+    check_options,
 )
 from dflash_audit.audit.setup_error import EXIT_SETUP, CompareSetupError
 
@@ -83,10 +85,11 @@ def compare_command(
     device: Annotated[str, typer.Option(
         help="cpu | cuda: cuda runs both sides on the GPU with their flex-attention paths.")
     ] = "cpu",
-    candidate_timeout: Annotated[float, typer.Option(
+    candidate_timeout: Annotated[Optional[float], typer.Option(  # noqa: UP007
         "--candidate-timeout", metavar="SECONDS", min=1.0,
         help="Seconds the candidate (in its own process) may take per case; a case over it "
-             "fails (exit 1).")] = DEFAULT_CANDIDATE_TIMEOUT_S,
+             f"fails (exit 1). Default: ${CANDIDATE_TIMEOUT_ENV}, else "
+             f"{DEFAULT_CANDIDATE_TIMEOUT_S:g} times the load average per core.")] = None,
     require_sandbox: Annotated[Optional[bool], typer.Option(  # noqa: UP007
         "--require-sandbox/--no-require-sandbox",
         help="Refuse (exit 2) when the candidate's sandbox (bubblewrap) cannot start. "
@@ -113,6 +116,9 @@ def main(opts: CompareOptions) -> int:
     code. Setup errors print one message (no traceback) and return 2; an internal error
     prints its traceback and returns 2 too (1 is reserved for conformance failures)."""
     try:
+        check_options(opts)  # before torch is imported: a bad option answers at once
+        from dflash_audit.audit.compare import run_compare
+
         outcome = run_compare(opts)
     except CompareSetupError as exc:
         print(f"dflash-audit compare: error: {exc}", file=sys.stderr)
@@ -160,8 +166,37 @@ def main(opts: CompareOptions) -> int:
             ("unexplained differences", any(c.startswith("unexplained") for c in rest))) if hit]
         what = f" ({', '.join(kinds)})" if kinds else ""
         print(f"  ... {len(rest)} more{what} in report.md")
+    command = train_command(opts) if report.verdict == "pass" else None
+    if command:
+        print(f"next: {command}")
     print(f"report: {outcome.folder}")
     return guarded_exit_code(outcome.exit_code, outcome.folder)
+
+
+#: The run folder the printed train command names (the person picks their own).
+TRAIN_OUT = "runs/drafter"
+
+
+def train_command(opts: CompareOptions) -> str | None:
+    """The ``dflash-audit train`` command (shell-quoted) whose gate finds this audit's report:
+    the same ``--profile``, ``--candidate``, ``--ref`` and ``--verifier`` (when not the
+    defaults), ``--reports-dir`` = compare's ``--out`` (when not ``reports``), the audited
+    ``--data`` and ``--out`` :data:`TRAIN_OUT`. None for a framework candidate (audited, not
+    trained here). The reverse of :func:`dflash_audit.train.gate.compare_command`."""
+    import shlex
+
+    from dflash_audit.audit.frameworks.registry import is_framework_spec
+
+    if is_framework_spec(opts.candidate):
+        return None
+    parts = ["dflash-audit", "train", "--profile", opts.profile]
+    for flag, value, default in (("--candidate", opts.candidate, None),
+                                 ("--ref", opts.ref, None),
+                                 ("--verifier", opts.verifier, DEFAULT_VERIFIER),
+                                 ("--reports-dir", str(opts.out), "reports")):
+        if value is not None and value != default:
+            parts += [flag, value]
+    return shlex.join([*parts, "--data", opts.data, "--out", TRAIN_OUT])
 
 
 #: Named root causes a FAIL's terminal summary lists before pointing to report.md.

@@ -10,8 +10,15 @@ from pathlib import Path
 
 from dflash_audit.audit.setup_error import CompareSetupError
 
-#: Seconds one case may take in the candidate's process before it fails (``--candidate-timeout``).
+#: Seconds one case may take in the candidate's process before it fails, on a quiet machine
+#: (scaled with the load: :mod:`dflash_audit.limits`); ``--candidate-timeout`` or
+#: ``$DFLASH_AUDIT_CANDIDATE_TIMEOUT`` sets it in seconds.
 DEFAULT_CANDIDATE_TIMEOUT_S = 600.0
+CANDIDATE_TIMEOUT_ENV = "DFLASH_AUDIT_CANDIDATE_TIMEOUT"
+#: Seconds the candidate's process may take to start (import torch, load the candidate) before
+#: a case, on a quiet machine (scaled with the load); ``$DFLASH_AUDIT_CANDIDATE_START_TIMEOUT``.
+CANDIDATE_START_TIMEOUT_S = 300.0
+CANDIDATE_START_TIMEOUT_ENV = "DFLASH_AUDIT_CANDIDATE_START_TIMEOUT"
 DEFAULT_PROFILE = "reference-model"
 DEFAULT_VERIFIER = "smollm2-135m"
 DEFAULT_DATA = "chitchat"
@@ -26,7 +33,10 @@ MAX_BLOCK_SIZE = 64
 #: row of 256 SmolLM2 tokens holds 3 conversations (126 supervised tokens), so the real case
 #: crosses document boundaries.
 DEFAULT_SEED = 8
+#: Seconds the reference's run on all cases may take, on a quiet machine (scaled with the
+#: load); ``$DFLASH_AUDIT_REFERENCE_TIMEOUT`` sets it in seconds.
 REFERENCE_TIMEOUT_S = 1800.0
+REFERENCE_TIMEOUT_ENV = "DFLASH_AUDIT_REFERENCE_TIMEOUT"
 MAX_MASK_PICTURES = 8
 
 
@@ -49,11 +59,12 @@ class CompareOptions:
     offline: bool = False
     progress: bool | None = None  # None: a progress bar when stderr is a terminal
     cache_dir: Path | None = None  # batch cache + import marker (default: the user cache)
-    reference_timeout_s: float = REFERENCE_TIMEOUT_S
+    reference_timeout_s: float | None = None  # None: REFERENCE_TIMEOUT_S scaled with the load
     weights: Path | None = None  # a user's drafter checkpoint folder for the real cases
     dtype: str | None = None  # fp32 | bf16; None: the profile's dtype
     device: str = "cpu"  # cpu | cuda (both sides on the GPU, their flex-attention paths)
-    candidate_timeout_s: float = DEFAULT_CANDIDATE_TIMEOUT_S  # per case, candidate process
+    #: per case, candidate process; None: DEFAULT_CANDIDATE_TIMEOUT_S scaled with the load
+    candidate_timeout_s: float | None = None
     #: interpreter of the candidate's process (where the framework is installed); None: ours
     candidate_python: str | None = None
     #: refuse (exit 2) when the candidate's sandbox cannot start; None: on when CI=true
@@ -72,8 +83,18 @@ def check_options(opts: CompareOptions) -> None:
 
     Raises:
         CompareSetupError: a count out of range, nothing to audit, an unwritable ``--out``,
-            a bad ``--verifier`` spec, ``--device`` or ``--dtype``.
+            a bad ``--verifier`` spec, ``--device`` or ``--dtype``, a limit's variable that
+            is not a positive number (:mod:`dflash_audit.limits`).
     """
+    from dflash_audit.limits import LimitError, limit_s
+
+    try:  # read again when used: checked here, before any work
+        for base, env in ((DEFAULT_CANDIDATE_TIMEOUT_S, CANDIDATE_TIMEOUT_ENV),
+                          (CANDIDATE_START_TIMEOUT_S, CANDIDATE_START_TIMEOUT_ENV),
+                          (REFERENCE_TIMEOUT_S, REFERENCE_TIMEOUT_ENV)):
+            limit_s(base, env)
+    except LimitError as exc:
+        raise CompareSetupError(str(exc)) from None
     for name, value, low in (("--cases", opts.cases, 0), ("--rows", opts.rows, 0),
                              ("--anchors", opts.anchors, 1)):
         if value < low:

@@ -14,5 +14,6 @@ batches); this package checks the user's files. Modules, one job each (imports p
 - ``ids``        the mask token and the target layer ids against the drafter that will read them
 - ``result``     :class:`Check` and :class:`BatchReport` (verdict, exit code)
 - ``report``     json / md / html / junit writers
-- ``command``    ``run_check_batches`` and the CLI command
+- ``run``        ``run_check_batches``: every check on sampled rows -> :class:`BatchReport`
+- ``command``    the CLI command (no torch until it runs)
 """

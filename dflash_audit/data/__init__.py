@@ -10,7 +10,8 @@ Modules, one job each (imports point down):
 - ``capture``       forward-hook capture of target layers + last layer (pre-norm)
 - ``batch``         the :class:`~dflash_audit.data.batch.Batch` object and its files
 - ``reference_format`` the reference's offline format (``hs_{i}.safetensors`` + Arrow rows)
-- ``pipeline``      ``build_batches`` / ``write_batches`` / ``load_batches`` and the CLI
+- ``pipeline``      ``build_batches`` / ``write_batches`` / ``load_batches``
+- ``command``       the ``dflash-audit data`` command (no torch until it runs)
 
 Only the error classes are imported here, so ``import dflash_audit.data`` stays cheap.
 """

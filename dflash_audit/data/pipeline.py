@@ -1,5 +1,6 @@
 """Orchestrate the data pipeline: verifier + conversations -> packed batches with captured
-hidden states; batch directories; the ``dflash-audit data`` command.
+hidden states; batch directories (the ``dflash-audit data`` command is
+:mod:`dflash_audit.data.command`).
 
 ``build_batches`` is deterministic for a seed: conversations are shuffled with
 ``random.Random(seed)``, tokenized lazily and packed densely (``pack_fill``: next-fit, the
@@ -9,8 +10,6 @@ then each row is captured (one verifier forward per document).
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
 import random
@@ -19,9 +18,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
-
-import typer
+from typing import Any
 
 from dflash_audit.data.batch import Batch
 from dflash_audit.data.capture import CONVENTION, capture_row
@@ -278,35 +275,6 @@ def publish_batches(batches: Sequence[Batch], out: Path, reference_format: bool 
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _existing_parent(path: Path) -> Path:
-    """``path`` when it exists, else its nearest existing ancestor (nothing is created)."""
-    path = Path(path).expanduser().absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-@contextlib.contextmanager
-def _terminated_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt inside the block (main thread only), so cleanup runs
-    as it does for Ctrl-C."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def load_batches(directory: str | Path) -> list[Batch]:
     """Load and validate every ``batch_*.safetensors`` of a directory, in name order.
 
@@ -320,67 +288,3 @@ def load_batches(directory: str | Path) -> list[Batch]:
     if not files:
         raise BatchFileError(f"{d}: no {BATCH_GLOB} files (run `dflash-audit data --out {d}`)")
     return [Batch.load(f) for f in files]
-
-
-# ------------------------------------------------------------------------------- CLI
-def data_command(
-    out: Annotated[Path, typer.Option(help="Output directory (batch_*.safetensors).")],
-    verifier: Annotated[str, typer.Option(
-        help="Local HF causal-LM folder, or the built-in 'smollm2-135m'.")] = "smollm2-135m",
-    data: Annotated[str, typer.Option(
-        help="'chitchat', or a .jsonl file ({\"messages\": [...]} or ShareGPT per line).")
-    ] = "chitchat",
-    seq_len: Annotated[int, typer.Option(help="T, tokens per packed row.")] = 1024,
-    rows: Annotated[int, typer.Option(help="Number of packed rows (batch files).")] = 16,
-    target_layers: Annotated[str, typer.Option(
-        help="'zlab' (5 evenly spaced), 'speculators' ([2, N//2, N-3]) or ids like 1,5,9.")
-    ] = "zlab",
-    zlab_ids: Annotated[bool, typer.Option(
-        help="Read explicit --target-layers as z-lab ids (ours = z-lab + 1).")] = False,
-    mask_token_id: Annotated[int | None, typer.Option(
-        help="Mask token id (default: tokenizer mask token, spare row, reserved token).")
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Shuffles the conversation order.")] = 0,
-    regenerate: Annotated[bool, typer.Option(
-        help="Replace assistant turns by the verifier's own greedy replies (cached; slow "
-             "on CPU).")] = False,
-    max_new_tokens: Annotated[int, typer.Option(
-        help="Generation bound per reply with --regenerate.")] = 64,
-    max_turns: Annotated[int | None, typer.Option(
-        help="With --regenerate: keep only the first N assistant turns of each conversation "
-             "(1 is about 4x faster on CPU, and matches the first-turn evaluation prompts).",
-        min=1)] = None,
-    reference_format: Annotated[bool, typer.Option(
-        help="Also write speculators' offline format (hs_{i}.safetensors) to OUT/reference.")
-    ] = False,
-) -> None:
-    """Build packed batches with captured verifier hidden states and write them to --out.
-    Exit codes: 0 written; 2 bad input or environment (options, data, verifier, an
-    unwritable or full --out), checked before the capture where possible."""
-    from rich.console import Console
-
-    from dflash_audit.atomic import ensure_writable_dir
-
-    console = Console(stderr=True)
-    _check_args(seq_len, rows)
-    parent = _existing_parent(out)  # checked before minutes of capture; nothing created
-    if parent != out.expanduser().absolute() and not parent.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, f"--out {out}: {parent} is not a folder",
-                                 str(parent))
-    ensure_writable_dir(parent)
-    with _terminated_as_interrupt():
-        batches = build_batches(verifier, data, seq_len, rows, target_layer_ids=target_layers,
-                                zlab_ids=zlab_ids, mask_token_id=mask_token_id, seed=seed,
-                                progress=True, regenerate=regenerate,
-                                max_new_tokens=max_new_tokens, max_turns=max_turns)
-        paths = publish_batches(batches, out, reference_format=reference_format)
-    meta = batches[0].metadata
-    tokens = sum(int(b.loss_mask.sum()) for b in batches)
-    console.print(
-        f"wrote {len(paths)} batches to {out} (T={meta['seq_len']}, "
-        f"target_layer_ids={meta['target_layer_ids']}, mask_token_id={meta['mask_token_id']} "
-        f"({meta['mask_token_reason']}), {tokens} supervised tokens, {meta['data_stats']})",
-        highlight=False, markup=False)
-    if len(batches) < rows:
-        console.print(f"warning: the data filled only {len(batches)} of {rows} rows",
-                      markup=False)

@@ -144,7 +144,8 @@ def bytecode_roots(identity: ReferenceIdentity) -> dict[str, Path]:
             for name, path in _code_dirs(identity).items()}
 
 
-def compile_reference_bytecode(identity: ReferenceIdentity, timeout_s: float = 300.0) -> None:
+def compile_reference_bytecode(identity: ReferenceIdentity, timeout_s: float | None = None
+                               ) -> None:
     """Compile every module of :func:`_code_dirs` into :func:`pycache_prefix` with the
     reference's own interpreter flags (``python -I -S -X pycache_prefix -m compileall``;
     up-to-date files are left alone, so a warm cache costs one small process). Afterwards no
@@ -153,17 +154,20 @@ def compile_reference_bytecode(identity: ReferenceIdentity, timeout_s: float = 3
     run to report.
 
     Raises:
-        ReferenceTimeoutError: compiling took longer than ``timeout_s``.
+        ReferenceTimeoutError: compiling took longer than ``timeout_s`` (None: 300 s scaled
+            with the load, :func:`dflash_audit.limits.limit_s`).
     """
+    from dflash_audit.limits import exceeded, limit_s
+
+    limit = limit_s(300.0) if timeout_s is None else timeout_s
     cmd = [sys.executable, "-I", "-S", "-X", f"pycache_prefix={pycache_prefix()}", "-m",
            "compileall", "-q", "-q", *_code_dirs(identity).values()]
     try:
-        subprocess.run(cmd, capture_output=True, timeout=timeout_s, check=False,
+        subprocess.run(cmd, capture_output=True, timeout=limit, check=False,
                        cwd=pycache_prefix())
     except subprocess.TimeoutExpired as exc:
         raise ReferenceTimeoutError(
-            f"compiling the reference ({identity.spec}) took longer than {timeout_s:g} s."
-        ) from exc
+            exceeded(f"compiling the reference ({identity.spec})", limit)) from exc
 
 
 def reference_command(identity: ReferenceIdentity, script: Path | str, args: list[str],
@@ -294,6 +298,7 @@ def run_reference(
     timeout_s: float,
     *,
     adapter: Path | None = None,
+    limit_env: str | None = None,
 ) -> ReferenceRun:
     """Run ``python reference/adapter.py <adapter_args>`` against the resolved source, in an
     isolated interpreter (:func:`reference_command`).
@@ -305,6 +310,7 @@ def run_reference(
 
     Args:
         adapter: the script to run (default :func:`adapter_path`); injectable for tests.
+        limit_env: the variable that sets ``timeout_s``, named when it is hit.
 
     Raises:
         ReferenceSourceError: the adapter script is absent.
@@ -333,9 +339,11 @@ def run_reference(
         stderr = exc.stderr or ""
         if isinstance(stderr, bytes):
             stderr = stderr.decode(errors="replace")
+        from dflash_audit.limits import exceeded
+
         raise ReferenceTimeoutError(
-            f"the reference process ({identity.spec}) did not finish within {timeout_s:g} s and "
-            f"was killed. Raise the timeout or use a smaller batch.\n{_tail(stderr)}",
+            exceeded(f"the reference process ({identity.spec})", timeout_s, limit_env)
+            + f"; it was killed\n{_tail(stderr)}",
             stderr_tail=_tail(stderr),
         ) from exc
     wall = time.monotonic() - start

@@ -121,10 +121,10 @@ def reference(folder: CheckpointFolder, ref: str | None = None, offline: bool = 
 
             record = SideRecord.from_dict(json.loads(out.read_text()))
     except ReferenceTimeoutError:
-        raise ServeCheckError(
-            f"the reference's serve probe did not finish in {timeout_s:g} s (the machine may be "
-            f"busy): raise {PROBE_TIMEOUT_ENV} (e.g. {PROBE_TIMEOUT_ENV}={int(timeout_s * 3)})"
-        ) from None
+        from dflash_audit.limits import exceeded
+
+        raise ServeCheckError(exceeded("the reference's serve probe", timeout_s,
+                                       PROBE_TIMEOUT_ENV)) from None
     except ReferenceSourceError as exc:
         raise ServeCheckError(f"the reference could not read the checkpoint: {exc}") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -8,7 +8,8 @@ as it is and the report says so.
 already written to disk (``compare.write_cases``) in a new process group, with its stdout and
 stderr captured to files (they never mix into ours). The runner announces each case in
 ``started.json`` and publishes each finished case atomically; this side watches the clock.
-A case that runs past ``timeout_s``, or during which the process dies (``sys.exit`` caught by
+A case that runs past its limit (``--candidate-timeout``, else 600 s scaled with the machine's
+load: :mod:`dflash_audit.limits`), or during which the process dies (``sys.exit`` caught by
 the runner, ``os._exit``, a segfault, SIGKILL from the OOM killer), is a failure of that case
 with its cause and the tail of the candidate's stderr; the process group is killed and a new
 runner continues with the remaining cases, so one bad case never loses the others and the
@@ -24,11 +25,15 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_audit.audit.options import DEFAULT_CANDIDATE_TIMEOUT_S
+from dflash_audit.audit.options import (
+    CANDIDATE_START_TIMEOUT_ENV,
+    CANDIDATE_START_TIMEOUT_S,
+    CANDIDATE_TIMEOUT_ENV,
+    DEFAULT_CANDIDATE_TIMEOUT_S,
+)
 from dflash_audit.audit.sides.candidate_runner import (
     EXIT_LOAD_ERROR,
     HEARTBEAT,
@@ -36,82 +41,16 @@ from dflash_audit.audit.sides.candidate_runner import (
     LOAD_ERROR,
     STATUS,
 )
+from dflash_audit.audit.sides.case_run import CandidateCaseRun, death_summary
 from dflash_audit.audit.sides.launch import CandidateLaunch, launch_env
 from dflash_audit.audit.sides.sandbox import links_in, sandboxed
 from dflash_audit.candidate import CandidateError
+from dflash_audit.limits import Watch, exceeded, limit_s
 
-#: Default of ``--candidate-timeout``: seconds one case may take (a real case with the
-#: verifier's vocabulary on a loaded CPU takes well under a minute).
-#: Seconds the process may take to start (import torch, load the candidate) before a case.
-DEFAULT_STARTUP_TIMEOUT_S = 300.0
 TAIL_CHARS = 3000
 POLL_S = 0.05
-#: Statuses of :class:`CandidateCaseRun` (``ok`` and the failure causes).
-CAUSES = {"ok": "ran", "raised": "raised an exception", "exit": "exited",
-          "protocol": "broke the output protocol", "crash": "crashed", "killed": "was killed",
-          "timeout": "timed out", "startup": "did not start"}
-SIGNAL_HINTS = {
-    signal.SIGSEGV: "segmentation fault: native code (an extension, a kernel) read invalid "
-                    "memory",
-    signal.SIGKILL: "the kernel's OOM killer sends SIGKILL when memory runs out",
-    signal.SIGABRT: "abort: a native assertion or an uncaught C++ exception",
-    signal.SIGBUS: "bus error: invalid memory access in native code",
-}
-
-
 class CandidateLoadError(CandidateError):
     """The candidate process could not load the candidate (a setup error, exit 2)."""
-
-
-@dataclass
-class CandidateCaseRun:
-    """What the candidate process did on one case.
-
-    ``status`` is a key of :data:`CAUSES`; ``summary`` one line for the report; ``detail``
-    the candidate's traceback when it raised; ``stderr_tail`` / ``stdout_tail`` the last
-    :data:`TAIL_CHARS` characters of what the process printed up to then.
-    """
-
-    case: str
-    status: str
-    summary: str = ""
-    detail: str = ""
-    stderr_tail: str = ""
-    stdout_tail: str = ""
-    seconds: float | None = None
-    #: causes named from the raise's message (:func:`dflash_audit.audit.sides.raised.name_raise`)
-    diagnosis: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @classmethod
-    def from_status(cls, case: str, status: dict[str, Any]) -> CandidateCaseRun:
-        """The run recorded by a ``status.json`` of :mod:`.candidate_runner`."""
-        return cls(case, status.get("status", "protocol"), status.get("summary", ""),
-                   status.get("traceback", ""), diagnosis=list(status.get("diagnosis", [])))
-
-    def to_check_result(self) -> Any:
-        """The failing ``run`` CheckResult of a failed case (cause, traceback, stderr tail)."""
-        from dflash_audit.audit.result import FAIL, CheckResult
-
-        hint = {"timeout": [("the candidate did not finish the case in time: an endless loop, "
-                            "a deadlock, or a case far slower than the reference (raise "
-                            "--candidate-timeout if it is only slow)")],
-                "killed": ["out of memory is the usual cause of SIGKILL"],
-                "exit": ["the candidate must return SideOutputs from run_case, not exit"],
-                "raised": ["the candidate's parameters do not match the reference's state dict "
-                           "(names or shapes): compare fc in/out features, layer count and "
-                           "head sizes with the reference"]
-                if "state_dict" in self.summary or "size mismatch" in self.summary else [],
-                "protocol": [("the candidate does not follow the protocol of "
-                             "dflash_audit.candidate")]}.get(self.status, [])
-        return CheckResult(name="run", case=self.case, status=FAIL, summary=self.summary,
-                           diagnosis=[*self.diagnosis, *hint],
-                           details={"cause": self.status, "traceback": self.detail,
-                                    "stderr_tail": self.stderr_tail,
-                                    "stdout_tail": self.stdout_tail, "seconds": self.seconds})
 
 
 def load_error(out_dir: Path, launch: CandidateLaunch) -> CandidateLoadError:
@@ -148,21 +87,6 @@ def _new_log(path: Path) -> Any:
     """A fresh log file opened for writing: created, never an existing file or a symlink."""
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600),
                      "wb")
-
-
-def death_summary(returncode: int) -> tuple[str, str]:
-    """``(status, summary)`` for a candidate process that ended with ``returncode`` while a
-    case ran (negative: killed by that signal, as :mod:`subprocess` reports it)."""
-    if returncode < 0:
-        sig = signal.Signals(-returncode)
-        hint = SIGNAL_HINTS.get(sig)
-        status = "killed" if sig in (signal.SIGKILL, signal.SIGTERM) else "crash"
-        verb = "was killed by" if status == "killed" else "crashed with"
-        return status, (f"the candidate process {verb} {sig.name} while running the case"
-                        + (f" ({hint})" if hint else ""))
-    return "exit", (f"the candidate process exited with code {returncode} while running the "
-                    "case (os._exit or sys.exit in the candidate's code, or an interpreter "
-                    "abort)")
 
 
 def runner_env(threads: int | None, launch: CandidateLaunch | None = None) -> dict[str, str]:
@@ -202,10 +126,10 @@ def _read_status(folder: Path) -> dict[str, Any] | None:
         return None
 
 
-def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, names: list[str], out_dir: Path,
-                          timeout_s: float = DEFAULT_CANDIDATE_TIMEOUT_S, *,
+def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, names: list[str],
+                          out_dir: Path, timeout_s: float | None = None, *,
                           threads: int | None = None,
-                          startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+                          startup_timeout_s: float | None = None,
                           on_case: Callable[[CandidateCaseRun], None] = lambda run: None
                           ) -> dict[str, CandidateCaseRun]:
     """Run the candidate ``spec`` (``module:attr``, ``file.py:attr``, None: our drafter, or a
@@ -213,8 +137,11 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
     ``out_dir/<case>/`` (read them with :func:`read_candidate_outputs`).
 
     Args:
-        timeout_s: seconds one case may run (from the runner's announcement of the case).
-        startup_timeout_s: seconds a (re)started process may take before announcing a case.
+        timeout_s: seconds one case may run (from the runner's announcement of the case);
+            None: ``$DFLASH_AUDIT_CANDIDATE_TIMEOUT``, else 600 scaled with the load
+            (:class:`dflash_audit.limits.Watch`: stretched while the load rises).
+        startup_timeout_s: seconds a (re)started process may take before announcing a case;
+            None: ``$DFLASH_AUDIT_CANDIDATE_START_TIMEOUT``, else 300 scaled with the load.
         threads: torch intra-op threads of the candidate process.
         on_case: called once per case as its result is known (progress).
 
@@ -223,6 +150,7 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
 
     Raises:
         CandidateLoadError: the runner could not load the candidate (bad spec, import error).
+        LimitError: a limit's variable is not a positive number.
     """
     launch = as_launch(spec)
     spec = launch.spec
@@ -249,7 +177,7 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
             proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
         try:
-            current, since, timed_out = _watch(proc, out_dir, remaining, results, timeout_s,
+            current, watch, timed_out = _watch(proc, out_dir, remaining, results, timeout_s,
                                                startup_timeout_s, stdout, stderr, on_case)
         finally:
             _kill_group(proc)  # also any child the candidate left behind
@@ -260,30 +188,35 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
             break
         tails = {"stderr_tail": _tail(stderr), "stdout_tail": _tail(stdout)}
         if current in remaining:
-            seconds = time.monotonic() - since
-            if timed_out:
-                status, summary = "timeout", (f"the candidate did not finish the case within "
-                                              f"{timeout_s:g} s and was killed")
+            if timed_out:  # killed at the limit: named with the setting that raises it
+                status, summary = "timeout", exceeded(
+                    "the candidate's run_case", watch.limit, CANDIDATE_TIMEOUT_ENV,
+                    option="--candidate-timeout", scaled=timeout_s is None)
             else:
                 status, summary = death_summary(unwrapped_code(proc.returncode, cmd))
             _record(results, remaining, on_case, CandidateCaseRun(
-                current, status, summary, seconds=round(seconds, 3), **tails))
+                current, status, summary, seconds=round(watch.elapsed(), 3), **tails))
             continue
-        why = (f"did not start a case within {startup_timeout_s:g} s" if timed_out else
-               f"ended (code {proc.returncode}) before running it")
+        summary = (exceeded("starting the candidate's process (imports, loading the "
+                            "candidate)", watch.limit, CANDIDATE_START_TIMEOUT_ENV,
+                            scaled=startup_timeout_s is None) if timed_out else
+                   f"the candidate process ended (code {proc.returncode}) before running it")
         for name in list(remaining):  # no progress possible: fail them all, never loop
             _record(results, remaining, on_case, CandidateCaseRun(
-                name, "startup", f"the candidate process {why}", **tails))
+                name, "startup", summary, **tails))
     return results
 
 
 def _watch(proc: subprocess.Popen, out_dir: Path, remaining: list[str],
-           results: dict[str, CandidateCaseRun], timeout_s: float, startup_timeout_s: float,
-           stdout: Path, stderr: Path, on_case: Callable[[CandidateCaseRun], None]
-           ) -> tuple[str | None, float, bool]:
+           results: dict[str, CandidateCaseRun], timeout_s: float | None,
+           startup_timeout_s: float | None, stdout: Path, stderr: Path,
+           on_case: Callable[[CandidateCaseRun], None]) -> tuple[str | None, Watch, bool]:
     """Poll until the process ends or the current case (or the start) runs out of time;
-    returns (case announced last, when it was first seen, whether time ran out)."""
-    current, since = None, time.monotonic()
+    returns (case announced last, the watch that timed it since it was first seen, whether
+    time ran out)."""
+    case = Watch(DEFAULT_CANDIDATE_TIMEOUT_S, CANDIDATE_TIMEOUT_ENV, timeout_s)
+    start = Watch(CANDIDATE_START_TIMEOUT_S, CANDIDATE_START_TIMEOUT_ENV, startup_timeout_s)
+    current = None
     while True:
         ended = proc.poll() is not None
         _collect(out_dir, remaining, results, stdout, stderr, on_case)
@@ -292,12 +225,14 @@ def _watch(proc: subprocess.Popen, out_dir: Path, remaining: list[str],
         except (OSError, ValueError):
             announced = None
         if announced != current:
-            current, since = announced, time.monotonic()
+            current = announced
+            case.restart()
+            start.restart()
+        watch = case if current in remaining else start
         if ended:
-            return current, since, False
-        limit = timeout_s if current in remaining else startup_timeout_s
-        if time.monotonic() - since > limit:
-            return current, since, True
+            return current, watch, False
+        if watch.over():
+            return current, watch, True
         time.sleep(POLL_S)
 
 
@@ -361,14 +296,17 @@ def candidate_side(runs: dict[str, CandidateCaseRun], out_dir: Path) -> dict[str
 
 
 def load_candidate_identity(spec: str | CandidateLaunch | None, out_dir: Path,
-                            timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> dict[str, Any]:
+                            timeout_s: float | None = None) -> dict[str, Any]:
     """Load the candidate in a runner process (``--load-only``) and return its
     ``candidate.json`` (name, class, source_files, has_select_anchors): the setup check that
-    replaces importing the candidate into our process.
+    replaces importing the candidate into our process. ``timeout_s``: seconds it may take;
+    None: ``$DFLASH_AUDIT_CANDIDATE_START_TIMEOUT``, else 300 scaled with the load.
 
     Raises:
         CandidateLoadError: it cannot be loaded (message from the runner), or the process
-            died, hung or wrote nothing (with the tail of its stderr).
+            died, hung (the message names the setting to raise) or wrote nothing (with the
+            tail of its stderr).
+        LimitError: the limit's variable is not a positive number.
     """
     launch = as_launch(spec)
     spec = launch.spec
@@ -379,13 +317,16 @@ def load_candidate_identity(spec: str | CandidateLaunch | None, out_dir: Path,
            str(out_dir), "--load-only", *(["--candidate", spec] if spec else []),
            *(["--framework"] if launch.framework else [])]
     env = runner_env(None, launch)
+    limit = (limit_s(CANDIDATE_START_TIMEOUT_S, CANDIDATE_START_TIMEOUT_ENV)
+             if timeout_s is None else timeout_s)
     try:
         proc = subprocess.run(sandboxed(cmd, spec, out_dir, out_dir, env), capture_output=True,
-                              stdin=subprocess.DEVNULL, env=env, timeout=timeout_s,
+                              stdin=subprocess.DEVNULL, env=env, timeout=limit,
                               start_new_session=True)
     except subprocess.TimeoutExpired:
-        raise CandidateLoadError(f"loading the candidate {spec!r} took more than "
-                                 f"{timeout_s:g} s") from None
+        raise CandidateLoadError(exceeded(
+            f"loading the candidate {spec!r}", limit, CANDIDATE_START_TIMEOUT_ENV,
+            scaled=timeout_s is None)) from None
     if proc.returncode == EXIT_LOAD_ERROR and (out_dir / LOAD_ERROR).is_file():
         raise load_error(out_dir, launch)
     try:

@@ -72,25 +72,32 @@ PROBE = ("import importlib, sys\n"
          "    print(f'dflash_audit\\t{type(exc).__name__}: {exc}'); sys.exit(5)\n")
 
 
-def check_interpreter(launch: CandidateLaunch, timeout_s: float = 120.0) -> None:
+def check_interpreter(launch: CandidateLaunch, timeout_s: float | None = None) -> None:
     """Check that ``launch.python`` exists and, with dflash_audit's package root on its
-    PYTHONPATH, imports torch, safetensors and dflash_audit's candidate runner.
+    PYTHONPATH, imports torch, safetensors and dflash_audit's candidate runner within
+    ``timeout_s`` (None: 120 s scaled with the load, :func:`dflash_audit.limits.limit_s`).
 
     Raises:
         ValueError: one line naming the interpreter, what it cannot import and what to do.
     """
     import subprocess
 
+    from dflash_audit.limits import exceeded, limit_s
+
     python = launch.executable
     where = f"--candidate-python {python}"
     if not Path(python).is_file() or not os.access(python, os.X_OK):
         raise ValueError(f"{where}: no such executable interpreter; pass the python of the "
                          "environment where the framework is installed (e.g. .venv/bin/python)")
+    limit = limit_s(120.0) if timeout_s is None else timeout_s
     try:
         proc = subprocess.run([python, "-c", PROBE], capture_output=True, text=True,
-                              env=launch_env(launch, 1), timeout=timeout_s,
+                              env=launch_env(launch, 1), timeout=limit,
                               stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+    except subprocess.TimeoutExpired:
+        raise ValueError(exceeded(f"{where} (importing torch, safetensors, dflash_audit)",
+                                  limit)) from None
+    except OSError as exc:
         raise ValueError(f"{where} could not be started: {exc}") from None
     if proc.returncode == 0:
         return

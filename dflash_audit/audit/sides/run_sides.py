@@ -89,16 +89,23 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def start_reference(identity: Any, cases_dir: Path, timeout_s: float, threads: int
+def start_reference(identity: Any, cases_dir: Path, timeout_s: float | None, threads: int
                     ) -> Background:
     """Start ``reference/adapter.py CASES_DIR`` (all cases, one process) in the background,
     with ``threads`` intra-op threads (``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` are set in
-    this process's environment while it runs, which the subprocess inherits)."""
+    this process's environment while it runs, which the subprocess inherits) and a limit of
+    ``timeout_s`` seconds (None: ``$DFLASH_AUDIT_REFERENCE_TIMEOUT``, else 1800 scaled with
+    the load: :func:`dflash_audit.limits.limit_s`)."""
+    from dflash_audit.audit.options import REFERENCE_TIMEOUT_ENV, REFERENCE_TIMEOUT_S
+    from dflash_audit.limits import limit_s
     from dflash_audit.reference_source import run_reference
+
+    limit = limit_s(REFERENCE_TIMEOUT_S, REFERENCE_TIMEOUT_ENV) if timeout_s is None else timeout_s
 
     def job() -> Any:
         with _environment(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)):
-            return run_reference(identity, [str(cases_dir)], cases_dir, timeout_s)
+            return run_reference(identity, [str(cases_dir)], cases_dir, limit,
+                                 limit_env=REFERENCE_TIMEOUT_ENV if timeout_s is None else None)
 
     return Background(job, name="dflash-audit-reference")
 
@@ -117,7 +124,7 @@ def run_candidate(candidate: Any, case: Any) -> tuple[Any, Any]:
     audit runs it in its own process, :func:`run_both_sides`) exactly as the candidate
     process does (:func:`dflash_audit.audit.sides.candidate_runner.run_one`); returns
     ``(SideOutputs, None)`` or ``(None, failing CheckResult "run")``."""
-    from dflash_audit.audit.sides.candidate_process import CandidateCaseRun
+    from dflash_audit.audit.sides.case_run import CandidateCaseRun
     from dflash_audit.audit.sides.candidate_runner import run_one
 
     status, out = run_one(candidate, case)
@@ -229,18 +236,17 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
                    reference_code: dict[str, str] | None = None, launch: Any = None
                    ) -> dict[str, Any]:
     """Write the cases, run the candidate on each (in its own process, all cores,
-    ``opts.candidate_timeout_s`` per case), then -- once the candidate's process is gone --
-    the reference on all of them (not at all when the candidate gave outputs on no case:
-    :data:`REFERENCE_NOT_RUN`); a candidate that raises, exits, crashes, is killed or times
-    out on a case fails that case. The sides run one after the other so the candidate never
-    sees the reference's outputs nor the reference process: before the reference starts, the
-    case inputs and the reference's code (``reference_code``,
+    ``opts.candidate_timeout_s`` per case, None: scaled with the load), then -- once the
+    candidate's process is gone -- the reference on all of them (not at all when the candidate
+    gave outputs on no case: :data:`REFERENCE_NOT_RUN`); a candidate that raises, exits,
+    crashes, is killed or times out on a case fails that case. The sides run one after the other
+    so the candidate never sees the reference's outputs nor the reference process: before the
+    reference starts, the case inputs and the reference's code (``reference_code``,
     :func:`.integrity.reference_code_digest` taken before the candidate was loaded) must be
-    unchanged, and afterwards its outputs must be the files it reported writing.
-    ``launch``: how the candidate process starts
-    (:class:`dflash_audit.audit.sides.launch.CandidateLaunch`; None: ``opts.candidate`` under
-    this interpreter). Returns ``{case name: (SideOutputs | None, failing "run" result |
-    None)}``.
+    unchanged, and afterwards its outputs must be the files it reported writing. ``launch``: how
+    the candidate process starts (:class:`dflash_audit.audit.sides.launch.CandidateLaunch`;
+    None: ``opts.candidate`` under this interpreter). Returns ``{case name: (SideOutputs |
+    None, failing "run" result | None)}``.
 
     Raises:
         CompareSetupError: the reference does not import or its run failed; the candidate
