@@ -74,24 +74,34 @@ PROBE = ("import importlib, sys\n"
 
 def check_interpreter(launch: CandidateLaunch, timeout_s: float = 120.0) -> None:
     """Check that ``launch.python`` exists and, with dflash_audit's package root on its
-    PYTHONPATH, imports torch, safetensors and dflash_audit's candidate runner.
+    PYTHONPATH, imports torch, safetensors and dflash_audit's candidate runner. The
+    interpreter is the user's (a ``python`` that is a script runs anything): it runs in the
+    candidate's sandbox (:func:`dflash_audit.audit.sides.sandbox.sandboxed`), like the candidate.
 
     Raises:
         ValueError: one line naming the interpreter, what it cannot import and what to do.
+        SandboxError: the sandbox starts but did not prove its isolation (nothing runs).
     """
     import subprocess
+    import tempfile
+
+    from dflash_audit.audit.sides.sandbox import sandboxed, work_root
 
     python = launch.executable
     where = f"--candidate-python {python}"
     if not Path(python).is_file() or not os.access(python, os.X_OK):
         raise ValueError(f"{where}: no such executable interpreter; pass the python of the "
                          "environment where the framework is installed (e.g. .venv/bin/python)")
-    try:
-        proc = subprocess.run([python, "-c", PROBE], capture_output=True, text=True,
-                              env=launch_env(launch, 1), timeout=timeout_s,
-                              stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ValueError(f"{where} could not be started: {exc}") from None
+    env = launch_env(launch, 1)
+    with tempfile.TemporaryDirectory(prefix="dflash-audit-interpreter-",
+                                     dir=work_root()) as folder:
+        try:
+            proc = subprocess.run(sandboxed([python, "-c", PROBE], launch.spec, Path(folder),
+                                            Path(folder), env),
+                                  capture_output=True, text=True, env=env, timeout=timeout_s,
+                                  stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise ValueError(f"{where} could not be started: {exc}") from None
     if proc.returncode == 0:
         return
     module, _, error = proc.stdout.strip().partition("\t")
