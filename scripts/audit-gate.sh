@@ -189,14 +189,17 @@ sys.stdout.write("".join(w + "\0" for w in words))' "$DFLASH_AUDIT_COMPARE_ARGS"
 cmd_sandbox() {
   local sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo -n"
-  if ! command -v bwrap >/dev/null 2>&1; then
+  # only a bwrap at a fixed system path is the sandbox (compare never takes one first on PATH)
+  trusted() { for b in /usr/bin/bwrap /bin/bwrap /usr/local/bin/bwrap; do
+    [ -x "$b" ] && { echo "$b"; return 0; }; done; return 1; }
+  if ! trusted >/dev/null; then
     $sudo apt-get install -y -qq bubblewrap >/dev/null 2>&1 ||
       { $sudo apt-get update -qq && $sudo apt-get install -y -qq bubblewrap >/dev/null; } || true
   fi
-  probe() { bwrap --ro-bind / / --dev /dev --proc /proc --unshare-pid --unshare-net --die-with-parent true 2>/dev/null; }
+  probe() { "$(trusted)" --ro-bind / / --dev /dev --proc /proc --cap-drop ALL --unshare-pid --unshare-net --die-with-parent true 2>/dev/null; }
   probe || $sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0 >/dev/null 2>&1 || true
   if probe; then
-    say "candidate sandbox: bubblewrap $(bwrap --version | cut -d' ' -f2)"
+    say "candidate sandbox: bubblewrap $("$(trusted)" --version | cut -d' ' -f2) ($(trusted)); compare proves it from inside"
   else
     say "the candidate sandbox (bubblewrap) cannot start here; audit refuses under CI=true"
   fi

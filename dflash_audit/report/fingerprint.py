@@ -16,7 +16,8 @@ across machines and runs:
 * report signature = HMAC-SHA256 over the whole canonical ``report.json`` (everything but the
   ``signature`` field), keyed by a secret of this machine (:func:`report_key`,
   ``<cache>/keys/report.key``, mode 0600, created on first use). The candidate's sandbox
-  hides that folder, so a candidate cannot sign a report; a fingerprint alone (an unkeyed hash
+  hides that folder and every key folder an audit of this user used with another cache
+  (:func:`key_dirs`), so a candidate cannot sign a report; a fingerprint alone (an unkeyed hash
   of public fields) anyone can recompute. Same-user code outside the sandbox can read the key:
   the signature proves "written by dflash-audit on this machine", not more.
 
@@ -190,12 +191,19 @@ def key_dir() -> Path:
     return Path(base).expanduser().absolute() / "keys"
 
 
+#: The registry (:mod:`dflash_audit.folder_registry`) of every report-key folder used here.
+KEY_REGISTRY = "key-folders"
+
+
 def key_dirs() -> list[Path]:
-    """Every report-key folder a candidate must not read: this run's (:func:`key_dir`) and the
-    default cache's, when they differ (a run with ``$DFLASH_AUDIT_CACHE`` set must not expose
-    the user's usual key)."""
+    """Every report-key folder a candidate must not read, wherever the cache is: this run's
+    (:func:`key_dir`), the default cache's, and every one an audit of this user made or read
+    with another ``$DFLASH_AUDIT_CACHE`` (the registry :data:`KEY_REGISTRY`, written by
+    :func:`report_key`)."""
+    from dflash_audit.folder_registry import recorded_folders
+
     default = (Path.home() / ".cache" / "dflash-audit" / "keys").absolute()
-    return list(dict.fromkeys([key_dir(), default]))
+    return list(dict.fromkeys([key_dir(), default, *recorded_folders(KEY_REGISTRY)]))
 
 
 def report_key(create: bool = True) -> bytes | None:
@@ -205,14 +213,20 @@ def report_key(create: bool = True) -> bytes | None:
     Raises:
         OSError: the key cannot be created or read.
     """
+    from dflash_audit.folder_registry import record_folder
+
     path = key_dir() / KEY_FILE
     try:
-        return _read_key(path)
+        key = _read_key(path)
     except FileNotFoundError:
         if not create:
             return None
+    else:
+        record_folder(KEY_REGISTRY, path.parent.resolve())  # also a key older than the registry
+        return key
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path.parent, 0o700)
+    record_folder(KEY_REGISTRY, path.parent.resolve())  # before the key exists: hidden from then
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:  # another process made it meanwhile

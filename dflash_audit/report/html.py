@@ -19,7 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_audit.report.markdown import fmt_num, framework_lines, reference_rows
+from dflash_audit.report.markdown import (
+    fmt_num,
+    framework_lines,
+    reference_rows,
+    sandbox_rows,
+)
 from dflash_audit.report.schema import MaskPicture, Report
 
 MAX_ROWS = 256
@@ -192,6 +197,13 @@ def render_html(report: Report) -> str:
              _e(fmt_num(c["worst_max_abs_diff"])), _e(fmt_num(c["worst_max_rel_diff"])),
              (f"<code>{_e(c['first_failure']['case'])}</code>: {_e(c['first_failure']['summary'])}"
               if c["first_failure"] else "")] for c in report.checks()]
+    summary, proof = sandbox_rows(report)
+    if summary:
+        parts.append(f"<p>{_e(summary)}</p>")
+    if proof:
+        parts.append("<details><summary>What the sandbox proved</summary>" + _table(
+            ["property", "holds", "evidence"], [[_e(n), _e(ok), _e(ev)] for n, ok, ev in proof])
+            + "</details>")
     framework = framework_lines(report)
     if framework:
         parts.append("<h2>Framework</h2><ul>" + "".join(f"<li>{_e(line)}</li>"

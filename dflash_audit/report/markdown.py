@@ -91,6 +91,22 @@ def _what(report: Report) -> list[str]:
     return lines
 
 
+def sandbox_rows(report: Report) -> tuple[str, list[tuple[str, str, str]]]:
+    """What ``candidate.sandbox`` says: a one-line summary and ``(property, holds, evidence)``
+    rows of what the sandbox proved from inside (none when the candidate ran without one)."""
+    box = report.candidate.get("sandbox")
+    if not isinstance(box, dict):
+        return "", []
+    if not box.get("sandboxed"):
+        return f"Sandbox: none ({box.get('note') or 'candidate ran without a sandbox'}).", []
+    proof = box.get("proof") if isinstance(box.get("proof"), dict) else {}
+    rows = [(str(name).replace("_", " "), "yes" if (e or {}).get("ok") else "no",
+             str((e or {}).get("evidence", ""))) for name, e in proof.items()]
+    held = [name for name, ok, _ in rows if ok == "yes"]
+    return (f"Sandbox: bubblewrap {box.get('version') or '?'} ({box.get('bwrap')}), proven from "
+            f"inside before the candidate ran: {', '.join(held) or 'nothing'}."), rows
+
+
 def framework_lines(report: Report) -> list[str]:
     """What an audit of a framework's own code says about the framework: which outputs its
     adapter (not the framework) computed, and the cases it does not support (plain text)."""
@@ -169,7 +185,13 @@ def render_markdown(report: Report) -> str:
     unexplained differences, warnings)."""
     roots = root_cause_lines(report)
     fw = framework_lines(report)
-    out = [verdict_line(report), "", *_what(report), "", *roots,
+    summary, proof = sandbox_rows(report)
+    out = [verdict_line(report), "", *_what(report), "",
+           *([summary, ""] if summary else []),
+           *(["<details><summary>What the sandbox proved</summary>", "",
+              "| property | holds | evidence |", "|---|---|---|",
+              *[f"| {name} | {ok} | {_cell(ev, 300)} |" for name, ok, ev in proof],
+              "", "</details>", ""] if proof else []), *roots,
            *(["### Framework", "", *[f"- {_cell(line, 400)}" for line in fw], ""] if fw
              else []), "### Checks", "",
            *checks_table(report), "",

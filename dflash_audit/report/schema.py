@@ -13,7 +13,10 @@
   describe, sdist_sha256, sdist_filename, version, short_id, resolved_at, source_dir) plus
   ``module_file`` (where the reference process imported speculators from).
 - ``candidate``: ``{"name", "spec", "fingerprint", "files": {name: sha256}, "sandbox":
-  {"sandboxed", "tool", "note"}, "canary": {...} (after a PASS)}``.
+  {"sandboxed", "tool", "bwrap" (its path), "version", "proof": {property: {"ok",
+  "evidence"}} (what the sandbox proved from inside before the candidate ran:
+  :mod:`dflash_audit.audit.sides.sandbox_proof`), "note"}, "framework": {...} (an audited
+  framework), "canary": {...} (after a PASS)}``.
 - ``profile``: ``{"name", "source", "fingerprint", "fields": {every profile field}}``.
 - ``verifiers``: ``{verifier fingerprint: {"name", "architecture"}}``, every verifier the audit
   covered (the real one and each synthetic family proxy); the gate refuses to train with

@@ -140,3 +140,35 @@ def edit_tool() -> None:
 
     path = Path(loss.__file__)
     path.write_text(path.read_text() + "\n# edited by a hostile candidate\n")
+
+
+def _libc(name: str, *args) -> None:
+    """Call libc's ``name``; OSError with its errno when it fails."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if getattr(libc, name)(*args) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"{name}: {os.strerror(code)}")
+
+
+def unmount(point: str) -> None:
+    """Route 6 (as root, where bubblewrap keeps every capability unless told otherwise):
+    unmount the private ``/tmp`` (the host's appears: the cache copy), ``/proc`` (every host
+    process) or the report key's empty cover (the key appears)."""
+    _libc("umount2", point.encode(), 2)  # MNT_DETACH
+
+
+def remount_rw(point: str) -> None:
+    """Route 7 (as root): make the read-only bind at ``point`` writable again."""
+    _libc("mount", None, point.encode(), None, 32 | 4096, None)  # MS_REMOUNT | MS_BIND
+
+
+def poison(source: Path) -> None:
+    """Route 8: once writable, edit the reference's code itself to compute gamma 7."""
+    source.write_text(source.read_text().replace(DECAY, POISON))
+
+
+def steal_key(key: Path, to: Path) -> None:
+    """Route 9: copy the report key out (anyone holding it signs any report)."""
+    to.write_bytes(key.read_bytes())

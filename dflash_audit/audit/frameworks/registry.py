@@ -12,15 +12,19 @@ Spec forms (after ``framework:``):
   ``path:DIR``): the reference's own code at another ref or release as the candidate
   (:mod:`.speculators_adapter`), its source resolved and cached as ``--ref`` does.
 
+An adapter in development (``$DFLASH_AUDIT_ADAPTER_PATH``) never passes for a built-in
+framework: one that takes a built-in's key or name is refused (:func:`impersonation`).
+
 Errors (unknown name, unsupported version, an adapter not in this build, an interpreter that
-cannot run the candidate) are :class:`FrameworkError`, a setup error (exit 2) naming the
-choices.
+cannot run the candidate, an external adapter with a built-in's name) are
+:class:`FrameworkError`, a setup error (exit 2) naming the choices.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,12 +149,59 @@ def choices_text() -> str:
     return ", ".join(PREFIX + p for p in parts)
 
 
+def _normal(text: str) -> str:
+    """``text`` as compared for impersonation: lower case, letters and digits only."""
+    return re.sub(r"[^0-9a-z]", "", str(text).casefold())
+
+
+def builtin_frameworks() -> tuple[set[str], list[str]]:
+    """``(keys, names)`` of the built-in frameworks: every adapter of this package (the
+    speculators one included) and every :data:`KNOWN` one, whether in this build or not;
+    the names include the keys."""
+    paths = sorted(FOLDER.glob(f"*{SUFFIX}"))
+    keys = {p.name[: -len(SUFFIX)] for p in paths} | set(KNOWN) | {SPECULATORS}
+    names = [str(adapter_constants(p).get("NAME", "")) for p in paths]
+    names += [name for name, _ in KNOWN.values()] + sorted(keys)  # "ModelOpt" too
+    return keys, sorted({n for n in names if _normal(n)})
+
+
+def impersonation(key: str, name: Any, version: Any) -> str | None:
+    """Why an external adapter (``$DFLASH_AUDIT_ADAPTER_PATH``) with file key ``key``,
+    ``NAME`` and ``VERSION`` would pass for a built-in framework in a report: it takes a
+    built-in's key, or its label (``NAME VERSION``) begins with a built-in's name (case,
+    spaces and punctuation ignored: ``Spec Forge``, ``SpecForge 0.2.0``); None when not."""
+    keys, names = builtin_frameworks()
+    if key in keys:
+        return f"its file {key}{SUFFIX} takes the key of the built-in framework {key!r}"
+    label = _normal(f"{name}{version}")
+    for builtin in names:
+        if label.startswith(_normal(builtin)):
+            return (f"its label {f'{name} {version}'.strip()!r} (NAME, VERSION) takes the name "
+                    f"of the built-in framework {builtin!r}")
+    return None
+
+
+def _impersonation_error(path: Any, why: str) -> FrameworkError:
+    return FrameworkError(
+        f"the adapter {path} (from ${ADAPTER_PATH_ENV}) cannot be audited: {why}, so its report "
+        "would pass for the built-in framework's. Give it a file name and a NAME of its own "
+        "(e.g. NAME = \"MyFramework\" in myframework_adapter.py), or remove it from "
+        f"${ADAPTER_PATH_ENV} to audit the built-in one")
+
+
 def lookup(fs: FrameworkSpec) -> dict[str, Any]:
     """The constants of the adapter for ``fs``, its version checked.
 
     Raises:
-        FrameworkError: unknown framework, adapter not in this build, version not pinned.
+        FrameworkError: unknown framework, adapter not in this build, version not pinned; an
+            external adapter that takes a built-in framework's key or name
+            (:func:`impersonation`), or an external ``<key>_adapter.py`` beside the built-in
+            ``fs.key`` (which one runs would not be clear).
     """
+    for folder in adapter_folders()[1:]:
+        shadow = folder / f"{fs.key}{SUFFIX}"
+        if fs.key in builtin_frameworks()[0] and shadow.is_file():
+            raise _impersonation_error(shadow, impersonation(fs.key, "", ""))
     found = available_adapters()
     if fs.key not in found:
         if fs.key in KNOWN:
@@ -161,6 +212,10 @@ def lookup(fs: FrameworkSpec) -> dict[str, Any]:
         raise FrameworkError(f"--candidate {fs.text}: unknown framework {fs.key!r}; choices: "
                              f"{choices_text()}")
     constants = found[fs.key]
+    why = constants.get("folder") and impersonation(fs.key, constants["NAME"],
+                                                    constants["VERSION"])
+    if why:
+        raise _impersonation_error(constants["path"], why)
     if fs.version is not None and fs.version != str(constants["VERSION"]):
         raise FrameworkError(
             f"--candidate {fs.text}: {constants['NAME']} {fs.version} is not supported; its "
@@ -186,6 +241,8 @@ def framework_launch(spec: str, *, python: str | None = None, offline: bool = Fa
     module = constants["module"]
     info: dict[str, Any] = {"key": fs.key, "name": constants["NAME"], "spec": spec,
                             "version": str(constants["VERSION"]), "module": module}
+    if constants.get("folder"):
+        info["external"] = constants["path"]  # checked again on the names it loads with
     pythonpath: list[str] = [constants["folder"]] if constants.get("folder") else []
     env: dict[str, str] = {}
     if fs.key == SPECULATORS:
@@ -250,7 +307,8 @@ def framework_facts(launch: CandidateLaunch, identity: dict[str, Any]) -> dict[s
     candidate.
 
     Raises:
-        FrameworkError: the module lacks NAME / VERSION, or its CAPABILITIES are malformed.
+        FrameworkError: the module lacks NAME / VERSION, or its CAPABILITIES are malformed; an
+            external adapter loaded with a built-in framework's name (:func:`impersonation`).
     """
     from dflash_audit.audit.frameworks.capabilities import (
         Capabilities,
@@ -270,6 +328,9 @@ def framework_facts(launch: CandidateLaunch, identity: dict[str, Any]) -> dict[s
         raise FrameworkError(f"the adapter {info['module']}: {exc}") from None
     name = str(adapter.get("NAME") or info["name"])
     version = str(adapter.get("VERSION") or info["version"])
+    why = info.get("external") and impersonation(info["key"], name, version)
+    if why:  # its module may compute NAME at import: the names it loaded with count
+        raise _impersonation_error(info["external"], why)
     provenance = adapter.get("PROVENANCE") or {}
     if not isinstance(provenance, dict) or any(
             v not in ("framework", "adapter") for v in provenance.values()):

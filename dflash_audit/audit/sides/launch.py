@@ -75,13 +75,18 @@ PROBE = ("import importlib, sys\n"
 def check_interpreter(launch: CandidateLaunch, timeout_s: float | None = None) -> None:
     """Check that ``launch.python`` exists and, with dflash_audit's package root on its
     PYTHONPATH, imports torch, safetensors and dflash_audit's candidate runner within
-    ``timeout_s`` (None: 120 s scaled with the load, :func:`dflash_audit.limits.limit_s`).
+    ``timeout_s`` (None: 120 s scaled with the load, :func:`dflash_audit.limits.limit_s`). The
+    interpreter is the user's (a ``python`` that is a script runs anything): it runs in the
+    candidate's sandbox (:func:`dflash_audit.audit.sides.sandbox.sandboxed`), like the candidate.
 
     Raises:
         ValueError: one line naming the interpreter, what it cannot import and what to do.
+        SandboxError: the sandbox starts but did not prove its isolation (nothing runs).
     """
     import subprocess
+    import tempfile
 
+    from dflash_audit.audit.sides.sandbox import sandboxed, work_root
     from dflash_audit.limits import exceeded, limit_s
 
     python = launch.executable
@@ -90,15 +95,19 @@ def check_interpreter(launch: CandidateLaunch, timeout_s: float | None = None) -
         raise ValueError(f"{where}: no such executable interpreter; pass the python of the "
                          "environment where the framework is installed (e.g. .venv/bin/python)")
     limit = limit_s(120.0) if timeout_s is None else timeout_s
-    try:
-        proc = subprocess.run([python, "-c", PROBE], capture_output=True, text=True,
-                              env=launch_env(launch, 1), timeout=limit,
-                              stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        raise ValueError(exceeded(f"{where} (importing torch, safetensors, dflash_audit)",
-                                  limit)) from None
-    except OSError as exc:
-        raise ValueError(f"{where} could not be started: {exc}") from None
+    env = launch_env(launch, 1)
+    with tempfile.TemporaryDirectory(prefix="dflash-audit-interpreter-",
+                                     dir=work_root()) as folder:
+        try:
+            proc = subprocess.run(sandboxed([python, "-c", PROBE], launch.spec, Path(folder),
+                                            Path(folder), env),
+                                  capture_output=True, text=True, env=env, timeout=limit,
+                                  stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise ValueError(exceeded(f"{where} (importing torch, safetensors, dflash_audit)",
+                                      limit)) from None
+        except OSError as exc:
+            raise ValueError(f"{where} could not be started: {exc}") from None
     if proc.returncode == 0:
         return
     module, _, error = proc.stdout.strip().partition("\t")

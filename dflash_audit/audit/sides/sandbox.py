@@ -1,7 +1,11 @@
 """The candidate's sandbox: the bubblewrap (``bwrap``) command line around its process.
 
-The candidate is untrusted code (DESIGN.md section 9). Inside the sandbox it sees:
+The candidate is untrusted code (DESIGN.md section 9). Inside the sandbox it has:
 
+- **no capability**, as root too (``--cap-drop ALL``; bubblewrap as root otherwise keeps
+  every one), and no new privileges on exec, so it **cannot change its mounts**: no remount of
+  ``/`` read-write, no unmount of ``/proc``, ``/tmp`` or a cover (also not from a user
+  namespace of its own: the mounts it inherits are locked);
 - the whole file system **read-only** (``--ro-bind / /``): it cannot edit the cached
   reference tree (``__pycache__`` included), dflash-audit's installed files, site-packages,
   the report folder or another process's files;
@@ -9,7 +13,8 @@ The candidate is untrusted code (DESIGN.md section 9). Inside the sandbox it see
   with only the folders it needs bound back: read-only its copy of the cases, the folder of
   a ``file.py`` candidate, the working directory and ``PYTHONPATH`` entries under ``/tmp``;
   read-write its own output folder;
-- nothing of the report key (:data:`dflash_audit.report.fingerprint.KEY_DIR` is covered by an
+- nothing of any report key (every folder of
+  :func:`dflash_audit.report.fingerprint.key_dirs`, whatever cache it is in, is covered by an
   empty tmpfs), nor of any audit's work folder (:func:`work_root`, where every compare keeps
   its cases and both sides' outputs, is covered by an empty tmpfs, and only this candidate's
   own cases and output folder are bound back; every root an audit of this user made, whatever
@@ -21,23 +26,34 @@ The candidate is untrusted code (DESIGN.md section 9). Inside the sandbox it see
   double-forks never outlives the candidate; ``--die-with-parent`` ends it with compare;
 - no network (``--unshare-net``: only a loopback), its own IPC and a new session.
 
-:func:`sandbox_status` probes once per process whether ``bwrap`` can start here (it needs
-user namespaces, or root); where it cannot, the candidate runs unsandboxed and the report
-says so (``--require-sandbox`` then refuses with exit 2).
+:func:`sandbox_status` (once per process) takes only a trusted ``bwrap``
+(:func:`.sandbox_proof.trusted_bwrap`: a fixed system path owned by root, never the first on
+PATH) and PROVES the above from inside: :mod:`.sandbox_probe` runs under exactly the flags a
+candidate gets (:func:`candidate_sandbox_command`) and tries each route. Three outcomes:
+proven (the candidate runs sandboxed; the report records each property and its evidence);
+no trusted ``bwrap`` or it cannot create its namespaces here (the candidate runs unsandboxed
+and the report says so; ``--require-sandbox`` refuses with exit 2); a sandbox that starts but
+fails its proof (a setup error, always exit 2: it would be a lie about isolation).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from dflash_audit.audit.setup_error import CompareSetupError
+from dflash_audit.folder_registry import record_folder, recorded_folders
+from dflash_audit.report.fingerprint import key_dirs
 
 #: ``DFLASH_AUDIT_SANDBOX=off`` runs the candidate without a sandbox (tests of the detection
 #: that remains without one; the report says so, and ``--require-sandbox`` refuses).
@@ -45,49 +61,134 @@ SANDBOX_ENV = "DFLASH_AUDIT_SANDBOX"
 #: Devices a CUDA candidate needs (bound when present).
 GPU_DEVICES = ("/dev/nvidia*", "/dev/dri")
 UNAVAILABLE = "candidate ran without a sandbox"
+#: The isolation flags of every sandbox: no capability (as root bubblewrap keeps them all
+#: otherwise: the candidate could remount / read-write and unmount its covers), own PID
+#: namespace (dies with it), no network, own IPC, ended with compare, a new session.
+ISOLATION = ("--cap-drop", "ALL", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+             "--die-with-parent", "--new-session")
+#: States of :class:`SandboxStatus`.
+PROVEN, ABSENT, UNPROVEN = "proven", "unavailable", "unproven"
+
+
+class SandboxError(CompareSetupError):
+    """The sandbox started but did not prove its isolation: no candidate runs (exit 2)."""
 
 
 @dataclass(frozen=True)
 class SandboxStatus:
-    """Whether the sandbox can start: ``bwrap`` (its path) or None with ``reason``."""
+    """What :func:`sandbox_status` found: ``state`` (:data:`PROVEN`, :data:`ABSENT`: no
+    trusted ``bwrap`` or it cannot start here, :data:`UNPROVEN`: it starts but fails its
+    proof), ``bwrap`` (its path) and ``version``, ``reason`` (why not proven) and ``proof``
+    (``{property: {"ok", "evidence"}}``, :func:`.sandbox_proof.judge`)."""
 
-    bwrap: str | None
+    state: str
+    bwrap: str | None = None
     reason: str = ""
+    version: str = ""
+    proof: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def available(self) -> bool:
-        return self.bwrap is not None
+        """Whether the candidate runs sandboxed (the sandbox proved its isolation)."""
+        return self.state == PROVEN
 
     def to_dict(self) -> dict[str, object]:
-        """The report's ``sandbox`` entry."""
+        """The report's ``candidate.sandbox`` entry: ``sandboxed``, ``tool``, ``bwrap`` (path),
+        ``version``, ``proof`` (each property, whether it holds and its evidence), ``note``."""
         return {"sandboxed": self.available, "tool": "bubblewrap" if self.available else None,
+                "bwrap": self.bwrap, "version": self.version, "proof": self.proof,
                 "note": "" if self.available else f"{UNAVAILABLE}: {self.reason}"}
 
 
 @functools.lru_cache(maxsize=1)
 def sandbox_status() -> SandboxStatus:
-    """Probe ``bwrap`` once: run ``true`` under the same flags the candidate gets.
+    """Find the trusted ``bwrap`` and prove the sandbox once per process (module docstring).
 
     Returns:
-        :class:`SandboxStatus`; unavailable when ``$DFLASH_AUDIT_SANDBOX`` is ``off``, when
-        no ``bwrap`` is on PATH (``apt-get install -y bubblewrap``; ``scripts/setup.sh`` does
-        it), or when it cannot create its namespaces here (the reason is its stderr).
+        :class:`SandboxStatus`: :data:`ABSENT` when ``$DFLASH_AUDIT_SANDBOX`` is ``off``, when
+        no trusted ``bwrap`` is installed (``apt-get install -y bubblewrap``;
+        ``scripts/setup.sh`` does it) or when it cannot create its namespaces here (the reason
+        is its stderr); :data:`UNPROVEN` when the probe ran but a property does not hold (the
+        reason names each with its evidence); else :data:`PROVEN`.
     """
+    from dflash_audit.audit.sides import sandbox_proof as sp
+
     if os.environ.get(SANDBOX_ENV, "").lower() in ("off", "0", "no", "false"):
-        return SandboxStatus(None, f"${SANDBOX_ENV}=off")
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        return SandboxStatus(None, "bubblewrap (bwrap) is not installed; `sudo apt-get "
-                                   "install -y bubblewrap` or `bash scripts/setup.sh` adds it")
+        return SandboxStatus(ABSENT, reason=f"${SANDBOX_ENV}=off")
     try:
-        proc = subprocess.run(sandbox_command(["true"], bwrap=bwrap), capture_output=True,
-                              text=True, timeout=30, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return SandboxStatus(None, f"bwrap cannot start ({exc})")
-    if proc.returncode != 0:
-        tail = " ".join(proc.stderr.split())[-300:]
-        return SandboxStatus(None, f"bwrap cannot create its namespaces here ({tail})")
-    return SandboxStatus(bwrap)
+        bwrap = str(sp.trusted_bwrap())
+    except sp.UntrustedBwrap as exc:
+        return SandboxStatus(ABSENT, reason=str(exc))
+    version = sp.bwrap_version(Path(bwrap))
+    found = {"bwrap": bwrap, "version": version}
+    try:
+        return _prove(bwrap, found)
+    except CompareSetupError as exc:  # no usable work root: compare refuses on it too
+        return SandboxStatus(ABSENT, reason=str(exc), **found)
+
+
+def _prove(bwrap: str, found: dict[str, str]) -> SandboxStatus:
+    """The status of the trusted ``bwrap``: can it start, and what its probe proves.
+
+    Raises:
+        CompareSetupError: the work root cannot be used (:func:`work_root`).
+    """
+    from dflash_audit.audit.sides import sandbox_proof as sp
+
+    with _proof_folder() as scratch:
+        try:  # the namespaces themselves first: a machine without them has no sandbox
+            proc = subprocess.run(candidate_sandbox_command(["true"], None, scratch, scratch,
+                                                            {}, bwrap), capture_output=True,
+                                  text=True, timeout=sp.PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return SandboxStatus(ABSENT, reason=f"bwrap cannot start ({exc})", **found)
+        if proc.returncode != 0:
+            tail = " ".join(proc.stderr.split())[-300:]
+            return SandboxStatus(ABSENT, reason=f"bwrap cannot create its namespaces here "
+                                                f"({tail})", **found)
+        hidden = [p.resolve() for p in key_dirs() if p.is_dir()]
+        probe = sp.probe_command(_read_only_probes(), hidden,
+                                 ["/proc", "/tmp", *map(str, hidden)])
+        try:
+            facts = sp.run_probe(candidate_sandbox_command(probe, None, scratch, scratch, {},
+                                                           bwrap))
+        except RuntimeError as exc:
+            return SandboxStatus(UNPROVEN, reason=f"its proof did not run ({exc})", **found)
+    proof = sp.judge(facts, os.getpid(), os.readlink("/proc/self/ns/pid"))
+    failed = sp.failed(proof)
+    if failed:
+        return SandboxStatus(UNPROVEN, reason="; ".join(failed), proof=proof, **found)
+    return SandboxStatus(PROVEN, proof=proof, **found)
+
+
+def _read_only_probes() -> list[Path]:
+    """Folders where the proof tries to create a file (each must refuse): ``/``, ``/etc``,
+    the working directory, this interpreter's site-packages and dflash-audit's own folder."""
+    import sysconfig
+
+    import dflash_audit
+
+    folders = [Path("/"), Path("/etc"), Path.cwd(), Path(sysconfig.get_paths()["purelib"]),
+               Path(dflash_audit.__file__).resolve().parent]
+    return [p for p in dict.fromkeys(folders) if p.is_dir()]
+
+
+@contextlib.contextmanager
+def _proof_folder() -> Iterator[Path]:
+    """A fresh folder in the work root (where a candidate's cases and outputs live), removed
+    after the proof.
+
+    Raises:
+        CompareSetupError: the work root cannot be used (:func:`work_root`).
+    """
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="dflash-audit-sandbox-proof-", dir=work_root()))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 #: The name of the work root in a temporary directory (:func:`work_root`).
@@ -97,52 +198,20 @@ WORK_ROOT_NAME = "dflash-audit-work"
 DEFAULT_WORK_ROOT = Path("/tmp") / WORK_ROOT_NAME
 
 
-def _roots_registry() -> Path:
-    """``~/.cache/dflash-audit/work-roots``: every work root :func:`work_root` made (one
-    resolved path a line), shared by all audits of this user whatever their ``$TMPDIR`` or
-    ``$DFLASH_AUDIT_CACHE``, so the sandbox hides them all, not only its own audit's."""
-    return Path.home() / ".cache" / "dflash-audit" / "work-roots"
-
-
-def _record_root(root: Path) -> None:
-    """Add ``root`` to :func:`_roots_registry` (under a lock), dropping roots that are gone;
-    best effort: a registry that cannot be written leaves the default root and this audit's
-    own hidden."""
-    import fcntl
-
-    registry = _roots_registry()
-    try:
-        registry.parent.mkdir(parents=True, exist_ok=True)
-        with open(registry, "a+", encoding="utf-8") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            f.seek(0)
-            known = [line for line in f.read().splitlines() if line]
-            keep = [line for line in dict.fromkeys(known) if Path(line).is_dir()]
-            if str(root) not in keep:
-                keep.append(str(root))
-            if keep != known:
-                f.seek(0)
-                f.truncate()
-                f.write("".join(f"{line}\n" for line in keep))
-    except (OSError, UnicodeDecodeError):
-        pass
+#: The registry (:mod:`dflash_audit.folder_registry`) of every work root :func:`work_root`
+#: made, whatever the ``$TMPDIR`` or ``$DFLASH_AUDIT_CACHE`` of its audit.
+ROOTS_REGISTRY = "work-roots"
 
 
 def known_work_roots() -> list[Path]:
-    """Every audit's work root a candidate must not read: the default one and those of
-    :func:`_roots_registry` (audits run with another ``$TMPDIR``)."""
-    roots = [DEFAULT_WORK_ROOT]
-    try:
-        text = _roots_registry().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        text = ""
-    roots += [Path(line) for line in text.splitlines() if line.startswith("/")]
-    return list(dict.fromkeys(roots))
+    """Every audit's work root a candidate must not read: the default one and those of the
+    registry :data:`ROOTS_REGISTRY` (audits run with another ``$TMPDIR``)."""
+    return list(dict.fromkeys([DEFAULT_WORK_ROOT, *recorded_folders(ROOTS_REGISTRY)]))
 
 
 def work_root() -> Path:
     """The folder every compare makes its work folder in (``<tempdir>/dflash-audit-work``,
-    created here, recorded in :func:`_roots_registry`): one root the sandbox hides as a whole,
+    created here, recorded in :data:`ROOTS_REGISTRY`): one root the sandbox hides as a whole,
     so a candidate never reads another audit's cases or reference outputs.
 
     Raises:
@@ -150,8 +219,6 @@ def work_root() -> Path:
             another user's folder, chmod 000): no audit keeps its cases there.
     """
     import tempfile
-
-    from dflash_audit.audit.setup_error import CompareSetupError
 
     root = Path(tempfile.gettempdir()).resolve() / WORK_ROOT_NAME
     try:
@@ -170,7 +237,7 @@ def work_root() -> Path:
         raise CompareSetupError(
             f"cannot use the work folder {root} (every audit keeps its cases there): it is "
             f"{what}; remove it or set $TMPDIR to another folder")
-    _record_root(root)
+    record_folder(ROOTS_REGISTRY, root)
     return root
 
 
@@ -251,8 +318,7 @@ def sandbox_command(cmd: list[str], *, bwrap: str = "bwrap", writable: list[Path
     for path in dict.fromkeys(Path(p).resolve() for p in hidden):
         if path.is_dir():
             args += ["--tmpfs", str(path)]
-    args += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--die-with-parent",
-             "--new-session", "--chdir", str(Path(cwd).resolve() if cwd else "/"), "--", *cmd]
+    args += [*ISOLATION, "--chdir", str(Path(cwd).resolve() if cwd else "/"), "--", *cmd]
     return args
 
 
@@ -268,15 +334,36 @@ def links_in(folder: Path) -> list[str]:
 
 def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
               env: dict[str, str]) -> list[str]:
-    """``cmd`` inside the candidate's sandbox (:mod:`.sandbox`) when it can start here, else
-    ``cmd`` itself: read-only everything, ``out_dir`` writable, ``cases_dir`` (its private copy
-    of the cases), the folder of a ``file.py`` candidate, the working directory and the
-    ``PYTHONPATH`` entries readable, the report key's folder hidden."""
-    from dflash_audit.report.fingerprint import key_dirs
+    """``cmd`` inside the candidate's sandbox (:func:`candidate_sandbox_command`) when the
+    sandbox proved itself here, else ``cmd`` itself when none can start (the report says so).
 
+    Raises:
+        SandboxError: the sandbox starts but did not prove its isolation (never run then).
+    """
     status = sandbox_status()
+    if status.state == UNPROVEN:
+        raise SandboxError(unproven_message(status))
     if not status.available:
         return cmd
+    return candidate_sandbox_command(cmd, spec, cases_dir, out_dir, env, status.bwrap)
+
+
+def unproven_message(status: SandboxStatus) -> str:
+    """The one-line setup error of a sandbox that starts but fails its proof."""
+    return (f"the candidate's sandbox (bubblewrap {status.version or '?'}, {status.bwrap}) "
+            f"starts but does not prove its isolation: {status.reason}. No candidate runs in "
+            "it: fix the sandbox (a bubblewrap that supports --cap-drop, from the system's "
+            f"package manager), or set {SANDBOX_ENV}=off with --no-require-sandbox to run the "
+            f"candidate knowingly unsandboxed (the report then says '{UNAVAILABLE}')")
+
+
+def candidate_sandbox_command(cmd: list[str], spec: str | None, cases_dir: Path,
+                              out_dir: Path, env: dict[str, str], bwrap: str) -> list[str]:
+    """``bwrap ... -- cmd``: the candidate's sandbox (:func:`sandbox_command`, the module
+    docstring): read-only everything, ``out_dir`` writable, ``cases_dir`` (its private copy of
+    the cases), the folder of a ``file.py`` ``spec``, the working directory, the
+    ``PYTHONPATH`` entries of ``env`` and the interpreter's environment readable, every report
+    key's folder hidden, every audit's work root private. The same flags the proof runs in."""
     target = (spec or "").rpartition(":")[0]
     readable = [Path(cases_dir), Path.cwd(), *(Path(p) for p in
                                                env.get("PYTHONPATH", "").split(os.pathsep) if p),
@@ -288,6 +375,6 @@ def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
             readable.append(Path(json.loads(derive.read_text())["verifier_dir"]))
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    return sandbox_command(cmd, bwrap=status.bwrap, writable=[Path(out_dir)], readable=readable,
+    return sandbox_command(cmd, bwrap=bwrap, writable=[Path(out_dir)], readable=readable,
                            hidden=key_dirs(), private=[work_root(), *known_work_roots()],
                            cwd=Path.cwd())
