@@ -6,10 +6,14 @@ the metrics and every gradient with what the audited candidate computed on that 
 audit's tolerance. The model's own weights are put back afterwards (its initial weights, and
 its gradients cleared), so training starts exactly as without the canary.
 
-Nothing here is a separate run the candidate could recognise by a second ``build()`` or a
-different call path: ``build()`` is called once, and the canary step is the step function and
-forward of training itself. (Code running in train's process can still inspect anything in
-it; the canary proves the model trained is the model audited on one case, not more.)
+In train's process nothing here is a separate run the candidate could recognise by a second
+``build()`` or a different call path: ``build()`` is called once, and the canary step is the
+step function and forward of training itself. (Code running in train's process can still
+inspect anything in it, and replace anything in it; the canary proves the model trained is
+the model audited on one case, not more.) For a user's candidate the same step
+(:func:`canary_outputs`) runs first in a sandboxed process of the candidate's own, before its
+code is imported here, and what that process computed is judged here
+(:func:`judge_canary`, :mod:`dflash_audit.train.sealed`): a check its import cannot replace.
 
 A difference refuses training with exit code **2**, naming the first differing outputs; so
 does a report whose canary was recorded at another drafter config (a report with synthetic

@@ -201,7 +201,9 @@ def sealed_canary(candidate_spec: str | None, gate: GateResult, config: Any,
     if returncode == EXIT_LOAD_ERROR and (out_dir / LOAD_ERROR).is_file():
         raise load_error(out_dir, launch)
     result = out_dir / RESULT
-    tail = stderr.read_bytes()[-TAIL_CHARS:].decode(errors="replace").strip()
+    with open(stderr, "rb") as f:  # the tail only: the candidate chose its length
+        f.seek(max(0, stderr.stat().st_size - TAIL_CHARS))
+        tail = f.read().decode(errors="replace").strip()
     status = _read_result(result)
     if status is None:
         raise GateError(f"the candidate's process ended (exit code {returncode}) without "
