@@ -149,13 +149,23 @@ class DrafterCandidate:
         return side_outputs(model, config, out, loss)
 
 
+#: ``--candidate`` values that name our own drafter (as None does).
+OUR_DRAFTER_SPECS = ("", "default", "dflash-audit")
+
+
+def is_our_drafter(spec: str | None) -> bool:
+    """Whether ``spec`` names our own drafter (None, ``""``, ``default``, ``dflash-audit``):
+    our code, not a user's."""
+    return spec is None or spec in OUR_DRAFTER_SPECS
+
+
 def load_candidate(spec: str | None) -> Candidate:
     """Resolve ``None`` (our drafter), ``module:attr`` or ``path/to/file.py:attr``.
 
     Raises:
         CandidateError: the module/file/attribute is missing or the object has no run_case.
     """
-    if spec is None or spec in ("", "default", "dflash-audit"):
+    if is_our_drafter(spec):
         return DrafterCandidate()
     target, _, attr = spec.rpartition(":")
     if not target or not attr:

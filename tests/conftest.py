@@ -106,6 +106,16 @@ def run_reference_cases(reference_zygote, tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """A tiny training run's files (:func:`train_tiny.setup_run`: verifier, conversations,
+    batches, profile, ``reports/`` with a passing report and canary for our drafter), made
+    once per session and shared: tests read them and write elsewhere."""
+    import train_tiny as tt
+
+    return tt.setup_run(tmp_path_factory.mktemp("tiny-run"))
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """One intra-op thread for tiny tensors: fastest, and immune to oversubscription on a busy

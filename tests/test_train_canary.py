@@ -16,25 +16,28 @@ from dflash_audit.train.loop import train
 ROOT = Path(__file__).resolve().parents[1]
 
 #: run_case is our drafter's; build() returns the `<=` drafter unless the canary is on the
-#: stack -- the old canary (a second build() in a rerun) was fooled by it.
+#: stack -- the old canary (a second build() in a rerun) was fooled by it -- or, with
+#: SEALED = True, in the sealed canary's own process too (then train's process catches it).
 STACK_DETECTOR = f'''
-import inspect
+import inspect, sys
 from dflash_audit.candidate import DrafterCandidate, load_candidate
 le = load_candidate("{ROOT}/examples/candidates/context_rule_le.py:candidate")
+SEALED = {{sealed}}
 class C(DrafterCandidate):
     def run_case(self, *args):
         return DrafterCandidate().run_case(*args)
     def build(self, config):
         audited = any(f.function in ("verify_canary", "run_canary", "write_canary")
-                      for f in inspect.stack())
+                      for f in inspect.stack()) or (SEALED and getattr(getattr(
+            sys.modules["__main__"], "__spec__", None), "name", "").endswith("canary_runner"))
         return DrafterCandidate.build(self, config) if audited else le.build(config)
 candidate = C
 '''
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory):
-    return tt.setup_run(tmp_path_factory.mktemp("canary"))
+def paths(tiny_run):
+    return tiny_run
 
 
 def _train(paths, out: Path, **changes):
@@ -47,16 +50,20 @@ def test_the_canary_runs_on_the_trained_model(paths, tmp_path, capsys):
     assert "gives the audited loss and gradients" in capsys.readouterr().out
 
 
-def test_a_build_that_detects_the_canary_is_refused(paths, tmp_path):
+@pytest.mark.parametrize("sealed, where", [
+    (False, "in a sandboxed process of the candidate"),  # before the import
+    (True, "train's own step gives"),  # on the very model, after the import
+])
+def test_a_build_that_detects_the_canary_is_refused(paths, tmp_path, sealed, where):
     spec = tmp_path / "detector.py"
-    spec.write_text(STACK_DETECTOR)
+    spec.write_text(STACK_DETECTOR.format(sealed=sealed))
     reports = tmp_path / "reports"
     tt.write_report(reports, paths["profile"], f"{spec}:candidate",
                     canary_from=(paths["verifier"], paths["batches"]))
     with pytest.raises(GateError, match="does not behave as audited") as err:
         _train(paths, tmp_path / "run", candidate=f"{spec}:candidate",
                reports_dir=str(reports))
-    assert err.value.exit_code == 2 and "grad." in str(err.value)
+    assert err.value.exit_code == 2 and "grad." in str(err.value) and where in str(err.value)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

@@ -23,8 +23,8 @@ TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory):
-    return tt.setup_run(tmp_path_factory.mktemp("tiny-cli"))
+def paths(tiny_run):
+    return tiny_run
 
 
 def _args(paths, out, *extra):

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import train_tiny as tt
 
-from dflash_audit.candidate import load_candidate
 from dflash_audit.profile import Profile
 from dflash_audit.train.gate import (
     EXIT_AUDIT_FAILED,
@@ -26,7 +25,7 @@ from dflash_audit.train.gate import (
 def setup(tmp_path):
     profile_path = tt.write_profile(tmp_path / "tiny.toml")
     profile = Profile.load(str(profile_path))
-    expected = expected_for(load_candidate(None), None, profile, "speculators==0.9.0",
+    expected = expected_for(None, None, profile, "speculators==0.9.0",
                             reference_identity=tt.REFERENCE)
     return tmp_path, profile_path, expected
 
@@ -206,12 +205,12 @@ def test_verifier_the_report_did_not_cover_is_refused_with_its_compare_command(t
     profile = Profile.load(str(profile_path))
     verifier = tt.make_verifier(tmp_path / "verifier")
     report = tt.write_report(tmp_path / "reports", profile_path)
-    covered = expected_for(load_candidate(None), None, profile, "speculators==0.9.0",
+    covered = expected_for(None, None, profile, "speculators==0.9.0",
                            reference_identity=tt.REFERENCE, verifier=str(verifier))
     assert check_gate(covered, reports_dir=tmp_path / "reports").report_path == report
     gemma = tmp_path / "gemma3-27b.json"
     gemma.write_text(json.dumps(GEMMA3_27B))
-    other = expected_for(load_candidate(None), None, profile, "speculators==0.9.0",
+    other = expected_for(None, None, profile, "speculators==0.9.0",
                          reference_identity=tt.REFERENCE, verifier=str(gemma))
     with pytest.raises(GateError) as err:
         check_gate(other, reports_dir=tmp_path / "reports")
@@ -285,7 +284,7 @@ def test_a_proxy_audit_covers_the_real_verifier_until_its_config_is_edited(tmp_p
     save_file({"lm_head.weight": torch.zeros(1)}, real / "model.safetensors")  # config only read
 
     def gate():
-        return check_gate(expected_for(load_candidate(None), None, profile, "speculators==0.9.0",
+        return check_gate(expected_for(None, None, profile, "speculators==0.9.0",
                                        reference_identity=tt.REFERENCE, verifier=str(real)),
                           reports_dir=tmp_path / "reports")
 

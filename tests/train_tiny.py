@@ -183,7 +183,8 @@ def write_report(reports_dir: Path, profile_path: Path, candidate_spec: str | No
 
     profile = Profile.load(str(profile_path))
     reference = dict(reference or REFERENCE)
-    cand = candidate_fingerprint(load_candidate(candidate_spec), profile.fingerprint())
+    cand = candidate_fingerprint(load_candidate(candidate_spec), profile.fingerprint(),
+                                 candidate_spec)
     folder = reports_dir / name
     folder.mkdir(parents=True, exist_ok=True)
     cand["canary"] = write_canary(folder, profile_path, *canary_from, candidate_spec) \

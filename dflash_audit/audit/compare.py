@@ -236,7 +236,7 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
             st.timing["total"] = time.perf_counter() - started
             report = _build_report(opts, profile, ref_info, candidate, records, pictures,
                                    inputs_info, created_at, st.timing,
-                                   covered_verifiers(planned))
+                                   covered_verifiers(planned), launch)
             if framework is not None:
                 report.candidate["framework"] = {
                     **{k: v for k, v in framework.items() if k != "capabilities"},
@@ -306,12 +306,12 @@ def _build_report(opts: CompareOptions, profile: Any, ref_info: dict[str, Any],
                   candidate: dict[str, Any],
                   records: list[Any], pictures: list[Any], inputs_info: dict[str, Any],
                   created_at: str, timing: dict[str, float],
-                  verifiers: dict[str, dict[str, Any]]) -> Any:
+                  verifiers: dict[str, dict[str, Any]], launch: Any = None) -> Any:
+    from dflash_audit.audit.sides.launch import identity_fingerprint
     from dflash_audit.report import Report
-    from dflash_audit.report.fingerprint import files_fingerprint
 
     profile_fp = profile.fingerprint()
-    cand_fp = files_fingerprint(candidate.get("source_files", []), profile_fp)
+    cand_fp = identity_fingerprint(candidate, launch or opts.candidate, profile_fp)
     return Report(
         reference=ref_info,
         candidate={"name": candidate.get("name") or opts.candidate, "spec": opts.candidate,

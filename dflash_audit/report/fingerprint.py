@@ -4,7 +4,9 @@ All are sha256 hex digests of canonical JSON (sorted keys, no whitespace), so th
 across machines and runs:
 
 * candidate fingerprint = sha256({"files": {name: sha256(bytes)}, "profile": profile fp}),
-  over the source files that define the candidate (see :func:`candidate_source_files`);
+  over the source files that define the candidate (see :func:`candidate_source_files`; the
+  candidate's process reports them) and the files its spec names, located without running
+  code (:func:`spec_source_files`; :func:`audited_fingerprint` joins both);
 * reference key = the machine-independent part of a reference identity (kind, url, ref, commit,
   sdist sha256, version: no paths, no times);
 * verifier fingerprint = sha256 of a verifier config's architecture for a DFlash drafter
@@ -91,9 +93,61 @@ def candidate_source_files(candidate: Any) -> list[Path]:
     return sorted(f for f in files if f.is_file())
 
 
-def candidate_fingerprint(candidate: Any, profile_fingerprint: str) -> dict[str, Any]:
-    """``{"fingerprint": sha256, "files": {name: sha256}}`` for a candidate under a profile."""
-    return files_fingerprint(candidate_source_files(candidate), profile_fingerprint)
+def candidate_fingerprint(candidate: Any, profile_fingerprint: str, spec: str | None = None
+                          ) -> dict[str, Any]:
+    """``{"fingerprint": sha256, "files": {name: sha256}}`` for a loaded candidate under a
+    profile: :func:`audited_fingerprint` of its source files and of its ``spec``'s own files
+    (None: ours, nothing added), as compare and train compute it."""
+    return audited_fingerprint(candidate_source_files(candidate), spec, profile_fingerprint)
+
+
+def spec_source_files(spec: str | None, search_path: list[str] | None = None) -> list[Path]:
+    """The files a candidate spec names, located WITHOUT executing any code (so they are
+    known from a process where no candidate code ran): ``path/file.py:attr`` -> that file
+    (relative to the working folder); ``pkg.mod:attr`` -> each package's ``__init__.py`` and
+    the module's file, found with :meth:`importlib.machinery.PathFinder.find_spec` component
+    by component over ``search_path`` (default: the working folder, then ``sys.path``: what
+    the candidate's process searches), which reads directories but imports nothing; None (our
+    drafter) -> none. A part that cannot be located so (a namespace package, a zip, a missing
+    module) ends the walk: the files found up to there are returned."""
+    from importlib.machinery import PathFinder
+
+    target = (spec or "").rpartition(":")[0]
+    if not target:
+        return []
+    if target.endswith(".py"):
+        file = Path(target).resolve()
+        return [file] if file.is_file() else []
+    found: list[Path] = []
+    where: list[str] | None = list(dict.fromkeys(search_path if search_path is not None else
+                                                 [os.getcwd(), *sys.path]))
+    parts = target.split(".")
+    for i in range(len(parts)):
+        if where is None or not all(parts[: i + 1]):
+            break
+        try:
+            module_spec = PathFinder.find_spec(".".join(parts[: i + 1]), where)
+        except (ImportError, ValueError, OSError):
+            break
+        if module_spec is None:
+            break
+        if module_spec.origin and Path(module_spec.origin).is_file():
+            found.append(Path(module_spec.origin).resolve())
+        locations = module_spec.submodule_search_locations
+        where = list(locations) if locations is not None else None
+    return found
+
+
+def audited_fingerprint(source_files: list[str] | list[Path], spec: str | None,
+                        profile_fingerprint: str, search_path: list[str] | None = None
+                        ) -> dict[str, Any]:
+    """The candidate fingerprint compare records and train recomputes: :func:`files_fingerprint`
+    of ``source_files`` (what the candidate's own process reports: untrusted) together with
+    :func:`spec_source_files` of ``spec`` (located here, without running code), so a
+    candidate that lies about its source files still hashes its own file and cannot borrow
+    another candidate's report."""
+    return files_fingerprint([*source_files, *spec_source_files(spec, search_path)],
+                             profile_fingerprint)
 
 
 def files_fingerprint(source_files: list[str] | list[Path], profile_fingerprint: str

@@ -6,10 +6,14 @@ the metrics and every gradient with what the audited candidate computed on that 
 audit's tolerance. The model's own weights are put back afterwards (its initial weights, and
 its gradients cleared), so training starts exactly as without the canary.
 
-Nothing here is a separate run the candidate could recognise by a second ``build()`` or a
-different call path: ``build()`` is called once, and the canary step is the step function and
-forward of training itself. (Code running in train's process can still inspect anything in
-it; the canary proves the model trained is the model audited on one case, not more.)
+In train's process nothing here is a separate run the candidate could recognise by a second
+``build()`` or a different call path: ``build()`` is called once, and the canary step is the
+step function and forward of training itself. (Code running in train's process can still
+inspect anything in it, and replace anything in it; the canary proves the model trained is
+the model audited on one case, not more.) For a user's candidate the same step
+(:func:`canary_outputs`) runs first in a sandboxed process of the candidate's own, before its
+code is imported here, and what that process computed is judged here
+(:func:`judge_canary`, :mod:`dflash_audit.train.sealed`): a check its import cannot replace.
 
 A difference refuses training with exit code **2**, naming the first differing outputs; so
 does a report whose canary was recorded at another drafter config (a report with synthetic
@@ -104,24 +108,13 @@ def _config_differences(case_config: Any, config: Any) -> list[str]:
             if a.get(k) != b.get(k)]
 
 
-def run_canary(model: Any, config: Any, forward: Any, params: list[Any], report_path: Path,
-               info: dict[str, Any] | None, device: Any = "cpu") -> str:
-    """Run the canary of ``report_path`` through :func:`train_step` on ``model`` (the
-    drafter train trains, config ``config``) with ``forward`` (the loop's forward function)
-    and ``params`` (its trainable parameters); restore the model's weights afterwards.
-
-    Returns:
-        a one-line note for the log.
+def check_canary_config(case: Any, config: Any, report_path: Path) -> None:
+    """Refuse a canary recorded at another drafter config than ``config`` (the one train
+    builds).
 
     Raises:
-        GateError: the canary is missing or damaged, was recorded at another drafter config,
-            does not load into the model, or its loss / metrics / gradients differ (exit 2).
+        GateError: the configs differ (exit code 2), naming the first differing fields.
     """
-    import torch
-
-    from dflash_audit.train.step import MODEL_INPUTS, train_step
-
-    case, recorded = load_canary(report_path, info)
     how = ("audit the verifier and profile you train with, with at least one real row "
            "(`dflash-audit compare --rows 1 ...`): its first real case is the canary")
     diffs = _config_differences(case.config, config)
@@ -129,15 +122,37 @@ def run_canary(model: Any, config: Any, forward: Any, params: list[Any], report_
         raise GateError(f"the canary {case.name} of {report_path} was recorded at another "
                         f"drafter config than the one train builds ({'; '.join(diffs[:4])}), "
                         f"so it cannot run on the model train trains; {how}")
-    omitted = set((info or {}).get("omitted_weights") or [])
+
+
+def canary_outputs(model: Any, case: Any, forward: Any, params: list[Any],
+                   omitted: Any = (), device: Any = "cpu") -> tuple[dict[str, Any],
+                                                                    dict[str, float]]:
+    """Load the canary ``case``'s weights into ``model``, run :func:`train_step` with
+    ``forward`` over ``params`` (no optimizer), and put the model's own weights, gradients
+    and the torch RNG back afterwards.
+
+    Args:
+        omitted: weight names the case leaves out (the model holds them already).
+
+    Returns:
+        ``({"loss": fp32 scalar, "grad.<name>": tensor}, metrics)``: what train's step
+        computed (metrics without ``loss_total``).
+
+    Raises:
+        GateError: the case's weights do not fit the model, or the step fails on it (exit 2).
+    """
+    import torch
+
+    from dflash_audit.train.step import MODEL_INPUTS, train_step
+
     state = model.state_dict()
-    missing = sorted(set(state) - set(case.weights) - omitted)
+    missing = sorted(set(state) - set(case.weights) - set(omitted or ()))
     unknown = sorted(set(case.weights) - set(state))
     if missing or unknown or any(tuple(case.weights[k].shape) != tuple(state[k].shape)
                                  for k in case.weights if k in state):
-        raise GateError(f"the canary {case.name} of {report_path} does not fit the model train "
-                        f"trains (missing {missing[:3]}, unknown {unknown[:3]}): candidate."
-                        f"build(config) returns another architecture than the audited one")
+        raise GateError(f"the canary {case.name} does not fit the model train trains (missing "
+                        f"{missing[:3]}, unknown {unknown[:3]}): candidate.build(config) "
+                        "returns another architecture than the audited one")
     saved = {k: v.detach().clone() for k, v in state.items()}
     rng = torch.get_rng_state()
     try:
@@ -154,7 +169,7 @@ def run_canary(model: Any, config: Any, forward: Any, params: list[Any], report_
     except (RuntimeError, ValueError, TypeError, KeyError) as exc:
         raise GateError(f"the model train trains fails on the audit's canary case {case.name} "
                         f"({type(exc).__name__}: {str(exc)[:300]}); it is not the candidate "
-                        f"that passed the audit ({report_path})") from None
+                        "that passed the audit") from None
     finally:
         with torch.no_grad():
             for key, value in saved.items():
@@ -162,15 +177,50 @@ def run_canary(model: Any, config: Any, forward: Any, params: list[Any], report_
         for p in model.parameters():
             p.grad = None
         torch.set_rng_state(rng)
+    return now, metrics
+
+
+def judge_canary(now: dict[str, Any], metrics: dict[str, float], recorded: Any,
+                 info: dict[str, Any] | None, case_name: str, report_path: Path,
+                 where: str = "train's own step") -> None:
+    """Compare what train's step computed on the canary (``now``, ``metrics``:
+    :func:`canary_outputs`) with the ``recorded`` outputs at the canary's tolerance.
+
+    Raises:
+        GateError: any output differs (exit code 2), listing the first differences.
+    """
     diffs = output_differences(now, recorded, (info or {}).get("tolerance")
                                or DEFAULT_TOLERANCE, metrics)
     if diffs:
         listing = "\n".join(f"  - {d}" for d in diffs[:6])
         raise GateError(f"the model train trains does not behave as audited: on the canary case "
-                        f"{case.name} of {report_path}, train's own step gives\n{listing}\n"
+                        f"{case_name} of {report_path}, {where} gives\n{listing}\n"
                         "(what differs from the audit: an environment variable, a config file "
                         "or a flag the candidate reads, or a build() / run_case that detects "
                         "the audit?) Make run_case run the model build() returns and rerun the "
                         "audit in this environment.")
+
+
+def run_canary(model: Any, config: Any, forward: Any, params: list[Any], report_path: Path,
+               info: dict[str, Any] | None, device: Any = "cpu") -> str:
+    """Run the canary of ``report_path`` through :func:`train_step` on ``model`` (the
+    drafter train trains, config ``config``) with ``forward`` (the loop's forward function)
+    and ``params`` (its trainable parameters); restore the model's weights afterwards.
+
+    Returns:
+        a one-line note for the log.
+
+    Raises:
+        GateError: the canary is missing or damaged, was recorded at another drafter config,
+            does not load into the model, or its loss / metrics / gradients differ (exit 2).
+    """
+    case, recorded = load_canary(report_path, info)
+    check_canary_config(case, config, report_path)
+    try:
+        now, metrics = canary_outputs(model, case, forward, params,
+                                      (info or {}).get("omitted_weights") or (), device)
+    except GateError as exc:
+        raise GateError(f"{exc} (audit report {report_path})") from None
+    judge_canary(now, metrics, recorded, info, case.name, report_path)
     return (f"canary {case.name}: train's step on the model it trains gives the audited loss "
             f"and gradients ({len(now) - 1} gradients)")

@@ -3,6 +3,7 @@ SIGINT/SIGTERM handling that lets the step in flight finish and checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from dataclasses import dataclass
@@ -99,3 +100,16 @@ def _gather(obj: Any, env: DistEnv) -> list[Any]:
     out: list[Any] = [None] * env.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def release_group(env: DistEnv) -> None:
+    """Tear the process group down at the end of a run (also after an error): garbage first
+    (DDP's reducer holds the group), then a barrier, then ``destroy_process_group``; nothing
+    outside torchrun."""
+    if env.distributed and dist.is_initialized():
+        import gc
+
+        gc.collect()
+        with contextlib.suppress(Exception):
+            dist.barrier()
+        dist.destroy_process_group()

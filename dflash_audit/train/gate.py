@@ -6,7 +6,9 @@ training run when all of these hold:
 
 * ``verdict == "pass"``;
 * ``candidate.fingerprint`` equals the fingerprint of the candidate about to be trained
-  (its source files and the profile: :func:`dflash_audit.report.fingerprint.candidate_fingerprint`);
+  (its source files, as its own sandboxed process reports them, the files its spec names and
+  the profile: :func:`dflash_audit.audit.sides.launch.identity_fingerprint`, the
+  function compare records it with);
 * ``profile.fingerprint`` equals :meth:`dflash_audit.profile.Profile.fingerprint` of the
   training profile;
 * ``reference_key(reference)`` equals the key of the reference that ``--ref`` resolves to now
@@ -21,9 +23,12 @@ training run when all of these hold:
   another tool is refused, however right its fingerprint;
 * it records a canary (``candidate.canary``): a report without one is refused.
 
-Then, before step 1, ``train`` runs the canary case through its own step on the very model it
-is about to train and refuses when the loss, metrics or gradients differ from the audited ones
-(:func:`dflash_audit.train.canary.run_canary`: the gate checks behaviour, not only source).
+Nothing here imports the candidate: ``train`` decides before any candidate code runs in its
+process (:mod:`dflash_audit.train.sealed`). Then the report's canary case runs through train's
+step on the model the candidate builds, first in a sandboxed process of the candidate's own and
+then, after the import, on the very model train is about to train; either refuses when the
+loss, metrics or gradients differ from the audited ones (:mod:`dflash_audit.train.canary`:
+the gate checks behaviour, not only source).
 
 Exit codes of a refusal (:class:`GateError.exit_code`): **2** when no report matches (none
 found, or the newest differs in candidate / profile / reference, or it is unreadable or
@@ -161,14 +166,20 @@ def compare_command(ref: str | None, profile: str, candidate: str | None,
     return shlex.join(parts)
 
 
-def expected_for(candidate: Any, candidate_spec: str | None, profile: Any, ref: str | None,
-                 reference_identity: dict[str, Any] | None = None,
+def expected_for(identity: dict[str, Any] | None, candidate_spec: str | None, profile: Any,
+                 ref: str | None, reference_identity: dict[str, Any] | None = None,
                  reports_dir: Path | None = None, verifier: Any = None) -> Expected:
-    """Fingerprints of the run about to start.
+    """Fingerprints of the run about to start, computed without importing the candidate.
 
     Args:
-        candidate: the loaded candidate object (``load_candidate(candidate_spec)``).
-        candidate_spec: ``--candidate`` as given (None = our drafter).
+        identity: the candidate's identity as its own process reported it
+            (:func:`~dflash_audit.audit.sides.candidate_process.load_candidate_identity`:
+            its ``source_files``); None for our drafter (``candidate_spec`` None), whose
+            files are read here.
+        candidate_spec: ``--candidate`` as given (None = our drafter); its own files are
+            hashed too, located without running code
+            (:func:`~dflash_audit.audit.sides.launch.identity_fingerprint`, the
+            function compare records the fingerprint with).
         profile: a :class:`dflash_audit.profile.Profile`.
         ref: ``--ref`` as given (None = the lock's reference).
         reference_identity: an already resolved identity dict; else ``ref`` is resolved
@@ -182,9 +193,18 @@ def expected_for(candidate: Any, candidate_spec: str | None, profile: Any, ref: 
     Raises:
         GateError: the reference cannot be resolved offline, or the verifier's config
             cannot be read (exit code 2).
+        ValueError: no ``identity`` for a candidate other than ours (a caller's mistake).
     """
-    from dflash_audit.report.fingerprint import candidate_fingerprint, reference_key
+    from dflash_audit.audit.sides.launch import identity_fingerprint
+    from dflash_audit.candidate import DrafterCandidate, is_our_drafter
+    from dflash_audit.report.fingerprint import candidate_source_files, reference_key
 
+    if identity is None:
+        if not is_our_drafter(candidate_spec):
+            raise ValueError(f"expected_for: candidate {candidate_spec!r} needs its identity "
+                             "from its own process (load_candidate_identity)")
+        identity = {"source_files": [str(f) for f in
+                                     candidate_source_files(DrafterCandidate())]}
     spec = getattr(verifier, "spec", verifier)
     command = compare_command(ref, profile.source or profile.name, candidate_spec, reports_dir,
                               spec)
@@ -202,8 +222,8 @@ def expected_for(candidate: Any, candidate_spec: str | None, profile: Any, ref: 
                 f"never audited here ({exc}).\nRun the audit first:\n  {command}") from None
     profile_fp = profile.fingerprint()
     verifier_fp = _verifier_fingerprint(verifier, profile) if verifier else None
-    return Expected(candidate_fingerprint=candidate_fingerprint(candidate, profile_fp)[
-        "fingerprint"], profile_fingerprint=profile_fp,
+    return Expected(candidate_fingerprint=identity_fingerprint(
+        identity, candidate_spec, profile_fp)["fingerprint"], profile_fingerprint=profile_fp,
         reference_key=reference_key(reference_identity), compare_command=command,
         verifier_fingerprint=verifier_fp, verifier_name=spec or "")
 

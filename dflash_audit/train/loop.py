@@ -4,9 +4,10 @@ Order of a run (:func:`train`):
 
 1. **Gate** (:mod:`dflash_audit.train.gate`): a passing, signed audit report with a canary
    for this candidate, profile and reference must exist, else
-   :class:`~dflash_audit.train.gate.GateError`; once the model, its forward and optimizers
-   exist (before step 1, before a resume loads weights), the report's canary runs through
-   train's own step on that model (:func:`dflash_audit.train.canary.run_canary`).
+   :class:`~dflash_audit.train.gate.GateError` (decided before the candidate is imported:
+   :mod:`dflash_audit.train.sealed`); once the model, its forward and optimizers exist
+   (before step 1, before a resume loads weights), the report's canary runs through train's
+   own step on that very model (:func:`dflash_audit.train.canary.run_canary`).
    The run folder ``out`` must be writable, and one that already holds a run
    (checkpoints, metrics) is only continued (``resume``) or replaced (``overwrite``):
    :func:`dflash_audit.train.state.check_run_folder`.
@@ -44,7 +45,6 @@ resume under ``--fsdp`` with the same number of processes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -66,6 +66,7 @@ from dflash_audit.train.distributed import (
     _all_reduce_sum,
     _gather,
     init_distributed,
+    release_group,
     resolve_device,
 )
 from dflash_audit.train.fsdp import (
@@ -74,9 +75,10 @@ from dflash_audit.train.fsdp import (
     load_full_state,
     no_gradient_sync,
 )
-from dflash_audit.train.gate import GateResult, check_gate, expected_for
+from dflash_audit.train.gate import GateResult
 from dflash_audit.train.optim import OptimSpec, build_optimizers, build_schedulers
 from dflash_audit.train.plot import plot_or_warn
+from dflash_audit.train.sealed import Binding, candidate_work, decide, sealed_canary
 from dflash_audit.train.setup import (
     TrainError,
     build_drafter,
@@ -211,26 +213,27 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
         raise TrainError("--fsdp shards the drafter across processes: run train under "
                          "`torchrun --nproc_per_node=N` (N >= 2), or drop --fsdp")
     out = Path(cfg.out)
+    # bound before any candidate code runs in this process (sealed: the gate decides first)
+    binding, in_process_canary = Binding(), run_canary
     try:
         profile = Profile.load(cfg.profile)
-        candidate = load_candidate(cfg.candidate)
         say = None if not env.is_main else (lambda m: print(f"dflash-audit: {m}", flush=True))
         resolved = resolve_verifier(cfg.verifier, progress=say)  # once: the gate and the loop
-        if gate is None:
-            expected = expected_for(candidate, cfg.candidate, profile, cfg.ref,
-                                    reference_identity, Path(cfg.reports_dir), resolved)
-            gate = check_gate(expected, Path(cfg.report) if cfg.report else None,
-                              Path(cfg.reports_dir))
-        optim_spec = cfg.optim_spec(profile.optimizer)
-        # every rank checks (so all refuse together), only rank 0 removes for --overwrite
-        ckpt.check_run_folder(out, cfg.resume, cfg.overwrite, remove=env.is_main)
-        if env.distributed:
-            dist.barrier()
+        with candidate_work(cfg.candidate) as work:  # None: our drafter, our code
+            gate = gate or decide(cfg, profile, resolved, reference_identity, work, say)
+            optim_spec = cfg.optim_spec(profile.optimizer)
+            # every rank checks (so all refuse together), only rank 0 removes for --overwrite
+            ckpt.check_run_folder(out, cfg.resume, cfg.overwrite, remove=env.is_main)
+            if env.distributed:
+                dist.barrier()
 
-        verifier = load_verifier(resolved, progress=say)
-        source, held = make_source(cfg, verifier, profile, env)
-        config = profile.to_drafter_config(verifier.model.config, source.mask_token_id,
-                                           source.target_layer_ids)
+            verifier = load_verifier(resolved, progress=say)
+            source, held = make_source(cfg, verifier, profile, env)
+            config = profile.to_drafter_config(verifier.model.config, source.mask_token_id,
+                                               source.target_layer_ids)
+            sealed = sealed_canary(cfg.candidate, gate, config, verifier.model, cfg.seed, work)
+        candidate = load_candidate(cfg.candidate)  # the first candidate code in this process
+        binding.check("when it was imported")
         model = build_drafter(candidate, config, verifier.model, cfg.seed,
                               source.vocab_rows() if config.uses_draft_vocab else None)
         run = {k: getattr(cfg, k) for k in RUN_FIELDS}
@@ -253,8 +256,8 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
         model.train()
         # behaviour, not only source: the canary through train's own step on this model
         # (under FSDP just before it is sharded in place, on CPU as in the audit)
-        canary = functools.partial(run_canary, model, config, report_path=gate.report_path,
-                                   info=gate.canary)
+        canary = functools.partial(in_process_canary, model, config,
+                                   report_path=gate.report_path, info=gate.canary)
         shard = None
         if cfg.fsdp:
             note = canary(drafter_forward(model, profile.loss_spec(), config.block_size,
@@ -288,8 +291,9 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
         params = [p for p in model.parameters() if p.requires_grad]
         if shard is None:
             note = canary(forward, params, device=device)
+        binding.check("in build() or the canary")
         if env.is_main:
-            print(f"dflash-audit: {note}", flush=True)
+            print("".join(f"dflash-audit: {n}\n" for n in (sealed, note) if n), end="", flush=True)
         no_sync = ddp.no_sync if ddp else (lambda: no_gradient_sync(model)) if shard else None
 
         tracker = Tracker(out, cfg.steps, start_step, enabled=env.is_main,
@@ -391,10 +395,4 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
         # DDP's reducer holds the group: torn down after it, at exit, gloo's threads can abort
         # the rank ("terminate called without an active exception"), even after an error
         ddp = forward = no_sync = None
-        if env.distributed and dist.is_initialized():
-            import gc
-
-            gc.collect()
-            with contextlib.suppress(Exception):
-                dist.barrier()
-            dist.destroy_process_group()
+        release_group(env)

@@ -50,7 +50,8 @@ def anchor_generator(seed: int, row_key: int = 0) -> torch.Generator:
 def build_drafter(candidate: Any, config: Any, verifier_model: Any, seed: int,
                   vocab_rows: Any = None) -> DFlashDrafter:
     """The candidate's drafter for ``config``: seeded initialization, draft vocabulary from
-    ``vocab_rows`` token counts when ``config`` has one, frozen verifier-owned weights.
+    ``vocab_rows`` token counts when ``config`` has one, frozen verifier-owned weights from
+    ``verifier_model`` (None: left as built, for a caller that loads every weight itself).
 
     Raises:
         TrainError: the candidate cannot build a trainable drafter.
@@ -71,7 +72,8 @@ def build_drafter(candidate: Any, config: Any, verifier_model: Any, seed: int,
         t2d, d2t = draft_vocab(counts, config.effective_draft_vocab_size)
         model.t2d.copy_(t2d)
         model.d2t.copy_(d2t)
-    load_verifier_weights(model, verifier_model)
+    if verifier_model is not None:
+        load_verifier_weights(model, verifier_model)
     return model
 
 

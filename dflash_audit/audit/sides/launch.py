@@ -1,7 +1,9 @@
 """How the candidate's process starts: which interpreter, which candidate spec, and what goes
 on its path -- the same for a user's ``module:attr`` and for a framework adapter
 (:mod:`dflash_audit.audit.frameworks.registry` builds the latter: the framework's cached
-install folder or source tree on ``PYTHONPATH``, ``--candidate-python`` as the interpreter).
+install folder or source tree on ``PYTHONPATH``, ``--candidate-python`` as the interpreter);
+and so where its spec's module is found (:func:`runner_search_path`) and the fingerprint of
+the candidate it loads (:func:`identity_fingerprint`, shared by compare and train).
 """
 
 from __future__ import annotations
@@ -56,6 +58,33 @@ def launch_env(launch: CandidateLaunch | None, threads: int | None) -> dict[str,
     if threads:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     return env
+
+
+def runner_search_path(launch: CandidateLaunch) -> list[str]:
+    """Where the candidate's process (``python -m`` in the working folder, with
+    :func:`launch_env`'s ``PYTHONPATH``) looks for a ``module:attr`` candidate: the working
+    folder, dflash_audit's root and the launch's folders, then this interpreter's
+    ``sys.path``."""
+    env_path = launch_env(launch, None).get("PYTHONPATH", "")
+    return list(dict.fromkeys([os.getcwd(), *filter(None, env_path.split(os.pathsep)),
+                               *sys.path]))
+
+
+def identity_fingerprint(identity: dict[str, Any], spec: str | CandidateLaunch | None,
+                         profile_fingerprint: str) -> dict[str, Any]:
+    """The fingerprint of a candidate known by its identity (the ``source_files`` its own
+    process reported:
+    :func:`~dflash_audit.audit.sides.candidate_process.load_candidate_identity`) and its spec
+    or launch (whose files are located here without running code:
+    :func:`dflash_audit.report.fingerprint.audited_fingerprint`): what compare records in the
+    report and train recomputes before it decides."""
+    from dflash_audit.report.fingerprint import audited_fingerprint
+
+    files = identity.get("source_files") if isinstance(identity, dict) else None
+    files = [str(f) for f in files if isinstance(f, str)] if isinstance(files, list) else []
+    launch = spec if isinstance(spec, CandidateLaunch) else CandidateLaunch(spec=spec)
+    return audited_fingerprint(files, launch.spec, profile_fingerprint,
+                               runner_search_path(launch))
 
 
 #: What the candidate process imports before any candidate code: checked under
