@@ -53,8 +53,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from dflash_audit.audit.options import CANDIDATE_START_TIMEOUT_S, CANDIDATE_TIMEOUT_ENV
 from dflash_audit.audit.sides.candidate_process import (
-    DEFAULT_STARTUP_TIMEOUT_S,
     TAIL_CHARS,
     load_candidate_identity,
     load_error,
@@ -64,14 +64,16 @@ from dflash_audit.audit.sides.candidate_runner import EXIT_LOAD_ERROR, LOAD_ERRO
 from dflash_audit.audit.sides.launch import CandidateLaunch
 from dflash_audit.audit.sides.sandbox import links_in, sandbox_status, sandboxed, work_root
 from dflash_audit.candidate import is_our_drafter
+from dflash_audit.limits import exceeded, limit_s
 from dflash_audit.train.canary import check_canary_config, judge_canary, load_canary
 from dflash_audit.train.canary_runner import RESULT
 from dflash_audit.train.gate import GateError, GateResult, check_gate, expected_for
 from dflash_audit.train.setup import TrainError
 
-#: Seconds the sealed canary process may take: start, import torch and the candidate, build,
-#: one step (a real case on a loaded CPU takes well under a minute).
-CANARY_TIMEOUT_S = DEFAULT_STARTUP_TIMEOUT_S + 300.0
+#: Seconds the sealed canary process may take on a quiet machine: start, import torch and the
+#: candidate, build, one step (a real case on a loaded CPU takes well under a minute); scaled
+#: with the load, set by ``$DFLASH_AUDIT_CANDIDATE_TIMEOUT`` (:func:`dflash_audit.limits.limit_s`).
+CANARY_TIMEOUT_S = CANDIDATE_START_TIMEOUT_S + 300.0
 #: Modules whose functions decide whether and how train runs: bound before the candidate is
 #: imported, checked after (:class:`Binding`).
 GUARDED_MODULES = ("dflash_audit.train.loop", "dflash_audit.train.gate",
@@ -143,7 +145,7 @@ def _warn_unsandboxed(say: Callable[[str], None] | None) -> None:
 
 def sealed_canary(candidate_spec: str | None, gate: GateResult, config: Any,
                   verifier_model: Any, seed: int, work: Path | None,
-                  timeout_s: float = CANARY_TIMEOUT_S) -> str | None:
+                  timeout_s: float | None = None) -> str | None:
     """Run the accepted report's canary through train's step on the model the candidate
     builds, in a sandboxed process of its own, and compare here (step 2 of the module
     docstring). None (nothing run) for our drafter (``work`` None).
@@ -182,18 +184,19 @@ def sealed_canary(candidate_spec: str | None, gate: GateResult, config: Any,
            str(out_dir), "--candidate", candidate_spec, "--seed", str(seed)]
     env = runner_env(None, launch)
     canary_folder = gate.report_path.parent / str((gate.canary or {}).get("folder") or "canary")
-    cmd = hide(sandboxed(cmd, candidate_spec, case_dir.parent, out_dir, env), [canary_folder])
+    cmd = sandboxed(cmd, candidate_spec, case_dir.parent, out_dir, env, hidden=[canary_folder])
     where = f"the audit's canary case {case.name} of {gate.report_path}"
     stderr = work / "canary-stderr.txt"  # beside, not in, what the candidate can write
     with open(stderr, "wb") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    limit = limit_s(CANARY_TIMEOUT_S, CANDIDATE_TIMEOUT_ENV) if timeout_s is None else timeout_s
     try:
-        returncode = proc.wait(timeout=timeout_s)
+        returncode = proc.wait(timeout=limit)
     except subprocess.TimeoutExpired:
-        raise GateError(f"the candidate's process did not finish {where} within "
-                        f"{timeout_s:g} s (sealed canary); a case takes seconds: does its "
-                        "import or build() hang?") from None
+        raise GateError(exceeded(f"the candidate's process (sealed canary: {where}; does its "
+                                 "import or build() hang?)", limit, CANDIDATE_TIMEOUT_ENV,
+                                 scaled=timeout_s is None)) from None
     finally:  # also any process the candidate left behind
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -243,20 +246,6 @@ def _read_result(folder: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return status if isinstance(status, dict) else None
-
-
-def hide(cmd: list[str], folders: list[Path]) -> list[str]:
-    """``cmd`` (a :func:`~dflash_audit.audit.sides.sandbox.sandboxed` command line) with each
-    existing folder of ``folders`` covered by an empty tmpfs inside the sandbox, after every
-    bind (just before bubblewrap's ``--`` that ends its options); ``cmd`` unchanged when it
-    is not sandboxed."""
-    status = sandbox_status()
-    if not status.available or not cmd or cmd[0] != status.bwrap or "--" not in cmd:
-        return cmd
-    at = cmd.index("--")
-    extra = [a for f in folders if Path(f).is_dir()
-             for a in ("--tmpfs", str(Path(f).resolve()))]
-    return [*cmd[:at], *extra, *cmd[at:]]
 
 
 class Binding:

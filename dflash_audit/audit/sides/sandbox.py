@@ -333,8 +333,9 @@ def links_in(folder: Path) -> list[str]:
 
 
 def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
-              env: dict[str, str]) -> list[str]:
-    """``cmd`` inside the candidate's sandbox (:func:`candidate_sandbox_command`) when the
+              env: dict[str, str], hidden: list[Path] = ()) -> list[str]:
+    """``cmd`` inside the candidate's sandbox (:func:`candidate_sandbox_command`; ``hidden``:
+    further folders covered by an empty tmpfs, such as the report's recorded canary) when the
     sandbox proved itself here, else ``cmd`` itself when none can start (the report says so).
 
     Raises:
@@ -345,7 +346,7 @@ def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
         raise SandboxError(unproven_message(status))
     if not status.available:
         return cmd
-    return candidate_sandbox_command(cmd, spec, cases_dir, out_dir, env, status.bwrap)
+    return candidate_sandbox_command(cmd, spec, cases_dir, out_dir, env, status.bwrap, hidden)
 
 
 def unproven_message(status: SandboxStatus) -> str:
@@ -358,12 +359,14 @@ def unproven_message(status: SandboxStatus) -> str:
 
 
 def candidate_sandbox_command(cmd: list[str], spec: str | None, cases_dir: Path,
-                              out_dir: Path, env: dict[str, str], bwrap: str) -> list[str]:
+                              out_dir: Path, env: dict[str, str], bwrap: str,
+                              hidden: list[Path] = ()) -> list[str]:
     """``bwrap ... -- cmd``: the candidate's sandbox (:func:`sandbox_command`, the module
     docstring): read-only everything, ``out_dir`` writable, ``cases_dir`` (its private copy of
     the cases), the folder of a ``file.py`` ``spec``, the working directory, the
     ``PYTHONPATH`` entries of ``env`` and the interpreter's environment readable, every report
-    key's folder hidden, every audit's work root private. The same flags the proof runs in."""
+    key's folder and ``hidden`` hidden, every audit's work root private. The same flags the
+    proof runs in."""
     target = (spec or "").rpartition(":")[0]
     readable = [Path(cases_dir), Path.cwd(), *(Path(p) for p in
                                                env.get("PYTHONPATH", "").split(os.pathsep) if p),
@@ -376,5 +379,6 @@ def candidate_sandbox_command(cmd: list[str], spec: str | None, cases_dir: Path,
         except (OSError, ValueError, KeyError, TypeError):
             pass
     return sandbox_command(cmd, bwrap=bwrap, writable=[Path(out_dir)], readable=readable,
-                           hidden=key_dirs(), private=[work_root(), *known_work_roots()],
+                           hidden=[*key_dirs(), *hidden],
+                           private=[work_root(), *known_work_roots()],
                            cwd=Path.cwd())
