@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from dflash_audit.user_input import loads_json
+
 
 @contextmanager
 def atomic_folder(target: str | Path, *, keep_existing: bool = False) -> Iterator[Path]:
@@ -96,7 +98,7 @@ def read_manifest(folder: str | Path) -> dict[str, dict[str, object]] | None:
 
     path = Path(folder) / MANIFEST_NAME
     try:
-        manifest = json.loads(path.read_text())
+        manifest = loads_json(path.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
@@ -170,7 +172,7 @@ def safetensors_problem(path: str | Path) -> str | None:
             (n,) = struct.unpack("<Q", raw)
             if n > min(size, 100 << 20):
                 return f"{path}: header length {n} exceeds the file ({size} bytes; truncated?)"
-            header = json.loads(f.read(n))
+            header = loads_json(f.read(n))
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         return f"{path}: unreadable safetensors header ({type(exc).__name__})"
     end = max((int(v["data_offsets"][1]) for k, v in header.items()

@@ -42,7 +42,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
-import tomllib
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -56,6 +56,7 @@ from dflash_audit.model.config import (
     default_target_layer_ids,
 )
 from dflash_audit.model.loss import WEIGHTINGS, LossSpec, parse_loss, uses_data_targets
+from dflash_audit.user_input import loads_toml
 
 TARGET_LAYER_STYLES = ("zlab", "speculators", "per-draft-layer")
 LAYOUTS = ("full", "sliding")
@@ -125,8 +126,8 @@ class Profile:
             return cls.from_drafter_config(Path(name_or_path))
         text, source = _read(str(name_or_path))
         try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
+            data = loads_toml(text)
+        except ValueError as exc:  # tomllib.TOMLDecodeError, nesting too deep included
             raise ProfileError(f"profile {source}: not valid TOML: {exc}") from None
         return cls.from_dict(data, source=source)
 
@@ -197,6 +198,12 @@ class Profile:
         def is_num(v: Any) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
+        for f in dataclasses.fields(self):  # TOML reads inf / nan: no numeric field takes them
+            v = getattr(self, f.name)
+            want(not (isinstance(v, float) and not math.isfinite(v)), f.name,
+                 "must be a finite number" + (" (gamma = inf weighs every position 1: say "
+                                               "weighting = \"none\")" if f.name == "gamma"
+                                               else ""))
         want(isinstance(self.name, str) and bool(self.name), "name", "must be a non-empty string")
         want(is_int(self.block_size) and self.block_size >= 2, "block_size",
              "must be an integer >= 2")

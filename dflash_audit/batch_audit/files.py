@@ -34,6 +34,7 @@ from dflash_audit.data.batch import FORMAT, TENSOR_KEYS
 from dflash_audit.data.errors import BatchFileError
 from dflash_audit.data.pipeline import BATCH_GLOB
 from dflash_audit.data.reference_format import HIDDEN_STATES_DIR, INFO_FILE
+from dflash_audit.user_input import loads_json
 
 OURS, REFERENCE = "dflash-audit", "reference-offline"
 
@@ -111,7 +112,7 @@ def _read_safetensors(path: Path, keys: tuple[str, ...]) -> tuple[dict[str, torc
 def _ours_metadata(path: Path) -> dict[str, Any]:
     _, raw = _read_safetensors(path, ())
     try:
-        meta = {k: json.loads(v) for k, v in raw.items()}
+        meta = {k: loads_json(v) for k, v in raw.items()}
     except json.JSONDecodeError as exc:
         raise BatchFileError(f"{path}: metadata is not valid JSON: {exc}") from exc
     if meta.get("format") != FORMAT:
@@ -174,7 +175,7 @@ def _open_reference(d: Path) -> BatchFolder:
     columns = {k: [list(map(int, v)) for v in col] for k, col in columns.items()}
     hs_dir = d / HIDDEN_STATES_DIR
     n = len(columns["input_ids"])
-    info = json.loads((d / INFO_FILE).read_text()) if (d / INFO_FILE).is_file() else {}
+    info = loads_json((d / INFO_FILE).read_text()) if (d / INFO_FILE).is_file() else {}
     ids = info.get("target_layer_ids")
     return BatchFolder(
         path=d, format=REFERENCE, names=[f"hs_{i}" for i in range(n)],

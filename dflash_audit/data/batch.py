@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflash_audit.data.errors import BatchFileError
+from dflash_audit.user_input import loads_json
 
 FORMAT = "dflash-audit-batch"
 FORMAT_VERSION = 1
@@ -214,7 +215,7 @@ class Batch:
             raise BatchFileError(f"{path}: not a readable safetensors batch file (truncated or "
                                  f"corrupt?): {type(exc).__name__}: {exc}") from exc
         try:
-            metadata = {k: json.loads(v) for k, v in raw_meta.items()}
+            metadata = {k: loads_json(v) for k, v in raw_meta.items()}
         except json.JSONDecodeError as exc:
             raise BatchFileError(f"{path}: metadata is not valid JSON: {exc}") from exc
         if metadata.pop("format", None) != FORMAT:

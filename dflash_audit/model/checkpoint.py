@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from dflash_audit.atomic import atomic_folder
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter
+from dflash_audit.user_input import loads_json
 
 NOT_SAVED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 #: A training run's layout: ``<out>/checkpoints/step-*`` and the pointer ``<out>/checkpoints/
@@ -193,7 +194,7 @@ def validate_checkpoint(path: str | Path, num_verifier_layers: int,
         raise CheckpointError(f"checkpoint {path} is damaged ({'; '.join(problems or [bad])}); "
                               "use an intact checkpoint (an earlier step-* folder)")
     try:
-        d = json.loads((path / "config.json").read_text())
+        d = loads_json((path / "config.json").read_text())
         tl = d["transformer_layer_config"]
         block_size, hidden = int(d["block_size"]), int(tl["hidden_size"])
         ids = [int(i) for i in d["aux_hidden_state_layer_ids"]]
@@ -286,7 +287,7 @@ def load_pretrained(path: str | Path, verifier=None, num_verifier_layers: int | 
         if not (path / name).is_file():
             raise CheckpointError(f"{path} has no {name}: not a finished checkpoint")
     try:
-        d = json.loads((path / "config.json").read_text())
+        d = loads_json((path / "config.json").read_text())
     except ValueError as exc:
         raise CheckpointError(f"{path}/config.json is not JSON ({exc})") from exc
     if verifier is None:
