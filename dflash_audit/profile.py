@@ -56,7 +56,7 @@ from dflash_audit.model.config import (
     default_target_layer_ids,
 )
 from dflash_audit.model.loss import WEIGHTINGS, LossSpec, parse_loss, uses_data_targets
-from dflash_audit.user_input import loads_toml
+from dflash_audit.user_input import loads_toml, not_a_file
 
 TARGET_LAYER_STYLES = ("zlab", "speculators", "per-draft-layer")
 LAYOUTS = ("full", "sliding")
@@ -389,7 +389,7 @@ def _read(name_or_path: str) -> tuple[str, str]:
     path = Path(name_or_path).expanduser()
     if path.suffix == ".toml" or path.exists() or "/" in name_or_path:
         if not path.is_file():
-            raise ProfileError(f"profile file {path} does not exist; give a TOML file or a "
+            raise ProfileError(f"profile file {path} {not_a_file(path)}; give a TOML file or a "
                                f"built-in profile name ({', '.join(builtin_profiles())})")
         try:
             return path.read_text(), str(path)
