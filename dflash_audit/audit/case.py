@@ -26,8 +26,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from dflash_audit.atomic import save_safetensors
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.loss import LossSpec
 from dflash_audit.user_input import loads_json
@@ -126,9 +127,10 @@ class Case:
         """Write the case into ``folder/<name>`` and return that path."""
         path = folder / self.name
         path.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.inputs.items()}, path / "inputs.safetensors")
-        save_file({k: v.contiguous() for k, v in self.weights.items()},
-                  path / "weights.safetensors")
+        save_safetensors({k: v.contiguous() for k, v in self.inputs.items()},
+                         path / "inputs.safetensors")
+        save_safetensors({k: v.contiguous() for k, v in self.weights.items()},
+                         path / "weights.safetensors")
         (path / "profile.json").write_text(json.dumps(
             {"drafter": self.config.to_dict(), "loss": dataclasses.asdict(self.loss),
              "description": self.description, "anchor_draws": ANCHOR_DRAWS,
@@ -210,8 +212,8 @@ class SideOutputs:
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"tensors[{key!r}] is a {type(value).__name__}; expected a "
                                 "torch.Tensor")
-        save_file({k: v.detach().cpu().contiguous().clone() for k, v in self.tensors.items()},
-                  case_dir / "outputs.safetensors")
+        save_safetensors({k: v.detach().cpu().contiguous().clone()
+                          for k, v in self.tensors.items()}, case_dir / "outputs.safetensors")
         (case_dir / "outputs.json").write_text(json.dumps({
             "metrics": {k: _metric_value(v) for k, v in self.metrics.items()},
             "structure": self.structure, "defaults": self.defaults,

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from dflash_audit.atomic import save_safetensors
 from dflash_audit.data.errors import BatchFileError
 from dflash_audit.user_input import loads_json, not_a_file
 
@@ -183,8 +183,8 @@ class Batch:
         metadata.update({k: json.dumps(v, sort_keys=True) for k, v in self.metadata.items()})
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        save_file({k: v.contiguous() for k, v in self.tensors().items()}, str(tmp),
-                  metadata=metadata)
+        save_safetensors({k: v.contiguous() for k, v in self.tensors().items()}, tmp,
+                         metadata=metadata)
         os.replace(tmp, path)
         return path
 

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from dflash_audit.atomic import atomic_folder
+from dflash_audit.atomic import atomic_folder, save_safetensors
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter
 from dflash_audit.user_input import loads_json
@@ -263,7 +263,8 @@ def save_pretrained(model: DFlashDrafter, out_dir: str | Path,
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
              if k not in NOT_SAVED and not (k == "lm_head.weight" and not config.uses_draft_vocab)}
     with atomic_folder(out_dir) as tmp:
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt", **(metadata or {})})
+        save_safetensors(state, tmp / "model.safetensors",
+                         metadata={"format": "pt", **(metadata or {})})
         (tmp / "config.json").write_text(json.dumps(
             reference_config(config, verifier_name_or_path, verifier_architectures), indent=2))
     return Path(out_dir)
