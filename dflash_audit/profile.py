@@ -190,7 +190,10 @@ class Profile:
         """
         def want(cond: bool, field: str, what: str) -> None:
             if not cond:
-                raise ProfileError(f"field {field!r} = {getattr(self, field)!r}: {what}")
+                value = repr(getattr(self, field))
+                if len(value) > 80:  # a value of any size is named, not echoed
+                    value = f"{value[:60]}... ({len(value)} characters)"
+                raise ProfileError(f"field {field!r} = {value}: {what}")
 
         def is_int(v: Any) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
@@ -212,7 +215,7 @@ class Profile:
         try:
             terms = parse_loss(self.loss)
         except ValueError as exc:
-            raise ProfileError(f"field 'loss' = {self.loss!r}: {exc}") from None
+            raise ProfileError(f"field 'loss': {exc}") from None
         want(not {"ce", "ce-data"} <= set(terms), "loss",
              "mixes 'ce' and 'ce-data'; the reference runs 'ce' for 'ce-data', so the two "
              "terms cannot be audited apart: keep one")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_audit.user_input import loads_json
+from dflash_audit.user_input import JSONNestingError, loads_json
 
 LOSS_REDUCTION_EPS = 1e-5
 NLA_EPS = 1e-5
@@ -165,13 +165,15 @@ def parse_loss(spec: str) -> dict[str, float]:
     """
     if spec in LOSS_NAMES:
         return {spec: 1.0}
+    shown = spec if len(spec) <= 80 else f"{spec[:60]}... ({len(spec)} characters)"
     try:
         mix = loads_json(spec)
-    except json.JSONDecodeError:
-        raise ValueError(f"unknown loss {spec!r}: use one of {sorted(LOSS_NAMES)} or a JSON mix "
-                         "such as '{\"ce\": 0.1, \"tv\": 0.9}'") from None
+    except json.JSONDecodeError as exc:
+        why = f" ({exc.msg})" if isinstance(exc, JSONNestingError) else ""
+        raise ValueError(f"unknown loss {shown!r}{why}: use one of {sorted(LOSS_NAMES)} or a JSON "
+                         "mix such as '{\"ce\": 0.1, \"tv\": 0.9}'") from None
     if not isinstance(mix, dict) or not mix:
-        raise ValueError(f"a loss mix must be a non-empty JSON object, got {spec!r}")
+        raise ValueError(f"a loss mix must be a non-empty JSON object, got {shown!r}")
     for name, coef in mix.items():
         if name not in LOSS_NAMES:
             raise ValueError(f"unknown loss {name!r} in mix; use {sorted(LOSS_NAMES)}")
