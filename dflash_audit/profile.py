@@ -56,7 +56,7 @@ from dflash_audit.model.config import (
     default_target_layer_ids,
 )
 from dflash_audit.model.loss import WEIGHTINGS, LossSpec, parse_loss, uses_data_targets
-from dflash_audit.user_input import loads_toml, not_a_file
+from dflash_audit.user_input import loads_toml, not_a_file, shorten
 
 TARGET_LAYER_STYLES = ("zlab", "speculators", "per-draft-layer")
 LAYOUTS = ("full", "sliding")
@@ -190,27 +190,19 @@ class Profile:
         """
         def want(cond: bool, field: str, what: str) -> None:
             if not cond:
-                value = repr(getattr(self, field))
-                if len(value) > 80:  # a value of any size is named, not echoed
-                    value = f"{value[:60]}... ({len(value)} characters)"
-                raise ProfileError(f"field {field!r} = {value}: {what}")
+                raise ProfileError(f"field {field!r} = {shorten(repr(getattr(self, field)))}: "
+                                   f"{what}")
 
         def is_int(v: Any) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        def is_num(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        def is_num(v: Any) -> bool:  # TOML reads inf / nan: no numeric field takes them
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-        for f in dataclasses.fields(self):  # TOML reads inf / nan: no numeric field takes them
-            v = getattr(self, f.name)
-            want(not (isinstance(v, float) and not math.isfinite(v)), f.name,
-                 "must be a finite number" + (" (gamma = inf weighs every position 1: say "
-                                               "weighting = \"none\")" if f.name == "gamma"
-                                               else ""))
         want(isinstance(self.name, str) and bool(self.name), "name", "must be a non-empty string")
         want(is_int(self.block_size) and self.block_size >= 2, "block_size",
              "must be an integer >= 2")
-        want(is_num(self.gamma) and self.gamma > 0, "gamma", "must be a number > 0")
+        want(is_num(self.gamma) and self.gamma > 0, "gamma", "must be a finite number > 0")
         want(isinstance(self.loss, str), "loss", "must be a string")
         try:
             terms = parse_loss(self.loss)
@@ -223,7 +215,7 @@ class Profile:
              "'ce-data' teaches the data tokens (verifier ids): drop draft_vocab_size")
         want(self.weighting in WEIGHTINGS, "weighting", f"must be one of {list(WEIGHTINGS)}")
         want(is_num(self.dpace_alpha) and 0 < self.dpace_alpha <= 1, "dpace_alpha",
-             "must be a number in (0, 1]")
+             "must be a finite number in (0, 1]")
         want(is_int(self.max_anchors) and self.max_anchors >= 1, "max_anchors",
              "must be an integer >= 1")
         tl = self.target_layers

@@ -104,6 +104,12 @@ def read_regular_text(path: str | Path, max_bytes: int) -> str:
     return data.decode("utf-8")
 
 
+def shorten(text: str, limit: int = 80) -> str:
+    """``text`` for a message: as is up to ``limit`` characters, else its start and its
+    length (a value of any size is named, never echoed whole)."""
+    return text if len(text) <= limit else f"{text[:limit - 20]}... ({len(text)} characters)"
+
+
 class JSONNestingError(json.JSONDecodeError):
     """A JSON document nested deeper than :data:`MAX_NESTING` levels (``pos``: where)."""
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash_audit.user_input import JSONNestingError, loads_json
+from dflash_audit.user_input import JSONNestingError, loads_json, shorten
 
 LOSS_REDUCTION_EPS = 1e-5
 NLA_EPS = 1e-5
@@ -165,7 +165,7 @@ def parse_loss(spec: str) -> dict[str, float]:
     """
     if spec in LOSS_NAMES:
         return {spec: 1.0}
-    shown = spec if len(spec) <= 80 else f"{spec[:60]}... ({len(spec)} characters)"
+    shown = shorten(spec)
     try:
         mix = loads_json(spec)
     except json.JSONDecodeError as exc:
