@@ -5,8 +5,9 @@ or a kill leaves at most a hidden ``.<name>.tmp-*`` folder behind, never a broke
 
 Also: per-folder manifests (size + sha256 of each file, :func:`write_manifest` /
 :func:`manifest_problems`) that checkpoints and cache entries carry, a structural length
-check of ``.safetensors`` files (:func:`safetensors_problem`), and a writable-folder probe
-run before long work (:func:`ensure_writable_dir`).
+check of ``.safetensors`` files (:func:`safetensors_problem`), a safetensors writer that
+reports a full disk as the ``OSError`` it is (:func:`save_safetensors`), and a writable-folder
+probe run before long work (:func:`ensure_writable_dir`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+from dflash_audit.user_input import loads_json
 
 
 @contextmanager
@@ -96,7 +100,7 @@ def read_manifest(folder: str | Path) -> dict[str, dict[str, object]] | None:
 
     path = Path(folder) / MANIFEST_NAME
     try:
-        manifest = json.loads(path.read_text())
+        manifest = loads_json(path.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
@@ -170,7 +174,7 @@ def safetensors_problem(path: str | Path) -> str | None:
             (n,) = struct.unpack("<Q", raw)
             if n > min(size, 100 << 20):
                 return f"{path}: header length {n} exceeds the file ({size} bytes; truncated?)"
-            header = json.loads(f.read(n))
+            header = loads_json(f.read(n))
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         return f"{path}: unreadable safetensors header ({type(exc).__name__})"
     end = max((int(v["data_offsets"][1]) for k, v in header.items()
@@ -180,6 +184,36 @@ def safetensors_problem(path: str | Path) -> str | None:
         return (f"{path}: {size} bytes, its header says {8 + n + end} "
                 f"({'truncated' if size < 8 + n + end else 'trailing bytes'})")
     return None
+
+
+def save_safetensors(tensors: dict[str, Any], path: str | Path,
+                     metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, with a failed write (a full disk, a quota, a
+    read-only folder) raised as ``OSError(errno, strerror, path)`` instead of safetensors'
+    ``SafetensorError("... I/O error: ... (os error 28)")``, and the partial file of a full
+    disk removed.
+
+    Raises:
+        OSError: the write failed (``errno`` from the OS: ENOSPC, EDQUOT, EROFS...).
+        SafetensorError: anything else safetensors refuses (e.g. non-contiguous tensors).
+    """
+    import errno
+    import re
+
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        code = re.search(r"os error (\d+)", str(exc))
+        if code is None:
+            raise
+        n = int(code.group(1))
+        if n in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):  # a half-written file
+            Path(path).unlink(missing_ok=True)
+        raise OSError(n, os.strerror(n) if n in errno.errorcode else str(exc), str(path)
+                      ) from None
 
 
 def ensure_writable_dir(path: str | Path, option: str = "--out") -> Path:

@@ -44,6 +44,7 @@ from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter, DraftOutputs
 from dflash_audit.model.loss import LossSpec, dflash_loss, uses_data_targets
 from dflash_audit.model.metrics import dflash_metrics
+from dflash_audit.user_input import not_a_file
 
 
 class CandidateError(Exception):
@@ -175,7 +176,7 @@ def load_candidate(spec: str | None) -> Candidate:
             path = Path(target).resolve()
             if not path.is_file():
                 raise CandidateError(
-                    f"candidate file {path} does not exist (a relative path is read from the "
+                    f"candidate file {path} {not_a_file(path)} (a relative path is read from the "
                     f"working folder {Path.cwd()}); give an existing FILE.py:ATTR or an "
                     "importable module:attr")
             mod_name = f"dflash_audit_candidate_{path.stem}"

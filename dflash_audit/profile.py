@@ -42,7 +42,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
-import tomllib
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -56,6 +56,7 @@ from dflash_audit.model.config import (
     default_target_layer_ids,
 )
 from dflash_audit.model.loss import WEIGHTINGS, LossSpec, parse_loss, uses_data_targets
+from dflash_audit.user_input import loads_toml, not_a_file, shorten
 
 TARGET_LAYER_STYLES = ("zlab", "speculators", "per-draft-layer")
 LAYOUTS = ("full", "sliding")
@@ -125,8 +126,8 @@ class Profile:
             return cls.from_drafter_config(Path(name_or_path))
         text, source = _read(str(name_or_path))
         try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
+            data = loads_toml(text)
+        except ValueError as exc:  # tomllib.TOMLDecodeError, nesting too deep included
             raise ProfileError(f"profile {source}: not valid TOML: {exc}") from None
         return cls.from_dict(data, source=source)
 
@@ -189,23 +190,24 @@ class Profile:
         """
         def want(cond: bool, field: str, what: str) -> None:
             if not cond:
-                raise ProfileError(f"field {field!r} = {getattr(self, field)!r}: {what}")
+                raise ProfileError(f"field {field!r} = {shorten(repr(getattr(self, field)))}: "
+                                   f"{what}")
 
         def is_int(v: Any) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        def is_num(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        def is_num(v: Any) -> bool:  # TOML reads inf / nan: no numeric field takes them
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
         want(isinstance(self.name, str) and bool(self.name), "name", "must be a non-empty string")
         want(is_int(self.block_size) and self.block_size >= 2, "block_size",
              "must be an integer >= 2")
-        want(is_num(self.gamma) and self.gamma > 0, "gamma", "must be a number > 0")
+        want(is_num(self.gamma) and self.gamma > 0, "gamma", "must be a finite number > 0")
         want(isinstance(self.loss, str), "loss", "must be a string")
         try:
             terms = parse_loss(self.loss)
         except ValueError as exc:
-            raise ProfileError(f"field 'loss' = {self.loss!r}: {exc}") from None
+            raise ProfileError(f"field 'loss': {exc}") from None
         want(not {"ce", "ce-data"} <= set(terms), "loss",
              "mixes 'ce' and 'ce-data'; the reference runs 'ce' for 'ce-data', so the two "
              "terms cannot be audited apart: keep one")
@@ -213,7 +215,7 @@ class Profile:
              "'ce-data' teaches the data tokens (verifier ids): drop draft_vocab_size")
         want(self.weighting in WEIGHTINGS, "weighting", f"must be one of {list(WEIGHTINGS)}")
         want(is_num(self.dpace_alpha) and 0 < self.dpace_alpha <= 1, "dpace_alpha",
-             "must be a number in (0, 1]")
+             "must be a finite number in (0, 1]")
         want(is_int(self.max_anchors) and self.max_anchors >= 1, "max_anchors",
              "must be an integer >= 1")
         tl = self.target_layers
@@ -382,7 +384,7 @@ def _read(name_or_path: str) -> tuple[str, str]:
     path = Path(name_or_path).expanduser()
     if path.suffix == ".toml" or path.exists() or "/" in name_or_path:
         if not path.is_file():
-            raise ProfileError(f"profile file {path} does not exist; give a TOML file or a "
+            raise ProfileError(f"profile file {path} {not_a_file(path)}; give a TOML file or a "
                                f"built-in profile name ({', '.join(builtin_profiles())})")
         try:
             return path.read_text(), str(path)

@@ -25,11 +25,11 @@ field.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash_audit.user_input import loads_json
 
 #: Built-in profile that supplies the training recipe for each drafter-config format.
 RECIPE = {"speculators": "reference-train-cli", "zlab": "zlab"}
@@ -242,7 +242,7 @@ def read_config_json(path: Path | str, what: str = "drafter config"
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     try:
-        d = json.loads(file.read_text())
+        d = loads_json(file.read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read {what} {file}: {exc}") from None
     if not isinstance(d, dict):

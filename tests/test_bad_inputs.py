@@ -928,3 +928,276 @@ def test_train_reruns_the_canary(candidates: Path, world: World, tmp_path: Path)
     accepted = run_cli(args, tmp_path, {"CANARY_SCALE": ""})  # the audited behaviour
     assert accepted.returncode == 0, accepted.stdout
     assert "gives the audited loss and gradients" in accepted.stdout
+
+
+# ------------------------------------------------------------------------------ input classes
+# Each class of bad input (issue 29 item 5): one line, exit 2, no traceback, nothing written.
+def _one_error_line(out: str) -> str:
+    """The single ``error:`` line of a refusal (asserted: exactly one, no traceback)."""
+    assert "Traceback" not in out, out
+    lines = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def check_batches_args(w: World, batches: Path, tmp: Path, *extra: str) -> list[str]:
+    return ["check-batches", str(batches), "--verifier", str(w.paths["verifier"]),
+            "--rows-to-check", "1", "--out", str(tmp / "reports"), *extra]
+
+
+def _damaged_batches(w: World, tmp: Path, damage: Callable[[dict[str, torch.Tensor]], None]
+                     ) -> Path:
+    """A copy of the world's batch folder with ``damage`` applied to every file's tensors
+    (written without our writer's validation, as a user's pipeline would)."""
+    from safetensors import safe_open
+
+    out = tmp / "batches"
+    out.mkdir()
+    for src in sorted(w.paths["batches"].glob("batch_*.safetensors")):
+        with safe_open(str(src), framework="pt") as f:
+            tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        damage(tensors)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, out / src.name, metadata=meta)
+    (out / "manifest.json").write_bytes((w.paths["batches"] / "manifest.json").read_bytes())
+    return out
+
+
+def _set(key: str, change: Callable[[torch.Tensor], torch.Tensor]):
+    def damage(t: dict[str, torch.Tensor]) -> None:
+        t[key] = change(t[key].clone())
+    return damage
+
+
+def _at(value: float, pos: int = 5) -> Callable[[torch.Tensor], torch.Tensor]:
+    def change(x: torch.Tensor) -> torch.Tensor:
+        x[0, pos] = value
+        return x
+    return change
+
+
+BATCH_DAMAGE = {  # name: (damage, words train and check-batches both print)
+    "id-past-vocabulary": (_set("input_ids", _at(100000, 3)),
+                           "input_ids hold token id 100000 (at position 3), outside the "
+                           "verifier's vocabulary of 102 ids"),
+    "negative-id": (_set("input_ids", _at(-7, 3)),
+                    "input_ids hold a negative token id (-7 at position 3)"),
+    "float-input-ids": (_set("input_ids", lambda x: x.float()),
+                        "input_ids has dtype torch.float32, expected torch.int64"),
+    "loss-mask-0-2": (_set("loss_mask", lambda x: x * 2),
+                      "loss_mask must be 0/1 (holds 2 at position"),
+    "loss-mask-nan": (_set("loss_mask", lambda x: _at(float("nan"))(x.float())),
+                      "loss_mask has dtype torch.float32, expected torch.int64"),
+    "bf16-hidden-states": (_set("hidden_states", lambda x: x.bfloat16()),
+                           "hidden_states has dtype torch.bfloat16, expected torch.float32"),
+    "nan-last-hidden-state": (_set("verifier_last_hidden_states", _at(float("nan"))),
+                              "verifier_last_hidden_states contains non-finite values (32 NaN, "
+                              "0 inf; first at position 5)"),
+}
+
+
+@pytest.mark.parametrize("damage", list(BATCH_DAMAGE), ids=list(BATCH_DAMAGE))
+def test_check_batches_refuses_what_train_refuses(damage: str, world: World,
+                                                  tmp_path: Path) -> None:
+    """A batch folder train refuses is refused by check-batches too (never a PASS, an
+    IndexError or a "no single hypothesis" finding): exit 2, the same error line, no report,
+    no checkpoint, the folder unchanged."""
+    change, words = BATCH_DAMAGE[damage]
+    batches = _damaged_batches(world, tmp_path, change)
+    remember(batches, tmp_path)
+    train = run_cli(set_option(world.train_args(tmp_path / "run"), "--batches", str(batches)),
+                    tmp_path)
+    audit = run_cli(check_batches_args(world, batches, tmp_path), tmp_path)
+    assert (train.returncode, audit.returncode) == (2, 2), train.stdout + audit.stdout
+    line = _one_error_line(train.stdout)
+    assert words in line and line.startswith(f"error: {batches}/batch_0000"), line
+    assert _one_error_line(audit.stdout) == line
+    assert not (tmp_path / "reports").exists() and not (tmp_path / "run" / "checkpoints").exists()
+    unchanged(lambda w, t: t / "batches")(world, tmp_path, "")
+
+
+def _deep_json(depth: int = 100_000) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _nested_profile(w: World, tmp: Path, line: str) -> Path:
+    path = tmp / "deep.toml"
+    path.write_text(w.paths["profile"].read_text() + line + "\n")
+    return path
+
+
+NESTED = {  # name: prepare(world, tmp) -> argv
+    "train-report": lambda w, t: w.train_args(t / "run", "--report", str(
+        _written(t / "report.json", _deep_json()))),
+    "train-profile-toml": lambda w, t: set_option(w.train_args(t / "run"), "--profile", str(
+        _nested_profile(w, t, "x = " + _deep_json()))),
+    "profile-loss-mix": lambda w, t: set_option(w.train_args(t / "run"), "--profile", str(
+        _written(t / "mix.toml", w.paths["profile"].read_text().replace(
+            'loss = "kl_div"', f"loss = '{_deep_json(5000)}'")))),
+    "data-conversations": lambda w, t: set_option(w.data_args(t / "b"), "--data", str(
+        _written(t / "convs.jsonl", '{"messages": ' + _deep_json() + "}\n"))),
+    "check-batches-drafter-config": lambda w, t: check_batches_args(
+        w, w.paths["batches"], t, "--drafter-config", str(_written(t / "config.json",
+                                                                  _deep_json()))),
+    "eval-checkpoint-config": lambda w, t: w.eval_args(_deep_config(w, t)),
+}
+
+
+def _written(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def _deep_config(w: World, tmp: Path) -> Path:
+    ck = ckpt_copy(w, tmp)
+    (ck / "config.json").write_text('{"block_size": ' + _deep_json() + "}")
+    return ck
+
+
+@pytest.mark.parametrize("name", list(NESTED), ids=list(NESTED))
+def test_deeply_nested_json_and_toml_are_refused(name: str, world: World,
+                                                 tmp_path: Path) -> None:
+    """A JSON or TOML input nested 100 000 levels deep (a report, a profile, a loss mix, a
+    conversations file, a drafter or checkpoint config): one line naming the nesting, exit 2,
+    never a RecursionError traceback; nothing written."""
+    result = run_cli(NESTED[name](world, tmp_path), tmp_path)
+    assert result.returncode == 2, result.stdout
+    line = " ".join(_one_error_line(result.stdout).split())
+    assert "nested deeper than 100 levels" in line and len(line) < 600, line
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "b").exists() and not (tmp_path / "reports").exists()
+
+
+def _fifo(tmp: Path) -> Path:
+    os.mkfifo(tmp / "fifo")
+    return tmp / "fifo"
+
+
+def _fifo_batch(w: World, tmp: Path) -> Path:
+    folder = tmp / "batches"
+    shutil.copytree(w.paths["batches"], folder)
+    (folder / "batch_00000.safetensors").unlink()
+    os.mkfifo(folder / "batch_00000.safetensors")
+    return folder
+
+
+NOT_A_FILE = {  # name: (prepare(world, tmp) -> argv, words)
+    "report-dev-zero": (lambda w, t: w.train_args(t / "run", "--report", "/dev/zero"),
+                        "audit report /dev/zero is a character device, not a regular file"),
+    "report-fifo": (lambda w, t: w.train_args(t / "run", "--report", str(_fifo(t))),
+                    "is a FIFO (named pipe), not a regular file"),
+    "profile-dev-zero": (lambda w, t: set_option(w.train_args(t / "run"), "--profile",
+                                                 "/dev/zero"),
+                         "profile file /dev/zero is a character device, not a regular file"),
+    "batch-file-fifo": (lambda w, t: set_option(w.train_args(t / "run"), "--batches", str(
+        _fifo_batch(w, t))), "batch_00000.safetensors: batch file is a FIFO (named pipe), not "
+                             "a regular file"),
+    "check-batches-fifo": (lambda w, t: check_batches_args(w, _fifo_batch(w, t), t),
+                           "batch_00000.safetensors: batch file is a FIFO (named pipe), not a "
+                           "regular file"),
+}
+
+
+@pytest.mark.parametrize("name", list(NOT_A_FILE), ids=list(NOT_A_FILE))
+def test_paths_that_are_not_regular_files_are_named(name: str, world: World,
+                                                    tmp_path: Path) -> None:
+    """A device or a FIFO given as a report, profile or batch file: said what it is (never
+    "does not exist"), exit 2, never read (a FIFO would block, /dev/zero never ends)."""
+    prepare, words = NOT_A_FILE[name]
+    result = run_cli(prepare(world, tmp_path), tmp_path, timeout=120)
+    assert result.returncode == 2, result.stdout
+    line = " ".join(_one_error_line(result.stdout).split())
+    assert words in line and "does not exist" not in line, line
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _report_copy(w: World, tmp: Path, change: Callable[[dict[str, Any]], Any]) -> Path:
+    (src,) = w.reports.glob("*/report.json")
+    d = json.loads(src.read_text())
+    d = change(d) or d
+    return _written(tmp / "report.json", json.dumps(d))
+
+
+REPORTS = {  # name: (change of the world's passing report, words)
+    "schema-version-2": (lambda d: d.update(schema_version=2),
+                         "has schema_version 2; this dflash-audit reads schema_version 1 only"),
+    "schema-version-true": (lambda d: d.update(schema_version=True),
+                            "has schema_version True"),
+    "schema-version-missing": (lambda d: d.pop("schema_version") and None,
+                               "has schema_version None"),
+    "a-json-list": (lambda d: [d], "holds a JSON list, not a report object"),
+}
+
+
+@pytest.mark.parametrize("name", list(REPORTS), ids=list(REPORTS))
+def test_train_refuses_reports_of_another_schema(name: str, world: World,
+                                                 tmp_path: Path) -> None:
+    """A report whose schema this version does not write (or not a report object): refused by
+    train's gate with one line naming it, exit 2, nothing trained."""
+    change, words = REPORTS[name]
+    args = world.train_args(tmp_path / "run", "--report", str(_report_copy(world, tmp_path,
+                                                                           change)))
+    result = run_cli(args, tmp_path)
+    assert result.returncode == 2, result.stdout
+    assert words in " ".join(result.stdout.split()), result.stdout
+    assert "Traceback" not in result.stdout
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+NON_FINITE = {  # name: (TOML line replacing the field's, words)
+    "gamma-inf": ("gamma = inf", "field 'gamma' = inf: must be a finite number"),
+    "gamma-nan": ("gamma = nan", "field 'gamma' = nan: must be a finite number"),
+    "dpace-alpha-minus-inf": ("dpace_alpha = -inf", "field 'dpace_alpha' = -inf: must be a "
+                                                    "finite number"),
+    "loss-mix-nan": ("loss = '{\"kl_div\": NaN}'", "must be a finite number, got nan"),
+    "loss-mix-infinity": ("loss = '{\"kl_div\": 1, \"tv\": Infinity}'",
+                          "must be a finite number, got inf"),
+}
+
+
+@pytest.mark.parametrize("name", list(NON_FINITE), ids=list(NON_FINITE))
+def test_non_finite_profile_numbers_are_refused(name: str, world: World,
+                                                tmp_path: Path) -> None:
+    """Every numeric profile field refuses inf / -inf / nan (TOML reads them, JSON loss mixes
+    too): exit 2, one line naming the field, nothing trained."""
+    line, words = NON_FINITE[name]
+    key = line.split(" =")[0]
+    text = "\n".join(ln for ln in world.paths["profile"].read_text().splitlines()
+                     if not ln.startswith(f"{key} ="))
+    profile = _written(tmp_path / "bad.toml", f"{text}\n{line}\n")
+    result = run_cli(set_option(world.train_args(tmp_path / "run"), "--profile", str(profile)),
+                     tmp_path)
+    assert result.returncode == 2, result.stdout
+    assert words in " ".join(_one_error_line(result.stdout).split()), result.stdout
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+FILE_SIZE_LIMIT = """
+import resource, signal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
+"""
+
+
+def test_data_out_on_a_full_disk(world: World, tmp_path: Path) -> None:
+    """``data --out`` on a disk that fills while the batch files are written (a 64 KiB tmpfs
+    as root; else a 16 KiB file-size limit, which fails the write the same way): one line
+    naming the file and the disk, exit 2, no partial folder, no half file."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
+        capture_output=True).returncode == 0
+    try:
+        result = run_cli(set_option(world.data_args(disk / "b"), "--rows", "3"), tmp_path,
+                         prelude="" if mounted else FILE_SIZE_LIMIT)
+        assert result.returncode == 2, result.stdout
+        line = " ".join(_one_error_line(result.stdout).split())
+        assert ".safetensors" in line, line
+        assert ("No space left on device (the disk is full" if mounted else "File too large"
+                ) in line, line
+        assert list(disk.iterdir()) == []  # no batch folder, no staging folder, no half file
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=True)

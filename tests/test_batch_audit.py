@@ -149,7 +149,7 @@ def test_setup_errors_exit_2_with_one_line(tiny_dir, good, tmp_path):
     for args, words in [
         ([str(tmp_path / "nope")], "batch folder not found"),
         ([str(tmp_path)], "not a dflash-audit or reference offline batch folder"),
-        ([str(truncated)], "not a readable safetensors file"),
+        ([str(truncated)], "not a readable safetensors"),
         ([str(good), "--verifier", str(shallow)], "has 4 layers"),
         ([str(good), "--profile", "no-such-profile"], "--profile"),
     ]:
@@ -242,8 +242,35 @@ def test_bf16_reference_folder_is_compared_in_bf16(tiny, good, tmp_path):
 @pytest.mark.parametrize("damage, finding", [("nan", "non-finite"), ("int32", "dtype int32")])
 def test_nan_and_integer_hidden_states_are_named_before_layer_matching(tiny, good, tmp_path,
                                                                        damage, finding):
-    """NaN hidden states are not "layer 0" (a NaN distance), and int32 ones are named by their
-    dtype: each fails on its own name, before any matching."""
+    """In the reference format (bf16 allowed there, train does not read it), NaN hidden states
+    are not "layer 0" (a NaN distance), and int32 ones are named by their dtype: each fails on
+    its own name, before any matching. In our format train refuses both: check-batches
+    refuses them (exit 2) with train's very words."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dflash_audit.data.batch import Batch
+    from dflash_audit.data.errors import BatchFileError
+
+    ref = tmp_path / "ref"
+    shutil.copytree(good / "reference", ref)
+    for f in (ref / "hidden_states").glob("hs_*.safetensors"):
+        t = load_file(str(f))
+        hs = t["hidden_states"]
+        if damage == "nan":
+            hs[5, 0, :] = float("nan")
+        else:
+            hs = hs.round().to(torch.int32)
+        save_file({"hidden_states": hs, "token_ids": t["token_ids"]}, str(f))
+    report = run_check_batches(ref, tiny, rows_to_check=1, progress=False)
+    assert report.exit_code == 1
+    bad = [c for c in report.failures if c.finding == finding]
+    assert bad, failed(report)
+    text = " ".join(c.message for c in bad)
+    assert ("NaN" in text and "first at token 5" in text) if damage == "nan" else "int32" in text
+    assert not any(c.finding.startswith("layer") for c in bad)
+
     rows = broken_script("_batches").read_folder(good)
     for _, t, _ in rows:
         if damage == "nan":
@@ -251,11 +278,11 @@ def test_nan_and_integer_hidden_states_are_named_before_layer_matching(tiny, goo
         else:
             t["verifier_last_hidden_states"] = t["verifier_last_hidden_states"].round().to(
                 torch.int32)
-    out = broken_script("_batches").write_folder(rows, tmp_path / damage)
-    report = run_check_batches(out, tiny, rows_to_check=1, progress=False)
-    assert report.exit_code == 1
-    bad = [c for c in report.failures if c.finding == finding]
-    assert bad, failed(report)
-    text = " ".join(c.message for c in bad)
-    assert ("NaN" in text and "first at token 5" in text) if damage == "nan" else "int32" in text
-    assert not any(c.finding.startswith("layer") for c in bad)
+    ours = broken_script("_batches").write_folder(rows, tmp_path / damage)
+    with pytest.raises(BatchFileError) as train_refusal:
+        Batch.load(ours / "batch_00000.safetensors")
+    with pytest.raises(BatchFileError) as refused:
+        run_check_batches(ours, tiny, rows_to_check=1, progress=False)
+    assert str(refused.value) == str(train_refusal.value)
+    assert ("NaN, 0 inf; first at position 5" in str(refused.value) if damage == "nan" else
+            "dtype torch.int32, expected torch.float32" in str(refused.value))

@@ -127,7 +127,7 @@ def test_foreign_safetensors_and_missing_files(tmp_path):
     save_file({k: v.contiguous() for k, v in make_batch().tensors().items()}, str(other))
     with pytest.raises(BatchFileError, match="not a dflash-audit-batch file"):
         Batch.load(other)
-    with pytest.raises(BatchFileError, match="not found"):
+    with pytest.raises(BatchFileError, match="batch file does not exist"):
         Batch.load(tmp_path / "nope.safetensors")
     with pytest.raises(BatchFileError, match="no batch_"):
         load_batches(tmp_path)

@@ -188,7 +188,7 @@ BAD = {
                                           "garbage"), "is not a readable safetensors"),
     "config nested too deeply": (lambda tmp: _write(make_checkpoint(tmp / "c"), "config.json",
                                                     "[" * 100_000 + "]" * 100_000),
-                                 "nested too deeply"),
+                                 "nested deeper than 100 levels"),
     "speculators_config a string": (lambda tmp: edit_config(
         make_checkpoint(tmp / "c"), lambda d: d.update(speculators_config="x")),
         "speculators_config is a str, not an object"),

@@ -26,10 +26,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from dflash_audit.atomic import save_safetensors
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.loss import LossSpec
+from dflash_audit.user_input import loads_json
 
 #: How many anchor selections each side draws for the anchors check
 #: (:mod:`dflash_audit.audit.checks.anchors`); written into profile.json for the reference.
@@ -66,7 +68,7 @@ class CaseVerifier:
         request = case_dir / "derive.json"
         if not request.is_file():
             return None
-        args = json.loads(request.read_text())
+        args = loads_json(request.read_text())
         folder = Path(args["verifier_dir"])
         if not (folder / "config.json").is_file():  # a copied case (the canary): its own copy
             folder = case_dir / "verifier"
@@ -77,7 +79,7 @@ class CaseVerifier:
 
             config: Any = AutoConfig.from_pretrained(folder)
         except (OSError, ValueError, KeyError):
-            config = SimpleNamespace(**json.loads((folder / "config.json").read_text()))
+            config = SimpleNamespace(**loads_json((folder / "config.json").read_text()))
         return cls(name=args.get("name", folder.name), config=config, folder=str(folder),
                    target_layers=args.get("target_layers"))
 
@@ -125,9 +127,10 @@ class Case:
         """Write the case into ``folder/<name>`` and return that path."""
         path = folder / self.name
         path.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.inputs.items()}, path / "inputs.safetensors")
-        save_file({k: v.contiguous() for k, v in self.weights.items()},
-                  path / "weights.safetensors")
+        save_safetensors({k: v.contiguous() for k, v in self.inputs.items()},
+                         path / "inputs.safetensors")
+        save_safetensors({k: v.contiguous() for k, v in self.weights.items()},
+                         path / "weights.safetensors")
         (path / "profile.json").write_text(json.dumps(
             {"drafter": self.config.to_dict(), "loss": dataclasses.asdict(self.loss),
              "description": self.description, "anchor_draws": ANCHOR_DRAWS,
@@ -148,7 +151,7 @@ class Case:
                 (:class:`~dflash_audit.model.config.ConfigError` is a ValueError).
         """
         path = Path(path)
-        profile = json.loads((path / "profile.json").read_text())
+        profile = loads_json((path / "profile.json").read_text())
         return cls(name=path.name, config=DFlashConfig.from_dict(profile["drafter"]),
                    loss=LossSpec(**profile["loss"]),
                    inputs=load_file(path / "inputs.safetensors"),
@@ -185,7 +188,7 @@ class SideOutputs:
         Raises:
             FileNotFoundError: the adapter wrote no outputs for this case.
         """
-        meta = json.loads((case_dir / "outputs.json").read_text())
+        meta = loads_json((case_dir / "outputs.json").read_text())
         derived = case_dir / "derivation.json"
         return cls(tensors=load_file(case_dir / "outputs.safetensors"), metrics=meta["metrics"],
                    structure=meta["structure"], defaults=meta.get("defaults", {}),
@@ -209,8 +212,8 @@ class SideOutputs:
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"tensors[{key!r}] is a {type(value).__name__}; expected a "
                                 "torch.Tensor")
-        save_file({k: v.detach().cpu().contiguous().clone() for k, v in self.tensors.items()},
-                  case_dir / "outputs.safetensors")
+        save_safetensors({k: v.detach().cpu().contiguous().clone()
+                          for k, v in self.tensors.items()}, case_dir / "outputs.safetensors")
         (case_dir / "outputs.json").write_text(json.dumps({
             "metrics": {k: _metric_value(v) for k, v in self.metrics.items()},
             "structure": self.structure, "defaults": self.defaults,

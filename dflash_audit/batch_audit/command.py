@@ -1,8 +1,11 @@
 """``dflash-audit check-batches DIR --verifier V``: run every batch check and write the report.
 
 Exit codes: 0 every check passed (skips allowed), 1 findings, 2 usage / setup errors (missing
-folder, unreadable file, a verifier that does not have the layers or hidden size the files
-name, an unreadable drafter config or profile), each as one line without a traceback.
+folder, unreadable file, what train refuses in a file (a dtype, a loss mask other than 0/1,
+non-finite hidden states: :func:`~dflash_audit.data.batch.tensor_problem`, in train's words),
+token ids outside the verifier's vocabulary, a verifier that does not have the layers or
+hidden size the files name, an unreadable drafter config or profile), each as one line
+without a traceback.
 """
 
 from __future__ import annotations

@@ -14,14 +14,17 @@ Formats (detected from the folder):
   reference's collator makes them). Layer ids come from ``dflash_audit_reference_format.json``
   when our exporter wrote it, else from ``--target-layer-ids``.
 
-Unlike :meth:`Batch.load`, packing conventions (positions, document ids, padding values) are
-not enforced here: they are what ``check-batches`` audits and reports as findings. Only what
-makes a file unreadable raises :class:`~dflash_audit.data.errors.BatchFileError` (exit 2).
+Packing conventions (positions, document ids, padding values) are not enforced here: they
+are what ``check-batches`` audits and reports as findings. What makes a file unreadable, and
+what ``train`` refuses in a file, raise :class:`~dflash_audit.data.errors.BatchFileError`
+(exit 2) in train's words: our files go through :meth:`Batch.load` without its layout checks;
+the reference format's ``input_ids`` / ``token_ids`` / ``loss_mask`` through the same
+:func:`~dflash_audit.data.batch.tensor_problem` (its hidden states may be bf16 there: the
+layers check judges their values).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,10 +33,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from dflash_audit.data.batch import FORMAT, TENSOR_KEYS
+from dflash_audit.data.batch import Batch, read_batch_file, tensor_problem
 from dflash_audit.data.errors import BatchFileError
 from dflash_audit.data.pipeline import BATCH_GLOB
 from dflash_audit.data.reference_format import HIDDEN_STATES_DIR, INFO_FILE
+from dflash_audit.user_input import loads_json
 
 OURS, REFERENCE = "dflash-audit", "reference-offline"
 
@@ -108,41 +112,29 @@ def _read_safetensors(path: Path, keys: tuple[str, ...]) -> tuple[dict[str, torc
                              f" {type(exc).__name__}: {exc}") from exc
 
 
-def _ours_metadata(path: Path) -> dict[str, Any]:
-    _, raw = _read_safetensors(path, ())
-    try:
-        meta = {k: json.loads(v) for k, v in raw.items()}
-    except json.JSONDecodeError as exc:
-        raise BatchFileError(f"{path}: metadata is not valid JSON: {exc}") from exc
-    if meta.get("format") != FORMAT:
-        raise BatchFileError(f"{path}: not a {FORMAT} file (metadata 'format' missing)")
-    return meta
-
-
 def _load_ours(path: Path) -> Row:
-    t, _ = _read_safetensors(path, TENSOR_KEYS)
-    T = t["input_ids"].shape[-1]
-    for k in ("input_ids", "loss_mask", "position_ids", "document_ids"):
-        if tuple(t[k].shape) != (1, T):
-            raise BatchFileError(f"{path}: {k} has shape {tuple(t[k].shape)}, expected (1, {T})")
-    for k in ("hidden_states", "verifier_last_hidden_states"):
-        if t[k].dim() != 3 or tuple(t[k].shape[:2]) != (1, T):
-            raise BatchFileError(f"{path}: {k} has shape {tuple(t[k].shape)}, expected "
-                                 f"(1, {T}, ...)")
-    return Row(name=path.name, input_ids=t["input_ids"][0].long(),
-               loss_mask=t["loss_mask"][0].long(), hidden_states=t["hidden_states"][0],
-               last=t["verifier_last_hidden_states"][0], position_ids=t["position_ids"][0].long(),
-               document_ids=t["document_ids"][0].long())
+    b = Batch.load(path, layout=False)  # train's checks but the layout, which are findings
+    return Row(name=path.name, input_ids=b.input_ids[0], loss_mask=b.loss_mask[0],
+               hidden_states=b.hidden_states[0], last=b.verifier_last_hidden_states[0],
+               position_ids=b.position_ids[0], document_ids=b.document_ids[0])
+
+
+def _input_ids(path: Path) -> torch.Tensor:
+    """``input_ids`` [T] of a batch file, with train's checks of that tensor."""
+    t = read_batch_file(path, ("input_ids",))[0]["input_ids"]
+    problem = tensor_problem("input_ids", t)
+    if problem:
+        raise BatchFileError(f"{path}: {problem}")
+    return t[0]
 
 
 def _open_ours(d: Path, files: list[Path]) -> BatchFolder:
-    meta = _ours_metadata(files[0])
+    meta = read_batch_file(files[0], ())[1]
     ids = meta.get("target_layer_ids")
     return BatchFolder(
         path=d, format=OURS, names=[f.name for f in files],
         loaders=[(lambda f=f: _load_ours(f)) for f in files],
-        all_input_ids=lambda: [_read_safetensors(f, ("input_ids",))[0]["input_ids"][0]
-                               for f in files],
+        all_input_ids=lambda: [_input_ids(f) for f in files],
         target_layer_ids=[int(i) for i in ids] if isinstance(ids, list) else None,
         mask_token_id=meta.get("mask_token_id"),
         num_verifier_layers=meta.get("num_verifier_layers"),
@@ -150,17 +142,35 @@ def _open_ours(d: Path, files: list[Path]) -> BatchFolder:
                                        "hidden_size", "seq_len")})
 
 
-def _load_reference(hs_path: Path, input_ids: list[int], loss_mask: list[int]) -> Row:
+def _load_reference(hs_path: Path, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> Row:
     t, _ = _read_safetensors(hs_path, ("hidden_states", "token_ids"))
-    hs, tok = t["hidden_states"], t["token_ids"].long()
+    hs, tok = t["hidden_states"], t["token_ids"]
+    problem = tensor_problem("input_ids", tok)
+    if problem:
+        raise BatchFileError(f"{hs_path}: token_ids: {problem}")
     if hs.dim() != 3 or hs.shape[1] < 2 or hs.shape[0] != tok.numel():
         raise BatchFileError(f"{hs_path}: hidden_states has shape {tuple(hs.shape)}, expected "
                              f"[len={tok.numel()}, n+1 >= 2, H]")
-    if tok.tolist() != list(input_ids):
+    if not torch.equal(tok, input_ids):
         raise BatchFileError(f"{hs_path}: token_ids differ from the dataset row's input_ids "
                              "(the reference's ArrowDataset rejects this row too)")
-    return Row(name=hs_path.stem, input_ids=tok, loss_mask=torch.tensor(loss_mask).long(),
+    return Row(name=hs_path.stem, input_ids=tok, loss_mask=loss_mask,
                hidden_states=hs[:, :-1].flatten(1), last=hs[:, -1])
+
+
+def _column(d: Path, key: str, rows: Any) -> list[torch.Tensor]:
+    """The rows of column ``key`` (``input_ids`` / ``loss_mask``) as int64 tensors, each with
+    train's checks of that tensor (:func:`tensor_problem`: int64, ids >= 0, a 0/1 mask)."""
+    out = []
+    for i, v in enumerate(rows):
+        t = v if isinstance(v, torch.Tensor) else torch.tensor(v)
+        if t.numel() == 0:
+            t = t.long()
+        problem = tensor_problem(key, t)
+        if problem:
+            raise BatchFileError(f"{d}: row {i}: {problem}")
+        out.append(t)
+    return out
 
 
 def _open_reference(d: Path) -> BatchFolder:
@@ -171,17 +181,22 @@ def _open_reference(d: Path) -> BatchFolder:
     except Exception as exc:  # missing package, not an Arrow folder, missing column
         raise BatchFileError(f"{d}: not a readable reference offline dataset "
                              f"({type(exc).__name__}: {exc})") from exc
-    columns = {k: [list(map(int, v)) for v in col] for k, col in columns.items()}
+    columns = {k: _column(d, k, col) for k, col in columns.items()}
     hs_dir = d / HIDDEN_STATES_DIR
     n = len(columns["input_ids"])
-    info = json.loads((d / INFO_FILE).read_text()) if (d / INFO_FILE).is_file() else {}
+    try:
+        info = loads_json((d / INFO_FILE).read_text()) if (d / INFO_FILE).is_file() else {}
+        if not isinstance(info, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise BatchFileError(f"{d / INFO_FILE}: unreadable ({exc})") from None
     ids = info.get("target_layer_ids")
     return BatchFolder(
         path=d, format=REFERENCE, names=[f"hs_{i}" for i in range(n)],
         loaders=[(lambda i=i: _load_reference(hs_dir / f"hs_{i}.safetensors",
                                               columns["input_ids"][i], columns["loss_mask"][i]))
                  for i in range(n)],
-        all_input_ids=lambda: [torch.tensor(x) for x in columns["input_ids"]],
+        all_input_ids=lambda: list(columns["input_ids"]),
         target_layer_ids=[int(i) for i in ids] if isinstance(ids, list) else None,
         mask_token_id=info.get("mask_token_id"), info=info)
 

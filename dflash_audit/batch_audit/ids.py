@@ -27,6 +27,7 @@ import torch
 from dflash_audit.batch_audit.result import FAIL, PASS, SKIP, Check
 from dflash_audit.data.errors import DataError
 from dflash_audit.data.tokenize import _forbidden_ids
+from dflash_audit.user_input import loads_json
 
 
 def find_key(config: Any, key: str) -> Any:
@@ -50,7 +51,7 @@ def read_drafter_config(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     p = p / "config.json" if p.is_dir() else p
     try:
-        return json.loads(p.read_text())
+        return loads_json(p.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise DataError(f"--drafter-config {p}: cannot read a JSON config ({exc})") from exc
 

@@ -24,6 +24,7 @@ from dflash_audit.batch_audit.layout import check_layout
 from dflash_audit.batch_audit.loss_mask import check_loss_mask
 from dflash_audit.batch_audit.recompute import Recomputer, file_precision
 from dflash_audit.batch_audit.result import BatchReport
+from dflash_audit.data.batch import token_id_problem
 from dflash_audit.data.errors import BatchFileError, DataError
 from dflash_audit.data.verifier import Verifier, load_verifier
 
@@ -92,6 +93,11 @@ def run_check_batches(directory: str | Path, verifier: str | Verifier, rows_to_c
     config = read_drafter_config(drafter_config) if drafter_config else None
     if target_layer_ids is not None:
         folder.target_layer_ids = list(target_layer_ids)
+    all_ids = folder.all_input_ids()  # every row, as train checks every file up front
+    for name, ids in zip(folder.names, all_ids):
+        problem = token_id_problem(ids, verifier.embedding_rows)
+        if problem:
+            raise BatchFileError(f"{folder.path / name}: {problem}")
     recompute, checks, measured, names = Recomputer(verifier), [], None, []
     start = time.perf_counter()
     with _progress(progress) as bar:
@@ -118,8 +124,7 @@ def run_check_batches(directory: str | Path, verifier: str | Verifier, rows_to_c
     checks.append(check_target_layer_ids(measured, folder.target_layer_ids, drafter_ids, source))
     checks.append(check_mask_token(folder.mask_token_id,
                                    find_key(config, "mask_token_id") if config else None,
-                                   verifier.tokenizer, verifier.embedding_rows,
-                                   folder.all_input_ids()))
+                                   verifier.tokenizer, verifier.embedding_rows, all_ids))
     precision = str(states.dtype)
     return BatchReport(
         folder=str(folder.path), format=folder.format, verifier=verifier.identity.to_dict(),

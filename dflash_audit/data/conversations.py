@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_audit.data.errors import ConversationError
+from dflash_audit.user_input import loads_json
 
 CHITCHAT = "chitchat"
 CHITCHAT_INSTALL = "pip install chitchat-dataset==0.9.0"
@@ -138,7 +139,7 @@ def load_chitchat(path: str | Path | None = None) -> ConversationSet:
     """
     path = Path(path) if path is not None else chitchat_path()
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_json(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise ConversationError(f"cannot read chitchat data {path}: {exc}") from exc
     result = ConversationSet(source=CHITCHAT)
@@ -197,7 +198,7 @@ def load_jsonl(path: str | Path) -> ConversationSet:
     result = ConversationSet(source=str(path))
     if path.suffix == ".json":
         try:
-            records = json.loads(text)
+            records = loads_json(text)
         except json.JSONDecodeError as exc:
             raise ConversationError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from exc
         if not isinstance(records, list):
@@ -210,7 +211,7 @@ def load_jsonl(path: str | Path) -> ConversationSet:
             continue
         where = f"{path}:{lineno}"
         try:
-            record = json.loads(line)
+            record = loads_json(line)
         except json.JSONDecodeError as exc:
             raise ConversationError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})"
                                     ) from exc

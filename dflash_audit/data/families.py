@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from dflash_audit.user_input import loads_json
+
 #: Width of a proxy: hidden size, attention heads, KV heads, vocabulary.
 PROXY_HIDDEN, PROXY_HEADS, PROXY_KV_HEADS, PROXY_VOCAB = 32, 4, 2, 128
 
@@ -208,7 +210,7 @@ def proxy_config_from_json(path: str | Path) -> Any:
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     try:
-        d = json.loads(file.read_text())
+        d = loads_json(file.read_text())
     except (OSError, ValueError) as exc:
         raise FamilyError(f"cannot read verifier config {file}: {exc}") from None
     d = _checked_text_config(d, file)

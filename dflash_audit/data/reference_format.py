@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from dflash_audit.atomic import save_safetensors
 from dflash_audit.data.batch import Batch
 from dflash_audit.data.errors import DataError
 
@@ -89,8 +89,8 @@ def write_reference_offline(batches: Sequence[Batch], out_dir: str | Path) -> Pa
     hs_dir = out_dir / HIDDEN_STATES_DIR
     hs_dir.mkdir(exist_ok=True)
     for i, s in enumerate(samples):
-        save_file({"hidden_states": s["hidden_states"], "token_ids": s["token_ids"]},
-                  str(hs_dir / f"hs_{i}.safetensors"))
+        save_safetensors({"hidden_states": s["hidden_states"], "token_ids": s["token_ids"]},
+                         hs_dir / f"hs_{i}.safetensors")
     first = batches[0].metadata if batches else {}
     info = {k: first.get(k) for k in ("verifier", "target_layer_ids", "layer_id_convention",
                                       "mask_token_id", "mask_token_reason", "tokenizer")}

@@ -36,6 +36,7 @@ from dflash_audit.data.builtin_verifier import cache_dir
 from dflash_audit.data.conversations import Conversation
 from dflash_audit.data.tokenize import end_of_turn_ids, render_ids
 from dflash_audit.data.verifier import Verifier, flush_denormal
+from dflash_audit.user_input import loads_json
 
 DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_GENERATION_BATCH = 32  # CPU decoding is weight-bandwidth bound: 32 rows, 1.6x 8 rows
@@ -181,7 +182,7 @@ def _cache_path(root: Path, key: str) -> Path:
 def _read_cache(root: Path, key: str) -> list[dict[str, str]] | None:
     path = _cache_path(root, key)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_json(path.read_text(encoding="utf-8"))
         return [{"role": m["role"], "content": m["content"]} for m in data["messages"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None  # missing or damaged entry: regenerate

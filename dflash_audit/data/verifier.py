@@ -27,6 +27,7 @@ from dflash_audit.data.builtin_verifier import (
 )
 from dflash_audit.data.errors import VerifierError
 from dflash_audit.data.proxy_folder import is_proxy_spec, proxy_verifier_dir
+from dflash_audit.user_input import loads_json
 
 # Config keys that describe where/how a config was written, not the model.
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "quantization_config")
@@ -131,7 +132,7 @@ def resolve_verifier(spec: str, progress: Callable[[str], None] | None = stderr_
     name, folder = resolve_verifier_path(spec, progress=progress)
     path = folder / "config.json"
     try:
-        config = json.loads(path.read_text())
+        config = loads_json(path.read_text())
         if not isinstance(config, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as exc:

@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from dflash_audit.atomic import atomic_folder
+from dflash_audit.atomic import atomic_folder, save_safetensors
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter
+from dflash_audit.user_input import loads_json
 
 NOT_SAVED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 #: A training run's layout: ``<out>/checkpoints/step-*`` and the pointer ``<out>/checkpoints/
@@ -193,7 +194,7 @@ def validate_checkpoint(path: str | Path, num_verifier_layers: int,
         raise CheckpointError(f"checkpoint {path} is damaged ({'; '.join(problems or [bad])}); "
                               "use an intact checkpoint (an earlier step-* folder)")
     try:
-        d = json.loads((path / "config.json").read_text())
+        d = loads_json((path / "config.json").read_text())
         tl = d["transformer_layer_config"]
         block_size, hidden = int(d["block_size"]), int(tl["hidden_size"])
         ids = [int(i) for i in d["aux_hidden_state_layer_ids"]]
@@ -262,7 +263,8 @@ def save_pretrained(model: DFlashDrafter, out_dir: str | Path,
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
              if k not in NOT_SAVED and not (k == "lm_head.weight" and not config.uses_draft_vocab)}
     with atomic_folder(out_dir) as tmp:
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt", **(metadata or {})})
+        save_safetensors(state, tmp / "model.safetensors",
+                         metadata={"format": "pt", **(metadata or {})})
         (tmp / "config.json").write_text(json.dumps(
             reference_config(config, verifier_name_or_path, verifier_architectures), indent=2))
     return Path(out_dir)
@@ -286,7 +288,7 @@ def load_pretrained(path: str | Path, verifier=None, num_verifier_layers: int | 
         if not (path / name).is_file():
             raise CheckpointError(f"{path} has no {name}: not a finished checkpoint")
     try:
-        d = json.loads((path / "config.json").read_text())
+        d = loads_json((path / "config.json").read_text())
     except ValueError as exc:
         raise CheckpointError(f"{path}/config.json is not JSON ({exc})") from exc
     if verifier is None:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash_audit.user_input import JSONNestingError, loads_json, shorten
+
 LOSS_REDUCTION_EPS = 1e-5
 NLA_EPS = 1e-5
 LK_HYBRID_ETA = 3.0
@@ -163,18 +165,21 @@ def parse_loss(spec: str) -> dict[str, float]:
     """
     if spec in LOSS_NAMES:
         return {spec: 1.0}
+    shown = shorten(spec)
     try:
-        mix = json.loads(spec)
-    except json.JSONDecodeError:
-        raise ValueError(f"unknown loss {spec!r}: use one of {sorted(LOSS_NAMES)} or a JSON mix "
-                         "such as '{\"ce\": 0.1, \"tv\": 0.9}'") from None
+        mix = loads_json(spec)
+    except json.JSONDecodeError as exc:
+        why = f" ({exc.msg})" if isinstance(exc, JSONNestingError) else ""
+        raise ValueError(f"unknown loss {shown!r}{why}: use one of {sorted(LOSS_NAMES)} or a JSON "
+                         "mix such as '{\"ce\": 0.1, \"tv\": 0.9}'") from None
     if not isinstance(mix, dict) or not mix:
-        raise ValueError(f"a loss mix must be a non-empty JSON object, got {spec!r}")
+        raise ValueError(f"a loss mix must be a non-empty JSON object, got {shown!r}")
     for name, coef in mix.items():
         if name not in LOSS_NAMES:
             raise ValueError(f"unknown loss {name!r} in mix; use {sorted(LOSS_NAMES)}")
-        if isinstance(coef, bool) or not isinstance(coef, (int, float)):
-            raise ValueError(f"coefficient of {name!r} must be a number, got {coef!r}")
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(
+                coef):
+            raise ValueError(f"coefficient of {name!r} must be a finite number, got {coef!r}")
     return {name: float(coef) for name, coef in mix.items()}
 
 

@@ -9,12 +9,12 @@ Two formats: speculators' (``config.json`` with ``speculators_model_type: "dflas
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dflash_audit.serve.engines import ServeCheckError
+from dflash_audit.user_input import loads_json
 
 SPECULATORS, ZLAB = "speculators", "zlab"
 
@@ -60,11 +60,9 @@ def read_checkpoint(path: str | Path) -> CheckpointFolder:
                               "checkpoint folder (config.json + model.safetensors), a run "
                               "folder or its checkpoints/latest")
     try:
-        config = json.loads(config_path.read_text())
+        config = loads_json(config_path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise ServeCheckError(f"{config_path} is not JSON ({exc})") from None
-    except RecursionError:
-        raise ServeCheckError(f"{config_path} is nested too deeply to be a config") from None
     if not isinstance(config, dict):
         raise ServeCheckError(f"{config_path} holds a {type(config).__name__}, not a config")
     if config.get("speculators_model_type") == "dflash":

@@ -13,7 +13,6 @@ a config the engine itself refuses, an engine that cannot be installed offline).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from dflash_audit.serve.engines import (
     resolve_engine,
     run_probe,
 )
+from dflash_audit.user_input import loads_json
 
 
 def _say(message: str) -> None:
@@ -54,8 +54,8 @@ def verifier_max_positions(spec: str | None) -> int | None:
     if path is None:
         return None
     try:
-        d = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError, RecursionError):
+        d = loads_json((path / "config.json").read_text())
+    except (OSError, ValueError):
         return None
     if not isinstance(d, dict):
         return None

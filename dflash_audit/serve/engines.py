@@ -21,6 +21,7 @@ from typing import Any
 
 from dflash_audit.audit.setup_error import CompareSetupError
 from dflash_audit.serve.fields import SideRecord
+from dflash_audit.user_input import loads_json
 
 PROBES = Path(__file__).resolve().parent / "probes"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -118,8 +119,6 @@ def run_script(script: Path, args: list[str], site: Path | None, what: str,
             setting to raise), or exited without writing readable JSON (with the end of its
             output).
     """
-    import json
-
     paths = [str(p) for p in ([site] if site else []) + [PROJECT_ROOT]]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONNOUSERSITE": "1",
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
@@ -136,7 +135,7 @@ def run_script(script: Path, args: list[str], site: Path | None, what: str,
             raise ServeCheckError(exceeded(what, timeout, PROBE_TIMEOUT_ENV)) from None
         if out.is_file():
             try:
-                return json.loads(out.read_text())
+                return loads_json(out.read_text())
             except ValueError as exc:
                 raise ServeCheckError(f"{what} wrote unreadable JSON ({exc})") from None
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])

@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Annotated, Any
 
+from dflash_audit.user_input import loads_json
+
 import typer
 
 Opt = typer.Option
@@ -236,7 +238,7 @@ def run_eval(checkpoint: Path | None, untrained: bool, profile: str, seed: int,
         from dflash_audit.model.checkpoint import CheckpointError
 
         try:
-            cfg = json.loads((Path(checkpoint) / "config.json").read_text()) \
+            cfg = loads_json((Path(checkpoint) / "config.json").read_text()) \
                 if (Path(checkpoint) / "config.json").is_file() else {}
         except ValueError as exc:
             raise CheckpointError(f"{checkpoint}/config.json is not JSON ({exc})") from exc

@@ -42,11 +42,12 @@ The accepted report's ``fingerprint`` is written into every checkpoint (safetens
 
 from __future__ import annotations
 
-import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dflash_audit.user_input import loads_json, not_a_file, path_kind, read_regular_text
 
 REPORT_FILE = "report.json"
 DEFAULT_REPORTS_DIR = Path("reports")
@@ -120,8 +121,15 @@ def read_report(path: Path) -> ReportFields:
     :mod:`dflash_audit.report.schema`).
 
     Raises:
-        GateError: unreadable, not JSON, or a required field missing (exit code 2).
+        GateError: not a regular file (a folder, a device, a FIFO: named), unreadable, not
+            JSON (or nested too deeply), another schema_version than this version writes, or
+            a required field missing (exit code 2).
     """
+    from dflash_audit.report.schema import SCHEMA_VERSION
+
+    what = "pass the report.json a `dflash-audit compare` wrote"
+    if path_kind(path) != "a regular file":
+        raise GateError(f"audit report {path} {not_a_file(path)}: {what}")
     try:
         size = Path(path).stat().st_size
         if size > MAX_REPORT_BYTES:
@@ -129,10 +137,19 @@ def read_report(path: Path) -> ReportFields:
                             f"report (they are far under {MAX_REPORT_BYTES // 2**20} MiB)")
         from dflash_audit.report.fingerprint import signature_problem
 
-        d = json.loads(Path(path).read_text())
-        if isinstance(d, dict) and "kind" in d and "schema_version" not in d:
+        d = loads_json(read_regular_text(path, MAX_REPORT_BYTES))
+        if not isinstance(d, dict):
+            raise GateError(f"audit report {path} holds a JSON {type(d).__name__}, not a report "
+                            f"object: {what}")
+        if "kind" in d and "schema_version" not in d:
             raise GateError(f"{path} is a {d['kind']!r} report, not a `dflash-audit compare` "
                             "report; pass the compare report's path to --report")
+        version = d.get("schema_version")
+        if type(version) is not int or version != SCHEMA_VERSION:  # noqa: E721 (True == 1)
+            raise GateError(f"audit report {path} has schema_version {version!r}; this "
+                            f"dflash-audit reads schema_version "
+                            f"{SCHEMA_VERSION} only: rerun the audit with this version "
+                            "(`dflash-audit compare`)")
         canary = d["candidate"].get("canary")
         return ReportFields(
             path=Path(path), verdict=str(d["verdict"]), fingerprint=str(d["fingerprint"]),
@@ -144,7 +161,9 @@ def read_report(path: Path) -> ReportFields:
             created_at=str(d.get("created_at") or ""), verifiers=d.get("verifiers"),
             canary=canary if isinstance(canary, dict) else None,
             signature_problem=signature_problem(d))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except OSError as exc:
+        raise GateError(f"cannot read audit report {path}: {exc.strerror or exc}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise GateError(f"cannot read audit report {path}: {type(exc).__name__}: {exc}") from None
 
 
@@ -329,7 +348,7 @@ def check_gate(expected: Expected, report: Path | None = None,
     skipped: list[str] = []  # while searching a folder: other tools' or unreadable reports
     for path in paths:
         if not path.is_file():
-            raise GateError(f"audit report {path} does not exist.\n{how}")
+            raise GateError(f"audit report {path} {not_a_file(path)}.\n{how}")
         try:
             fields = read_report(path)
         except GateError as exc:

@@ -14,6 +14,7 @@ warmed up and decayed independently.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -56,6 +57,11 @@ class OptimSpec:
     grad_clip: float = 1.0
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # click reads "inf" / "nan" as floats
+            values = getattr(self, f.name)
+            for v in values if isinstance(values, tuple) else (values,):
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise OptimConfigError(f"{f.name} must be a finite number, got {v}")
         if self.optimizer not in OPTIMIZERS:
             raise OptimConfigError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.schedule not in SCHEDULES:

@@ -237,12 +237,12 @@ def sealed_canary(candidate_spec: str | None, gate: GateResult, config: Any,
 def _read_result(folder: Path) -> dict[str, Any] | None:
     """The runner's ``status.json`` in ``folder``; None when it is missing, unreadable, or the
     folder holds symlinks or special files (a planted link is never followed)."""
-    import json
+    from dflash_audit.user_input import loads_json
 
     if folder.is_symlink() or not folder.is_dir() or links_in(folder):
         return None
     try:
-        status = json.loads((folder / STATUS).read_text())
+        status = loads_json((folder / STATUS).read_text())
     except (OSError, ValueError):
         return None
     return status if isinstance(status, dict) else None

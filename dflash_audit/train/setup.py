@@ -83,7 +83,7 @@ def make_source(cfg: Any, verifier: Any, profile: Any, env: Any):
 
     Raises:
         TrainError: not exactly one of ``batches`` / ``data``, or batches that do not fit
-            the verifier or the profile's target layers.
+            the verifier (its config, its vocabulary) or the profile's target layers.
     """
     from dflash_audit.train.sources import OfflineSource, OnlineSource
 
@@ -97,6 +97,12 @@ def make_source(cfg: Any, verifier: Any, profile: Any, env: Any):
             raise TrainError(f"the batches in {cfg.batches} were captured with verifier "
                              f"{source.metadata['verifier'].get('name')!r}, not with "
                              f"{cfg.verifier!r} (config hashes differ)")
+        from dflash_audit.data.batch import token_id_problem
+
+        for path, (ids, _) in zip(source.files, source.vocab_rows()):
+            problem = token_id_problem(ids, verifier.embedding_rows)
+            if problem:
+                raise TrainError(f"{path}: {problem}")
         wanted = profile.resolve_target_layer_ids(verifier.num_layers)
         if source.target_layer_ids != wanted:
             raise TrainError(f"the batches hold target layers {source.target_layer_ids}, the "

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dflash_audit.user_input import loads_json
+
 _SLOT = re.compile(r"^position_(\d+)_acc_sum$")
 
 
@@ -74,7 +76,7 @@ def read_metrics(metrics_path: str | Path) -> tuple[dict[int, dict[str, Any]],
         # a kill can cut a line inside a character; an edited file may hold anything
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
-                record = json.loads(line)
+                record = loads_json(line)
             except ValueError:
                 continue
             if not isinstance(record, dict):

@@ -6,7 +6,6 @@ audit's dtype and device.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from dflash_audit.audit.options import MAX_BLOCK_SIZE, CompareOptions
 from dflash_audit.audit.progress import Stages
 from dflash_audit.audit.setup_error import CompareSetupError
 from dflash_audit.data.verifier import ResolvedVerifier, resolve_verifier
+from dflash_audit.user_input import loads_json
 
 
 def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
@@ -126,7 +126,7 @@ def verifier_hint(profile: Any, verifier: str) -> str:
     source = Path(str(profile.source or ""))
     if source.suffix == ".json" and source.is_file():
         try:
-            depth = json.loads(source.read_text()).get("num_target_layers")
+            depth = loads_json(source.read_text()).get("num_target_layers")
         except (OSError, ValueError, AttributeError):
             depth = None
         if isinstance(depth, int):

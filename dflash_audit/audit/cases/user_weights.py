@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from dflash_audit.user_input import loads_json
+
 #: Verifier-owned weights the audit takes from the verifier, never from a drafter checkpoint.
 VERIFIER_OWNED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 #: Prefixes other layouts put before the reference's key names.
@@ -77,11 +79,9 @@ def _check_index(folder: Path) -> None:
     Raises:
         UserWeightsError: an unreadable index, or shards missing (named).
     """
-    import json
-
     for index in folder.glob("*.safetensors.index.json"):
         try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
+            shards = set(loads_json(index.read_text())["weight_map"].values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise UserWeightsError(f"--weights {folder}: {index.name} is not a readable "
                                    f"safetensors index ({type(exc).__name__}: {exc})") from None

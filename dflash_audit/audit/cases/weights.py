@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from dflash_audit.atomic import save_safetensors
 from dflash_audit.audit.cases.synthetic import synthetic_weights
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.verifier_weights import verifier_state
@@ -62,7 +63,7 @@ def save_frozen(weights: dict[str, torch.Tensor], path: Path) -> Path:
             aliases[key] = same
         else:
             tensors[key] = weights[key].contiguous()
-    save_file(tensors, path, metadata={f"alias:{k}": v for k, v in aliases.items()})
+    save_safetensors(tensors, path, metadata={f"alias:{k}": v for k, v in aliases.items()})
     return path
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from dflash_audit.model.derivation import SAVED_KEYS, rope_fields
 from dflash_audit.model.layer_ids import from_zlab_ids
+from dflash_audit.user_input import loads_json
 
 
 def _write_verifier(verifier_config: Any, folder: Path) -> None:
@@ -251,4 +252,4 @@ def _draft_config_file(source: str) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"model.draft_model_config {source!r} is not a local config file; "
                          "download it and name the file")
-    return json.loads(path.read_text())
+    return loads_json(path.read_text())

@@ -29,7 +29,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dflash_audit.atomic import file_sha256
+from dflash_audit.atomic import file_sha256, save_safetensors
 
 CANARY_DIR = "canary"
 #: At most this many metrics / trainable names are kept (a candidate chooses them).
@@ -51,7 +51,6 @@ def stage_canary(planned: list[Any], cases_dir: Path, outputs_dir: Path, staging
     ``outputs/``); returns the ``candidate.canary`` entry of the report, or None when no case
     ran without failure."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     from dflash_audit.audit.protocol import spec_for
     from dflash_audit.audit.tolerance import tolerance
@@ -75,16 +74,16 @@ def stage_canary(planned: list[Any], cases_dir: Path, outputs_dir: Path, staging
     if p.kind == "real":
         omitted = [k for k in VERIFIER_OWNED if k in names and not (
             p.case.config.uses_draft_vocab and k != "embed_tokens.weight")]
-    save_file(read(src / "weights.safetensors", lambda k: k not in omitted),
-              staging / "case" / "weights.safetensors")
+    save_safetensors(read(src / "weights.safetensors", lambda k: k not in omitted),
+                     staging / "case" / "weights.safetensors")
     meta = json.loads((out / "outputs.json").read_text())
     trainable = [str(n) for n in meta.get("trainable", [])][:MAX_NAMES]
     kept = {"loss", "aligned_loss_mask", *(f"grad.{n}" for n in trainable if n in names)}
     tensors = read(out / "outputs.safetensors", lambda k: k in kept or (  # nothing outside
         k.startswith("loss_weights.") and spec_for(k) is not None))  # the protocol is kept
-    save_file({k: v.contiguous() for k, v in tensors.items()
-               if not k.startswith("loss_weights.") or v.numel() <= 2**20},
-              staging / "outputs" / "outputs.safetensors")
+    save_safetensors({k: v.contiguous() for k, v in tensors.items()
+                      if not k.startswith("loss_weights.") or v.numel() <= 2**20},
+                     staging / "outputs" / "outputs.safetensors")
     metrics = {str(k): v for k, v in list(meta.get("metrics", {}).items())[:MAX_NAMES]
                if isinstance(v, (int, float)) and len(str(k)) <= 100}
     (staging / "outputs" / "outputs.json").write_text(json.dumps(

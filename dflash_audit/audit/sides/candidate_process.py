@@ -19,7 +19,6 @@ audit never hangs. The only way the candidate influences the verdict is the outp
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -46,6 +45,7 @@ from dflash_audit.audit.sides.launch import CandidateLaunch, launch_env
 from dflash_audit.audit.sides.sandbox import links_in, sandboxed
 from dflash_audit.candidate import CandidateError
 from dflash_audit.limits import Watch, exceeded, limit_s
+from dflash_audit.user_input import loads_json
 
 TAIL_CHARS = 3000
 POLL_S = 0.05
@@ -58,7 +58,7 @@ def load_error(out_dir: Path, launch: CandidateLaunch) -> CandidateLoadError:
     when a framework cannot import a module, one naming the module, who imports it and the
     fix (:func:`dflash_audit.audit.frameworks.registry.import_failure_message`)."""
     try:
-        data = json.loads((out_dir / LOAD_ERROR).read_text())
+        data = loads_json((out_dir / LOAD_ERROR).read_text())
     except (OSError, ValueError):
         data = {}
     if not isinstance(data, dict):
@@ -121,7 +121,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _read_status(folder: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((folder / STATUS).read_text())
+        return loads_json((folder / STATUS).read_text())
     except (OSError, ValueError):
         return None
 
@@ -221,7 +221,7 @@ def _watch(proc: subprocess.Popen, out_dir: Path, remaining: list[str],
         ended = proc.poll() is not None
         _collect(out_dir, remaining, results, stdout, stderr, on_case)
         try:
-            announced = json.loads((out_dir / HEARTBEAT).read_text()).get("case")
+            announced = loads_json((out_dir / HEARTBEAT).read_text()).get("case")
         except (OSError, ValueError):
             announced = None
         if announced != current:
@@ -330,7 +330,7 @@ def load_candidate_identity(spec: str | CandidateLaunch | None, out_dir: Path,
     if proc.returncode == EXIT_LOAD_ERROR and (out_dir / LOAD_ERROR).is_file():
         raise load_error(out_dir, launch)
     try:
-        return json.loads((out_dir / IDENTITY).read_text())
+        return loads_json((out_dir / IDENTITY).read_text())
     except (OSError, ValueError):
         rc = unwrapped_code(proc.returncode, proc.args)
         how = (f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
