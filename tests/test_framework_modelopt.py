@@ -115,9 +115,14 @@ def test_compare_fails_and_names_what_modelopt_does(modelopt_report):
         # ModelOpt's sampler allows a = T - B (max_anchor = seq_len - bs, inclusive,
         # hf_dflash.py:617-620); the reference excludes the last B positions
         assert res[(case, "anchors")]["status"] == "fail"
-        assert any(c.startswith("anchors admitted at T-B (a <= T - block_size, ModelOpt's rule)")
+        assert any(c.startswith("anchors admitted at T-B: a <= T - block_size (NVIDIA ModelOpt "
+                                "0.47.0's rule); the block of an anchor")
                    for c in res[(case, "anchors")]["diagnosis"])
         derived = " | ".join(res[(case, "derivation")]["diagnosis"])
+        # its saved use_sliding_window None is the reference's False for Qwen3Config (no
+        # window either way): not a difference; on the sliding case it is one (None vs True)
+        differing = res[(case, "derivation")]["details"]["differing"]
+        assert ("saved.use_sliding_window" in differing) == (case == CASES[1]), differing
         # nothing is inherited from the verifier under transformers 5.19: Qwen3Config's own
         # defaults win over the setdefault list (hf_dflash.py:403-413)
         for cause in ("num_attention_heads 32", "head_dim 128", "intermediate_size 22016"):
