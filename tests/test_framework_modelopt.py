@@ -99,8 +99,14 @@ def test_compare_fails_and_names_what_modelopt_does(modelopt_report):
         # what ModelOpt does like the reference: fc over the z-lab layers (ids k+1,
         # hf_dflash.py:982-984), its teacher = base logits at a+s-1 through the re-applied
         # final norm (hf_dflash.py:846-853, modeling_final_norm.py:119-145)
-        for check in ("protocol", "structure", "targets"):
+        for check in ("protocol", "targets"):
             assert res[(case, check)]["status"] == "pass", res[(case, check)]["summary"]
+        # the structures agree, but the frozen parts' names are the adapter's mapping
+        structure = res[(case, "structure")]
+        assert structure["status"] == "warn" and structure["diagnosis"] == [
+            "structure: computed by the adapter, not audited as NVIDIA ModelOpt 0.47.0's "
+            "(structure.state_dict.frozen_names)"], structure
+        assert "structures agree" in structure["summary"]
         # aligned mask and per-slot weights: decay objective with factor 7 = exp(-(s-1)/7),
         # slot 0 and padding blocks excluded (hf_dflash.py:795-839)
         parts = res[(case, "loss")]["details"]["parts"]

@@ -135,7 +135,25 @@ def test_derivation_differences_named(report):
     assert "the draft layers do not apply" in q["summary"]
     g = results(report, GEMMA, "derivation")[0]
     assert g["status"] == "fail" and "KeyError: 'rope_type'" in g["summary"]
-    assert statuses(report, LLAMA, "derivation") == {"pass"}
+    assert statuses(report, LLAMA, "derivation") == {"pass"}  # SpecForge's generated layout
+
+
+def test_what_the_adapter_set_is_never_a_plain_pass(report):
+    """A sliding layout is the adapter's (SpecForge generates full attention; a user draft
+    config sets the window): the derivation compared on it is marked, as are the layer ids
+    the adapter converts (structure.target_layer_ids), in every case."""
+    q = results(report, QWEN3, "derivation")[0]
+    assert q["status"] == "warn", q["summary"]
+    assert q["details"]["provenance"]["adapter"] == [
+        "derivation.layer_types", "derivation.sliding_window", "derivation.saved.layer_types",
+        "derivation.saved.sliding_window", "derivation.saved.use_sliding_window"]
+    assert q["summary"].startswith("derivation: computed by the adapter, not audited as "
+                                   "SpecForge 0.2.0's")
+    for case in RAN:
+        s = results(report, case, "structure")[0]
+        assert s["details"]["provenance"]["adapter"] == ["structure.target_layer_ids"], case
+    assert all(r["status"] != "pass" or "provenance" not in r["details"]
+               for c in report["json"]["cases"] for r in c["results"])
 
 
 def test_defaults_named(report):
