@@ -16,7 +16,7 @@ from dflash_audit.audit.case import SideOutputs
 from dflash_audit.audit.cases.synthetic import synthetic_case
 from dflash_audit.audit.checks import run_checks
 from dflash_audit.audit.checks.context import check_context
-from dflash_audit.audit.checks.defaults import check_defaults
+from dflash_audit.audit.checks.defaults import check_defaults, diagnose_defaults
 from dflash_audit.audit.checks.gradients import check_gradients
 from dflash_audit.audit.checks.logits import check_logits
 from dflash_audit.audit.checks.loss import check_loss, fit_decay
@@ -24,6 +24,7 @@ from dflash_audit.audit.checks.mask import check_masks
 from dflash_audit.audit.checks.metrics import check_metrics, eal_definitions, eal_value
 from dflash_audit.audit.checks.structure import check_structure
 from dflash_audit.audit.checks.targets import check_targets
+from dflash_audit.audit.replay.evidence import Evidence
 from dflash_audit.audit.sides.anchor_draws import draw_anchors
 from dflash_audit.audit.sides.run_sides import run_candidate
 from dflash_audit.audit.slots import attended_positions
@@ -350,6 +351,12 @@ def test_defaults_report_each_side_and_never_fail(ours):
     cand.defaults = {"gamma": 7.0, "loss": "kl_div"}
     res = check_defaults(CASE, cand, ref)
     assert res.status == "warn" and "gamma: candidate 7.0, reference 4.0" in res.summary
+    # 4 and 4.0 are one default: the diagnosis names only the gamma that differs in value
+    cand.defaults = {"gamma": 7.0, "block_size": 8.0, "max_anchors": 512}
+    res = check_defaults(CASE, cand, ref)
+    assert diagnose_defaults(Evidence(CASE, cand, ref), res) == [
+        "the candidate's default gamma 7.0 differs from the reference's 4.0: a run without an "
+        "explicit profile would train differently"]
 
 
 def test_metrics_eal_definition_difference_warns_naming_both(ours):

@@ -224,8 +224,10 @@ ANCHORS = {
     "anchor_needs_block_in_document": ("an anchor needs block_size-1 further tokens of its own "
                                        "document", "document"),
     "anchor_one_fewer": ("one anchor fewer per draw than there are valid positions", None),
-    "anchor_at_t_minus_b": ("anchors admitted at T-B (a <= T - block_size, ModelOpt's rule): "
-                            "the block of an anchor at T-B ends at T-1, inside the row", None),
+    # a plain candidate: the rule is named, no framework's name (ModelOpt's rule only when
+    # ModelOpt is the candidate, frameworks/rules.py)
+    "anchor_at_t_minus_b": ("anchors admitted at T-B: a <= T - block_size; the block of an "
+                            "anchor at T-B ends at T-1, inside the row", None),
 }
 
 

@@ -420,8 +420,9 @@ def edited(side: SideOutputs, **tensors) -> SideOutputs:
 
 
 @pytest.mark.parametrize("ids,cause", [
-    ([0, 2, 3], "target layer ids in the z-lab convention (offset by one: z-lab id k = "
-                "speculators id k+1): [0, 2, 3] instead of [1, 3, 4]"),
+    ([0, 2, 3], "target layer ids counted by decoder layer, offset by one (id k = layer k's "
+                "output, hidden_states[k+1] = speculators id k+1): [0, 2, 3] instead of "
+                "[1, 3, 4]"),
     ([2, 4, 5], "target layer ids offset by +1"),
     ([1, 3, -2], "negative target layer ids [1, 3, -2] wrap python-style (N+id)"),
 ])

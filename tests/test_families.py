@@ -475,6 +475,61 @@ def test_a_failing_derived_field_is_named_before_the_warn_only_mask_token():
         "rope theta 1e+06 where the verifier's sliding_attention rope_parameters give 10000")
 
 
+#: (candidate fields, reference fields): spellings the saved config's consumer
+#: (transformers' Qwen3Config) and the draft layers treat alike.
+SAME_FOR_THE_CONSUMER = [
+    ({"saved.use_sliding_window": None}, {"saved.use_sliding_window": False}),  # ModelOpt
+    ({"attention_bias": None, "saved.attention_bias": None},
+     {"attention_bias": False, "saved.attention_bias": False}),
+    ({"saved.tie_word_embeddings": None}, {"saved.tie_word_embeddings": False}),
+    ({"head_dim": 8.0, "rms_norm_eps": 1e-5}, {"head_dim": 8, "rms_norm_eps": 1.0e-5}),
+    ({"rope_scaling": {}}, {"rope_scaling": None}),
+    ({"rope_partial_rotary_factor": 1.0}, {"rope_partial_rotary_factor": None}),
+    ({"saved.rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 1.0}},
+     {"saved.rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}),
+    ({"saved.use_sliding_window": None, "saved.sliding_window": 4096},  # dropped on load
+     {"saved.use_sliding_window": False, "saved.sliding_window": None}),
+    ({"saved.use_sliding_window": False, "saved.layer_types": None},
+     {"saved.use_sliding_window": False, "saved.layer_types": ["full_attention"] * 3}),
+]
+#: ... and values that change what runs: still differences.
+DIFFER_FOR_THE_CONSUMER = [
+    ({"saved.use_sliding_window": None}, {"saved.use_sliding_window": True}),
+    ({"attention_bias": None}, {"attention_bias": True}),
+    ({"rope_partial_rotary_factor": 0.25}, {"rope_partial_rotary_factor": None}),
+    ({"rope_scaling": {}}, {"rope_scaling": {"factor": 8.0}}),
+    ({"saved.use_sliding_window": True, "saved.sliding_window": 4096},
+     {"saved.use_sliding_window": True, "saved.sliding_window": 2048}),
+    ({"saved.use_sliding_window": False, "saved.layer_types": None},
+     {"saved.use_sliding_window": False, "saved.layer_types": ["sliding_attention"] * 3}),
+    ({"saved.sliding_window": 0}, {"saved.sliding_window": None}),  # no use_sliding_window
+]
+
+
+@pytest.mark.parametrize("cand, ref", SAME_FOR_THE_CONSUMER + DIFFER_FOR_THE_CONSUMER)
+def test_equivalent_config_spellings_are_equal(cand, ref):
+    """A derived or saved config field differs only where its consumer behaves differently
+    (None / False / a missing key for a boolean off, 8 / 8.0, {} / None for no scaling, ...):
+    ModelOpt's saved ``use_sliding_window: None`` against the reference's ``False`` was a
+    FAIL."""
+    from types import SimpleNamespace
+
+    from dflash_audit.audit.checks.derivation import check_derivation
+
+    case = SimpleNamespace(name="syn-000-llama-full", verifier=SimpleNamespace(
+        name="family:llama", target_layers="speculators", config=family_config("llama")))
+    common = {"hidden_size": 32}
+    [result] = check_derivation(case, SimpleNamespace(derivation={**common, **cand}),
+                                SimpleNamespace(derivation={**common, **ref}))
+    differ = (cand, ref) in DIFFER_FOR_THE_CONSUMER
+    assert result.status == ("fail" if differ else "pass"), result.summary
+    assert bool(result.details["differing"]) == differ
+    if differ:  # the raw values are what the report shows
+        key = next(iter(result.details["differing"]))
+        assert result.details["differing"][key] == {"candidate": cand[key],
+                                                    "reference": ref[key]}
+
+
 def test_a_verifier_that_is_not_causal_is_refused(tmp_path, monkeypatch):
     """BERT has a causal-LM head in transformers (BertLMHeadModel) but attends to later
     tokens unless is_decoder: its proxy was built and audited as a verifier before."""

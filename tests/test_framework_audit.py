@@ -31,9 +31,11 @@ from dflash_audit.audit.frameworks import registry
 from dflash_audit.audit.hard_labels import DATA_TOKENS_CAUSE, data_tokens
 from dflash_audit.audit.judge import check_case
 from dflash_audit.audit.options import CompareOptions
+from dflash_audit.audit.result import is_downstream
 from dflash_audit.audit.sides.run_sides import run_candidate
 from dflash_audit.candidate import DrafterCandidate, side_outputs
 from dflash_audit.cli import app
+from dflash_audit.model.loss import LossSpec
 from dflash_audit.profile import Profile
 
 pytestmark = pytest.mark.reference
@@ -269,9 +271,18 @@ class ArgmaxLabels(DrafterCandidate):
 
 
 @pytest.fixture(scope="module")
-def label_case(run_reference_cases):
+def label_cases(run_reference_cases):
+    """One synthetic case under the reference-model profile and its D-PACE twin (the training
+    CLI's ce + dpace: SpecForge's D-PACE run), run by the reference in one process."""
     case = plan_synthetic_cases(Profile.load("reference-model"), 1, seed=3)[0].case
-    return case, run_reference_cases([case])[case.name]
+    dpace = dataclasses.replace(case, name=f"{case.name}-dpace", loss=LossSpec("ce", "dpace"))
+    refs = run_reference_cases([case, dpace])
+    return {"plain": (case, refs[case.name]), "dpace": (dpace, refs[dpace.name])}
+
+
+@pytest.fixture(scope="module")
+def label_case(label_cases):
+    return label_cases["plain"]
 
 
 def test_data_token_labels_are_named(label_case):
@@ -285,9 +296,32 @@ def test_data_token_labels_are_named(label_case):
     assert "target_ids differ from the reference's argmax target" in results["targets"].summary
     assert results["targets"].diagnosis == [DATA_TOKENS_CAUSE]
     assert results["loss"].status == "fail"
-    # its loss replayed on its own labels: ce-data, the reference's denominator
-    assert results["loss"].diagnosis[0] == (f"{DATA_TOKENS_CAUSE} (loss 'ce-data' where the "
-                                            "profile says 'kl_div')")
+    # its loss replayed on its own labels: ce-data, the reference's denominator; training on
+    # the labels the targets check names is a consequence of that, not a cause of its own
+    assert results["loss"].diagnosis == [
+        f"follows from the targets difference ({DATA_TOKENS_CAUSE}): the loss is "
+        "cross-entropy against those labels ('ce-data' where the profile says 'kl_div')"]
+
+
+def test_dpace_on_data_token_labels_is_a_consequence(label_cases):
+    """D-PACE confidences from the cross-entropy of the candidate's own labels (SpecForge
+    under D-PACE: exp(-CE) of the term it weights) follow from the labels: one root cause,
+    the targets check's; the loss check names only consequences."""
+    case, ref = label_cases["dpace"]
+    cand, failure = run_candidate(DataTokenLabels(), case)
+    assert failure is None
+    results = {r.name: r for r in check_case(case, cand, ref)}
+    assert results["targets"].diagnosis == [DATA_TOKENS_CAUSE]
+    loss = results["loss"]
+    assert loss.status == "fail"
+    assert loss.details["parts"]["loss_weights.ce"]["status"] == "fail"
+    assert loss.diagnosis == [
+        f"follows from the targets difference ({DATA_TOKENS_CAUSE}): D-PACE weights depend on "
+        "the per-slot loss, and the reference's D-PACE formula on the candidate's own logits "
+        "and labels (target_ids) reproduces its weights",
+        f"follows from the targets difference ({DATA_TOKENS_CAUSE}): the loss is "
+        "cross-entropy against those labels ('ce-data' where the profile says 'ce')"]
+    assert all(is_downstream(d) for d in loss.diagnosis)
 
 
 def test_argmax_labels_pass(label_case):

@@ -100,13 +100,17 @@ def test_anchor_sampler_differences_named(report):
         assert any("last block_size positions" in d for d in r["diagnosis"]), case
     for case in (LLAMA, QWEN35, GEMMA):  # a multi-turn document: a user turn inside its span
         r = results(report, case, "anchors")[0]
-        assert any(d.startswith("an anchor also needs loss_mask[a+1]") for d in r["diagnosis"])
+        assert any(d.startswith("an anchor also needs loss_mask[a+1] (SpecForge 0.2.0's rule)")
+                   for d in r["diagnosis"]), r["diagnosis"]
+    # a rule is named as a framework's only when that framework is the candidate
+    assert "ModelOpt" not in json.dumps(report["json"]["diagnoses"])
 
 
 def test_loss_differs(report):
     """Hard CE against data tokens input_ids[a+s] (dfm:406-416) divided by the sum of weights
     (dfm:361-362) against the reference's CE on argmax(verifier) / (sum(m) + 1e-5): the labels
-    are named by the targets check, both deviations by the loss check."""
+    are named by the targets check (the loss check names training on them as its consequence),
+    the denominator by the loss check."""
     for case in RAN:
         t = results(report, case, "targets")[0]
         assert t["status"] == "fail" and t["diagnosis"] == [
@@ -114,11 +118,12 @@ def test_loss_differs(report):
         r = results(report, case, "loss")[0]
         assert r["status"] == "fail", case
         assert "total loss" in r["summary"]
+        # training on the labels the targets check names is a consequence, not a second cause
         assert r["diagnosis"] == [
-            "targets are the data tokens input_ids[a+s], not the verifier's prediction (loss "
-            "'ce-data' where the profile says 'ce')",
-            "loss normalised by the sum of weights instead of the number of supervised tokens"
-        ], case
+            "loss normalised by the sum of weights instead of the number of supervised tokens",
+            "follows from the targets difference (targets are the data tokens input_ids[a+s], "
+            "not the verifier's prediction): the loss is cross-entropy against those labels "
+            "('ce-data' where the profile says 'ce')"], case
         grads = results(report, case, "gradients")[0]
         assert grads["status"] == "fail" and any("follows from" in d for d in grads["diagnosis"])
 
@@ -130,7 +135,25 @@ def test_derivation_differences_named(report):
     assert "the draft layers do not apply" in q["summary"]
     g = results(report, GEMMA, "derivation")[0]
     assert g["status"] == "fail" and "KeyError: 'rope_type'" in g["summary"]
-    assert statuses(report, LLAMA, "derivation") == {"pass"}
+    assert statuses(report, LLAMA, "derivation") == {"pass"}  # SpecForge's generated layout
+
+
+def test_what_the_adapter_set_is_never_a_plain_pass(report):
+    """A sliding layout is the adapter's (SpecForge generates full attention; a user draft
+    config sets the window): the derivation compared on it is marked, as are the layer ids
+    the adapter converts (structure.target_layer_ids), in every case."""
+    q = results(report, QWEN3, "derivation")[0]
+    assert q["status"] == "warn", q["summary"]
+    assert q["details"]["provenance"]["adapter"] == [
+        "derivation.layer_types", "derivation.sliding_window", "derivation.saved.layer_types",
+        "derivation.saved.sliding_window", "derivation.saved.use_sliding_window"]
+    assert q["summary"].startswith("derivation: computed by the adapter, not audited as "
+                                   "SpecForge 0.2.0's")
+    for case in RAN:
+        s = results(report, case, "structure")[0]
+        assert s["details"]["provenance"]["adapter"] == ["structure.target_layer_ids"], case
+    assert all(r["status"] != "pass" or "provenance" not in r["details"]
+               for c in report["json"]["cases"] for r in c["results"])
 
 
 def test_defaults_named(report):
@@ -160,7 +183,7 @@ def test_nothing_specforge_does_not_do_is_reported(report):
         for r in results(report, case, "protocol"):
             assert r["status"] == "pass" or "targets" in r["summary"], r["summary"]
     words = json.dumps(report["json"]["diagnoses"]).lower()
-    for wrong in ("z-lab convention", "off by one", "cross-document", "causal attention inside",
+    for wrong in ("counted by decoder layer", "off by one", "cross-document", "causal attention inside",
                   "slot 0", "double norm", "subset of the target layers"):
         assert wrong not in words, wrong
 

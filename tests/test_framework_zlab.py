@@ -115,6 +115,11 @@ def test_compare_finds_the_window_bound_and_passes_full_attention(zlab_compare):
                     assert r["status"] == "warn", (c["name"], name, r["summary"])
                     assert "computed by the adapter, not audited as z-lab dflash 0.1.0's" in (
                         r["summary"]), (c["name"], name)
+        # the metrics and the derivation are the adapter's too (z-lab has neither)
+        for name in ("metrics", "derivation"):
+            r = results[(name, None)]
+            assert r["status"] in ("warn", "fail") and r["details"]["provenance"] == {
+                "adapter": [name]}, (c["name"], name, r["summary"])
         sliding = results.get(("mask", "sliding_attention"))
         if sliding and sliding["status"] == "fail":
             causes += sliding["diagnosis"]

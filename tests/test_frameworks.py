@@ -257,6 +257,116 @@ def test_provenance_of_a_mask_is_per_layer_type():
     assert sliding.status == PASS and "provenance" not in sliding.details
 
 
+def test_provenance_covers_parts_of_what_a_check_reads():
+    """A declared part of an output a check reads marks that check: SpecForge's converted
+    ``structure.target_layer_ids``, the layout fields its derive_config sets on a sliding
+    layout (its derivation's own ``provenance`` entry), a ``metrics.`` family; a declared part
+    the case does not hold marks nothing."""
+    from types import SimpleNamespace
+
+    from dflash_audit.audit.frameworks.provenance import case_provenance
+
+    outputs = SimpleNamespace(
+        tensors={"logits": 0}, metrics={"train_acc": 0.5}, metadata={},
+        structure={"target_layer_ids": [1], "state_dict": {"fc.weight": {}}},
+        derivation={"layer_types": ["sliding_attention"], "saved.use_sliding_window": True,
+                    "provenance": {"layer_types": "adapter",
+                                   "saved.use_sliding_window": "adapter"}})
+    declared = {"structure.target_layer_ids": "adapter", "metrics.": "adapter",
+                "derivation.sliding_window": "adapter",  # not in this case's derivation
+                "structure.state_dict.frozen_names": "adapter", "logits": "framework"}
+    prov = case_provenance(declared, outputs)
+    assert prov["derivation.layer_types"] == "adapter"
+    results = [CheckResult(name, "c", PASS, f"{name} agree")
+               for name in ("structure", "metrics", "derivation", "logits")]
+    structure, metrics, derivation, logits = mark_provenance(
+        results, prov, "SpecForge 0.2.0", outputs)
+    assert structure.status == WARN and structure.details["provenance"]["adapter"] == [
+        "structure.target_layer_ids", "structure.state_dict.frozen_names"]
+    assert metrics.status == WARN and metrics.details["provenance"]["adapter"] == ["metrics."]
+    assert derivation.status == WARN and derivation.details["provenance"]["adapter"] == [
+        "derivation.layer_types", "derivation.saved.use_sliding_window"]
+    assert logits.status == PASS
+    # a full layout: SpecForge's own generated layout, nothing the adapter set
+    full = SimpleNamespace(tensors={}, metrics={}, metadata={}, structure={},
+                           derivation={"layer_types": ["full_attention"], "provenance": {}})
+    [plain] = mark_provenance([CheckResult("derivation", "c", PASS, "equal")],
+                              case_provenance({}, full), "SpecForge 0.2.0", full)
+    assert plain.status == PASS
+
+
+@pytest.mark.parametrize("key", ["modelopt", "specforge", "zlab"])
+def test_every_output_an_adapter_computes_is_marked_where_a_check_reads_it(key):
+    """Each output a built-in adapter declares its own is read by some check, so a PASS on it
+    is never plain (``settings.*`` are declared choices no check compares); z-lab's metrics
+    and derivation are the adapter's (they passed as z-lab's before)."""
+    import importlib
+    from types import SimpleNamespace
+
+    from dflash_audit.audit.frameworks.provenance import CHECK_KEYS, DICT_OUTPUTS, adapter_keys
+
+    adapter = importlib.import_module(f"dflash_audit.audit.frameworks.{key}_adapter")
+    declared = [k for k, v in adapter.PROVENANCE.items()
+                if v == "adapter" and not k.startswith("settings.")]
+    assert declared
+    for part in declared:
+        top, _, field = part.partition(".")
+        outputs = SimpleNamespace(tensors={} if top in DICT_OUTPUTS else {
+            part + "x" if part.endswith(".") else part: 0}, **{
+            name: ({(field + "x" if field.endswith(".") else field) or "x": 0}
+                   if name == top else {}) for name in DICT_OUTPUTS})
+        assert any(adapter_keys(check, {part: "adapter"}, outputs) for check in CHECK_KEYS), part
+    if key == "zlab":
+        assert {"metrics", "derivation"} <= set(declared)
+
+
+def test_a_rule_names_the_framework_that_has_it_and_no_other():
+    """"ModelOpt's rule" was printed on SpecForge cases where, with B = 2, its sampler also
+    admits a = T - B: a rule's name carries the framework only when it is the candidate."""
+    from dflash_audit.audit.checks.anchors import AT_T_MINUS_B, NEEDS_NEXT
+    from dflash_audit.audit.frameworks.rules import attribute_rules
+
+    def results():
+        cause = f"{AT_T_MINUS_B}; the block of an anchor at T-B ends at T-1"
+        return [CheckResult("anchors", "c", FAIL, f"{cause} (position 6 of T=8)",
+                            diagnosis=[cause, f"{NEEDS_NEXT}: ..."],
+                            details={"causes": [cause]})]
+
+    [mo] = attribute_rules(results(), {"key": "modelopt", "label": "NVIDIA ModelOpt 0.47.0"})
+    own = f"{AT_T_MINUS_B} (NVIDIA ModelOpt 0.47.0's rule); the block of an anchor at T-B"
+    assert mo.diagnosis[0].startswith(own) and mo.summary.startswith(own)
+    assert mo.details["causes"][0].startswith(own)
+    assert mo.diagnosis[1] == f"{NEEDS_NEXT}: ..."  # SpecForge's rule, not ModelOpt's
+    [sf] = attribute_rules(results(), {"key": "specforge", "label": "SpecForge 0.2.0"})
+    assert sf.diagnosis == [f"{AT_T_MINUS_B}; the block of an anchor at T-B ends at T-1",
+                            f"{NEEDS_NEXT} (SpecForge 0.2.0's rule): ..."]
+    [plain] = attribute_rules(results(), None)
+    assert plain.diagnosis == results()[0].diagnosis
+
+
+def test_the_checks_name_no_framework_in_their_wording():
+    """Rule names in the checks' and diagnoses' wording are neutral (string constants, not
+    docstrings); whose rule it is is said by frameworks/rules.py for that framework only."""
+    import ast
+    import re
+
+    import dflash_audit
+
+    root = Path(dflash_audit.__file__).parent / "audit"
+    names = re.compile(r"SpecForge|ModelOpt|z-lab|NeMo", re.IGNORECASE)
+    found = []
+    for path in [*root.glob("checks/*.py"), *root.glob("replay/*.py"), root / "diagnose.py",
+                 root / "hard_labels.py"]:
+        tree = ast.parse(path.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(
+            n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body and isinstance(
+            n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        found += [f"{path.name}:{n.lineno}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                  and id(n) not in docs and names.search(n.value)]
+    assert not found, found
+
+
 def test_capabilities_new_keys_name_what_cannot_be_given(profile):
     """What a z-lab-convention framework cannot name (ids 0 and N), a one-target-layer-per-
     draft-layer rule, windows below the block, loss mixes, one head for both roles; unknown

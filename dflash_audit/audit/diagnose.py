@@ -25,8 +25,13 @@ from collections.abc import Callable
 
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.checks import REGISTRY
-from dflash_audit.audit.hard_labels import DATA_TOKENS_CAUSE, data_token_slots
-from dflash_audit.audit.replay.evidence import Evidence, SearchMemo, unexplained
+from dflash_audit.audit.hard_labels import DATA_TOKENS_CAUSE
+from dflash_audit.audit.replay.evidence import (
+    Evidence,
+    SearchMemo,
+    data_token_consequence,
+    unexplained,
+)
 from dflash_audit.audit.result import FAIL, PASS, CheckResult
 
 #: Check name -> its diagnosis.
@@ -49,9 +54,9 @@ def diagnose(case: Case, cand: SideOutputs, ref: SideOutputs,
             causes = DIAGNOSERS.get(result.name, lambda e, r: [])(ev, result)
         except Exception as err:  # noqa: BLE001 - a diagnosis must not hide the finding
             causes = [f"diagnosis could not run: {type(err).__name__}: {err}"]
-        if (result.name in ("loss", "metrics") and data_token_slots(case, cand, ref)
-                and not any(DATA_TOKENS_CAUSE in c for c in causes)):
-            causes = [f"follows from the targets difference ({DATA_TOKENS_CAUSE})", *causes]
+        labels = data_token_consequence(ev) if result.name in ("loss", "metrics") else None
+        if labels and not any(DATA_TOKENS_CAUSE in c for c in causes):
+            causes = [labels, *causes]
         if not causes and result.status == FAIL:
             causes = [unexplained(result)]
         result.diagnosis = causes

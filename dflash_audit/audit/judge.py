@@ -81,8 +81,9 @@ def check_all(planned: list[Any], outputs: dict[str, Any], cases_dir: Path, st: 
               framework: dict[str, Any] | None = None) -> tuple[list[Any], list[Any]]:
     """Checks + diagnosis of every case; returns the case records and the mask pictures
     (differing masks first, else one example per layer type from a real case).
-    ``framework`` (``{"label", "provenance"}`` of an audited framework): results on values
-    its adapter computed are marked (:mod:`dflash_audit.audit.frameworks.provenance`).
+    ``framework`` (``{"key", "label", "provenance"}`` of an audited framework): results on
+    values its adapter computed are marked (:mod:`dflash_audit.audit.frameworks.provenance`)
+    and the framework's own rules are named as its (:mod:`dflash_audit.audit.frameworks.rules`).
 
     Raises:
         CompareSetupError: the reference wrote no outputs for a case the candidate ran on (a
@@ -115,9 +116,11 @@ def check_all(planned: list[Any], outputs: dict[str, Any], cases_dir: Path, st: 
                     case_provenance,
                     mark_provenance,
                 )
+                from dflash_audit.audit.frameworks.rules import attribute_rules
 
                 mark_provenance(results, case_provenance(framework.get("provenance"), cand),
                                 framework.get("label", "the framework"), cand)
+                attribute_rules(results, framework)
             records.append(CaseRecord(name=name, kind=p.kind, description=p.case.description,
                                       layout=p.layout, results=results))
             for pic in [] if p.case.unsupported else mask_pictures(name, p.case, cand, ref):

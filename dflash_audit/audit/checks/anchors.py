@@ -28,7 +28,7 @@ Hypotheses name (the comparison names them itself): per document vs per row samp
 not random (every draw the same), anchors outside the packed row, anchors admitted at T-B
 (ModelOpt: its block ends inside the row) or drawn from past it, anchors where loss_mask is 0,
 more than the last block_size positions excluded, an anchor that also needs loss_mask[a+1]
-(SpecForge) or block_size-1 further tokens of its own document, positions the reference draws
+(SpecForge's) or block_size-1 further tokens of its own document, positions the reference draws
 never drawn, one anchor fewer than there are valid positions (ModelOpt) or another number of
 anchors per draw, anchors drawn with replacement, and per-position frequencies that differ.
 """
@@ -90,11 +90,16 @@ def rule_sets(case: Case) -> dict[str, set[int]]:
             "document": {p for p in admitted if doc[p + B - 1] != doc[p]}}
 
 
+#: The names of anchor rules, in neutral words: which framework's own rule each is is said
+#: only when that framework is the candidate (:mod:`dflash_audit.audit.frameworks.rules`).
+NEEDS_NEXT = "an anchor also needs loss_mask[a+1]"
+AT_T_MINUS_B = "anchors admitted at T-B: a <= T - block_size"
+ONE_FEWER = ("one anchor fewer per draw than there are valid positions: "
+             "min(max_anchors, valid) - 1")
 #: The named stricter rules of :func:`rule_sets`.
 RULE_CAUSES = {
-    "next": "an anchor also needs loss_mask[a+1] (SpecForge's rule: the last supervised token "
-            "before an unsupervised one is never an anchor); the reference admits every "
-            "supervised position a < T - block_size",
+    "next": f"{NEEDS_NEXT}: the last supervised token before an unsupervised one is never an "
+            "anchor; the reference admits every supervised position a < T - block_size",
     "document": "an anchor needs block_size-1 further tokens of its own document (no block "
                 "crosses a document boundary); the reference admits every supervised position "
                 "a < T - block_size of the packed row",
@@ -116,9 +121,9 @@ def support_findings(case: Case, extra: list[int], missing: list[int],
     if beyond:
         out.append(("anchors outside the packed row", f"positions {_positions(beyond)}, T={T}"))
     if tail == [T - B]:
-        out.append(("anchors admitted at T-B (a <= T - block_size, ModelOpt's rule): the block "
-                    "of an anchor at T-B ends at T-1, inside the row, but the reference also "
-                    "excludes it (valid_mask[:, -block_size:] = False)",
+        out.append((f"{AT_T_MINUS_B}; the block of an anchor at T-B ends at T-1, inside the "
+                    "row, but the reference also excludes it (valid_mask[:, -block_size:] = "
+                    "False)",
                     f"position {T - B} of T={T}, block_size={B}"))
     elif tail:
         out.append(("anchors drawn from the last block_size positions of the row; the reference "
@@ -187,9 +192,8 @@ def check_anchor_draws(case: Case, cand: SideOutputs, ref: SideOutputs) -> Check
     c_count, r_count = sorted(set(cv.sum(1).tolist())), sorted(set(rv.sum(1).tolist()))
     if c_count != r_count and not found:  # with another support the count follows from it
         one_fewer = len(r_count) == 1 and r_count[0] < A and c_count == [r_count[0] - 1]
-        found.append(("one anchor fewer per draw than there are valid positions "
-                      "(min(max_anchors, valid) - 1, ModelOpt's count); the reference draws "
-                      "min(max_anchors, valid)" if one_fewer else
+        found.append((f"{ONE_FEWER}; the reference draws min(max_anchors, valid)"
+                      if one_fewer else
                       "another number of anchors per draw than the reference's "
                       "min(max_anchors, valid positions)",
                       f"{_positions(c_count)} per draw, reference {_positions(r_count)}"))

@@ -47,6 +47,7 @@ def _reports_none(defaults: dict[str, Any], field: str) -> bool:
 
 
 def _same_default(a: Any, b: Any) -> bool:
+    """Equal defaults: 8 and 8.0 alike, a loss by its first word (check and diagnosis)."""
     if isinstance(a, str) and isinstance(b, str):  # "kl_div (fused)" names the loss kl_div
         return a.split()[0] == b.split()[0]
     return a == b
@@ -91,7 +92,7 @@ def diagnose_defaults(ev: Evidence, result: CheckResult) -> list[str]:
             out.append(f"the candidate's default {name} is None (no position decay, w_s = 1); "
                        f"the reference's is {r!r}: a run without an explicit gamma would not "
                        "decay the loss over the block")
-        if c is not None and r is not None and str(c).split()[0] != str(r).split()[0]:
+        if c is not None and r is not None and not _same_default(c, r):
             out.append(f"the candidate's default {name} {c!r} differs from the reference's "
                        f"{r!r}: a run without an explicit profile would train differently")
     return out

@@ -12,7 +12,9 @@ layer types, sliding window, the mask token (where the reference resolves one fr
 tokenizer), the default target layer ids (where the profile asks for the speculators default)
 and ``saved.<key>``: what each side writes into a checkpoint's ``config.json``. Exact
 comparison, floats to a relative tolerance of 1e-9; a differing mask token only warns (it is
-saved in ``config.json``, a choice rather than a conformance failure). A field the
+saved in ``config.json``, a choice rather than a conformance failure). Spellings a field's
+consumer treats alike are equal (:func:`consumer_value`: None / False / a missing saved key
+for a boolean that is off, ``{}`` / None for no RoPE scaling, ...). A field the
 candidate does not report is not compared; a candidate without ``derive_config`` gets
 ``warn`` "not provided". A verifier the
 reference's own code cannot derive (e.g. Olmo3: its config has no ``head_dim``) is a reference
@@ -38,8 +40,9 @@ from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 
 #: Relative tolerance of float fields (eps, rope theta, scaling factors).
 FLOAT_RTOL = 1e-9
-#: Keys of a derivation dict that are not fields.
-META_KEYS = {"error", "traceback"}
+#: Keys of a derivation dict that are not fields (``provenance``: which fields a framework
+#: adapter set itself, :mod:`dflash_audit.audit.frameworks.provenance`).
+META_KEYS = {"error", "traceback", "provenance"}
 #: Fields whose difference is a documented choice, not a conformance failure: the mask token
 #: is saved in the checkpoint's config.json, so training and inference agree on it either way
 #: (our data pipeline prefers an unused reserved special token over the reference CLI's
@@ -59,6 +62,59 @@ def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
     return a == b
+
+
+#: Fields (derived, and ``saved.<field>``) whose consumer reads None -- also a key missing
+#: from the saved config.json, reported as None -- as False: transformers 5's Qwen3Config,
+#: what the saved transformer_layer_config loads as, defaults each to False and tests it for
+#: truth (``sliding_window if use_sliding_window else None``; ``bias=attention_bias``; the
+#: head tied only when ``tie_word_embeddings``).
+BOOLEAN_OFF = ("use_sliding_window", "attention_bias", "tie_word_embeddings")
+#: Fields whose None the consumer reads as a value: transformers rotates every feature when
+#: a config names no ``partial_rotary_factor``.
+NONE_MEANS = {"rope_partial_rotary_factor": 1.0}
+
+
+def consumer_value(key: str, fields: dict[str, Any]) -> Any:
+    """Field ``key`` of one side's derivation ``fields`` as its consumer reads it, so that
+    spellings it treats alike compare equal and only values that change behaviour differ:
+    None is False for :data:`BOOLEAN_OFF`, the default of :data:`NONE_MEANS`; an empty
+    ``rope_scaling`` is None (no scaling); ``saved.rope_parameters`` without ``rope_type``
+    is ``"default"``'s and a ``partial_rotary_factor`` 1.0 is none; ``saved.sliding_window``
+    is None where ``saved.use_sliding_window`` is off (Qwen3Config drops it); a missing
+    ``saved.layer_types`` with the window off is every layer ``full_attention`` (Qwen3Config
+    fills it so: :data:`ALL_FULL`)."""
+    value = fields.get(key)
+    base = key.removeprefix("saved.")
+    if base in BOOLEAN_OFF and value is None:
+        return False
+    if base in NONE_MEANS and value is None:
+        return NONE_MEANS[base]
+    if key == "rope_scaling" and not value:
+        return None
+    if key == "saved.rope_parameters" and isinstance(value, dict):
+        value = {"rope_type": "default", **value}
+        if same_value(value.get("partial_rotary_factor"), 1.0):
+            value.pop("partial_rotary_factor")
+    if key in ("saved.sliding_window", "saved.layer_types") and \
+            "saved.use_sliding_window" in fields and not fields["saved.use_sliding_window"]:
+        return None if key == "saved.sliding_window" else (ALL_FULL if value is None else value)
+    return value
+
+
+#: :func:`consumer_value` of a missing ``saved.layer_types`` with the window off.
+ALL_FULL = "all full_attention"
+
+
+def same_field(key: str, cand: dict[str, Any], ref: dict[str, Any]) -> bool:
+    """Whether field ``key`` of two derivations is the same for its consumer
+    (:func:`consumer_value`, then :func:`same_value`; :data:`ALL_FULL` equals any list of
+    ``full_attention`` layers)."""
+    a, b = consumer_value(key, cand), consumer_value(key, ref)
+    if ALL_FULL in (a, b) and a != b:
+        other = b if a == ALL_FULL else a
+        return isinstance(other, list) and set(other) == {"full_attention"}
+    return same_value(a, b)
 
 
 #: Geometry fields a derived drafter config must take from the verifier, and what a config
@@ -170,7 +226,7 @@ def check_derivation(case: Case, cand: SideOutputs, ref: SideOutputs) -> list[Ch
     keys = _compared_keys(case, c, r)
     differing = {k: {"candidate": c[k], "reference": r[k]}  # failing fields before warn-only
                  for k in sorted(keys, key=lambda k: k in WARN_KEYS)
-                 if not same_value(c[k], r[k])}
+                 if not same_field(k, c, r)}
     details = {"compared": keys, "not_reported": sorted(set(r) - set(c) - META_KEYS),
                "differing": differing}
     if differing:

@@ -36,7 +36,11 @@ import torch
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import not_provided
 from dflash_audit.audit.hard_labels import data_tokens
-from dflash_audit.audit.replay.evidence import Evidence, follows_from
+from dflash_audit.audit.replay.evidence import (
+    Evidence,
+    data_token_consequence,
+    follows_from,
+)
 from dflash_audit.audit.replay.loss_formulas import (
     AUDIT_LOSS_NAMES,
     audit_term_loss,
@@ -259,9 +263,10 @@ def diagnose_weights(ev: Evidence, part: dict[str, Any]) -> list[str]:
                 "fixed-exp-decay"]
     if spec.weighting == "dpace":
         if own_dpace_weights_match(ev, part["term"]):
-            upstream = follows_from("loss", ev)
+            upstream = data_token_consequence(ev) or follows_from("loss", ev)
+            own = "targets" if "targets" in ev.cand.tensors else "labels (target_ids)"
             return [f"{upstream}: D-PACE weights depend on the per-slot loss, and the "
-                    "reference's D-PACE formula on the candidate's own logits and targets "
+                    f"reference's D-PACE formula on the candidate's own logits and {own} "
                     "reproduces its weights"] if upstream else []
         if dpace_match(ev, part["term"], data_token_ce(ev)):
             return [f"D-PACE confidences computed from cross-entropy against the data tokens "
@@ -339,16 +344,37 @@ def dpace_match(ev: Evidence, term: str, elementwise: torch.Tensor | None) -> bo
     return bool(closeness(t[key].reshape(-1)[sup].float(), w.reshape(-1)[sup], **ev.tol).ok)
 
 
+def own_term_loss(ev: Evidence, term: str) -> torch.Tensor | None:
+    """[1,Q] fp32: the per-token loss the candidate trains ``term`` on, from its own tensors:
+    the divergence ``term`` of its logits from its ``targets``, or for a hard-label candidate
+    (``target_ids``, no targets) the cross-entropy against its own labels, the only loss labels
+    give; None when its outputs cannot give it."""
+    t = ev.cand.tensors
+    logits = t.get("logits")
+    if logits is None:
+        return None
+    if "targets" in t:
+        if term not in LOSSES or logits.shape != t["targets"].shape:
+            return None
+        return LOSSES[term](logits.float(), t["targets"].float())
+    ids = t.get("target_ids")
+    if ids is None or ids.numel() != logits.shape[1] or int(ids.min()) < 0 or \
+            int(ids.max()) >= logits.shape[-1]:
+        return None
+    return audit_term_loss("ce-data", logits.float(), None, ids.reshape(1, -1))
+
+
 def own_dpace_weights_match(ev: Evidence, term: str) -> bool:
-    """Whether D-PACE on the candidate's own logits / targets / aligned mask reproduces its
-    weights of ``term`` (then a weight difference follows from those inputs)."""
+    """Whether D-PACE on the candidate's own per-token loss (:func:`own_term_loss`) and
+    aligned mask reproduces its weights of ``term`` (then a weight difference follows from
+    those inputs: its logits, targets or labels)."""
     t = ev.cand.tensors
     key = f"loss_weights.{term}"
-    if term not in LOSSES or key not in t or "logits" not in t or "targets" not in t or \
-            t["logits"].shape != t["targets"].shape:
+    el = own_term_loss(ev, term)
+    if key not in t or el is None:
         return False
     m = t.get("aligned_loss_mask", ev.ref.tensors.get("aligned_loss_mask")).reshape(1, -1).float()
-    el = LOSSES[term](t["logits"].float(), t["targets"].float()) * m
+    el = el * m
     w = slot_weights(ev.case.loss, el, m, ev.config.block_size, ev.config.sample_from_anchor)
     sup = ev.sup
     return bool(closeness(t[key].reshape(-1)[sup].float(), w.reshape(-1)[sup], **ev.tol).ok)
@@ -380,5 +406,6 @@ def diagnose_loss(ev: Evidence, result: CheckResult) -> list[str]:
         if (causes or consequences) and total and total[0].startswith(
                 "the candidate's loss formula conforms"):
             total = []  # the named weight / mask cause already explains the total
-        causes += total
+        causes += [c for c in total if not is_downstream(c)]
+        consequences += [c for c in total if is_downstream(c)]
     return list(dict.fromkeys(causes + consequences))

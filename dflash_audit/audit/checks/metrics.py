@@ -28,6 +28,12 @@ from dflash_audit.audit.tolerance import closeness, tolerance
 from dflash_audit.model.metrics import EAL_DEFINITIONS, dflash_metrics
 
 
+#: One accuracy definition, in neutral words (SpecForge's and ModelOpt's ``train_acc``; said
+#: only when one of them is the candidate: :mod:`dflash_audit.audit.frameworks.rules`).
+DATA_TOKEN_ACCURACY = ("accuracy measured against the data tokens input_ids[a+s] instead of "
+                       "argmax of the verifier's targets")
+
+
 def eal_value(metrics: dict[str, float]) -> float | None:
     """A side's reported expected acceptance length: ``eal_sum / eal_total`` or ``eal``."""
     if "eal_sum" in metrics and metrics.get("eal_total"):
@@ -210,10 +216,8 @@ def diagnose_metrics(ev: Evidence, result: CheckResult) -> list[str]:
         odd = [k for k in result.details.get("differences", {})
                if k in own and k in ev.cand.metrics and abs(own[k] - ev.cand.metrics[k]) > 1e-6]
         if odd and data_token_accuracy(ev, odd):
-            out.append("accuracy measured against the data tokens input_ids[a+s] instead of "
-                       "argmax of the verifier's targets (SpecForge / ModelOpt train_acc): "
-                       f"{comma_list(odd[:4])} follow that definition on the candidate's own "
-                       "logits")
+            out.append(f"{DATA_TOKEN_ACCURACY}: {comma_list(odd[:4])} follow that definition "
+                       "on the candidate's own logits")
         elif odd and _slot_range_flipped(ev, odd):
             sfa = ev.config.sample_from_anchor
             out.append(f"accuracy and acceptance metrics computed over slots "

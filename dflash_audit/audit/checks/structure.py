@@ -7,7 +7,7 @@ flags); exact (no tolerance). Differences that cannot change training warn (dtyp
 inference-only buffers, frozen entries on one side only, fields one side does not report).
 
 Hypotheses name: fc fed a subset of the target layers or sized by draft depth, target layer
-ids in the z-lab convention / offset by one / negative ids wrapping, mask_token_id falling
+ids counted by decoder layer (z-lab's convention) / offset by one / negative ids wrapping, mask_token_id falling
 back to pad / eos / bos, a window bound off by one, frozen weights being trained (or trained
 weights frozen), an lm_head not reduced to the draft vocabulary, state-dict names that do not
 load into the reference.
@@ -25,6 +25,10 @@ from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.tolerance import worst
 from dflash_audit.model.config import SLIDING_ATTENTION
 
+#: One layer-id convention, in neutral words (z-lab's, SpecForge's and ModelOpt's own ids; said
+#: only when one of them is the candidate: :mod:`dflash_audit.audit.frameworks.rules`).
+DECODER_LAYER_IDS = ("target layer ids counted by decoder layer, offset by one (id k = layer "
+                     "k's output, hidden_states[k+1] = speculators id k+1)")
 #: Structure fields only one side reports that cannot change training (the reference's
 #: adapter reports its verifier-norm class and how the case weights loaded).
 ONE_SIDED_STRUCTURE_FIELDS = ("verifier_norm", "load_missing_keys", "load_unexpected_keys")
@@ -213,11 +217,10 @@ def diagnose_layer_ids(ev: Evidence, ids: list[int]) -> str:
     N = ev.config.num_verifier_layers
     if len(ids) == len(ref):
         if [i + 1 for i in ids] == ref:
-            return ("target layer ids in the z-lab convention (offset by one: z-lab id k = "
-                    f"speculators id k+1): {ids} instead of {ref}")
+            return f"{DECODER_LAYER_IDS}: {ids} instead of {ref}"
         if [i - 1 for i in ids] == ref:
             return (f"target layer ids offset by +1 ({ids} instead of {ref}): speculators ids "
-                    "converted as if they were z-lab ids")
+                    "converted as if they were decoder-layer ids (id k = speculators id k+1)")
         if any(i < 0 for i in ids):
             for base, label in ((N, "N+id"), (N + 1, "N+1+id")):
                 if [i + base if i < 0 else i for i in ids] == ref:

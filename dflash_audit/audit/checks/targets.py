@@ -231,5 +231,5 @@ def data_token_targets(ev: Evidence, slots: torch.Tensor, hard: bool) -> list[st
     kind = "hard labels: one-hot targets" if one_hot else "their argmax"
     ref_pos = "a+s" if ev.config.sample_from_anchor else "a+s-1"
     return [f"{DATA_TOKENS_CAUSE} at {ref_pos}, verifier_lm_head(verifier_norm("
-            f"verifier_last_hidden_states[{ref_pos}])) ({kind}, as SpecForge trains): the "
+            f"verifier_last_hidden_states[{ref_pos}])) ({kind}): the "
             "reference distils the verifier"]

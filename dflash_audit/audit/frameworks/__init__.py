@@ -12,8 +12,11 @@ The contract every adapter module ``dflash_audit/audit/frameworks/<name>_adapter
   drafter-config derivation, flattened like :func:`dflash_audit.model.derivation.derivation_fields`).
 * ``PROVENANCE``: ``{output key or key prefix ending in ".": "framework" | "adapter"}`` -- who
   computed each output (``"grad."``, ``"mask."``, ``"loss_weights."`` cover their families);
-  an output not listed counts as the framework's. ``run_case`` may also return a
-  ``"provenance"`` entry in ``SideOutputs.metadata`` that overrides it per case.
+  an output not listed counts as the framework's; a key may name part of an output
+  (``structure.target_layer_ids``, ``derivation.layer_types``, ``metrics.``). ``run_case``
+  may also return a ``"provenance"`` entry in ``SideOutputs.metadata`` that overrides it per
+  case, and ``derive_config`` one in its dict (``{field: ...}``, read as
+  ``derivation.<field>``).
 * ``CAPABILITIES``: what the framework can be configured to run, keys of
   :class:`dflash_audit.audit.frameworks.capabilities.Capabilities` (packed rows, layer layouts,
   block attention, verifier families, draft vocabulary, losses and mixes, weightings,

@@ -3,7 +3,10 @@ adapter's glue -- and what that does to the verdict.
 
 An adapter declares ``PROVENANCE`` (``{output key or prefix ending in ".": "framework" |
 "adapter"}``; unlisted keys are the framework's); ``SideOutputs.metadata["provenance"]``
-overrides it per case. A check whose candidate values came from the adapter is not a plain
+overrides it per case, and so does a ``"provenance"`` entry of the dict its
+``derive_config`` returns (``{field: ...}``, as ``derivation.<field>``). A key may name a part
+of an output a check reads: a field of a dict output (``structure.target_layer_ids``,
+``derivation.layer_types``, ``metrics.``) counts for the check that reads that output. A check whose candidate values came from the adapter is not a plain
 PASS: it becomes a WARN that says so ("loss: computed by the adapter, not audited as
 SpecForge 0.2.0's"), which does not fail the audit; a FAIL on such values stays a FAIL, marked
 as the adapter's. Cases outside the framework's capabilities (``case.unsupported``) run only
@@ -25,6 +28,8 @@ CHECK_KEYS: dict[str, tuple[str, ...]] = {
     "loss": ("loss", "aligned_loss_mask", "loss_weights."), "gradients": ("grad.",),
     "metrics": ("metrics",), "anchors": ("anchor_draws",), "derivation": ("derivation",),
     "defaults": ("defaults",)}
+#: Outputs that are dicts of named fields (their parts: ``structure.target_layer_ids``).
+DICT_OUTPUTS = ("structure", "metrics", "derivation", "defaults")
 #: The checks that compare no training step: what runs on a case the framework cannot run.
 WITHOUT_STEP = ("derivation", "anchors")
 
@@ -38,11 +43,32 @@ def who_computed(key: str, provenance: dict[str, str]) -> str:
     return provenance[max(prefixes, key=len)] if prefixes else FRAMEWORK
 
 
+def has_part(outputs: Any, part: str) -> bool:
+    """Whether the candidate's ``outputs`` hold output ``part``: a tensor key, a tensor family
+    (``grad.``), or a field / field family of a dict output (:data:`DICT_OUTPUTS`,
+    ``structure.state_dict.<...>``, ``metrics.``); True without ``outputs`` (not known)."""
+    if outputs is None:
+        return True
+    top, _, field = part.partition(".")
+    if top in DICT_OUTPUTS:
+        fields = getattr(outputs, top, None) or {}
+        if not field:
+            return bool(fields)
+        below = field if field.endswith(".") else field + "."
+        return any(k == field or k.startswith(below) or field.startswith(f"{k}.")
+                   for k in fields)
+    tensors = getattr(outputs, "tensors", {}) or {}
+    return any(k.startswith(part) for k in tensors) if part.endswith(".") else part in tensors
+
+
 def adapter_keys(check: str, provenance: dict[str, str], outputs: Any = None,
                  layer_type: str | None = None) -> list[str]:
     """The output keys a check reads that the adapter computed (``outputs``: the candidate's
-    SideOutputs, to resolve families such as ``mask.`` / ``grad.`` to its keys; a ``mask``
-    result of one ``layer_type`` reads only ``mask.<layer_type>``)."""
+    SideOutputs, to resolve families such as ``mask.`` / ``grad.`` to its keys and to tell
+    which declared parts it holds; a ``mask`` result of one ``layer_type`` reads only
+    ``mask.<layer_type>``): the check's keys themselves, and every part of them the adapter
+    computed (``structure.target_layer_ids`` for ``structure``, ``derivation.layer_types``
+    for ``derivation``, ``metrics.`` for ``metrics``)."""
     keys = CHECK_KEYS.get(check, ())
     if check == "mask" and layer_type:
         keys = (f"mask.{layer_type}",)
@@ -53,15 +79,23 @@ def adapter_keys(check: str, provenance: dict[str, str], outputs: Any = None,
         for key in family or [k]:
             if who_computed(key, provenance) == ADAPTER and key not in out:
                 out.append(key)
+        below = k if k.endswith(".") else k + "."
+        out += [part for part, who in provenance.items() if who == ADAPTER and part != k
+                and part.startswith(below) and part not in out and has_part(outputs, part)]
     return out
 
 
 def case_provenance(declared: dict[str, str] | None, outputs: Any) -> dict[str, str]:
-    """The adapter's ``PROVENANCE`` overridden by the case's ``metadata["provenance"]``."""
+    """The adapter's ``PROVENANCE`` overridden by the case's ``metadata["provenance"]`` and by
+    the ``"provenance"`` entry of its derivation (``{field: ...}`` -> ``derivation.<field>``)."""
     merged = dict(declared or {})
     meta = getattr(outputs, "metadata", None) or {}
     if isinstance(meta.get("provenance"), dict):
         merged.update({str(k): str(v) for k, v in meta["provenance"].items()})
+    derivation = getattr(outputs, "derivation", None)
+    if isinstance(derivation, dict) and isinstance(derivation.get("provenance"), dict):
+        merged.update({f"derivation.{k}": str(v)
+                       for k, v in derivation["provenance"].items()})
     return merged
 
 

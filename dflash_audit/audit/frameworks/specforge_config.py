@@ -27,6 +27,11 @@ def _write_verifier(verifier_config: Any, folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(data, default=str))
 
 
+#: The derived fields a sliding layout sets on SpecForge's generated (all full-attention)
+#: draft config.
+LAYOUT_FIELDS = ("layer_types", "sliding_window")
+
+
 def derive_config(verifier_config: Any, config: Any) -> dict[str, Any]:
     """SpecForge's own draft config for a verifier, flattened like
     :func:`dflash_audit.model.derivation.derivation_fields`.
@@ -38,7 +43,8 @@ def derive_config(verifier_config: Any, config: Any) -> dict[str, Any]:
     and block size (``:477-501``: the target ids become ``build_target_layer_ids(N, k)``). The
     generated config is all full attention; a sliding layout needs a user draft config in
     SpecForge, so the case's ``layer_types`` / ``sliding_window`` are set on it as such a file
-    would (``layout_source`` says so). The RoPE reported is what SpecForge's draft builds,
+    would: those fields are the adapter's (its ``"provenance"`` entry says so, and the
+    derivation check is then no plain PASS). The RoPE reported is what SpecForge's draft builds,
     ``Qwen3RotaryEmbedding(config)`` (``dflash.py:361``). No ``verifier_norm`` (SpecForge's
     DFlash has no verifier norm) and no ``mask_token_id`` (resolved from a tokenizer at
     training time, ``training/model_utils.py:8-60``).
@@ -64,10 +70,12 @@ def derive_config(verifier_config: Any, config: Any) -> dict[str, Any]:
             training=SimpleNamespace(strategy="dflash"))
         draft = resolve_draft_config(run, provider=provider)
     types = list(config.effective_layer_types)
-    layout = "generated"
-    if "sliding_attention" in types:
+    provenance = {}
+    if "sliding_attention" in types:  # what a user draft config would set: the adapter's
         draft.layer_types, draft.sliding_window = types, config.sliding_window
-        draft.use_sliding_window, layout = True, "adapter (a user draft config)"
+        draft.use_sliding_window = True
+        provenance = {k: "adapter" for k in (*LAYOUT_FIELDS, *(f"saved.{f}" for f in (
+            *LAYOUT_FIELDS, "use_sliding_window")))}
     rotary = Qwen3RotaryEmbedding(draft)
     rope = dict(getattr(draft, "rope_parameters", None) or {})
     saved = draft.to_dict()
@@ -92,7 +100,7 @@ def derive_config(verifier_config: Any, config: Any) -> dict[str, Any]:
         "default_target_layer_ids": default_ids,
         "framework.target_layer_ids": list(draft.dflash_config["target_layer_ids"]),
         "framework.block_size": int(draft.block_size),
-        "layout_source": layout,
+        "provenance": provenance,
         **{f"saved.{k}": saved.get(k) for k in SAVED_KEYS},
     }
 

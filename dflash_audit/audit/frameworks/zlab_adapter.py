@@ -17,7 +17,8 @@ training mask). What is z-lab's and what is the adapter's, per output (:data:`PR
   full-attention mask (z-lab builds none there: its full layers see every key it is given);
   the targets, aligned loss mask, loss, its per-slot weights and the metrics (our
   reference-conformant :mod:`dflash_audit.model` pieces), so the gradients are those of
-  z-lab's forward under the adapter's loss.
+  z-lab's forward under the adapter's loss; the derivation (z-lab derives nothing from a
+  verifier: ``derive_config`` reports our derivation as z-lab's modules read it).
 
 The adapter writes the profile's drafter config as the Qwen3Config z-lab reads (research 4.9:
 ``num_target_layers``, ``dflash_config.{target_layer_ids (z-lab ids = ours - 1), block_size,
@@ -88,6 +89,8 @@ PROVENANCE: dict[str, str] = {
     "loss": "adapter",
     "loss_weights.": "adapter",
     "grad.": "adapter",
+    "metrics": "adapter",
+    "derivation": "adapter",
 }
 #: Case weights z-lab's draft model holds (the rest are the target's, or the adapter's).
 ZLAB_PREFIXES = ("fc.", "hidden_norm.", "layers.", "norm.")

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from dflash_audit.audit.case import Case, SideOutputs
-from dflash_audit.audit.hard_labels import data_tokens
+from dflash_audit.audit.hard_labels import DATA_TOKENS_CAUSE, data_token_slots, data_tokens
 from dflash_audit.audit.result import CheckResult
 from dflash_audit.audit.slots import supervised_rows, supervised_slots
 from dflash_audit.audit.tolerance import closeness, tolerance
@@ -176,6 +176,17 @@ def follows_from(check: str, ev: Evidence) -> str | None:
     """"follows from the X and Y difference" for the failing checks upstream of ``check``."""
     upstream = [u for u in UPSTREAM.get(check, ()) if u in ev.failing]
     return f"follows from the {and_list(upstream)} difference" if upstream else None
+
+
+def data_token_consequence(ev: Evidence) -> str | None:
+    """"follows from the targets difference (targets are the data tokens ...)" when the
+    candidate's own labels (``target_ids``) are the data tokens and the targets check failed
+    on them (it names :data:`~dflash_audit.audit.hard_labels.DATA_TOKENS_CAUSE`); else None.
+    A loss or metric difference that only restates those labels is this consequence, not a
+    cause of its own."""
+    if "targets" not in ev.failing or not data_token_slots(ev.case, ev.cand, ev.ref):
+        return None
+    return f"follows from the targets difference ({DATA_TOKENS_CAUSE})"
 
 
 def search_hypotheses(ev: Evidence, hypotheses,

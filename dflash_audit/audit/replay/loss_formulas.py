@@ -14,7 +14,12 @@ import torch
 
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.hard_labels import DATA_TOKENS_CAUSE, data_tokens
-from dflash_audit.audit.replay.evidence import Evidence, follows_from
+from dflash_audit.audit.replay.evidence import (
+    Evidence,
+    data_token_consequence,
+    follows_from,
+)
+from dflash_audit.audit.result import is_downstream
 from dflash_audit.audit.tolerance import closeness, grad_tolerance, tolerance
 from dflash_audit.model.loss import (
     LABEL_LOSSES,
@@ -121,10 +126,15 @@ def reduce_term(el: torch.Tensor, w: torch.Tensor, m: torch.Tensor, block_size: 
 
 
 def formula_causes(ev: Evidence, name: str, denom: str) -> list[str]:
-    """How a loss formula hypothesis deviates from the profile's, in words."""
+    """How a loss formula hypothesis deviates from the profile's, in words (training on the
+    data tokens is a consequence of the targets difference when the candidate's own labels are
+    the data tokens, :func:`~dflash_audit.audit.replay.evidence.data_token_consequence`)."""
     causes = []
     if name == "ce-data":
-        causes.append(f"{DATA_TOKENS_CAUSE} (loss 'ce-data' where the profile says "
+        labels = data_token_consequence(ev)  # the targets check names these labels already
+        causes.append(f"{labels}: the loss is cross-entropy against those labels ('ce-data' "
+                      f"where the profile says {ev.case.loss.loss!r})" if labels else
+                      f"{DATA_TOKENS_CAUSE} (loss 'ce-data' where the profile says "
                       f"{ev.case.loss.loss!r})")
     elif name == "soft_ce":
         causes.append(f"soft cross-entropy -sum p log q (= KL + the teacher's entropy H(p): "
@@ -206,9 +216,11 @@ def gradient_formula_causes(ev: Evidence, max_replays: int = 5) -> list[str]:
             return ["D-PACE weights not detached: the gradient also flows through the per-slot "
                     "weights w (the reference computes them without gradient; our drafter's "
                     "gradients with w attached reproduce the candidate's)"]
-        return ["; ".join(formula_causes(ev, name, denom)) + " (the loss values agree "
-                    "within tolerance on this case, the gradients do not: our drafter's "
-                    "gradients under that loss reproduce the candidate's)"]
+        causes = formula_causes(ev, name, denom)
+        root = [c for c in causes if not is_downstream(c)]
+        return (["; ".join(root) + " (the loss values agree within tolerance on this case, the "
+                 "gradients do not: our drafter's gradients under that loss reproduce the "
+                 "candidate's)"] if root else []) + [c for c in causes if is_downstream(c)]
     return []
 
 
@@ -249,12 +261,18 @@ def diagnose_loss_total(ev: Evidence, masks: Iterable[tuple[str, torch.Tensor]] 
     # the fewest deviations that reproduce the loss: two losses can agree numerically on a
     # case (rkl ~ kl_div near uniform targets), a second deviation is then not evidence
     fewest = min(map(len, found), default=0)
-    best = ["; ".join(causes) for causes in found if len(causes) == fewest]
-    if len(best) <= 1:  # one formula: each of its deviations is a cause of its own
-        return next(causes for causes in found if len(causes) == fewest)
+    tied = [causes for causes in found if len(causes) == fewest]
+    if len(tied) == 1:  # one formula: each of its deviations is a cause of its own
+        return tied[0]
+    # a consequence every tied formula shares (the data-token labels) stays one consequence
+    shared = [c for c in tied[0] if is_downstream(c) and all(c in t for t in tied)]
+    best = list(dict.fromkeys("; ".join(c for c in t if c not in shared) for t in tied))
+    best = [b for b in best if b]
+    if len(best) <= 1:
+        return best + shared
     return [f"{' or '.join(best)}: these give the same total on this case and cannot be told "
             "apart here (one cause, not several); a case where the drafter's and the verifier's "
-            "distributions differ more (fitted weights, real data) separates them"]
+            "distributions differ more (fitted weights, real data) separates them", *shared]
 
 
 def loss_scale_cause(ev: Evidence, cl: float) -> list[str]:
