@@ -21,6 +21,7 @@ from dflash_audit.reference_source.identity import (
     ReferenceSourceError,
     adapter_path,
 )
+from dflash_audit.reference_source.imported_files import report_source
 
 #: Import name -> pip requirement, for modules the reference imports at import time.
 PIP_NAMES: dict[str, str] = {
@@ -96,9 +97,12 @@ class ReferenceRun:
 
 #: Runs a script in an isolated interpreter: ``python -I -S -X pycache_prefix=DIR -c BOOT
 #: PATHS_JSON SCRIPT ARGS...`` puts PATHS (the script's folder, the reference's ``src``,
-#: site-packages) first on ``sys.path`` and runs SCRIPT as ``__main__``.
-_BOOT = ("import json, runpy, sys; paths = json.loads(sys.argv[1]); sys.argv = sys.argv[2:]; "
-         "sys.path[:0] = paths; runpy.run_path(sys.argv[0], run_name='__main__')")
+#: site-packages) first on ``sys.path``, runs SCRIPT as ``__main__`` and then lists on stdout
+#: the files the process imported (:mod:`dflash_audit.reference_source.imported_files`).
+_BOOT = (report_source()
+         + "import json, runpy, sys; paths = json.loads(sys.argv[1]); sys.argv = sys.argv[2:]; "
+         "sys.path[:0] = paths\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+         "finally:\n    report_imported_files()\n")
 PYCACHE_DIR = "pycache"
 
 

@@ -1,12 +1,15 @@
 """The reference's import check of a compare: a small reference process, in the background
 while the candidate loads and the cases are built, that proves the reference imports from its
 resolved tree (:func:`dflash_audit.reference_source.check_reference_importable`); a passed
-check is recorded in the cache and not repeated.
+check is recorded in the cache and not repeated. The record lists the files the reference's
+processes import (the check's, then its runs'), which the audit verifies
+(:mod:`.install_guard`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -71,16 +74,28 @@ class Background:
         return self._result
 
 
+def _listed_files(marker: Path) -> list[str]:
+    """The files a marker lists (``{"files": [...]}``); [] for an older, empty one."""
+    try:
+        data = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return []
+    files = data.get("files") if isinstance(data, dict) else None
+    return [str(f) for f in files] if isinstance(files, list) else []
+
+
 class ImportCheck:
     """``check_reference_importable`` in the background; :meth:`wait` is called before
     expensive work. A check that passed before for the same tree content, interpreter and
-    site-packages (:func:`import_ok_marker`) is not repeated."""
+    site-packages (:func:`import_ok_marker`) is not repeated. ``files``: the files the
+    reference's processes import, as far as known (the marker's list, then the check's)."""
 
     def __init__(self, identity: Any, marker: Path | None = None):
         from dflash_audit.reference_source import check_reference_importable
 
         self._marker = marker
         self.cached = marker is not None and marker.is_file()
+        self.files: list[str] = _listed_files(marker) if self.cached and marker else []
         self._job = None if self.cached else Background(
             check_reference_importable, identity, None, name="dflash-audit-import-check")
 
@@ -96,10 +111,22 @@ class ImportCheck:
         if self._job is None:
             return
         try:
-            self._job.result()
+            files = self._job.result()
         except ReferenceSourceError as exc:
             raise CompareSetupError(str(exc)) from None
         self._job = None
-        if self._marker is not None:
+        self.remember(files or [])
+
+    def remember(self, files: list[str]) -> None:
+        """Add ``files`` (what a reference process imported) to :attr:`files` and to the
+        marker, which records the passed check; an unwritable cache is left as it is."""
+        self.files = sorted(set(self.files) | set(files))
+        if self._marker is None:
+            return
+        try:
             self._marker.parent.mkdir(parents=True, exist_ok=True)
-            self._marker.touch()
+            tmp = self._marker.with_name(f".{self._marker.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({"files": self.files}))
+            os.replace(tmp, self._marker)
+        except OSError:
+            pass
