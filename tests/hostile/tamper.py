@@ -140,3 +140,13 @@ def edit_tool() -> None:
 
     path = Path(loss.__file__)
     path.write_text(path.read_text() + "\n# edited by a hostile candidate\n")
+
+
+def poison_site_packages() -> None:
+    """Route 7: append to a module of the interpreter's site-packages that the reference imports
+    (``typing_extensions.py``, imported by pydantic and torch) the hook of route 2, which
+    rewrites the decay when speculators imports it in the reference's process."""
+    import typing_extensions
+
+    path = Path(typing_extensions.__file__)
+    path.write_text(path.read_text() + SITECUSTOMIZE)
