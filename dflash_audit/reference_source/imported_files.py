@@ -36,8 +36,10 @@ def imported_files(cached: bool = False) -> list[str]:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 parts = line.rstrip("\n").split(None, 5)
-                if len(parts) == 6 and parts[5].startswith("/") and ".so" in parts[5]:
-                    paths.add(parts[5].removesuffix(" (deleted)"))
+                path = parts[5].removesuffix(" (deleted)") if len(parts) == 6 else ""
+                name = os.path.basename(path)
+                if path.startswith("/") and (name.endswith(".so") or ".so." in name):
+                    paths.add(path)
     except OSError:
         pass
     return sorted(p for p in paths if os.path.isfile(p))

@@ -258,7 +258,8 @@ def refuse_code_changes(identity: Any, before: dict[str, str] | None, when: str,
             f"any later one until they are restored: {repair_hint(installed, roots.values())}.")
     if guard is not None:
         guard.reported = True
-    raise CompareSetupError(" ".join(messages) + " Run candidates in the sandbox (bubblewrap).")
+    raise CompareSetupError(" ".join([messages[0], *(m[0].upper() + m[1:] for m in messages[1:])])
+                            + " Run candidates in the sandbox (bubblewrap).")
 
 
 def with_code_changes(exc: CompareSetupError, identity: Any, before: dict[str, str] | None,
