@@ -77,7 +77,8 @@ def test_the_baseline_names_a_write_a_new_entry_and_a_file_written_after_it(tmp_
                                                                             ) -> None:
     """A file appended to, a ``.pth`` added to its folder and a file first seen after the
     baseline but written after it began are changes; a ``__pycache__`` made in the folder (an
-    unsandboxed candidate's own bytecode) and an older file first seen later are not."""
+    unsandboxed candidate's own bytecode) and an older file first seen later are not, and new
+    bytecode there is deleted."""
     import hashlib
     import time
 
@@ -95,6 +96,9 @@ def test_the_baseline_names_a_write_a_new_entry_and_a_file_written_after_it(tmp_
     time.sleep(0.05)  # files written from now on are newer than the baseline's clock
     (site / "__pycache__").mkdir()
     assert baseline.changes([str(older)]) == []
+    planted = site / "__pycache__" / "mod.cpython-311.pyc"  # new bytecode: deleted, not a change
+    planted.write_bytes(b"planted")
+    assert baseline.sweep_bytecode() == [str(planted)] and not planted.exists()
     with module.open("a") as f:
         f.write("X = 7\n")
     (site / "evil.pth").write_text("import os\n")

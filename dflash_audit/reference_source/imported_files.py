@@ -1,6 +1,5 @@
 """The files a Python process runs code from, listed by that process itself: every module's
-source or extension file, optionally its bytecode, every shared library it has mapped and the
-interpreter. :func:`imported_files` uses the standard library only, so its source also runs
+source or extension file, every shared library it has mapped and the interpreter. :func:`imported_files` uses the standard library only, so its source also runs
 inside the reference's processes (:func:`report_source`), which print the list on their stdout
 (:data:`MARK`) for the audit to verify (:mod:`dflash_audit.audit.sides.install_guard`).
 """
@@ -14,24 +13,23 @@ import json
 MARK = "DFLASH_AUDIT_IMPORTED "
 
 
-def imported_files(cached: bool = False) -> list[str]:
+def imported_files() -> list[str]:
     """Absolute paths of the regular files this process runs code from: each module's
-    ``__file__`` (``.py`` sources, ``.so`` extension modules), with ``cached`` also its
-    ``__cached__`` bytecode, each shared library in ``/proc/self/maps`` (Linux: the ones
-    extension modules load, such as ``libtorch_cpu.so``) and ``sys.executable``. Sorted."""
+    ``__file__`` (``.py`` sources, ``.so`` extension modules), each shared library in
+    ``/proc/self/maps`` (Linux: the ones extension modules load, such as ``libtorch_cpu.so``)
+    and ``sys.executable``. Sorted. (Bytecode next to the sources is swept apart:
+    :class:`dflash_audit.audit.sides.install_guard.InstallBaseline`.)"""
     import os
     import sys
 
     paths = {sys.executable}
     for module in list(sys.modules.values()):
         try:  # its __dict__: a lazy module's __getattr__ would import more
-            names = vars(module)
+            value = vars(module).get("__file__")
         except TypeError:
             continue
-        for attr in ("__file__", "__cached__") if cached else ("__file__",):
-            value = names.get(attr)
-            if isinstance(value, str) and os.path.isabs(value):
-                paths.add(value)
+        if isinstance(value, str) and os.path.isabs(value):
+            paths.add(value)
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:

@@ -1,10 +1,10 @@
 """The Python installation the verdict runs on, verified: every file that the audit's own
 process and the reference's processes run code from (standard-library and site-packages
-sources, the verdict process's bytecode, extension modules and the shared libraries they map,
-the interpreter; :func:`~dflash_audit.reference_source.imported_files.imported_files`) and the
-folders they are found in (a new ``.pth`` or a package that shadows a module), against a
-baseline taken before any candidate code runs; a change is recorded in the tool cache, so
-every later audit refuses too until the files are restored.
+sources, extension modules and the shared libraries they map, the interpreter;
+:func:`~dflash_audit.reference_source.imported_files.imported_files`) and the folders they are
+found in (a new ``.pth``, a package that shadows a module), against a baseline taken before any
+candidate code runs; a change is recorded in the tool cache, so every later audit refuses too
+until the files are restored. Bytecode in those folders that is new or changed is deleted.
 
 The reference's tree, dflash-audit's own files and the reference's bytecode prefix are
 covered (and repaired) by :mod:`.integrity` and left out here.
@@ -12,9 +12,10 @@ covered (and repaired) by :mod:`.integrity` and left out here.
 - :class:`InstallBaseline`: a stat signature (device, inode, size, mtime, ctime: a write or a
   replacement changes the ctime, which no user can set back) of each file, what every check
   compares; the sha256 of each file up to :data:`HASH_LIMIT` (in the background: what a repair
-  must restore); the entries of each folder. A
-  file first seen after the baseline began (a module imported later, a file the reference
-  listed) must be older than the baseline.
+  must restore); the entries of each folder. A file first seen after the baseline began (a
+  module imported later, a file the reference listed) must be older than the baseline. The
+  bytecode in those folders' ``__pycache__`` is not compared but swept: what is new or
+  changed is deleted (:meth:`InstallBaseline.sweep_bytecode`).
 - the record (``<cache>/integrity/tampered.json``): :func:`record_tampering`,
   :func:`outstanding_tampering`; a recorded file counts as repaired when its sha256 is the
   good one again (a larger file: when it was replaced since), a folder when its entries are
@@ -63,6 +64,21 @@ def _names(folder: str) -> frozenset[str] | None:
         return None
 
 
+def _bytecode(folder: str) -> dict[str, str]:
+    """``{path: stat signature}`` of the files of ``folder/__pycache__``."""
+    out = {}
+    try:
+        entries = list(os.scandir(os.path.join(folder, PYCACHE)))
+    except OSError:
+        return out
+    for entry in entries:
+        try:
+            out[entry.path] = _stat_signature(entry.stat(follow_symlinks=False))
+        except OSError:
+            continue
+    return out
+
+
 def _listing_digest(names: Iterable[str] | None) -> str | None:
     if names is None:
         return None
@@ -83,6 +99,7 @@ class InstallBaseline:
         self.files: dict[str, str] = {}
         self.sha: dict[str, str] = {}
         self.folders: dict[str, frozenset[str]] = {}
+        self.bytecode: dict[str, str] = {}
         self._to_hash: queue.SimpleQueue[str] = queue.SimpleQueue()
         threading.Thread(target=self._hash, name="dflash-audit-install-digests",
                          daemon=True).start()
@@ -126,7 +143,8 @@ class InstallBaseline:
         return changed
 
     def add_folders(self, folders: Iterable[str]) -> None:
-        """Record the entries (``__pycache__`` aside) of ``folders`` not recorded yet."""
+        """Record the entries (``__pycache__`` aside) of ``folders`` not recorded yet, and the
+        signatures of the bytecode in their ``__pycache__`` (:meth:`sweep_bytecode`)."""
         for folder in folders:
             if (folder in self.folders or self._covered(os.path.join(folder, ""))
                     or os.path.basename(folder) == PYCACHE):
@@ -134,6 +152,27 @@ class InstallBaseline:
             names = _names(folder)
             if names is not None:
                 self.folders[folder] = names
+                for path, sig in _bytecode(folder).items():
+                    if int(sig.rsplit(":", 1)[1]) < self.since_ns:  # else: swept
+                        self.bytecode[path] = sig
+
+    def sweep_bytecode(self) -> list[str]:
+        """Delete the files of the recorded folders' ``__pycache__`` that are new or changed
+        since the baseline (returned): Python compiles them again from the sources, which the
+        baseline verifies. Never a refusal: an unsandboxed candidate writes bytecode of
+        modules that had none (an install without compiled bytecode, as uv makes), and a
+        planted ``.pyc`` must be gone before this process or a later audit imports it (the
+        reference's processes read bytecode only from the tool's own prefix)."""
+        swept = []
+        for folder in list(self.folders):
+            for path, sig in _bytecode(folder).items():
+                if self.bytecode.get(path) != sig:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        continue
+                    swept.append(path)
+        return swept
 
     def changes(self, current: Iterable[str] = ()) -> list[str]:
         """Files of the baseline whose signature differs now (or that are gone), folders whose
@@ -322,7 +361,7 @@ class InstallGuard:
         start = time.perf_counter()
         self.baseline = InstallBaseline(excluded)
         self.baseline.add_folders(site_dirs())
-        self.pending = self.baseline.add(imported_files(cached=True))
+        self.pending = self.baseline.add(imported_files())
         self.pending += self.baseline.add(reference_files)
         self.seconds = time.perf_counter() - start
         #: Set once a change was reported (and recorded): not reported twice.
@@ -335,8 +374,10 @@ class InstallGuard:
 
     def changes(self, reference_files: Iterable[str] = ()) -> list[str]:
         """:meth:`InstallBaseline.changes` over this process's files now and
-        ``reference_files`` (the list a reference run printed)."""
-        current = [*imported_files(cached=True), *reference_files]
+        ``reference_files`` (the list a reference run printed), after
+        :meth:`InstallBaseline.sweep_bytecode`."""
+        self.baseline.sweep_bytecode()
+        current = [*imported_files(), *reference_files]
         return sorted(set(self.baseline.changes(current) + self.pending))
 
 
@@ -352,7 +393,7 @@ def refuse_recorded_tampering(tool: Iterable[Path]) -> None:
 
     tool = [Path(p) for p in tool]
     roots = tuple(os.path.join(str(r), "") for r in [*installation_roots(), *tool])
-    mine = set(imported_files(cached=True))
+    mine = set(imported_files())
     found = outstanding_tampering(
         lambda p: p in mine or p.startswith(roots) or os.path.join(p, "") in roots)
     if not found:
