@@ -1,16 +1,17 @@
 """The files a Python process runs code from, listed by that process itself: every module's
 source or extension file, every shared library it has mapped and the interpreter. :func:`imported_files` uses the standard library only, so its source also runs
-inside the reference's processes (:func:`report_source`), which print the list on their stdout
-(:data:`MARK`) for the audit to verify (:mod:`dflash_audit.audit.sides.install_guard`).
+inside the reference's processes (:func:`report_source`), which write the list into the file
+that :data:`OUT_ENV` names, for the audit to verify (:mod:`dflash_audit.audit.sides.install_guard`).
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import os
 
-#: Prefix of the stdout line on which a reference process lists its files (a JSON list).
-MARK = "DFLASH_AUDIT_IMPORTED "
+#: The variable naming the file into which a reference process writes its list (JSON).
+OUT_ENV = "DFLASH_AUDIT_IMPORTED_OUT"
 
 
 def imported_files() -> list[str]:
@@ -44,23 +45,22 @@ def imported_files() -> list[str]:
 
 
 def report_source() -> str:
-    """Python source that defines :func:`imported_files` and a function
-    ``report_imported_files()`` printing ``MARK + json list`` on stdout: run it last in a
-    reference process (e.g. in a ``finally``)."""
+    """Python source that defines :func:`imported_files` and ``report_imported_files()``,
+    which writes its JSON list into the file ``$DFLASH_AUDIT_IMPORTED_OUT`` names (nothing
+    when unset): run it last in a reference process (e.g. in a ``finally``)."""
     return (inspect.getsource(imported_files)
-            + "\n\ndef report_imported_files():\n    import json, sys\n"
-            + f"    sys.stdout.write({MARK!r} + json.dumps(imported_files()) + '\\n')\n"
-            + "    sys.stdout.flush()\n")
+            + "\n\ndef report_imported_files():\n    import json, os\n"
+            + f"    out = os.environ.get({OUT_ENV!r})\n"
+            + "    if out:\n        with open(out, 'w') as f:\n"
+            + "            json.dump(imported_files(), f)\n")
 
 
-def parse_imported(stdout: str) -> list[str] | None:
-    """The files a reference process listed on ``stdout`` (:func:`report_source`); None when
-    it listed none (it died before, or its stdout was not the pipe we read)."""
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(MARK):
-            try:
-                files = json.loads(line[len(MARK):])
-            except ValueError:
-                return None
-            return [str(f) for f in files] if isinstance(files, list) else None
-    return None
+def read_imported(path: str | os.PathLike[str]) -> list[str] | None:
+    """The list a reference process wrote into ``path`` (:func:`report_source`); None when it
+    wrote none (it died before) or the file is not a JSON list."""
+    try:
+        with open(path) as f:
+            files = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return [str(f) for f in files] if isinstance(files, list) else None

@@ -374,7 +374,7 @@ class InstallGuard:
 
     def changes(self, reference_files: Iterable[str] = ()) -> list[str]:
         """:meth:`InstallBaseline.changes` over this process's files now and
-        ``reference_files`` (the list a reference run printed), after
+        ``reference_files`` (the list a reference run wrote), after
         :meth:`InstallBaseline.sweep_bytecode`."""
         self.baseline.sweep_bytecode()
         current = [*imported_files(), *reference_files]

@@ -192,7 +192,7 @@ def refuse_code_changes(identity: Any, before: dict[str, str] | None, when: str,
                         reference_files: list[str] = ()) -> None:
     """Compare :func:`.integrity.reference_code_digest` with ``before`` (skipped when None)
     and the installation with ``guard``'s baseline (:class:`.install_guard.InstallGuard`,
-    with ``reference_files``: what a reference run printed). On any change discard the damaged
+    with ``reference_files``: what a reference run listed). On any change discard the damaged
     reference cache (rebuilt by the next resolve) and delete planted bytecode of the tool and
     of the prefix; record changed sources of the tool and changed files of the installation
     (:func:`.install_guard.record_tampering`: every later audit refuses until they are
@@ -290,7 +290,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     :func:`.integrity.reference_code_digest` taken before the candidate was loaded) must be
     unchanged, and afterwards its outputs must be the files it reported writing. ``guard``
     (:class:`.install_guard.InstallGuard`, taken with ``reference_code``) verifies the
-    installation at the same steps, the files the reference run printed included, which
+    installation at the same steps, the files the reference run listed included, which
     ``import_check`` then remembers for the next audit's baseline.
     ``launch``: how the candidate process starts
     (:class:`dflash_audit.audit.sides.launch.CandidateLaunch`; None: ``opts.candidate`` under
@@ -309,7 +309,6 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
         reference_output_changes,
     )
     from dflash_audit.reference_source import ReferenceSourceError
-    from dflash_audit.reference_source.imported_files import parse_imported
 
     names = [p.case.name for p in planned]
     with st.stage("write_cases", "writing cases", total=len(planned)) as advance:
@@ -362,7 +361,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
         except ReferenceSourceError as exc:
             raise CompareSetupError(f"the reference run failed: {exc}") from None
     st.timing["reference"] = time.perf_counter() - start
-    imported = parse_imported(reference_run.stdout) or []
+    imported = reference_run.imported or []
     refuse_code_changes(identity, reference_code, "while the reference ran",
                         whole_prefix=False, guard=guard, reference_files=imported)
     import_check.remember(imported)
