@@ -1,7 +1,8 @@
 """The files a Python process runs code from, listed by that process itself: every module's
-source or extension file, every shared library it has mapped and the interpreter. :func:`imported_files` uses the standard library only, so its source also runs
-inside the reference's processes (:func:`report_source`), which write the list into the file
-that :data:`OUT_ENV` names, for the audit to verify (:mod:`dflash_audit.audit.sides.install_guard`).
+source or extension file, every shared library it has mapped and the interpreter.
+:func:`imported_files` uses the standard library only, so its source also runs inside the
+reference's processes (:func:`report_source`), which write the list into the file that
+:data:`OUT_ENV` names, for the audit to verify (:mod:`dflash_audit.audit.sides.install_guard`).
 """
 
 from __future__ import annotations

@@ -22,24 +22,26 @@ def import_ok_marker(identity: Any, cache_dir: Path | None) -> Path:
     """Marker file that records a passed import check for this reference tree's content (the
     sha256 of each of its files but bytecode, wherever the cache keeps it: not its ``short_id``,
     which for a path ref is its path and newest mtime, unchanged by a rename or an edit that
-    keeps the mtime), by this check (the probe's and the adapter's sources: a newer check
-    asks more) under this interpreter and the site-packages the reference imports from
+    keeps the mtime), by this check (the probe's, its file list's and the adapter's sources: a
+    newer check asks more) under this interpreter and the site-packages the reference imports from
     (their mtimes change when packages are installed or removed, which invalidates the
     marker). In an audit whose candidate fails every case the reference is not run, and this
-    record is all that shows it imports."""
+    record is all that shows it imports. It holds ``{"files": [...]}``: what the reference's
+    processes import (:meth:`ImportCheck.remember`)."""
     import hashlib
     import os
 
     from dflash_audit.atomic import file_sha256
     from dflash_audit.audit.sides.integrity import reference_tree_digest
     from dflash_audit.data.builtin_verifier import cache_dir as user_cache_dir
-    from dflash_audit.reference_source import import_probe
+    from dflash_audit.reference_source import import_probe, imported_files
     from dflash_audit.reference_source.identity import reference_dir
     from dflash_audit.reference_source.runner import site_dirs
 
     tree = {k.partition("/")[2]: v
             for k, v in reference_tree_digest(identity, skip_pycache=True).items()}
-    check = [Path(import_probe.__file__), *sorted(reference_dir().glob("*.py"))]
+    check = [Path(import_probe.__file__), Path(imported_files.__file__),
+             *sorted(reference_dir().glob("*.py"))]
     state = {"tree": tree, "check": {p.name: file_sha256(p) for p in check},
              "python": sys.executable, "version": sys.version,
              "site": {p: os.stat(p).st_mtime_ns for p in sorted(site_dirs())}}
