@@ -329,6 +329,9 @@ def repair_hint(paths: list[str], tool: Iterable[Path] = ()) -> str:
         if path.startswith(tool_roots):
             hints.append("reinstall dflash-audit")
             continue
+        if path == str(record_path()):
+            hints.append(f"delete the unreadable record {path} once the files are checked")
+            continue
         if os.path.isdir(path) or not os.path.exists(path):
             hints.append(f"remove what was added to {path}" if os.path.isdir(path)
                          else f"restore {path}")
