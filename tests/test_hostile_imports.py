@@ -116,9 +116,8 @@ def test_the_record_refuses_until_the_good_content_is_back(tmp_path: Path, monke
     itself. Entries of other installations (not relevant) are kept."""
     import hashlib
 
-    from dflash_audit.audit.sides.install_guard import (
-        ABSENT,
-        InstallBaseline,
+    from dflash_audit.audit.sides.install_guard import ABSENT, InstallBaseline
+    from dflash_audit.audit.sides.tamper_record import (
         outstanding_tampering,
         record_path,
         record_tampering,

@@ -171,8 +171,9 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
         CandidateLoadError,
         load_candidate_identity,
     )
-    from dflash_audit.audit.sides.install_guard import InstallGuard, refuse_recorded_tampering
+    from dflash_audit.audit.sides.install_guard import InstallGuard
     from dflash_audit.audit.sides.integrity import enable_subreaper, tool_roots
+    from dflash_audit.audit.sides.tamper_record import refuse_recorded_tampering
     from dflash_audit.profile import Profile, ProfileError
     from dflash_audit.reference_source.runner import compile_reference_bytecode, pycache_prefix
     from dflash_audit.report import write_report

@@ -195,13 +195,13 @@ def refuse_code_changes(identity: Any, before: dict[str, str] | None, when: str,
     with ``reference_files``: what a reference run listed). On any change discard the damaged
     reference cache (rebuilt by the next resolve) and delete planted bytecode of the tool and
     of the prefix; record changed sources of the tool and changed files of the installation
-    (:func:`.install_guard.record_tampering`: every later audit refuses until they are
+    (:func:`.tamper_record.record_tampering`: every later audit refuses until they are
     restored); raise :class:`CompareSetupError` naming the files (one line).
 
     Raises:
         CompareSetupError: anything changed.
     """
-    from dflash_audit.audit.sides.install_guard import record_tampering, repair_hint
+    from dflash_audit.audit.sides.tamper_record import record_tampering, repair_hint
     from dflash_audit.audit.sides.integrity import (
         PYCACHE,
         changed_files,
