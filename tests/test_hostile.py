@@ -59,17 +59,19 @@ class World:
         for name in ("dflash_audit", "reference"):  # bytecode too: valid (copy2 keeps mtimes)
             shutil.copytree(ROOT / name, self.tool / name)
 
-    def compare(self, route: str, sandbox: bool, cases: int = 1,
-                **env_extra: str) -> subprocess.CompletedProcess:
+    def compare(self, route: str, sandbox: bool, cases: int = 1, python: str = sys.executable,
+                extra: tuple[str, ...] = (), **env_extra: str) -> subprocess.CompletedProcess:
+        """``compare`` of the candidate ``tests/hostile/ROUTE.py`` under ``python``, with
+        ``extra`` arguments; stdout and stderr merged."""
         env = {**os.environ, "PYTHONPATH": str(self.tool), "DFLASH_AUDIT_CACHE": str(self.cache),
                "DFLASH_AUDIT_SANDBOX": "" if sandbox else "off", "CI": "",
                "DFLASH_AUDIT_PROGRESS_INTERVAL": "0", "OMP_NUM_THREADS": "1", **env_extra}
         out = self.tmp / f"reports-{route}"
         return subprocess.run(
-            [sys.executable, "-m", "dflash_audit.cli", "compare", "--candidate",
+            [python, "-m", "dflash_audit.cli", "compare", "--candidate",
              f"{HOSTILE / route}.py:candidate", "--cases", str(cases), "--rows", "0", "--offline",
-             "--out", str(out)], cwd=self.tmp, env=env, text=True, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, timeout=limit_s(600), check=False)
+             "--out", str(out), *extra], cwd=self.tmp, env=env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=limit_s(600), check=False)
 
     def reports(self, route: str) -> list[dict]:
         return [json.loads(p.read_text()) for p in
@@ -153,6 +155,30 @@ def test_without_a_sandbox_each_route_is_detected(world: World, route: str, name
     if route == "daemon":  # killed before the reference started: the code is untouched
         (utils,) = [p for p in world.cache.rglob("losses/utils.py")]
         assert tamper.POISON not in utils.read_text()
+    if route == "edits_tool":  # the edit stays: every later audit refuses until reinstalled
+        refused_until_restored(world, world.tool / "dflash_audit/audit/checks/loss.py",
+                               ROOT / "dflash_audit/audit/checks/loss.py", "reinstall dflash-audit")
+
+
+def refused_until_restored(world: World, changed: Path, original: Path, hint: str,
+                           python: str = sys.executable) -> None:
+    """After an audit whose candidate changed ``changed``: the next audit (any candidate) is
+    refused before any candidate code runs, naming the file and ``hint``; once ``changed`` is
+    restored from ``original`` the record clears itself and audits start again (an unknown
+    profile is then what stops this one)."""
+    again = world.compare("gamma7_good", sandbox=False, python=python)
+    flat = " ".join(again.stdout.split())
+    assert again.returncode == 2, again.stdout
+    assert "changed by an earlier audit's candidate" in flat and str(changed) in flat, flat
+    assert hint in flat and "Traceback" not in flat, flat
+    assert (world.cache / "integrity" / "tampered.json").is_file()
+    shutil.copy2(original, changed)
+    after = world.compare("gamma7_good", sandbox=False, python=python,
+                          extra=("--profile", "no-such-profile"))
+    assert after.returncode == 2, after.stdout
+    assert "unknown profile 'no-such-profile'" in after.stdout, after.stdout
+    assert "earlier audit" not in after.stdout, after.stdout
+    assert not (world.cache / "integrity" / "tampered.json").exists()
 
 
 @pytest.mark.skipif(not _sandbox_available(), reason="no bubblewrap sandbox on this machine")

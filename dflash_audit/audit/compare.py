@@ -64,8 +64,10 @@ from dflash_audit.audit.sides.run_sides import (
     CANDIDATE_OUTPUTS,
     REFERENCE_NOT_RUN,
     candidate_ran,
+    refuse_code_changes,
     resolve_reference,
     run_both_sides,
+    with_code_changes,
 )
 
 
@@ -179,13 +181,16 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
         CandidateLoadError,
         load_candidate_identity,
     )
-    from dflash_audit.audit.sides.integrity import enable_subreaper
+    from dflash_audit.audit.sides.install_guard import InstallGuard
+    from dflash_audit.audit.sides.integrity import enable_subreaper, tool_roots
+    from dflash_audit.audit.sides.tamper_record import refuse_recorded_tampering
     from dflash_audit.profile import Profile, ProfileError
-    from dflash_audit.reference_source.runner import compile_reference_bytecode
+    from dflash_audit.reference_source.runner import compile_reference_bytecode, pycache_prefix
     from dflash_audit.report import write_report
     from dflash_audit.report.fingerprint import report_key
 
     check_options(opts)
+    refuse_recorded_tampering(tool_roots().values())  # before any work, any candidate code
     try:  # before any candidate code and before the sandbox's proof, which checks it hidden
         report_key(create=True)
     except OSError as exc:
@@ -212,53 +217,63 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
             import_check.wait()
         reference_code = reference_code_digest(  # before any candidate code runs
             identity, whole_prefix=not sandbox["sandboxed"])
-        with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-", dir=work_root()) as tmp:
-            with st.stage("load_candidate", "loading the candidate (own process)"):
-                try:  # never imported here: its import may exit, crash or print
-                    candidate = load_candidate_identity(launch, Path(tmp) / ".load")
-                except CandidateLoadError as exc:
-                    raise CompareSetupError(f"candidate: {exc}") from None
-            framework = framework_facts(launch, candidate)
-            planned, inputs_info = plan_cases(
-                opts, profile, st, import_check.wait,
-                capabilities=framework["capabilities"] if framework else None,
-                framework_label=framework["label"] if framework else "")
-            outputs = run_both_sides(opts, identity, planned, Path(tmp), st, import_check,
-                                     reference_code, launch=launch)
-            reference_ran = candidate_ran(outputs)
-            tolerance = measured_tolerances(planned, Path(tmp))
-            records, pictures = check_all(planned, outputs, Path(tmp), st, framework)
-            ref_info = _reference_info(identity, Path(tmp))
-            staging = Path(tmp) / ".canary"
-            t_canary = time.perf_counter()
-            canary = stage_canary(planned, Path(tmp), Path(tmp) / CANDIDATE_OUTPUTS, staging)
-            st.timing["canary"] = time.perf_counter() - t_canary
-            st.timing["total"] = time.perf_counter() - started
-            report = _build_report(opts, profile, ref_info, candidate, records, pictures,
-                                   inputs_info, created_at, st.timing,
-                                   covered_verifiers(planned), launch)
-            if framework is not None:
-                report.candidate["framework"] = {
-                    **{k: v for k, v in framework.items() if k != "capabilities"},
-                    "capabilities": framework["capabilities"].to_dict()}
-                report.notes += inputs_info.get("unsupported", [])
-            report.tolerance = tolerance
-            if not reference_ran:
-                report.notes.append(REFERENCE_NOT_RUN)
-            report.candidate["sandbox"] = sandbox
-            if not sandbox["sandboxed"]:
-                report.notes.append(sandbox["note"])
-            if canary is not None and report.verdict == "pass":  # what train reruns
-                report.candidate["canary"] = canary
-            else:
-                canary = None
-            try:
-                folder = write_report(report, opts.out)
-                if canary is not None:
-                    publish_canary(staging, folder)
-            except OSError as exc:
-                raise CompareSetupError(f"cannot write the report into {opts.out}: {exc}"
-                                        ) from None
+        guard = InstallGuard([identity.source_dir, *tool_roots().values(), pycache_prefix()],
+                             import_check.files)
+        st.timing["install_baseline"] = guard.seconds
+        try:  # every refusal after candidate code ran also names (and records) changes
+            with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-",
+                                             dir=work_root()) as tmp:
+                with st.stage("load_candidate", "loading the candidate (own process)"):
+                    try:  # never imported here: its import may exit, crash or print
+                        candidate = load_candidate_identity(launch, Path(tmp) / ".load")
+                    except CandidateLoadError as exc:
+                        raise CompareSetupError(f"candidate: {exc}") from None
+                framework = framework_facts(launch, candidate)
+                planned, inputs_info = plan_cases(
+                    opts, profile, st, import_check.wait,
+                    capabilities=framework["capabilities"] if framework else None,
+                    framework_label=framework["label"] if framework else "")
+                outputs = run_both_sides(opts, identity, planned, Path(tmp), st, import_check,
+                                         reference_code, launch=launch, guard=guard)
+                reference_ran = candidate_ran(outputs)
+                tolerance = measured_tolerances(planned, Path(tmp))
+                records, pictures = check_all(planned, outputs, Path(tmp), st, framework)
+                ref_info = _reference_info(identity, Path(tmp))
+                staging = Path(tmp) / ".canary"
+                t_canary = time.perf_counter()
+                canary = stage_canary(planned, Path(tmp), Path(tmp) / CANDIDATE_OUTPUTS,
+                                      staging)
+                st.timing["canary"] = time.perf_counter() - t_canary
+                st.timing["total"] = time.perf_counter() - started
+                report = _build_report(opts, profile, ref_info, candidate, records, pictures,
+                                       inputs_info, created_at, st.timing,
+                                       covered_verifiers(planned), launch)
+                if framework is not None:
+                    report.candidate["framework"] = {
+                        **{k: v for k, v in framework.items() if k != "capabilities"},
+                        "capabilities": framework["capabilities"].to_dict()}
+                    report.notes += inputs_info.get("unsupported", [])
+                report.tolerance = tolerance
+                if not reference_ran:
+                    report.notes.append(REFERENCE_NOT_RUN)
+                report.candidate["sandbox"] = sandbox
+                if not sandbox["sandboxed"]:
+                    report.notes.append(sandbox["note"])
+                if canary is not None and report.verdict == "pass":  # what train reruns
+                    report.candidate["canary"] = canary
+                else:
+                    canary = None
+                refuse_code_changes(identity, None, "before the verdict", guard=guard)
+                refuse_recorded_tampering(tool_roots().values())  # another audit's record
+                try:
+                    folder = write_report(report, opts.out)
+                    if canary is not None:
+                        publish_canary(staging, folder)
+                except OSError as exc:
+                    raise CompareSetupError(f"cannot write the report into {opts.out}: {exc}"
+                                            ) from None
+        except CompareSetupError as exc:
+            raise with_code_changes(exc, identity, reference_code, guard) from None
     return CompareOutcome(report=report, folder=folder, exit_code=report.exit_code)
 
 

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from dflash_audit.reference_source.identity import PACKAGE, ReferenceIdentity
+from dflash_audit.reference_source.imported_files import report_source
 from dflash_audit.reference_source.runner import (
     ReferenceApiMismatchError,
     ReferenceRunError,
@@ -31,7 +32,7 @@ REFERENCE_IMPORT_DEPS: tuple[str, ...] = (
 )
 
 
-_IMPORT_PROBE = """
+_IMPORT_PROBE = report_source() + """
 import importlib.metadata, importlib.util, json, pathlib, sys
 version, known = sys.argv[1], json.loads(sys.argv[2])
 try:  # a git checkout has no installed metadata, but speculators reads its version at import
@@ -53,6 +54,7 @@ try:
         adapter.import_reference(pathlib.Path.cwd())
     except SystemExit:  # it wrote error.json (a kind the reference run reports too)
         out["adapter"] = json.loads(pathlib.Path("error.json").read_text())
+    out["files"] = imported_files()  # what the audit verifies before any candidate code
 except ModuleNotFoundError as e:
     extra = [m for m in known if importlib.util.find_spec(m) is None]
     out = {"ok": False, "missing": [e.name] + [m for m in extra if m != e.name], "error": repr(e)}
@@ -67,13 +69,14 @@ IMPORT_TIMEOUT_S, IMPORT_TIMEOUT_ENV = 180.0, "DFLASH_AUDIT_REFERENCE_IMPORT_TIM
 
 
 def check_reference_importable(identity: ReferenceIdentity, timeout_s: float | None = None
-                               ) -> None:
+                               ) -> list[str]:
     """Check, in a small subprocess, that ``speculators.models.dflash.core`` imports from the
     resolved source and that the adapter's own import of the reference passes
     (``import_reference`` of ``reference/adapter.py``: the names and methods it uses); cheap
     compared with a full reference run. The process is isolated as
     the reference's (:func:`dflash_audit.reference_source.runner.reference_command`; bytecode
-    in :func:`~dflash_audit.reference_source.runner.pycache_prefix`).
+    in :func:`~dflash_audit.reference_source.runner.pycache_prefix`). Returns the files that
+    process imported (:func:`~dflash_audit.reference_source.imported_files.imported_files`).
 
     Raises:
         ReferenceMissingDependencyError: import-time dependencies are missing (the one that
@@ -135,3 +138,4 @@ def check_reference_importable(identity: ReferenceIdentity, timeout_s: float | N
         )
     if probe.get("adapter") is not None:
         raise _error_from_json(identity, probe["adapter"], proc.returncode, proc.stderr)
+    return [str(f) for f in probe.get("files") or []]

@@ -9,6 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,11 @@ from dflash_audit.reference_source.identity import (
     ReferenceIdentity,
     ReferenceSourceError,
     adapter_path,
+)
+from dflash_audit.reference_source.imported_files import (
+    OUT_ENV,
+    read_imported,
+    report_source,
 )
 
 #: Import name -> pip requirement, for modules the reference imports at import time.
@@ -92,13 +98,19 @@ class ReferenceRun:
     stdout: str
     stderr: str
     wall_s: float
+    #: The files it ran code from (:mod:`dflash_audit.reference_source.imported_files`);
+    #: None when it listed none.
+    imported: list[str] | None = None
 
 
 #: Runs a script in an isolated interpreter: ``python -I -S -X pycache_prefix=DIR -c BOOT
 #: PATHS_JSON SCRIPT ARGS...`` puts PATHS (the script's folder, the reference's ``src``,
-#: site-packages) first on ``sys.path`` and runs SCRIPT as ``__main__``.
-_BOOT = ("import json, runpy, sys; paths = json.loads(sys.argv[1]); sys.argv = sys.argv[2:]; "
-         "sys.path[:0] = paths; runpy.run_path(sys.argv[0], run_name='__main__')")
+#: site-packages) first on ``sys.path``, runs SCRIPT as ``__main__`` and then lists the files
+#: the process imported (:mod:`dflash_audit.reference_source.imported_files`).
+_BOOT = (report_source()
+         + "import json, runpy, sys; paths = json.loads(sys.argv[1]); sys.argv = sys.argv[2:]; "
+         "sys.path[:0] = paths\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+         "finally:\n    report_imported_files()\n")
 PYCACHE_DIR = "pycache"
 
 
@@ -331,10 +343,13 @@ def run_reference(
     cmd = reference_command(identity, script, list(map(str, adapter_args)), pycache_prefix())
     start = time.monotonic()
     try:
-        proc = subprocess.run(
-            cmd, cwd=workdir, env=reference_env(identity), capture_output=True, text=True,
-            timeout=timeout_s,
-        )
+        with tempfile.TemporaryDirectory(prefix="dflash-audit-imported-") as listing:
+            out = Path(listing) / "imported.json"
+            proc = subprocess.run(
+                cmd, cwd=workdir, env={**reference_env(identity), OUT_ENV: str(out)},
+                capture_output=True, text=True, timeout=timeout_s,
+            )
+            imported = read_imported(out)
     except subprocess.TimeoutExpired as exc:
         stderr = exc.stderr or ""
         if isinstance(stderr, bytes):
@@ -348,7 +363,7 @@ def run_reference(
         ) from exc
     wall = time.monotonic() - start
     if proc.returncode == 0:
-        return ReferenceRun(cmd, workdir, 0, proc.stdout, proc.stderr, wall)
+        return ReferenceRun(cmd, workdir, 0, proc.stdout, proc.stderr, wall, imported)
     error_file = next((p for p in error_files if p.is_file()), None)
     if error_file is not None:
         try:

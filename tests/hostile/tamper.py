@@ -172,3 +172,13 @@ def poison(source: Path) -> None:
 def steal_key(key: Path, to: Path) -> None:
     """Route 9: copy the report key out (anyone holding it signs any report)."""
     to.write_bytes(key.read_bytes())
+
+
+def poison_site_packages() -> None:
+    """Route 10: append to a module of the interpreter's site-packages that the reference imports
+    (``typing_extensions.py``, imported by pydantic and torch) the hook of route 2, which
+    rewrites the decay when speculators imports it in the reference's process."""
+    import typing_extensions
+
+    path = Path(typing_extensions.__file__)
+    path.write_text(path.read_text() + SITECUSTOMIZE)
