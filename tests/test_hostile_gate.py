@@ -150,3 +150,26 @@ def test_a_file_naming_another_candidates_class_cannot_borrow_its_report(tmp_pat
     assert set(packaged["files"]) == {"a.py", "__init__.py", "mod.py"}
     assert identity_fingerprint(identity, "a:A", "p" * 64) == own  # module or file: one file
     assert "pkg" not in sys.modules and "b" not in sys.modules  # located, never imported
+
+
+def test_train_refuses_an_installation_an_audit_recorded_as_changed(tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    """An installation an earlier audit's candidate changed (its tamper record: a tool file
+    whose good sha256 is not the one on disk) trains nothing: the gate refuses before anything
+    else, exit 2, naming the file; once the record's content is back, the gate goes on."""
+    import dflash_audit
+    from dflash_audit.atomic import file_sha256
+    from dflash_audit.audit.sides.tamper_record import record_path, record_tampering
+
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
+    init = Path(dflash_audit.__file__).resolve()
+    record_tampering({str(init): "sha256:" + "0" * 64})
+    with pytest.raises(GateError) as refused:
+        sealed_module.decide(None, None, None, None, None)
+    assert refused.value.exit_code == 2
+    assert str(init) in str(refused.value) and "not restored" in str(refused.value)
+    record_path().unlink()
+    record_tampering({str(init): f"sha256:{file_sha256(init)}"})  # the content is the good one
+    with pytest.raises(AttributeError):  # past the record: the dummy settings are read now
+        sealed_module.decide(None, None, None, None, None)
+    assert not record_path().exists()

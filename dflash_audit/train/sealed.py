@@ -121,8 +121,17 @@ def decide(cfg: Any, profile: Any, verifier: Any, reference_identity: dict[str, 
 
     Raises:
         CandidateLoadError: the candidate cannot be loaded in its process (exit 2).
-        GateError: no matching passing report (exit 2) or its audit failed (exit 1).
+        GateError: no matching passing report, or an installation recorded as changed by an
+            earlier audit's candidate (exit 2); or its audit failed (exit 1).
     """
+    from dflash_audit.audit.setup_error import CompareSetupError
+    from dflash_audit.audit.sides.integrity import tool_roots
+    from dflash_audit.audit.sides.tamper_record import refuse_recorded_tampering
+
+    try:  # an installation an earlier audit's candidate changed trains nothing either
+        refuse_recorded_tampering(tool_roots().values())
+    except CompareSetupError as exc:
+        raise GateError(str(exc)) from None
     candidate_spec = cfg.candidate
     identity = None
     if not is_our_drafter(candidate_spec):
