@@ -236,7 +236,11 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     sees the reference's outputs nor the reference process: before the reference starts, the
     case inputs and the reference's code (``reference_code``,
     :func:`.integrity.reference_code_digest` taken before the candidate was loaded) must be
-    unchanged, and afterwards its outputs must be the files it reported writing.
+    unchanged, and afterwards its outputs must be the files it reported writing. Cases whose
+    reference outputs are in the cache (:mod:`.reference_cache`, read before the candidate
+    runs; ``opts.reference_cache`` False: none) are not run again: their verified records are
+    restored and checked the same way; the others' outputs are stored. The cache's report
+    entry is written into ``cases_dir/`` :data:`CACHE_SUMMARY`.
     ``launch``: how the candidate process starts
     (:class:`dflash_audit.audit.sides.launch.CandidateLaunch`; None: ``opts.candidate`` under
     this interpreter). Returns ``{case name: (SideOutputs | None, failing "run" result |
@@ -259,6 +263,9 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     with st.stage("write_cases", "writing cases", total=len(planned)) as advance:
         cand_cases = write_work_cases([p.case for p in planned], cases_dir, advance)
         digests = case_digests(cases_dir, names)
+    threads = usable_cores()
+    cache = open_reference_cache(opts, identity, cases_dir, names, digests, threads,
+                                 reference_code, st)
     with st.stage("import_check", "checking that the reference imports"):
         import_check.wait()
     from dflash_audit.audit.sides.candidate_process import (
@@ -266,7 +273,6 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
         candidate_side,
         run_candidate_process,
     )
-    threads = usable_cores()
     out_dir = cases_dir / CANDIDATE_OUTPUTS
     try:
         with st.stage("candidate", f"candidate on {len(planned)} cases (own process)",
@@ -280,6 +286,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     t_left = time.perf_counter()
     left = leftover_processes()  # a daemon that left the candidate's process group
     st.timing["leftover_scan"] = time.perf_counter() - t_left
+    cache.discard_changed()  # what a candidate without a sandbox wrote there: never reused
     if left:
         message = (f"the candidate left {len(left)} process(es) running after its own process "
                    f"ended ({'; '.join(left[:2])}); they were killed and no verdict is given. A "
@@ -298,21 +305,99 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     if not candidate_ran(outputs):
         st.say(REFERENCE_NOT_RUN)
         return outputs
+    missed = [name for name in names if name not in cache.hits]
     start = time.perf_counter()
-    with st.stage("reference_wait", "reference (speculators) on all cases"):
-        try:
-            reference_run = start_reference(identity, cases_dir, opts.reference_timeout_s,
-                                            threads).result()
-        except ReferenceSourceError as exc:
-            raise CompareSetupError(f"the reference run failed: {exc}") from None
+    stdout = ""
+    if missed:
+        label = (f"reference (speculators) on {len(missed)} of {len(names)} cases (the others "
+                 "from the cache)" if len(missed) < len(names) else
+                 "reference (speculators) on all cases")
+        with st.stage("reference_wait", label):
+            try:
+                stdout = run_reference_on(identity, cases_dir, missed, len(missed) < len(names),
+                                          opts.reference_timeout_s, threads)
+            except ReferenceSourceError as exc:
+                raise CompareSetupError(f"the reference run failed: {exc}") from None
     st.timing["reference"] = time.perf_counter() - start
-    if reference_code is not None:
+    if reference_code is not None and missed:
         _refuse_code_changes(identity, reference_code, "while the reference ran",
                              whole_prefix=False)
+    stdout += "\n" + cache.restore(cases_dir)
     after = case_digests(cases_dir, names)
     _refuse_changes(sorted(k for k in digests if digests[k] != after.get(k))
-                    + reference_output_changes(reference_run.stdout, cases_dir, names))
+                    + reference_output_changes(stdout, cases_dir, names))
+    finish_reference_cache(cache, cases_dir, names, missed)
     return outputs
+
+
+def open_reference_cache(opts: CompareOptions, identity: Any, cases_dir: Path,
+                         names: list[str], digests: dict[str, str], threads: int,
+                         reference_code: dict[str, str] | None, st: Stages) -> Any:
+    """The audit's :class:`.reference_cache.ReferenceCache`, its records of the cases
+    ``names`` read and verified now (before any candidate code runs; not with
+    ``--no-reference-cache``), watched while a candidate without a sandbox runs."""
+    from dflash_audit.audit.sides.integrity import reference_code_digest
+    from dflash_audit.audit.sides.reference_cache import ReferenceCache
+    from dflash_audit.audit.sides.sandbox import sandbox_status
+
+    start = time.perf_counter()
+    cache = ReferenceCache.open(read=opts.reference_cache)
+    code = reference_code if reference_code is not None else reference_code_digest(identity)
+    cache.lookup(cases_dir, names, digests, identity, code, opts.device, threads)
+    for name, why in cache.ignored.items():
+        st.say(f"the cached reference outputs of {name} were ignored ({why}); recomputed")
+    if not sandbox_status().available:
+        cache.watch()
+    st.timing["reference_cache"] = time.perf_counter() - start
+    return cache
+
+
+def run_reference_on(identity: Any, cases_dir: Path, names: list[str], subset: bool,
+                     timeout_s: float, threads: int) -> str:
+    """Run the reference on the cases ``names`` of ``cases_dir`` (all of them, or with
+    ``subset`` only those: through a folder of links to them, :data:`.reference_cache.
+    SUBSET_DIR`, whose ``reference.json`` is moved into ``cases_dir``); returns its stdout.
+
+    Raises:
+        ReferenceSourceError: the run failed (see :func:`start_reference`).
+    """
+    from dflash_audit.audit.sides.reference_cache import SUBSET_DIR
+
+    folder = cases_dir
+    if subset:
+        folder = cases_dir / SUBSET_DIR
+        folder.mkdir()
+        for name in names:
+            (folder / name).symlink_to(Path("..") / name, target_is_directory=True)
+    run = start_reference(identity, folder, timeout_s, threads).result()
+    if subset and (folder / "reference.json").is_file():
+        os.replace(folder / "reference.json", cases_dir / "reference.json")
+    return run.stdout
+
+
+def finish_reference_cache(cache: Any, cases_dir: Path, names: list[str],
+                           computed: list[str]) -> None:
+    """After the reference's outputs were verified: store the ``computed`` ones as records,
+    write ``reference.json`` from a record when the reference did not run, and the cache's
+    report entry into ``cases_dir/`` :data:`CACHE_SUMMARY`."""
+    import json
+
+    ran = cases_dir / "reference.json"
+    facts: dict[str, Any] = {}
+    if ran.is_file():
+        try:
+            facts = json.loads(ran.read_text())
+        except ValueError:
+            facts = {}  # named by the report's reading of it
+    if computed and isinstance(facts, dict):
+        cache.store(cases_dir, computed, facts)
+    if not computed and cache.reference_facts() is not None:
+        ran.write_text(json.dumps({**cache.reference_facts(), "cases": len(names)}))
+    (cases_dir / CACHE_SUMMARY).write_text(json.dumps(cache.summary(names)))
+
+
+#: The reference cache's report entry, written into the cases folder (:func:`run_both_sides`).
+CACHE_SUMMARY = "reference-cache.json"
 
 
 def candidate_ran(outputs: dict[str, Any]) -> bool:

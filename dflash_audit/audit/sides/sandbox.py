@@ -10,7 +10,7 @@ The candidate is untrusted code (DESIGN.md section 9). Inside the sandbox it see
   a ``file.py`` candidate, the working directory and ``PYTHONPATH`` entries under ``/tmp``;
   read-write its own output folder;
 - nothing of the report key (:data:`dflash_audit.report.fingerprint.KEY_DIR` is covered by an
-  empty tmpfs), nor of any audit's work folder (:func:`work_root`, where every compare keeps
+  empty tmpfs) nor of the cached reference outputs (:mod:`.reference_cache`, covered too), nor of any audit's work folder (:func:`work_root`, where every compare keeps
   its cases and both sides' outputs, is covered by an empty tmpfs, and only this candidate's
   own cases and output folder are bound back; every root an audit of this user made, whatever
   its ``$TMPDIR``, is covered too: :func:`known_work_roots`): not even when ``/tmp`` itself is
@@ -271,7 +271,9 @@ def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
     """``cmd`` inside the candidate's sandbox (:mod:`.sandbox`) when it can start here, else
     ``cmd`` itself: read-only everything, ``out_dir`` writable, ``cases_dir`` (its private copy
     of the cases), the folder of a ``file.py`` candidate, the working directory and the
-    ``PYTHONPATH`` entries readable, the report key's folder hidden."""
+    ``PYTHONPATH`` entries readable, the report key's folder and the cached reference
+    outputs (:func:`.reference_cache.record_dirs`) hidden."""
+    from dflash_audit.audit.sides.reference_cache import record_dirs
     from dflash_audit.report.fingerprint import key_dirs
 
     status = sandbox_status()
@@ -289,5 +291,5 @@ def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
         except (OSError, ValueError, KeyError, TypeError):
             pass
     return sandbox_command(cmd, bwrap=status.bwrap, writable=[Path(out_dir)], readable=readable,
-                           hidden=key_dirs(), private=[work_root(), *known_work_roots()],
+                           hidden=[*key_dirs(), *record_dirs()], private=[work_root(), *known_work_roots()],
                            cwd=Path.cwd())
