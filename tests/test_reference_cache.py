@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from cli_zygote import run_cli
 
-from dflash_audit.audit.sides import reference_cache as rc
+from dflash_audit.audit.sides import reference_records as rc
+from dflash_audit.audit.sides.reference_cache import ReferenceCache
 
 pytestmark = pytest.mark.reference
 
@@ -129,6 +130,29 @@ def test_a_corrupted_record_is_recomputed_and_a_record_never_turns_a_fail_into_a
     for case in report["cases"]:
         status = {r["name"]: r["status"] for r in case["results"]}
         assert status["loss"] == "fail", (case["name"], status)
+
+
+def test_records_written_while_an_unsandboxed_candidate_ran_are_discarded(tmp_path,
+                                                                           monkeypatch):
+    # a candidate without a sandbox can read the key and sign a record of its own: whatever
+    # changed in the records while it ran is removed (its own audit read its records before)
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
+    case = tmp_path / "case"
+    case.mkdir()
+    (case / "outputs.json").write_text("{}")
+    (case / "outputs.safetensors").write_bytes(b"reference")
+    cache = ReferenceCache.open(read=True)
+    for key in ("a" * 64, "b" * 64, "c" * 64):
+        rc.write_record(cache.root / key, key, case, {}, cache.report_key)
+    cache.watch()
+    (case / "outputs.safetensors").write_bytes(b"forged")
+    rc.write_record(cache.root / ("a" * 64), "a" * 64, case, {}, cache.report_key)  # replaced
+    rc.write_record(cache.root / ("d" * 64), "d" * 64, case, {}, cache.report_key)  # new
+    (cache.root / ("c" * 64) / "outputs.json").write_text("{ }")  # edited in place
+    assert cache.discard_changed() == ["a" * 64, "c" * 64, "d" * 64]
+    assert sorted(p.name for p in cache.root.iterdir()) == ["b" * 64]
+    record, why = rc.read_record(cache.root / ("b" * 64), "b" * 64, cache.report_key, False)
+    assert why == "" and record.files["outputs.safetensors"] == b"reference"
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="bubblewrap sandbox: Linux only")

@@ -59,9 +59,9 @@ from dflash_audit.audit.setup_error import CompareSetupError
 from dflash_audit.audit.sides.canary import publish_canary, stage_canary
 from dflash_audit.audit.sides.import_check import ImportCheck, import_ok_marker
 from dflash_audit.audit.sides.integrity import reference_code_digest
+from dflash_audit.audit.sides.reference_cache import CACHE_SUMMARY
 from dflash_audit.audit.sides.sandbox import work_root
 from dflash_audit.audit.sides.run_sides import (
-    CACHE_SUMMARY,
     CANDIDATE_OUTPUTS,
     REFERENCE_NOT_RUN,
     candidate_ran,

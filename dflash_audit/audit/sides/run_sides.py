@@ -16,6 +16,11 @@ from typing import TYPE_CHECKING, Any
 from dflash_audit.audit.progress import Stages
 from dflash_audit.audit.setup_error import CompareSetupError
 from dflash_audit.audit.sides.import_check import Background, ImportCheck
+from dflash_audit.audit.sides.reference_cache import (
+    SUBSET_DIR,
+    finish_reference_cache,
+    open_reference_cache,
+)
 
 if TYPE_CHECKING:
     from dflash_audit.audit.options import CompareOptions
@@ -240,7 +245,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     reference outputs are in the cache (:mod:`.reference_cache`, read before the candidate
     runs; ``opts.reference_cache`` False: none) are not run again: their verified records are
     restored and checked the same way; the others' outputs are stored. The cache's report
-    entry is written into ``cases_dir/`` :data:`CACHE_SUMMARY`.
+    entry is written into ``cases_dir/`` :data:`.reference_cache.CACHE_SUMMARY`.
     ``launch``: how the candidate process starts
     (:class:`dflash_audit.audit.sides.launch.CandidateLaunch`; None: ``opts.candidate`` under
     this interpreter). Returns ``{case name: (SideOutputs | None, failing "run" result |
@@ -330,39 +335,16 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     return outputs
 
 
-def open_reference_cache(opts: CompareOptions, identity: Any, cases_dir: Path,
-                         names: list[str], digests: dict[str, str], threads: int,
-                         reference_code: dict[str, str] | None, st: Stages) -> Any:
-    """The audit's :class:`.reference_cache.ReferenceCache`, its records of the cases
-    ``names`` read and verified now (before any candidate code runs; not with
-    ``--no-reference-cache``), watched while a candidate without a sandbox runs."""
-    from dflash_audit.audit.sides.integrity import reference_code_digest
-    from dflash_audit.audit.sides.reference_cache import ReferenceCache
-    from dflash_audit.audit.sides.sandbox import sandbox_status
-
-    start = time.perf_counter()
-    cache = ReferenceCache.open(read=opts.reference_cache)
-    code = reference_code if reference_code is not None else reference_code_digest(identity)
-    cache.lookup(cases_dir, names, digests, identity, code, opts.device, threads)
-    for name, why in cache.ignored.items():
-        st.say(f"the cached reference outputs of {name} were ignored ({why}); recomputed")
-    if not sandbox_status().available:
-        cache.watch()
-    st.timing["reference_cache"] = time.perf_counter() - start
-    return cache
-
-
 def run_reference_on(identity: Any, cases_dir: Path, names: list[str], subset: bool,
                      timeout_s: float, threads: int) -> str:
     """Run the reference on the cases ``names`` of ``cases_dir`` (all of them, or with
-    ``subset`` only those: through a folder of links to them, :data:`.reference_cache.
-    SUBSET_DIR`, whose ``reference.json`` is moved into ``cases_dir``); returns its stdout.
+    ``subset`` only those: through a folder of links to them,
+    :data:`.reference_cache.SUBSET_DIR`, whose ``reference.json`` is moved into
+    ``cases_dir``); returns its stdout.
 
     Raises:
         ReferenceSourceError: the run failed (see :func:`start_reference`).
     """
-    from dflash_audit.audit.sides.reference_cache import SUBSET_DIR
-
     folder = cases_dir
     if subset:
         folder = cases_dir / SUBSET_DIR
@@ -373,31 +355,6 @@ def run_reference_on(identity: Any, cases_dir: Path, names: list[str], subset: b
     if subset and (folder / "reference.json").is_file():
         os.replace(folder / "reference.json", cases_dir / "reference.json")
     return run.stdout
-
-
-def finish_reference_cache(cache: Any, cases_dir: Path, names: list[str],
-                           computed: list[str]) -> None:
-    """After the reference's outputs were verified: store the ``computed`` ones as records,
-    write ``reference.json`` from a record when the reference did not run, and the cache's
-    report entry into ``cases_dir/`` :data:`CACHE_SUMMARY`."""
-    import json
-
-    ran = cases_dir / "reference.json"
-    facts: dict[str, Any] = {}
-    if ran.is_file():
-        try:
-            facts = json.loads(ran.read_text())
-        except ValueError:
-            facts = {}  # named by the report's reading of it
-    if computed and isinstance(facts, dict):
-        cache.store(cases_dir, computed, facts)
-    if not computed and cache.reference_facts() is not None:
-        ran.write_text(json.dumps({**cache.reference_facts(), "cases": len(names)}))
-    (cases_dir / CACHE_SUMMARY).write_text(json.dumps(cache.summary(names)))
-
-
-#: The reference cache's report entry, written into the cases folder (:func:`run_both_sides`).
-CACHE_SUMMARY = "reference-cache.json"
 
 
 def candidate_ran(outputs: dict[str, Any]) -> bool:

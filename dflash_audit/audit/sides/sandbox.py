@@ -10,7 +10,7 @@ The candidate is untrusted code (DESIGN.md section 9). Inside the sandbox it see
   a ``file.py`` candidate, the working directory and ``PYTHONPATH`` entries under ``/tmp``;
   read-write its own output folder;
 - nothing of the report key (:data:`dflash_audit.report.fingerprint.KEY_DIR` is covered by an
-  empty tmpfs) nor of the cached reference outputs (:mod:`.reference_cache`, covered too), nor of any audit's work folder (:func:`work_root`, where every compare keeps
+  empty tmpfs) nor of the cached reference outputs (:mod:`.reference_records`, covered too), nor of any audit's work folder (:func:`work_root`, where every compare keeps
   its cases and both sides' outputs, is covered by an empty tmpfs, and only this candidate's
   own cases and output folder are bound back; every root an audit of this user made, whatever
   its ``$TMPDIR``, is covered too: :func:`known_work_roots`): not even when ``/tmp`` itself is
@@ -272,8 +272,8 @@ def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
     ``cmd`` itself: read-only everything, ``out_dir`` writable, ``cases_dir`` (its private copy
     of the cases), the folder of a ``file.py`` candidate, the working directory and the
     ``PYTHONPATH`` entries readable, the report key's folder and the cached reference
-    outputs (:func:`.reference_cache.record_dirs`) hidden."""
-    from dflash_audit.audit.sides.reference_cache import record_dirs
+    outputs (:func:`.reference_records.record_dirs`) hidden."""
+    from dflash_audit.audit.sides.reference_records import record_dirs
     from dflash_audit.report.fingerprint import key_dirs
 
     status = sandbox_status()
