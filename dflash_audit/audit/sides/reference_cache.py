@@ -136,7 +136,11 @@ class ReferenceCache:
         lines = []
         for name, record in self.hits.items():
             for file, data in record.files.items():
-                (cases_dir / name / file).write_bytes(data)
+                path = cases_dir / name / file
+                path.unlink(missing_ok=True)  # a new file, never through a planted link
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
             lines.append(json.dumps({"dflash_audit_outputs": name, "sha256": record.digests}))
         return "\n".join(lines)
 
