@@ -196,6 +196,9 @@ def open_reference_cache(opts: CompareOptions, identity: Any, cases_dir: Path,
     cache.lookup(cases_dir, names, digests, identity, code, opts.device, threads)
     for name, why in cache.ignored.items():
         st.say(f"the cached reference outputs of {name} were ignored ({why}); recomputed")
+    if cache.hits:
+        st.say(f"the reference's outputs of {len(cache.hits)} of {len(names)} cases are in "
+               "the cache (verified records; --no-reference-cache recomputes them)")
     if not sandbox_status().available:
         cache.watch()
     st.timing["reference_cache"] = time.perf_counter() - start
