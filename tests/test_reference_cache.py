@@ -155,6 +155,22 @@ def test_records_written_while_an_unsandboxed_candidate_ran_are_discarded(tmp_pa
     assert why == "" and record.files["outputs.safetensors"] == b"reference"
 
 
+def test_the_least_recently_used_records_go_first_past_the_size_limit(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
+    case = tmp_path / "case"
+    case.mkdir()
+    (case / "outputs.json").write_text("{}")
+    (case / "outputs.safetensors").write_bytes(bytes(1000))
+    cache = ReferenceCache.open(read=True)
+    for age, key in enumerate(("a" * 64, "b" * 64, "c" * 64)):  # a newest, c oldest
+        rc.write_record(cache.root / key, key, case, {}, cache.report_key)
+        os.utime(cache.root / key / rc.RECORD_FILE, (1e9 - age * 100, 1e9 - age * 100))
+    rc.touch(cache.root / ("c" * 64))  # read now: the most recently used
+    size = sum(p.stat().st_size for p in (cache.root / ("a" * 64)).iterdir())
+    assert rc.prune(cache.root, 2 * size) == ["b" * 64]
+    assert sorted(p.name for p in cache.root.iterdir()) == ["a" * 64, "c" * 64]
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="bubblewrap sandbox: Linux only")
 def test_the_records_are_hidden_from_the_candidates_sandbox(tmp_path):
     from dflash_audit.audit.sides.sandbox import sandbox_status, sandboxed

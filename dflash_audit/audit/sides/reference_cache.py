@@ -26,14 +26,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_audit.audit.sides.reference_records import (
+    MAX_BYTES,
     Record,
     case_fields,
     code_fields,
     environment_fields,
+    prune,
     read_record,
     record_key,
     records_root,
     stat_signature,
+    touch,
     write_record,
 )
 
@@ -101,6 +104,7 @@ class ReferenceCache:
                                       "derive" in fields)
             if record is not None:
                 self.hits[name] = record
+                touch(self.root / key)
             elif why:
                 self.ignored[name] = why
                 shutil.rmtree(self.root / key, ignore_errors=True)
@@ -154,7 +158,8 @@ class ReferenceCache:
 
     def store(self, cases_dir: Path, names: list[str], reference: dict[str, Any]) -> None:
         """Store the verified outputs of the cases ``names`` (computed by this audit's
-        reference run) as records; a record that cannot be written is skipped."""
+        reference run) as records (a record that cannot be written is skipped), then keep the
+        records within :data:`.reference_records.MAX_BYTES`."""
         if self.report_key is None or self.root is None:
             return
         facts = {k: reference.get(k) for k in ("module_file", "version")}
@@ -167,6 +172,7 @@ class ReferenceCache:
             except OSError:
                 continue
             self.stored.append(name)
+        prune(self.root, MAX_BYTES)
 
     def summary(self, names: list[str]) -> dict[str, Any]:
         """The report's ``reference.cache`` entry: whether records were read, the id of the

@@ -55,6 +55,8 @@ LAUNCH_SOURCES = ("dflash_audit/reference_source/", "dflash_audit/audit/sides/ru
                   "dflash_audit/audit/sides/reference_records.py")
 #: Files of a verifier folder the derivation never reads (weights): left out of the key.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
+#: The most the records may hold; the least recently used are removed past it (:func:`prune`).
+MAX_BYTES = 2 << 30
 #: Where the key of records is derived from the report key (never the same MAC as a report's).
 _DOMAIN = b"dflash-audit reference-output records v1"
 
@@ -276,6 +278,38 @@ def write_record(folder: Path, key: str, case_dir: Path, reference: dict[str, An
         body = {"format": RECORD_FORMAT, "key": key, "files": files, "reference": reference}
         body["signature"] = sign_record(body, report_key)
         (tmp / RECORD_FILE).write_text(json.dumps(body, indent=1, sort_keys=True))
+
+
+def prune(root: Path, max_bytes: int) -> list[str]:
+    """Remove the least recently used records of ``root`` (by ``record.json``'s mtime, which
+    a read refreshes: :func:`touch`) until the rest hold at most ``max_bytes``; returns the
+    removed keys."""
+    import shutil
+
+    entries = []
+    for folder in root.iterdir() if root.is_dir() else []:
+        try:
+            used = (folder / RECORD_FILE).stat().st_mtime
+            size = sum(p.stat().st_size for p in folder.iterdir())
+        except OSError:
+            continue  # being written or removed by another audit
+        entries.append((used, size, folder))
+    total, removed = sum(size for _, size, _ in entries), []
+    for _, size, folder in sorted(entries):
+        if total <= max_bytes:
+            break
+        shutil.rmtree(folder, ignore_errors=True)
+        total -= size
+        removed.append(folder.name)
+    return removed
+
+
+def touch(folder: Path) -> None:
+    """Mark a record as used now (for :func:`prune`); best effort."""
+    try:
+        os.utime(folder / RECORD_FILE)
+    except OSError:
+        pass
 
 
 def stat_signature(root: Path) -> dict[str, str]:
