@@ -98,6 +98,7 @@ def test_in_the_sandbox_every_route_is_refused_and_nothing_changes(world: World)
     assert report["verdict"] == "fail" and report["candidate"]["sandbox"]["sandboxed"] is True
     assert digest(world.cache / "reference") == cache
     assert digest(world.tool) == tool
+    assert not (world.cache / "reference-outputs" / tamper.FORGED).exists()
     assert daemons_alive() == []
 
 
@@ -138,6 +139,20 @@ def test_without_a_sandbox_each_route_is_detected(world: World, route: str, name
     if route == "daemon":  # killed before the reference started: the code is untouched
         (utils,) = [p for p in world.cache.rglob("losses/utils.py")]
         assert tamper.POISON not in utils.read_text()
+
+
+def test_without_a_sandbox_a_forged_reference_record_is_discarded(world: World) -> None:
+    """Unsandboxed, the candidate can read the report key and sign a record of the reference
+    cache: its own audit read its records before it ran (the gamma-7 FAIL stands, exit 1), and
+    every record that changed while it ran is removed, so no later audit takes it."""
+    result = world.compare("forges_record", sandbox=False)
+    assert result.returncode == 1, result.stdout
+    assert "decay gamma 7" in result.stdout
+    records = world.cache / "reference-outputs"
+    assert not (records / tamper.FORGED).exists()
+    (report,) = world.reports("forges_record")
+    stored = {c["record"] for c in report["reference"]["cache"]["cases"].values()}
+    assert {p.name for p in records.iterdir()} == stored  # the reference's own, verified
 
 
 @pytest.mark.skipif(not _sandbox_available(), reason="no bubblewrap sandbox on this machine")

@@ -9,4 +9,5 @@ for f in tamper.losses_utils():
     tamper.attempt(tamper.plant_prefix_pyc, f)
     tamper.start_daemon(f)
 tamper.attempt(tamper.edit_tool)
+tamper.attempt(tamper.forge_record)
 candidate = Gamma7
