@@ -3,7 +3,8 @@ route each to turn its audit into a PASS (DESIGN.md section 9). Each route ends 
 2, never 0: in the sandbox every write is refused and the cache and the installed tool stay
 byte for byte as they were (one compare with every route at once); without a sandbox
 (``DFLASH_AUDIT_SANDBOX=off``) each route is detected (exit 2 naming the file or the process)
-and a damaged reference cache is rebuilt by the next resolve, never reused.
+and a damaged reference cache is rebuilt by the next resolve, never reused; a record it signs
+for the reference cache is removed (its own audit read its records before it ran: exit 1).
 
 Every run works on copies: the cached release tree (``$DFLASH_AUDIT_CACHE``) and the
 dflash-audit package (first on PYTHONPATH), so a route that succeeded could not damage the
