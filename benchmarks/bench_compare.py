@@ -1,10 +1,14 @@
 """Wall time of the main job, ``dflash-audit compare`` (the README's command): cold, warm
-(a passing audit) and failing (a shipped buggy candidate), side by side.
+(a passing audit) with and without the reference cache, and failing (a shipped buggy
+candidate), side by side.
 
 Run 1 uses an empty cache (``$DFLASH_AUDIT_CACHE`` in a temporary folder): it downloads the
 pinned reference release from the package index, converts the SmolLM2 verifier, captures the
-real batch and checks that the reference imports. Run 2 reuses that cache, as every later
-audit does, with our conformant drafter (a pass). Run 3 reuses it with a shipped buggy
+real batch, checks that the reference imports and stores the reference's outputs. Run 2
+reuses that cache, as every later audit does, with our conformant drafter (a pass): the
+reference's outputs come from the cache. Run 2b is the same with ``--no-reference-cache``
+(the reference runs again); the ratio 2 / 2b is printed against ``--cache-ratio`` (issue 31:
+at most 0.5). Run 3 reuses the cache with a shipped buggy
 candidate (``--fail-candidate``, default ``examples/candidates/bool_mask_added.py``: its logits
 difference is found by the replay hypothesis search, the costly part of a failing audit's
 diagnosis). Run 4 does the same with ``--compound-candidate`` (default
@@ -34,6 +38,8 @@ from pathlib import Path
 COMMAND = ["dflash-audit", "compare"]  # the README's main job
 TARGET_S = 60.0
 FAIL_RATIO = 2.0
+#: A warm audit with the reference cache against one without it (issue 31).
+CACHE_RATIO = 0.5
 ROOT = Path(__file__).resolve().parents[1]
 FAIL_CANDIDATE = f"{ROOT / 'examples' / 'candidates' / 'bool_mask_added.py'}:candidate"
 #: A candidate with three simultaneous causes (per-query window + packed positions + loss over
@@ -60,7 +66,9 @@ def run(cache: Path, out: Path, extra: list[str]) -> dict:
     return {"wall_s": wall, "cpu_s": cpu, "exit_code": proc.returncode,
             "verdict": report.get("verdict"), "timing": report.get("timing", {}),
             "cases": len(report.get("cases", [])),
-            "cache_hit": report.get("inputs", {}).get("batch_cache", {}).get("hit")}
+            "cache_hit": report.get("inputs", {}).get("batch_cache", {}).get("hit"),
+            "reference_cached": (report.get("reference", {}).get("cache") or {}).get(
+                "from_cache", 0)}
 
 
 def family_costs(seed: int = 8) -> list[dict]:
@@ -117,6 +125,9 @@ def main() -> int:
     parser.add_argument("--fail-candidate", default=FAIL_CANDIDATE,
                         help="the buggy candidate of the failing run")
     parser.add_argument("--fail-ratio", type=float, default=FAIL_RATIO)
+    parser.add_argument("--cache-ratio", type=float, default=CACHE_RATIO,
+                        help="most a warm audit with the reference cache may take against "
+                             "one without it")
     parser.add_argument("--compound-candidate", default=COMPOUND_CANDIDATE,
                         help="the candidate with several simultaneous causes")
     parser.add_argument("extra", nargs="*", help="extra arguments for dflash-audit compare")
@@ -128,6 +139,7 @@ def main() -> int:
     try:
         results = {}
         runs = {"cold": args.extra, "warm": args.extra,
+                "warm-no-reference-cache": ["--no-reference-cache", *args.extra],
                 "failing": ["--candidate", args.fail_candidate, *args.extra],
                 "compound": ["--candidate", args.compound_candidate, *args.extra]}
         if args.skip_cold and args.cache:
@@ -137,11 +149,18 @@ def main() -> int:
             stages = ", ".join(f"{k} {v:.1f}" for k, v in r["timing"].items() if k != "total")
             print(f"{label}: {r['wall_s']:6.1f} s wall, {r['cpu_s']:6.1f} s cpu, exit "
                   f"{r['exit_code']}, verdict {r['verdict']}, {r['cases']} cases, batch cache "
-                  f"{'hit' if r['cache_hit'] else 'miss'}; stages (s): {stages}")
+                  f"{'hit' if r['cache_hit'] else 'miss'}, reference outputs of "
+                  f"{r['reference_cached']} / {r['cases']} cases from the cache; stages (s): "
+                  f"{stages}")
         warm, failing = results["warm"], results["failing"]
         print(f"warm / target: {warm['wall_s']:.1f} s / {args.target_s:.0f} s -> "
               f"{'OK' if warm['wall_s'] <= args.target_s else 'OVER'} "
               f"(load average after: {os.getloadavg()[0]:.2f})")
+        uncached = results["warm-no-reference-cache"]
+        rratio = warm["wall_s"] / uncached["wall_s"]
+        print(f"warm with / without the reference cache: {warm['wall_s']:.1f} s / "
+              f"{uncached['wall_s']:.1f} s = {rratio:.2f} / {args.cache_ratio:g} -> "
+              f"{'OK' if rratio <= args.cache_ratio else 'OVER'}")
         ratio = failing["wall_s"] / warm["wall_s"]
         print(f"pass vs fail: {warm['wall_s']:.1f} s (exit {warm['exit_code']}) vs "
               f"{failing['wall_s']:.1f} s (exit {failing['exit_code']}): x{ratio:.2f} / "

@@ -3,8 +3,10 @@
 A registry is a text file ``~/.cache/dflash-audit/<name>`` (one resolved absolute path a line),
 independent of ``$DFLASH_AUDIT_CACHE`` and ``$TMPDIR``, so an audit hides the folders earlier
 audits made with other settings too: every work root (``work-roots``,
-:func:`dflash_audit.audit.sides.sandbox.work_root`) and every report-key folder
-(``key-folders``, :func:`dflash_audit.report.fingerprint.key_dirs`). The candidate cannot edit
+:func:`dflash_audit.audit.sides.sandbox.work_root`), every report-key folder
+(``key-folders``, :func:`dflash_audit.report.fingerprint.key_dirs`) and every folder of the
+reference cache's records (``reference-record-folders``,
+:func:`dflash_audit.audit.sides.reference_records.record_dirs`). The candidate cannot edit
 it (the sandbox binds it read-only).
 """
 

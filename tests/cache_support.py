@@ -19,7 +19,8 @@ def copy_of_cache(dest: Path, releases: bool = True, private_bytecode: bool = Fa
     ``private_bytecode`` (a test whose candidate writes there, or whose audit discards it).
     With the releases come the records of their passed import checks (``compare/import-ok``,
     keyed by the release's digest, not its folder: a copy imports as the original does).
-    Returns ``dest``."""
+    Never the reference cache's records nor the report key: an audit on the copy runs the
+    reference. Returns ``dest``."""
     src = Path(os.environ["DFLASH_AUDIT_CACHE"])
     dest.mkdir(parents=True, exist_ok=True)
     if releases:

@@ -8,6 +8,13 @@ module is imported, ``DFLASH_AUDIT_CACHE`` points at the suite's own persistent 
 workers and built for that purpose: the expensive entries (the reference release, the converted
 verifier) are copied in once from the user's cache when it has them, under a file lock. A test
 that damages a cache entry works on a copy in its own ``tmp_path``.
+
+The reference's outputs are shared the same way (the reference cache's signed records,
+``reference-outputs/``): an audit of cases that another test, or an earlier run of the suite,
+audited with the same reference code and adapter skips the reference. A test about the
+reference's run, or one that tampers with it, audits on a cache of its own
+(:func:`cache_support.copy_of_cache`: no records, its own report key and tree, so the reference
+runs) or passes ``--no-reference-cache``.
 """
 
 from __future__ import annotations

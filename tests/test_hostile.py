@@ -3,7 +3,8 @@ route each to turn its audit into a PASS (DESIGN.md section 9). Each route ends 
 2, never 0: in the sandbox every write is refused and the cache and the installed tool stay
 byte for byte as they were (one compare with every route at once); without a sandbox
 (``DFLASH_AUDIT_SANDBOX=off``) each route is detected (exit 2 naming the file or the process)
-and a damaged reference cache is rebuilt by the next resolve, never reused.
+and a damaged reference cache is rebuilt by the next resolve, never reused; a record it signs
+for the reference cache is removed (its own audit read its records before it ran: exit 1).
 
 Every run works on copies: the cached release tree (``$DFLASH_AUDIT_CACHE``) and the
 dflash-audit package (first on PYTHONPATH), so a route that succeeded could not damage the
@@ -115,6 +116,7 @@ def test_in_the_sandbox_every_route_is_refused_and_nothing_changes(world: World)
     assert digest(world.cache / "reference") == cache
     assert digest(world.tool) == tool
     assert not (world.cache / "stolen.key").exists()
+    assert not (world.cache / "reference-outputs" / tamper.FORGED).exists()
     assert daemons_alive() == []
 
 
@@ -179,6 +181,20 @@ def refused_until_restored(world: World, changed: Path, original: Path, hint: st
     assert "unknown profile 'no-such-profile'" in after.stdout, after.stdout
     assert "earlier audit" not in after.stdout, after.stdout
     assert not (world.cache / "integrity" / "tampered.json").exists()
+
+
+def test_without_a_sandbox_a_forged_reference_record_is_discarded(world: World) -> None:
+    """Unsandboxed, the candidate can read the report key and sign a record of the reference
+    cache: its own audit read its records before it ran (the gamma-7 FAIL stands, exit 1), and
+    every record that changed while it ran is removed, so no later audit takes it."""
+    result = world.compare("forges_record", sandbox=False)
+    assert result.returncode == 1, result.stdout
+    assert "decay gamma 7" in result.stdout
+    records = world.cache / "reference-outputs"
+    assert not (records / tamper.FORGED).exists()
+    (report,) = world.reports("forges_record")
+    stored = {c["record"] for c in report["reference"]["cache"]["cases"].values()}
+    assert {p.name for p in records.iterdir()} == stored  # the reference's own, verified
 
 
 @pytest.mark.skipif(not _sandbox_available(), reason="no bubblewrap sandbox on this machine")

@@ -59,6 +59,7 @@ from dflash_audit.audit.setup_error import CompareSetupError
 from dflash_audit.audit.sides.canary import publish_canary, stage_canary
 from dflash_audit.audit.sides.import_check import ImportCheck, import_ok_marker
 from dflash_audit.audit.sides.integrity import reference_code_digest
+from dflash_audit.audit.sides.reference_cache import CACHE_SUMMARY
 from dflash_audit.audit.sides.sandbox import work_root
 from dflash_audit.audit.sides.run_sides import (
     CANDIDATE_OUTPUTS,
@@ -256,6 +257,8 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
                 report.tolerance = tolerance
                 if not reference_ran:
                     report.notes.append(REFERENCE_NOT_RUN)
+                elif ref_info.get("cache", {}).get("from_cache"):
+                    report.notes.append(cache_note(ref_info["cache"]))
                 report.candidate["sandbox"] = sandbox
                 if not sandbox["sandboxed"]:
                     report.notes.append(sandbox["note"])
@@ -278,7 +281,8 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
 
 
 def _reference_info(identity: Any, cases_dir: Path) -> dict[str, Any]:
-    """The identity of the resolved reference plus where its process imported it from.
+    """The identity of the resolved reference plus where its process imported it from and,
+    as ``cache``, which of its outputs came from the reference cache.
 
     Raises:
         CompareSetupError: the reference's ``reference.json`` is not a JSON object (another
@@ -297,7 +301,18 @@ def _reference_info(identity: Any, cases_dir: Path) -> dict[str, Any]:
         info["module_file"] = data.get("module_file")
         if data.get("version") and not info.get("version"):
             info["version"] = data["version"]
+    cache = cases_dir / CACHE_SUMMARY
+    if cache.is_file():  # which outputs came from the cache (written by run_both_sides)
+        info["cache"] = json.loads(cache.read_text())
     return info
+
+
+def cache_note(cache: dict[str, Any]) -> str:
+    """The report's note on reference outputs taken from the cache (``reference.cache``)."""
+    return (f"The reference's outputs of {cache['from_cache']} of {len(cache['cases'])} cases "
+            "came from the reference cache: records of identical cases on the same reference "
+            f"code and libraries, verified against this machine's key {cache['key_id']} "
+            "(--no-reference-cache recomputes them).")
 
 
 def covered_verifiers(planned: list[Any]) -> dict[str, dict[str, Any]]:

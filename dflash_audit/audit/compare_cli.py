@@ -95,6 +95,12 @@ def compare_command(
         help="Refuse (exit 2) when the candidate's sandbox (bubblewrap) cannot start. "
              "Default: on when CI=true, else off (the report then says 'candidate ran "
              "without a sandbox').")] = None,
+    reference_cache: Annotated[bool, typer.Option(
+        "--reference-cache/--no-reference-cache",
+        help="Reuse the reference's outputs of identical cases from the cache (signed, "
+             "verified records; ~/.cache/dflash-audit/reference-outputs). "
+             "--no-reference-cache runs the reference on every case again and replaces the "
+             "records.")] = True,
 ) -> None:
     """Audit a DFlash drafter against the real reference; write reports/<time>-<ref>/.
 
@@ -107,7 +113,7 @@ def compare_command(
                           weights=weights, dtype=dtype, device=device,
                           candidate_timeout_s=candidate_timeout,
                           candidate_python=candidate_python,
-                          require_sandbox=require_sandbox)
+                          require_sandbox=require_sandbox, reference_cache=reference_cache)
     raise typer.Exit(main(opts))
 
 

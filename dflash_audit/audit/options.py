@@ -69,6 +69,9 @@ class CompareOptions:
     candidate_python: str | None = None
     #: refuse (exit 2) when the candidate's sandbox cannot start; None: on when CI=true
     require_sandbox: bool | None = None
+    #: reuse the reference's verified outputs kept in the cache (``--no-reference-cache``:
+    #: recompute them, and replace the records)
+    reference_cache: bool = True
 
     @property
     def sandbox_required(self) -> bool:

@@ -290,6 +290,12 @@ def report_key(create: bool = True) -> bytes | None:
     return _read_key(path)
 
 
+def key_id(key: bytes) -> str:
+    """The public id of a report key (the first 16 hex digits of its sha256): what a
+    signature names, never the key."""
+    return hashlib.sha256(key).hexdigest()[:16]
+
+
 def _read_key(path: Path) -> bytes:
     """The key file's bytes: a regular file (never a symlink) of exactly :data:`KEY_BYTES`.
 
@@ -327,8 +333,8 @@ def sign_report(report: dict[str, Any]) -> dict[str, Any]:
         OSError: the key cannot be created or read.
     """
     key = report_key(create=True)
-    return {**report, SIGNATURE_FIELD: {"alg": SIGNATURE_ALG, "key_id": hashlib.sha256(
-        key).hexdigest()[:16], "value": _mac(report, key)}}
+    return {**report, SIGNATURE_FIELD: {"alg": SIGNATURE_ALG, "key_id": key_id(key),
+                                   "value": _mac(report, key)}}
 
 
 def signature_problem(report: dict[str, Any]) -> str | None:
@@ -345,7 +351,7 @@ def signature_problem(report: dict[str, Any]) -> str | None:
     if key is None:
         return f"this machine has no report key ({key_dir() / KEY_FILE}): only a report " \
                "written here by `dflash-audit compare` is trusted"
-    if sig.get("key_id") != hashlib.sha256(key).hexdigest()[:16]:
+    if sig.get("key_id") != key_id(key):
         return "it was signed with another key (another machine or cache)"
     try:
         ok = hmac.compare_digest(sig["value"], _mac(report, key))

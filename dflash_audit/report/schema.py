@@ -11,7 +11,10 @@
   whole report under this machine's report key.
 - ``reference``: the resolved identity (kind, spec, url, ref, ref_kind, commit, commit_date,
   describe, sdist_sha256, sdist_filename, version, short_id, resolved_at, source_dir) plus
-  ``module_file`` (where the reference process imported speculators from).
+  ``module_file`` (where the reference process imported speculators from) and ``cache``
+  (the reference cache, :mod:`dflash_audit.audit.sides.reference_cache`: ``read``,
+  ``key_id`` of the key its records were checked against, ``from_cache`` (a count),
+  ``cases``: {case: {"outputs": "cache" | "run", "record": key}}, ``ignored``: {case: why}).
 - ``candidate``: ``{"name", "spec", "fingerprint", "files": {name: sha256}, "sandbox":
   {"sandboxed", "tool", "bwrap" (its path), "version", "proof": {property: {"ok",
   "evidence"}} (what the sandbox proved from inside before the candidate ran:
@@ -37,7 +40,7 @@
   ``checks``, ``cases``, and ``per_case`` (case -> the cause with that case's numbers) where a
   cause carries per-case numbers (the same unexplained difference is one entry).
 - ``timing``: seconds per stage (resolve_reference, batches, cases, write_cases,
-  import_check, candidate, reference_wait, reference, checks) and ``total``.
+  reference_cache, import_check, candidate, reference_wait, reference, checks) and ``total``.
 - ``notes``: remarks (e.g. version-dependent metric definitions).
 
 Status order: ``fail`` > ``warn`` > ``pass``.

@@ -21,4 +21,5 @@ for f in tamper.losses_utils():
 tamper.attempt(tamper.steal_key, keys / "report.key", Path(os.environ["DFLASH_AUDIT_CACHE"])
                / "stolen.key")
 tamper.attempt(tamper.edit_tool)
+tamper.attempt(tamper.forge_record)
 candidate = Gamma7

@@ -182,3 +182,24 @@ def poison_site_packages() -> None:
 
     path = Path(typing_extensions.__file__)
     path.write_text(path.read_text() + SITECUSTOMIZE)
+
+
+#: The key of the record :func:`forge_record` plants.
+FORGED = "f" * 64
+
+
+def forge_record() -> None:
+    """Route 11: a record of the reference cache signed with the report key (readable without
+    a sandbox), whose outputs a later audit would take for the reference's."""
+    import tempfile
+
+    from dflash_audit.audit.sides.reference_records import records_root, write_record
+    from dflash_audit.report.fingerprint import report_key
+
+    key = report_key(create=False)
+    if key is None:
+        raise OSError("the report key is hidden")
+    case = Path(tempfile.mkdtemp())
+    (case / "outputs.json").write_text("{}")
+    (case / "outputs.safetensors").write_bytes(b"the candidate's own outputs")
+    write_record(records_root() / FORGED, FORGED, case, {}, key)

@@ -16,6 +16,11 @@ from typing import TYPE_CHECKING, Any
 from dflash_audit.audit.progress import Stages
 from dflash_audit.audit.setup_error import CompareSetupError
 from dflash_audit.audit.sides.import_check import Background, ImportCheck
+from dflash_audit.audit.sides.reference_cache import (
+    SUBSET_DIR,
+    finish_reference_cache,
+    open_reference_cache,
+)
 
 if TYPE_CHECKING:
     from dflash_audit.audit.options import CompareOptions
@@ -298,7 +303,11 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     unchanged, and afterwards its outputs must be the files it reported writing. ``guard``
     (:class:`.install_guard.InstallGuard`, taken with ``reference_code``) verifies the
     installation at the same steps, the files the reference run listed included, which
-    ``import_check`` then remembers for the next audit's baseline.
+    ``import_check`` then remembers for the next audit's baseline. Cases whose
+    reference outputs are in the cache (:mod:`.reference_cache`, read before the candidate
+    runs; ``opts.reference_cache`` False: none) are not run again: their verified records are
+    restored and checked the same way; the others' outputs are stored. The cache's report
+    entry is written into ``cases_dir/`` :data:`.reference_cache.CACHE_SUMMARY`.
     ``launch``: how the candidate process starts
     (:class:`dflash_audit.audit.sides.launch.CandidateLaunch`; None: ``opts.candidate`` under
     this interpreter). Returns ``{case name: (SideOutputs | None, failing "run" result |
@@ -321,6 +330,9 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     with st.stage("write_cases", "writing cases", total=len(planned)) as advance:
         cand_cases = write_work_cases([p.case for p in planned], cases_dir, advance)
         digests = case_digests(cases_dir, names)
+    threads = usable_cores()
+    cache = open_reference_cache(opts, identity, cases_dir, names, digests, threads,
+                                 reference_code, st)
     with st.stage("import_check", "checking that the reference imports"):
         import_check.wait()
     if guard is not None:  # a sandboxed audit's check may end after the baseline
@@ -330,7 +342,6 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
         candidate_side,
         run_candidate_process,
     )
-    threads = usable_cores()
     out_dir = cases_dir / CANDIDATE_OUTPUTS
     try:
         with st.stage("candidate", f"candidate on {len(planned)} cases (own process)",
@@ -344,6 +355,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     t_left = time.perf_counter()
     left = leftover_processes()  # a daemon that left the candidate's process group
     st.timing["leftover_scan"] = time.perf_counter() - t_left
+    cache.discard_changed()  # what a candidate without a sandbox wrote there: never reused
     if left:
         message = (f"the candidate left {len(left)} process(es) running after its own process "
                    f"ended ({'; '.join(left[:2])}); they were killed and no verdict is given. A "
@@ -360,22 +372,52 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     if not candidate_ran(outputs):
         st.say(REFERENCE_NOT_RUN)
         return outputs
+    missed = [name for name in names if name not in cache.hits]
     start = time.perf_counter()
-    with st.stage("reference_wait", "reference (speculators) on all cases"):
-        try:
-            reference_run = start_reference(identity, cases_dir, opts.reference_timeout_s,
-                                            threads).result()
-        except ReferenceSourceError as exc:
-            raise CompareSetupError(f"the reference run failed: {exc}") from None
+    stdout, imported = "", []
+    if missed:
+        label = (f"reference (speculators) on {len(missed)} of {len(names)} cases (the others "
+                 "from the cache)" if len(missed) < len(names) else
+                 "reference (speculators) on all cases")
+        with st.stage("reference_wait", label):
+            try:
+                run = run_reference_on(identity, cases_dir, missed, len(missed) < len(names),
+                                       opts.reference_timeout_s, threads)
+                stdout, imported = run.stdout, run.imported or []
+            except ReferenceSourceError as exc:
+                raise CompareSetupError(f"the reference run failed: {exc}") from None
     st.timing["reference"] = time.perf_counter() - start
-    imported = reference_run.imported or []
     refuse_code_changes(identity, reference_code, "while the reference ran",
                         whole_prefix=False, guard=guard, reference_files=imported)
     import_check.remember(imported)
+    stdout += "\n" + cache.restore(cases_dir)
     after = case_digests(cases_dir, names)
     _refuse_changes(sorted(k for k in digests if digests[k] != after.get(k))
-                    + reference_output_changes(reference_run.stdout, cases_dir, names))
+                    + reference_output_changes(stdout, cases_dir, names))
+    finish_reference_cache(cache, cases_dir, names, missed)
     return outputs
+
+
+def run_reference_on(identity: Any, cases_dir: Path, names: list[str], subset: bool,
+                     timeout_s: float | None, threads: int) -> Any:
+    """Run the reference on the cases ``names`` of ``cases_dir`` (all of them, or with
+    ``subset`` only those: through a folder of links to them,
+    :data:`.reference_cache.SUBSET_DIR`, whose ``reference.json`` is moved into
+    ``cases_dir``); returns its finished run (``stdout``, ``imported``).
+
+    Raises:
+        ReferenceSourceError: the run failed (see :func:`start_reference`).
+    """
+    folder = cases_dir
+    if subset:
+        folder = cases_dir / SUBSET_DIR
+        folder.mkdir()
+        for name in names:
+            (folder / name).symlink_to(Path("..") / name, target_is_directory=True)
+    run = start_reference(identity, folder, timeout_s, threads).result()
+    if subset and (folder / "reference.json").is_file():
+        os.replace(folder / "reference.json", cases_dir / "reference.json")
+    return run
 
 
 def candidate_ran(outputs: dict[str, Any]) -> bool:

@@ -15,7 +15,8 @@ The candidate is untrusted code (DESIGN.md section 9). Inside the sandbox it has
   read-write its own output folder;
 - nothing of any report key (every folder of
   :func:`dflash_audit.report.fingerprint.key_dirs`, whatever cache it is in, is covered by an
-  empty tmpfs), nor of any audit's work folder (:func:`work_root`, where every compare keeps
+  empty tmpfs) nor of the cached reference outputs (:mod:`.reference_records`, covered
+  too), nor of any audit's work folder (:func:`work_root`, where every compare keeps
   its cases and both sides' outputs, is covered by an empty tmpfs, and only this candidate's
   own cases and output folder are bound back; every root an audit of this user made, whatever
   its ``$TMPDIR``, is covered too: :func:`known_work_roots`): not even when ``/tmp`` itself is
@@ -52,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_audit.audit.setup_error import CompareSetupError
+from dflash_audit.audit.sides.reference_records import record_dirs
 from dflash_audit.folder_registry import record_folder, recorded_folders
 from dflash_audit.report.fingerprint import key_dirs
 
@@ -379,6 +381,6 @@ def candidate_sandbox_command(cmd: list[str], spec: str | None, cases_dir: Path,
         except (OSError, ValueError, KeyError, TypeError):
             pass
     return sandbox_command(cmd, bwrap=bwrap, writable=[Path(out_dir)], readable=readable,
-                           hidden=[*key_dirs(), *hidden],
+                           hidden=[*key_dirs(), *record_dirs(), *hidden],
                            private=[work_root(), *known_work_roots()],
                            cwd=Path.cwd())
