@@ -282,3 +282,36 @@ def test_a_heartbeat_the_candidate_replaced_with_a_fifo_never_blocks_compare(tmp
         assert out["x"].status == "startup" and "ended (code 0)" in out["x"].summary, out
     finally:
         __import__("shutil").rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("outputs_json", ["fifo", "[1, 2]", "[" * 5000 + "]" * 5000, "link"])
+def test_a_failing_candidates_outputs_never_break_the_canary_staging(outputs_json, tmp_path):
+    """Compare stages the canary before the verdict is known, from the candidate's own output
+    folder: an ``outputs.json`` that is a FIFO (a read blocks for ever), no object, nested
+    too deeply, or a planted symlink, stages no canary -- never a hang or a traceback."""
+    from types import SimpleNamespace
+
+    from dflash_audit.atomic import save_safetensors
+    from dflash_audit.audit.sides.canary import stage_canary
+
+    case = SimpleNamespace(name="synthetic-00", unsupported=False)
+    src, out = tmp_path / "cases" / case.name, tmp_path / "outputs" / case.name
+    src.mkdir(parents=True)
+    out.mkdir(parents=True)
+    for name in ("inputs", "weights"):
+        save_safetensors({"w": __import__("torch").zeros(2)}, src / f"{name}.safetensors")
+    (src / "profile.json").write_text("{}")
+    save_safetensors({"loss": __import__("torch").zeros(())}, out / "outputs.safetensors")
+    target = out / "outputs.json"
+    if outputs_json == "fifo":
+        os.mkfifo(target)
+    elif outputs_json == "link":
+        (tmp_path / "elsewhere.json").write_text('{"trainable": [], "metrics": {}}')
+        target.symlink_to(tmp_path / "elsewhere.json")
+    else:
+        target.write_text(outputs_json)
+    out_, ended = _in_thread(lambda: stage_canary(
+        [SimpleNamespace(case=case, kind="synthetic")], tmp_path / "cases",
+        tmp_path / "outputs", tmp_path / "staging"), target, 60)
+    assert ended, "staging the canary blocked on a FIFO"
+    assert out_ is None, out_
