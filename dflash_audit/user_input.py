@@ -74,16 +74,20 @@ def not_a_file(path: str | Path) -> str:
     return f"is {kind}, not {'a' if kind == 'a folder' else 'a regular'} file"
 
 
-def read_regular_text(path: str | Path, max_bytes: int) -> str:
+def read_regular_text(path: str | Path, max_bytes: int, follow_links: bool = True) -> str:
     """The UTF-8 text of the regular file ``path``, opened without blocking (a FIFO is refused,
-    not waited on) and read only up to ``max_bytes``.
+    not waited on) and read only up to ``max_bytes``; with ``follow_links`` False a symlink
+    is refused (``ELOOP``) instead of followed (a file another program wrote: a candidate's
+    output).
 
     Raises:
-        OSError: unreadable, or not a regular file (``EINVAL``, the message says what it is),
-            or larger than ``max_bytes`` (``EFBIG``); ``filename`` is ``path``.
+        OSError: unreadable, a symlink (``follow_links`` False), or not a regular file
+            (``EINVAL``, the message says what it is), or larger than ``max_bytes``
+            (``EFBIG``); ``filename`` is ``path``.
         UnicodeDecodeError: not UTF-8.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags if follow_links else flags | os.O_NOFOLLOW)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -159,6 +163,23 @@ def loads_json(text: str | bytes | bytearray) -> Any:
         return json.loads(text)
     except RecursionError:  # pragma: no cover - only with a far lower recursion limit
         raise JSONNestingError(_WHAT, text, 0) from None
+
+
+#: The largest JSON file a candidate's process may hand over (status, identity, outputs).
+MAX_OUTPUT_JSON_BYTES = 64 << 20
+
+
+def read_output_json(path: str | Path, max_bytes: int = MAX_OUTPUT_JSON_BYTES) -> Any:
+    """The JSON file ``path`` that another process wrote into a folder it can write (a
+    candidate's status, heartbeat, identity or outputs): read only when it is a regular file
+    itself (a symlink, FIFO or device is refused, never followed or waited on), up to
+    ``max_bytes``, parsed with :func:`loads_json`.
+
+    Raises:
+        OSError: missing, unreadable, not a regular file, a symlink or too large.
+        ValueError: not UTF-8 JSON, or nested too deeply.
+    """
+    return loads_json(read_regular_text(path, max_bytes, follow_links=False))
 
 
 def loads_toml(text: str) -> dict[str, Any]:

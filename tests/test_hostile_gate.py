@@ -20,6 +20,7 @@ import dflash_audit.train.sealed as sealed_module
 from dflash_audit.audit.sides.launch import identity_fingerprint
 from dflash_audit.audit.sides.sandbox import sandbox_status
 from dflash_audit.cli import app
+from dflash_audit.limits import limit_s
 from dflash_audit.train.gate import GateError
 from dflash_audit.train.loop import train
 
@@ -173,3 +174,167 @@ def test_train_refuses_an_installation_an_audit_recorded_as_changed(tmp_path: Pa
     with pytest.raises(AttributeError):  # past the record: the dummy settings are read now
         sealed_module.decide(None, None, None, None, None)
     assert not record_path().exists()
+
+
+# ------------------------------------------- what the candidate's process hands back
+# (its identity, heartbeat, status and outputs live in a folder it can write)
+FIFO_IDENTITY = """
+import os, sys
+os.mkfifo(os.path.join(sys.argv[2], "candidate.json"))  # the runner's out_dir
+os._exit(0)
+"""
+NOT_AN_OBJECT = """
+import json, os, sys
+with open(os.path.join(sys.argv[2], "candidate.json"), "w") as f:
+    json.dump(["not", "an", "identity"], f)
+os._exit(0)
+"""
+FLOOD = """
+import os, sys
+chunk = b"x" * (1 << 20)
+for _ in range(256):  # 256 MiB on stderr, then it dies
+    sys.stderr.buffer.write(chunk)
+sys.stderr.flush()
+os._exit(7)
+"""
+
+
+def _in_thread(call, fifo, limit):
+    """``call()`` in a thread: (its result or exception, whether it ended within ``limit``
+    seconds); when it did not, the FIFO ``fifo`` it is blocked on is opened for writing to
+    free it."""
+    import threading
+
+    box = {}
+
+    def run():
+        try:
+            box["out"] = call()
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            box["out"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():  # blocked on the FIFO: open its other end so the thread can end
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(30)
+        return box.get("out"), False
+    return box.get("out"), True
+
+
+def _identity_in_thread(spec, out_dir, limit):
+    from dflash_audit.audit.sides.candidate_process import load_candidate_identity
+
+    return _in_thread(lambda: load_candidate_identity(spec, out_dir), out_dir / "candidate.json",
+                      limit)
+
+
+@pytest.mark.parametrize("source, words", [
+    (FIFO_IDENTITY, "before the candidate was loaded"),
+    (NOT_AN_OBJECT, "is a JSON list, not an object"),
+])
+def test_an_identity_the_candidate_replaced_is_refused_not_waited_on(source, words, tmp_path,
+                                                                     monkeypatch):
+    """The candidate's import replaces its identity file with a FIFO (a read would block
+    forever: compare and train hang) or with JSON that is no identity: one CandidateLoadError
+    (exit 2), at once."""
+    from dflash_audit.audit.sides.candidate_process import CandidateLoadError
+    from dflash_audit.audit.sides.sandbox import work_root
+
+    (tmp_path / "replaces.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    out_dir = Path(__import__("tempfile").mkdtemp(dir=work_root())) / "identity"
+    try:
+        out, ended = _identity_in_thread("replaces.py:Candidate", out_dir, limit_s(120.0))
+        assert ended, "the identity read blocked on a FIFO"
+        assert isinstance(out, CandidateLoadError) and words in str(out), out
+    finally:
+        __import__("shutil").rmtree(out_dir.parent, ignore_errors=True)
+
+
+def test_a_flood_of_output_from_the_candidate_costs_no_memory(tmp_path, monkeypatch):
+    """Its import prints 256 MiB and dies: the setup error keeps only the tail, and this
+    process never holds the flood (its traced peak stays far under it)."""
+    import tracemalloc
+
+    from dflash_audit.audit.sides.candidate_process import TAIL_CHARS, CandidateLoadError
+    from dflash_audit.audit.sides.sandbox import work_root
+
+    (tmp_path / "flood.py").write_text(FLOOD)
+    monkeypatch.chdir(tmp_path)
+    out_dir = Path(__import__("tempfile").mkdtemp(dir=work_root())) / "identity"
+    tracemalloc.start()
+    try:
+        out, ended = _identity_in_thread("flood.py:Candidate", out_dir, limit_s(120.0))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        __import__("shutil").rmtree(out_dir.parent, ignore_errors=True)
+    assert ended and isinstance(out, CandidateLoadError) and "exit code 7" in str(out)
+    assert str(out).endswith("x" * 100) and len(str(out)) < TAIL_CHARS + 300
+    assert peak < 32 << 20, f"held {peak >> 20} MiB of the candidate's output"
+
+
+FIFO_HEARTBEAT = """
+import os, sys, time
+os.mkfifo(os.path.join(sys.argv[2], "started.json"))  # read by compare while it runs
+time.sleep(2)
+os._exit(0)
+"""
+
+
+def test_a_heartbeat_the_candidate_replaced_with_a_fifo_never_blocks_compare(tmp_path,
+                                                                            monkeypatch):
+    """Compare polls the runner's heartbeat while the candidate runs: a FIFO there is no
+    heartbeat (never waited on), and the case ends as a startup failure."""
+    from dflash_audit.audit.sides.candidate_process import run_candidate_process
+    from dflash_audit.audit.sides.candidate_runner import HEARTBEAT
+    from dflash_audit.audit.sides.sandbox import work_root
+
+    assert HEARTBEAT in FIFO_HEARTBEAT
+    (tmp_path / "beats.py").write_text(FIFO_HEARTBEAT)
+    (tmp_path / "cases").mkdir()
+    monkeypatch.chdir(tmp_path)
+    root = Path(__import__("tempfile").mkdtemp(dir=work_root()))
+    try:
+        out, ended = _in_thread(lambda: run_candidate_process(
+            "beats.py:Candidate", tmp_path / "cases", ["x"], root / "out",
+            startup_timeout_s=limit_s(120.0)), root / "out" / HEARTBEAT, limit_s(120.0))
+        assert ended, "compare blocked on the heartbeat FIFO"
+        assert out["x"].status == "startup" and "ended (code 0)" in out["x"].summary, out
+    finally:
+        __import__("shutil").rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("outputs_json", ["fifo", "[1, 2]", "[" * 5000 + "]" * 5000, "link"])
+def test_a_failing_candidates_outputs_never_break_the_canary_staging(outputs_json, tmp_path):
+    """Compare stages the canary before the verdict is known, from the candidate's own output
+    folder: an ``outputs.json`` that is a FIFO (a read blocks for ever), no object, nested
+    too deeply, or a planted symlink, stages no canary -- never a hang or a traceback."""
+    from types import SimpleNamespace
+
+    from dflash_audit.atomic import save_safetensors
+    from dflash_audit.audit.sides.canary import stage_canary
+
+    case = SimpleNamespace(name="synthetic-00", unsupported=False)
+    src, out = tmp_path / "cases" / case.name, tmp_path / "outputs" / case.name
+    src.mkdir(parents=True)
+    out.mkdir(parents=True)
+    for name in ("inputs", "weights"):
+        save_safetensors({"w": __import__("torch").zeros(2)}, src / f"{name}.safetensors")
+    (src / "profile.json").write_text("{}")
+    save_safetensors({"loss": __import__("torch").zeros(())}, out / "outputs.safetensors")
+    target = out / "outputs.json"
+    if outputs_json == "fifo":
+        os.mkfifo(target)
+    elif outputs_json == "link":
+        (tmp_path / "elsewhere.json").write_text('{"trainable": [], "metrics": {}}')
+        target.symlink_to(tmp_path / "elsewhere.json")
+    else:
+        target.write_text(outputs_json)
+    out_, ended = _in_thread(lambda: stage_canary(
+        [SimpleNamespace(case=case, kind="synthetic")], tmp_path / "cases",
+        tmp_path / "outputs", tmp_path / "staging"), target, 60)
+    assert ended, "staging the canary blocked on a FIFO"
+    assert out_ is None, out_

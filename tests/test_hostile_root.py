@@ -95,6 +95,79 @@ def test_a_root_candidate_cannot_escape_the_sandbox(tmp_path, monkeypatch):
         __import__("shutil").rmtree(folder, ignore_errors=True)
 
 
+def _read_inside(path: Path) -> subprocess.CompletedProcess:
+    """``cat path`` inside the candidate's sandbox, started in /tmp (so /tmp stays visible)."""
+    folder = Path(__import__("tempfile").mkdtemp(dir=sb.work_root()))
+    try:
+        cmd = sb.sandboxed(["cat", str(path)], None, folder, folder, env={})
+        return subprocess.run(cmd, capture_output=True, timeout=60)
+    finally:
+        __import__("shutil").rmtree(folder, ignore_errors=True)
+
+
+@needs_sandbox
+def test_a_key_made_under_another_home_stays_hidden(tmp_path, monkeypatch):
+    """An audit run with another $HOME (its registries there) still hides the key an audit
+    made with the account's home, or with yet another $HOME: the registries are recorded in,
+    and read from, the account's home whatever $HOME says (root: every account's)."""
+    import pwd
+
+    from dflash_audit.report.fingerprint import key_dirs, report_key
+
+    monkeypatch.delenv("DFLASH_AUDIT_CACHE")  # the key in $HOME's default cache
+    monkeypatch.setenv("HOME", str(tmp_path / "earlier"))
+    report_key(create=True)
+    key = tmp_path / "earlier" / ".cache" / "dflash-audit" / "keys" / "report.key"
+    assert key.is_file()
+    monkeypatch.setenv("HOME", str(tmp_path / "now"))
+    account = Path(pwd.getpwuid(os.geteuid()).pw_dir)
+    assert account / ".cache" / "dflash-audit" / "keys" in key_dirs()
+    monkeypatch.chdir("/tmp")
+    done = _read_inside(key)
+    assert done.returncode != 0 and done.stdout == b"" and b"No such file" in done.stderr
+
+
+@needs_sandbox
+@pytest.mark.skipif(os.geteuid() != 0, reason="a bind mount needs root")
+def test_a_key_folder_reached_through_a_bind_mount_stays_hidden(tmp_path, monkeypatch,
+                                                               fresh_status):
+    """The cache bind-mounted at a second path (a container volume mounted twice): the key is
+    hidden at both paths, and the proof checks both."""
+    from dflash_audit.report.fingerprint import report_key
+
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
+    report_key(create=True)
+    alias = tmp_path / "alias"
+    alias.mkdir()
+    if subprocess.run(["mount", "--bind", str(tmp_path), str(alias)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mount --bind refused here")
+    try:
+        monkeypatch.chdir("/tmp")
+        stolen = alias / "cache" / "keys" / "report.key"
+        assert stolen.read_bytes() == (tmp_path / "cache" / "keys" / "report.key").read_bytes()
+        done = _read_inside(stolen)
+        assert done.returncode != 0 and done.stdout == b"" and b"No such file" in done.stderr
+        proof = sb.sandbox_status().proof["report_key"]
+        assert proof["ok"] and f"{alias}/cache/keys: empty" in proof["evidence"]
+    finally:
+        subprocess.run(["umount", "-l", str(alias)], capture_output=True)
+
+
+def test_a_report_key_with_another_name_signs_nothing(tmp_path, monkeypatch):
+    """A hard link to the key (a backup made with links, or a link planted next to it) is a
+    name outside the hidden folder: the key is refused, naming it, until it is remade."""
+    from dflash_audit.report.fingerprint import report_key
+
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
+    key = report_key(create=True)
+    os.link(tmp_path / "cache" / "keys" / "report.key", tmp_path / "copy")
+    with pytest.raises(OSError, match="has another name \\(a hard link\\)"):
+        report_key(create=False)
+    (tmp_path / "copy").unlink()
+    assert report_key(create=False) == key
+
+
 @needs_sandbox
 def test_the_sandbox_proves_itself_from_inside():
     """The report's entry: the trusted bwrap, its version, and each property proven with its

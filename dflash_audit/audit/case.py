@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,7 +32,7 @@ from safetensors.torch import load_file
 from dflash_audit.atomic import save_safetensors
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.loss import LossSpec
-from dflash_audit.user_input import loads_json
+from dflash_audit.user_input import loads_json, read_output_json
 
 #: How many anchor selections each side draws for the anchors check
 #: (:mod:`dflash_audit.audit.checks.anchors`); written into profile.json for the reference.
@@ -187,15 +188,19 @@ class SideOutputs:
 
         Raises:
             FileNotFoundError: the adapter wrote no outputs for this case.
+            OSError / ValueError / KeyError: a file is not a regular file (a symlink, a FIFO),
+                not JSON, ``outputs.json`` not an object or without its fields.
         """
-        meta = loads_json((case_dir / "outputs.json").read_text())
+        meta = read_output_json(case_dir / "outputs.json")
+        if not isinstance(meta, dict):
+            raise ValueError(f"outputs.json is a JSON {type(meta).__name__}, not an object")
         derived = case_dir / "derivation.json"
         return cls(tensors=load_file(case_dir / "outputs.safetensors"), metrics=meta["metrics"],
                    structure=meta["structure"], defaults=meta.get("defaults", {}),
                    trainable=meta.get("trainable", []), noise=meta.get("noise", {}),
                    metadata=meta.get("metadata") if isinstance(meta.get("metadata"), dict)
                    else {},
-                   derivation=json.loads(derived.read_text()) if derived.is_file() else None)
+                   derivation=read_output_json(derived) if os.path.lexists(derived) else None)
 
     def write(self, case_dir: Path) -> None:
         """Write ``outputs.safetensors`` + ``outputs.json`` into ``case_dir`` (the files

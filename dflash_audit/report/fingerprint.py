@@ -251,13 +251,15 @@ KEY_REGISTRY = "key-folders"
 
 def key_dirs() -> list[Path]:
     """Every report-key folder a candidate must not read, wherever the cache is: this run's
-    (:func:`key_dir`), the default cache's, and every one an audit of this user made or read
-    with another ``$DFLASH_AUDIT_CACHE`` (the registry :data:`KEY_REGISTRY`, written by
+    (:func:`key_dir`), the default cache's of every home
+    (:func:`dflash_audit.folder_registry.homes`: ``$HOME``'s, the account's whatever
+    ``$HOME`` says, and for root every account's), and every one an audit made or read with
+    another ``$DFLASH_AUDIT_CACHE`` (the registries :data:`KEY_REGISTRY`, written by
     :func:`report_key`)."""
-    from dflash_audit.folder_registry import recorded_folders
+    from dflash_audit.folder_registry import default_caches, recorded_folders
 
-    default = (Path.home() / ".cache" / "dflash-audit" / "keys").absolute()
-    return list(dict.fromkeys([key_dir(), default, *recorded_folders(KEY_REGISTRY)]))
+    defaults = [(cache / "keys").absolute() for cache in default_caches()]
+    return list(dict.fromkeys([key_dir(), *defaults, *recorded_folders(KEY_REGISTRY)]))
 
 
 def report_key(create: bool = True) -> bytes | None:
@@ -311,6 +313,10 @@ def _read_key(path: Path) -> bytes:
         raise OSError(f"the report key {path} is not a regular file ({exc.strerror}); remove "
                       "it (a new key is made; reports signed before are then refused)") from None
     with os.fdopen(fd, "rb") as f:
+        if os.fstat(f.fileno()).st_nlink != 1:  # another name, in a folder the sandbox shows
+            raise OSError(f"the report key {path} has another name (a hard link): whatever "
+                          "reaches that name can sign reports; remove the key and its links "
+                          "(a new key is made; reports signed before are then refused)")
         key = f.read(KEY_BYTES + 1)
     if len(key) != KEY_BYTES:
         raise OSError(f"the report key {path} has {len(key)} bytes, not {KEY_BYTES}: it was "

@@ -246,12 +246,12 @@ def sealed_canary(candidate_spec: str | None, gate: GateResult, config: Any,
 def _read_result(folder: Path) -> dict[str, Any] | None:
     """The runner's ``status.json`` in ``folder``; None when it is missing, unreadable, or the
     folder holds symlinks or special files (a planted link is never followed)."""
-    from dflash_audit.user_input import loads_json
+    from dflash_audit.user_input import read_output_json
 
     if folder.is_symlink() or not folder.is_dir() or links_in(folder):
         return None
     try:
-        status = loads_json((folder / STATUS).read_text())
+        status = read_output_json(folder / STATUS)
     except (OSError, ValueError):
         return None
     return status if isinstance(status, dict) else None

@@ -39,8 +39,16 @@ VERIFIER_OWNED = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.wei
 
 
 def _pick(planned: list[Any], outputs_dir: Path) -> Any:
-    ran = [p for p in planned if not p.case.unsupported and (
-        Path(outputs_dir) / p.case.name / "outputs.safetensors").is_file()]
+    """The canary's case: the first real (else synthetic) one the candidate has outputs for,
+    in a folder of its that holds no symlink or special file (never followed)."""
+    from dflash_audit.audit.sides.sandbox import links_in
+
+    def ran_it(folder: Path) -> bool:
+        return (not folder.is_symlink() and folder.is_dir() and not links_in(folder)
+                and (folder / "outputs.safetensors").is_file())
+
+    ran = [p for p in planned if not p.case.unsupported
+           and ran_it(Path(outputs_dir) / p.case.name)]
     return next((p for p in ran if p.kind == "real"), None) or next(
         (p for p in ran if p.kind == "synthetic"), None)
 
@@ -50,7 +58,7 @@ def stage_canary(planned: list[Any], cases_dir: Path, outputs_dir: Path, staging
     """Stage the canary (see the module docstring) into ``staging`` (``case/`` +
     ``outputs/``); returns the ``candidate.canary`` entry of the report, or None when no case
     ran without failure."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     from dflash_audit.audit.protocol import spec_for
     from dflash_audit.audit.tolerance import tolerance
@@ -76,16 +84,19 @@ def stage_canary(planned: list[Any], cases_dir: Path, outputs_dir: Path, staging
             p.case.config.uses_draft_vocab and k != "embed_tokens.weight")]
     save_safetensors(read(src / "weights.safetensors", lambda k: k not in omitted),
                      staging / "case" / "weights.safetensors")
-    meta = json.loads((out / "outputs.json").read_text())
-    trainable = [str(n) for n in meta.get("trainable", [])][:MAX_NAMES]
+    found = _candidate_meta(out)
+    if found is None:
+        return None
+    trainable, metrics = found
     kept = {"loss", "aligned_loss_mask", *(f"grad.{n}" for n in trainable if n in names)}
-    tensors = read(out / "outputs.safetensors", lambda k: k in kept or (  # nothing outside
-        k.startswith("loss_weights.") and spec_for(k) is not None))  # the protocol is kept
+    try:  # nothing outside the protocol is kept
+        tensors = read(out / "outputs.safetensors", lambda k: k in kept or (
+            k.startswith("loss_weights.") and spec_for(k) is not None))
+    except (OSError, SafetensorError):  # its run of the case failed: no canary
+        return None
     save_safetensors({k: v.contiguous() for k, v in tensors.items()
                       if not k.startswith("loss_weights.") or v.numel() <= 2**20},
                      staging / "outputs" / "outputs.safetensors")
-    metrics = {str(k): v for k, v in list(meta.get("metrics", {}).items())[:MAX_NAMES]
-               if isinstance(v, (int, float)) and len(str(k)) <= 100}
     (staging / "outputs" / "outputs.json").write_text(json.dumps(
         {"metrics": metrics, "structure": {}, "defaults": {}, "trainable": trainable},
         indent=1, sort_keys=True))
@@ -93,6 +104,27 @@ def stage_canary(planned: list[Any], cases_dir: Path, outputs_dir: Path, staging
              for f in sorted(staging.rglob("*")) if f.is_file()}
     return {"case": p.case.name, "kind": p.kind, "folder": CANARY_DIR,
             "tolerance": tolerance(p.case), "omitted_weights": omitted, "files": files}
+
+
+def _candidate_meta(out: Path) -> tuple[list[str], dict[str, Any]] | None:
+    """The trainable names and numeric metrics of the candidate's ``outputs.json`` in ``out``
+    (at most :data:`MAX_NAMES` each); None when it is no readable JSON object (a symlink, a
+    FIFO, too deep: the candidate's run of that case failed, and a failing audit records no
+    canary)."""
+    from dflash_audit.user_input import read_output_json
+
+    try:
+        meta = read_output_json(out / "outputs.json")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+    names, metrics = meta.get("trainable"), meta.get("metrics")
+    trainable = [str(n) for n in names][:MAX_NAMES] if isinstance(names, list) else []
+    metrics = {str(k): v for k, v in list(metrics.items())[:MAX_NAMES]
+               if isinstance(v, (int, float)) and len(str(k)) <= 100} \
+        if isinstance(metrics, dict) else {}
+    return trainable, metrics
 
 
 def publish_canary(staging: Path, report_folder: Path) -> None:

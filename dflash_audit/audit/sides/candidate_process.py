@@ -41,13 +41,12 @@ from dflash_audit.audit.sides.candidate_runner import (
     STATUS,
 )
 from dflash_audit.audit.sides.case_run import CandidateCaseRun, death_summary
-from dflash_audit.audit.sides.launch import CandidateLaunch, launch_env
+from dflash_audit.audit.sides.launch import TAIL_CHARS, CandidateLaunch, launch_env, run_with_tails
 from dflash_audit.audit.sides.sandbox import links_in, sandboxed
 from dflash_audit.candidate import CandidateError
 from dflash_audit.limits import Watch, exceeded, limit_s
-from dflash_audit.user_input import loads_json
+from dflash_audit.user_input import read_output_json
 
-TAIL_CHARS = 3000
 POLL_S = 0.05
 class CandidateLoadError(CandidateError):
     """The candidate process could not load the candidate (a setup error, exit 2)."""
@@ -58,7 +57,7 @@ def load_error(out_dir: Path, launch: CandidateLaunch) -> CandidateLoadError:
     when a framework cannot import a module, one naming the module, who imports it and the
     fix (:func:`dflash_audit.audit.frameworks.registry.import_failure_message`)."""
     try:
-        data = loads_json((out_dir / LOAD_ERROR).read_text())
+        data = read_output_json(out_dir / LOAD_ERROR)
     except (OSError, ValueError):
         data = {}
     if not isinstance(data, dict):
@@ -120,10 +119,43 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _read_status(folder: Path) -> dict[str, Any] | None:
+    """The case's ``status.json`` (None while it is not published); one that is not a JSON
+    object is the candidate's protocol failure."""
     try:
-        return loads_json((folder / STATUS).read_text())
+        status = read_output_json(folder / STATUS)
     except (OSError, ValueError):
         return None
+    if not isinstance(status, dict):
+        return {"status": "protocol", "summary": f"its {STATUS} is a JSON "
+                                                 f"{type(status).__name__}, not an object"}
+    return status
+
+
+#: The longest name or class a candidate's identity keeps (the rest is cut).
+MAX_IDENTITY_TEXT = 200
+
+
+def _checked_identity(data: Any, spec: str | None) -> dict[str, Any]:
+    """The identity the candidate's process wrote, with the types its readers rely on:
+    ``name`` and ``class`` short strings, ``source_files`` strings, ``has_select_anchors`` a
+    bool, ``adapter`` an object when present.
+
+    Raises:
+        CandidateLoadError: it is not a JSON object.
+    """
+    if not isinstance(data, dict):
+        raise CandidateLoadError(f"the process loading candidate {spec!r} wrote an identity "
+                                 f"({IDENTITY}) that is a JSON {type(data).__name__}, not an "
+                                 "object: the candidate's code replaced it")
+    files = data.get("source_files")
+    out = {**data, "name": str(data.get("name") or spec or "")[:MAX_IDENTITY_TEXT],
+           "class": str(data.get("class") or "")[:MAX_IDENTITY_TEXT],
+           "source_files": [f for f in files if isinstance(f, str)]
+           if isinstance(files, list) else [],
+           "has_select_anchors": data.get("has_select_anchors") is True}
+    if not isinstance(out.get("adapter", {}), dict):
+        out["adapter"] = {}
+    return out
 
 
 def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, names: list[str],
@@ -221,9 +253,10 @@ def _watch(proc: subprocess.Popen, out_dir: Path, remaining: list[str],
         ended = proc.poll() is not None
         _collect(out_dir, remaining, results, stdout, stderr, on_case)
         try:
-            announced = loads_json((out_dir / HEARTBEAT).read_text()).get("case")
+            beat = read_output_json(out_dir / HEARTBEAT)
         except (OSError, ValueError):
-            announced = None
+            beat = None
+        announced = beat.get("case") if isinstance(beat, dict) else None
         if announced != current:
             current = announced
             case.restart()
@@ -319,22 +352,22 @@ def load_candidate_identity(spec: str | CandidateLaunch | None, out_dir: Path,
     env = runner_env(None, launch)
     limit = (limit_s(CANDIDATE_START_TIMEOUT_S, CANDIDATE_START_TIMEOUT_ENV)
              if timeout_s is None else timeout_s)
-    try:
-        proc = subprocess.run(sandboxed(cmd, spec, out_dir, out_dir, env), capture_output=True,
-                              stdin=subprocess.DEVNULL, env=env, timeout=limit,
-                              start_new_session=True)
+    cmd = sandboxed(cmd, spec, out_dir, out_dir, env)
+    try:  # its output to files, only their tails read: a flood of output costs no memory
+        returncode, _, stderr = run_with_tails(cmd, env, limit)
     except subprocess.TimeoutExpired:
         raise CandidateLoadError(exceeded(
             f"loading the candidate {spec!r}", limit, CANDIDATE_START_TIMEOUT_ENV,
             scaled=timeout_s is None)) from None
-    if proc.returncode == EXIT_LOAD_ERROR and (out_dir / LOAD_ERROR).is_file():
+    if returncode == EXIT_LOAD_ERROR and (out_dir / LOAD_ERROR).is_file():
         raise load_error(out_dir, launch)
     try:
-        return loads_json((out_dir / IDENTITY).read_text())
+        data = read_output_json(out_dir / IDENTITY)
     except (OSError, ValueError):
-        rc = unwrapped_code(proc.returncode, proc.args)
+        rc = unwrapped_code(returncode, cmd)
         how = (f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
-        tail = proc.stderr.decode(errors="replace")[-TAIL_CHARS:].strip()
+        tail = stderr.strip()
         raise CandidateLoadError(f"the process loading candidate {spec!r} ended ({how}) "
                                  "before the candidate was loaded (its import or factory "
                                  "exits or crashes)" + (f"\n{tail}" if tail else "")) from None
+    return _checked_identity(data, spec)

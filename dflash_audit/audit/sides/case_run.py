@@ -48,8 +48,10 @@ class CandidateCaseRun:
     @classmethod
     def from_status(cls, case: str, status: dict[str, Any]) -> CandidateCaseRun:
         """The run recorded by a ``status.json`` of :mod:`.candidate_runner`."""
-        return cls(case, status.get("status", "protocol"), status.get("summary", ""),
-                   status.get("traceback", ""), diagnosis=list(status.get("diagnosis", [])))
+        diagnosis = status.get("diagnosis")
+        return cls(case, str(status.get("status", "protocol")), str(status.get("summary", "")),
+                   str(status.get("traceback", "")),
+                   diagnosis=[str(d) for d in diagnosis] if isinstance(diagnosis, list) else [])
 
     def to_check_result(self) -> Any:
         """The failing ``run`` CheckResult of a failed case (cause, traceback, stderr tail)."""

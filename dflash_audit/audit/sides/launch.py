@@ -87,6 +87,45 @@ def identity_fingerprint(identity: dict[str, Any], spec: str | CandidateLaunch |
                                runner_search_path(launch))
 
 
+#: Characters kept of the end of a candidate process's stdout / stderr (the rest is never read).
+TAIL_CHARS = 3000
+
+
+def run_with_tails(cmd: list[str], env: dict[str, str], timeout_s: float
+                   ) -> tuple[int, str, str]:
+    """Run ``cmd`` (a candidate's process or a user's interpreter, sandboxed by the caller) in
+    a session of its own to its end, its stdout and stderr into unlinked temporary files:
+    whatever it prints costs disk space for its run, never this process's memory.
+
+    Returns:
+        its exit code and the last :data:`TAIL_CHARS` characters of its stdout and stderr.
+
+    Raises:
+        subprocess.TimeoutExpired: it ran past ``timeout_s`` (its process group was killed).
+        OSError: it could not be started.
+    """
+    import signal
+    import subprocess
+    import tempfile
+
+    def tail(f: Any) -> str:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_CHARS))
+        return f.read().decode(errors="replace")
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        finally:  # also what it left behind in its session (unsandboxed)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+        return returncode, tail(out), tail(err)
+
+
 #: What the candidate process imports before any candidate code: checked under
 #: ``--candidate-python`` so a wrong interpreter is one clear message, not a dead runner.
 PROBE = ("import importlib, sys\n"
@@ -128,18 +167,17 @@ def check_interpreter(launch: CandidateLaunch, timeout_s: float | None = None) -
     with tempfile.TemporaryDirectory(prefix="dflash-audit-interpreter-",
                                      dir=work_root()) as folder:
         try:
-            proc = subprocess.run(sandboxed([python, "-c", PROBE], launch.spec, Path(folder),
-                                            Path(folder), env),
-                                  capture_output=True, text=True, env=env, timeout=limit,
-                                  stdin=subprocess.DEVNULL)
+            returncode, stdout, stderr = run_with_tails(
+                sandboxed([python, "-c", PROBE], launch.spec, Path(folder), Path(folder), env),
+                env, limit)
         except subprocess.TimeoutExpired:
             raise ValueError(exceeded(f"{where} (importing torch, safetensors, dflash_audit)",
                                       limit)) from None
         except OSError as exc:
             raise ValueError(f"{where} could not be started: {exc}") from None
-    if proc.returncode == 0:
+    if returncode == 0:
         return
-    module, _, error = proc.stdout.strip().partition("\t")
+    module, _, error = stdout.strip().rpartition("\n")[2].partition("\t")
     if module in ("torch", "safetensors"):
         raise ValueError(f"{where} cannot import {module} ({error}); install it into that "
                          f"environment ({python} -m pip install {module})")
@@ -147,5 +185,5 @@ def check_interpreter(launch: CandidateLaunch, timeout_s: float | None = None) -
         raise ValueError(f"{where} cannot import dflash_audit's candidate runner from "
                          f"{package_root()} (put on its PYTHONPATH): {error}; that environment "
                          "needs dflash-audit's dependencies (torch, safetensors, transformers)")
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    raise ValueError(f"{where} does not run Python code (exit {proc.returncode}: {tail[0]})")
+    tail = (stderr or stdout).strip().splitlines()[-1:] or ["no output"]
+    raise ValueError(f"{where} does not run Python code (exit {returncode}: {tail[0][-300:]})")

@@ -14,9 +14,10 @@ The candidate is untrusted code (DESIGN.md section 9). Inside the sandbox it has
   a ``file.py`` candidate, the working directory and ``PYTHONPATH`` entries under ``/tmp``;
   read-write its own output folder;
 - nothing of any report key (every folder of
-  :func:`dflash_audit.report.fingerprint.key_dirs`, whatever cache it is in, is covered by an
-  empty tmpfs) nor of the cached reference outputs (:mod:`.reference_records`, covered
-  too), nor of any audit's work folder (:func:`work_root`, where every compare keeps
+  :func:`dflash_audit.report.fingerprint.key_dirs`, whatever cache or ``$HOME`` it is in, and
+  every other path a bind mount shows it at, is covered by an empty tmpfs) nor of the cached
+  reference outputs (:mod:`.reference_records`, covered too), nor of any audit's work folder
+  (:func:`work_root`, where every compare keeps
   its cases and both sides' outputs, is covered by an empty tmpfs, and only this candidate's
   own cases and output folder are bound back; every root an audit of this user made, whatever
   its ``$TMPDIR``, is covered too: :func:`known_work_roots`): not even when ``/tmp`` itself is
@@ -54,7 +55,7 @@ from typing import Any
 
 from dflash_audit.audit.setup_error import CompareSetupError
 from dflash_audit.audit.sides.reference_records import record_dirs
-from dflash_audit.folder_registry import record_folder, recorded_folders
+from dflash_audit.folder_registry import mount_aliases, record_folder, recorded_folders
 from dflash_audit.report.fingerprint import key_dirs
 
 #: ``DFLASH_AUDIT_SANDBOX=off`` runs the candidate without a sandbox (tests of the detection
@@ -148,7 +149,7 @@ def _prove(bwrap: str, found: dict[str, str]) -> SandboxStatus:
             tail = " ".join(proc.stderr.split())[-300:]
             return SandboxStatus(ABSENT, reason=f"bwrap cannot create its namespaces here "
                                                 f"({tail})", **found)
-        hidden = [p.resolve() for p in key_dirs() if p.is_dir()]
+        hidden = with_aliases(key_dirs())
         probe = sp.probe_command(_read_only_probes(), hidden,
                                  ["/proc", "/tmp", *map(str, hidden)])
         try:
@@ -161,6 +162,14 @@ def _prove(bwrap: str, found: dict[str, str]) -> SandboxStatus:
     if failed:
         return SandboxStatus(UNPROVEN, reason="; ".join(failed), proof=proof, **found)
     return SandboxStatus(PROVEN, proof=proof, **found)
+
+
+def with_aliases(folders: list[Path]) -> list[Path]:
+    """The ``folders`` that exist (resolved) and every other path each is reachable by through
+    a bind mount (:func:`dflash_audit.folder_registry.mount_aliases`): what the sandbox covers
+    for a folder it hides, and what its proof checks empty."""
+    found = list(dict.fromkeys(Path(p).resolve() for p in folders if Path(p).is_dir()))
+    return list(dict.fromkeys([*found, *(a for p in found for a in mount_aliases(p))]))
 
 
 def _read_only_probes() -> list[Path]:
@@ -381,6 +390,6 @@ def candidate_sandbox_command(cmd: list[str], spec: str | None, cases_dir: Path,
         except (OSError, ValueError, KeyError, TypeError):
             pass
     return sandbox_command(cmd, bwrap=bwrap, writable=[Path(out_dir)], readable=readable,
-                           hidden=[*key_dirs(), *record_dirs(), *hidden],
+                           hidden=with_aliases([*key_dirs(), *record_dirs(), *hidden]),
                            private=[work_root(), *known_work_roots()],
                            cwd=Path.cwd())
