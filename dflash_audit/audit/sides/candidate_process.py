@@ -19,6 +19,7 @@ audit never hangs. The only way the candidate influences the verdict is the outp
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -110,12 +111,29 @@ def as_launch(spec: str | CandidateLaunch | None) -> CandidateLaunch:
     return spec if isinstance(spec, CandidateLaunch) else CandidateLaunch(spec=spec)
 
 
+def runner_command(launch: CandidateLaunch, cases_dir: Path, out_dir: Path,
+                   threads: int | None, names: list[str] | None, *extra: str) -> list[str]:
+    """The runner's command line (unsandboxed): the cases ``names`` of ``cases_dir`` (None:
+    none named, as with ``--load-only`` and ``--wait``), outputs into ``out_dir``, ``extra``
+    flags last."""
+    return [launch.executable, "-m", "dflash_audit.audit.sides.candidate_runner",
+            str(cases_dir), str(out_dir), *(["--candidate", launch.spec] if launch.spec else []),
+            *(["--threads", str(threads)] if threads else []),
+            *(["--framework"] if launch.framework else []),
+            *[a for n in names or () for a in ("--case", n)], *extra]
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+    if proc.stdin is not None:  # a waiting process's (WaitingCandidate)
+        try:
+            proc.stdin.close()
+        except OSError:  # it ended before reading what was written
+            pass
 
 
 def _read_status(folder: Path) -> dict[str, Any] | None:
@@ -162,7 +180,8 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
                           out_dir: Path, timeout_s: float | None = None, *,
                           threads: int | None = None,
                           startup_timeout_s: float | None = None,
-                          on_case: Callable[[CandidateCaseRun], None] = lambda run: None
+                          on_case: Callable[[CandidateCaseRun], None] = lambda run: None,
+                          waiting: WaitingCandidate | None = None
                           ) -> dict[str, CandidateCaseRun]:
     """Run the candidate ``spec`` (``module:attr``, ``file.py:attr``, None: our drafter, or a
     :class:`CandidateLaunch`: interpreter, spec and path of a framework adapter) on the cases ``names`` of ``cases_dir`` in its own process; outputs land in
@@ -176,6 +195,10 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
             None: ``$DFLASH_AUDIT_CANDIDATE_START_TIMEOUT``, else 300 scaled with the load.
         threads: torch intra-op threads of the candidate process.
         on_case: called once per case as its result is known (progress).
+        waiting: the audit's candidate process, started before the cases were written
+            (:class:`WaitingCandidate`, on ``cases_dir`` and ``out_dir``): it runs them, when
+            it can (:meth:`WaitingCandidate.hand_over`); a process started after a crash, a
+            timeout, or in its place loads the candidate again.
 
     Returns:
         ``{case name: CandidateCaseRun}`` for every name, in no particular order.
@@ -194,20 +217,20 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
     remaining = list(dict.fromkeys(names))
     results: dict[str, CandidateCaseRun] = {}
     attempt = 0
+    first = waiting.hand_over(remaining) if waiting is not None else None
     while remaining:
         attempt += 1
-        stdout, stderr = logs / f"stdout-{attempt}.txt", logs / f"stderr-{attempt}.txt"
-        (out_dir / HEARTBEAT).unlink(missing_ok=True)
-        cmd = [launch.executable, "-m", "dflash_audit.audit.sides.candidate_runner", str(cases_dir),
-               str(out_dir), *(["--candidate", spec] if spec else []),
-               *(["--threads", str(threads)] if threads else []),
-               *(["--framework"] if launch.framework else []),
-               *[a for n in remaining for a in ("--case", n)]]
-        env = runner_env(threads, launch)
-        cmd = sandboxed(cmd, spec, cases_dir, out_dir, env)
-        with _new_log(stdout) as fo, _new_log(stderr) as fe:
-            proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
+        if first is not None:  # the audit's process: loaded, now told to run the cases
+            proc, cmd, stdout, stderr = first
+            first = None
+        else:
+            stdout, stderr = logs / f"stdout-{attempt}.txt", logs / f"stderr-{attempt}.txt"
+            (out_dir / HEARTBEAT).unlink(missing_ok=True)
+            cmd = sandboxed(runner_command(launch, cases_dir, out_dir, threads, remaining),
+                            spec, cases_dir, out_dir, env := runner_env(threads, launch))
+            with _new_log(stdout) as fo, _new_log(stderr) as fe:
+                proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
+                                        env=env, start_new_session=True)
         try:
             current, watch, timed_out = _watch(proc, out_dir, remaining, results, timeout_s,
                                                startup_timeout_s, stdout, stderr, on_case)
@@ -346,19 +369,29 @@ def load_candidate_identity(spec: str | CandidateLaunch | None, out_dir: Path,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / IDENTITY).unlink(missing_ok=True)
-    cmd = [launch.executable, "-m", "dflash_audit.audit.sides.candidate_runner", str(out_dir),
-           str(out_dir), "--load-only", *(["--candidate", spec] if spec else []),
-           *(["--framework"] if launch.framework else [])]
     env = runner_env(None, launch)
     limit = (limit_s(CANDIDATE_START_TIMEOUT_S, CANDIDATE_START_TIMEOUT_ENV)
              if timeout_s is None else timeout_s)
-    cmd = sandboxed(cmd, spec, out_dir, out_dir, env)
+    cmd = sandboxed(runner_command(launch, out_dir, out_dir, None, None, "--load-only"),
+                    spec, out_dir, out_dir, env)
     try:  # its output to files, only their tails read: a flood of output costs no memory
         returncode, _, stderr = run_with_tails(cmd, env, limit)
     except subprocess.TimeoutExpired:
-        raise CandidateLoadError(exceeded(
-            f"loading the candidate {spec!r}", limit, CANDIDATE_START_TIMEOUT_ENV,
-            scaled=timeout_s is None)) from None
+        raise _load_timeout(spec, limit, timeout_s) from None
+    return _ended_identity(returncode, cmd, out_dir, launch, stderr)
+
+
+def _load_timeout(spec: str | None, limit: float, timeout_s: float | None) -> CandidateLoadError:
+    return CandidateLoadError(exceeded(f"loading the candidate {spec!r}", limit,
+                                       CANDIDATE_START_TIMEOUT_ENV, scaled=timeout_s is None))
+
+
+def _ended_identity(returncode: int, cmd: list[str], out_dir: Path, launch: CandidateLaunch,
+                    stderr: str) -> dict[str, Any]:
+    """The identity a runner that ended with ``returncode`` wrote into ``out_dir``.
+
+    Raises:
+        CandidateLoadError: its load error, or none written (the process died first)."""
     if returncode == EXIT_LOAD_ERROR and (out_dir / LOAD_ERROR).is_file():
         raise load_error(out_dir, launch)
     try:
@@ -367,7 +400,114 @@ def load_candidate_identity(spec: str | CandidateLaunch | None, out_dir: Path,
         rc = unwrapped_code(returncode, cmd)
         how = (f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
         tail = stderr.strip()
-        raise CandidateLoadError(f"the process loading candidate {spec!r} ended ({how}) "
+        raise CandidateLoadError(f"the process loading candidate {launch.spec!r} ended ({how}) "
                                  "before the candidate was loaded (its import or factory "
                                  "exits or crashes)" + (f"\n{tail}" if tail else "")) from None
-    return _checked_identity(data, spec)
+    return _checked_identity(data, launch.spec)
+
+
+class WaitingCandidate:
+    """The audit's one candidate process: started before its cases exist, it loads the
+    candidate, reports its identity (:attr:`identity`, as :func:`load_candidate_identity`
+    does), then blocks on its stdin (``candidate_runner --wait``) until
+    :func:`run_candidate_process` hands it the cases (:meth:`hand_over`), so the candidate's
+    imports are paid once per audit.
+
+    It lives on only in the sandbox, where the candidate sees nothing of the audit but its
+    own, read-only ``cases_dir`` (the private copy, still empty) and writable ``out_dir``:
+    the cases written and their digests taken meanwhile are out of its reach. Without a
+    sandbox it ends once its identity is read (it could change the cases before their
+    digests), and the cases run in a fresh process, as does a restart after a crash or a
+    timeout. A context manager: leaving it kills the process group.
+
+    Raises (from the constructor):
+        CandidateLoadError: as :func:`load_candidate_identity` (the candidate cannot be
+            loaded, its process died or hung while loading it).
+        LimitError: the start limit's variable is not a positive number.
+        SandboxError: the sandbox starts but did not prove its isolation.
+    """
+
+    def __init__(self, spec: str | CandidateLaunch | None, cases_dir: Path, out_dir: Path, *,
+                 threads: int | None = None, timeout_s: float | None = None) -> None:
+        from dflash_audit.audit.sides.sandbox import sandbox_status
+
+        self.launch = as_launch(spec)
+        self.cases_dir, self.out_dir, self.threads = Path(cases_dir), Path(out_dir), threads
+        for folder in (self.cases_dir, self.out_dir):  # bound into the sandbox: they must exist
+            folder.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / IDENTITY).unlink(missing_ok=True)
+        logs = self.out_dir.parent / f".{self.out_dir.name}.logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        self.stdout, self.stderr = logs / "stdout-load.txt", logs / "stderr-load.txt"
+        self.env = runner_env(threads, self.launch)
+        self.cmd = self._sandboxed()
+        with _new_log(self.stdout) as fo, _new_log(self.stderr) as fe:
+            self.proc: subprocess.Popen | None = subprocess.Popen(
+                self.cmd, stdout=fo, stderr=fe, stdin=subprocess.PIPE, env=self.env,
+                start_new_session=True)
+        try:
+            self.identity = self._await_identity(timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        if not sandbox_status().available:
+            self.close()
+
+    def _sandboxed(self) -> list[str]:
+        """The sandboxed ``--wait`` command as the folders are now."""
+        return sandboxed(runner_command(self.launch, self.cases_dir, self.out_dir, self.threads,
+                                        None, "--wait"),
+                         self.launch.spec, self.cases_dir, self.out_dir, self.env)
+
+    def _await_identity(self, timeout_s: float | None) -> dict[str, Any]:
+        limit = (limit_s(CANDIDATE_START_TIMEOUT_S, CANDIDATE_START_TIMEOUT_ENV)
+                 if timeout_s is None else timeout_s)
+        deadline = time.monotonic() + limit
+        while True:
+            returncode = self.proc.poll()
+            if returncode is not None:
+                return _ended_identity(returncode, self.cmd, self.out_dir, self.launch,
+                                       _tail(self.stderr))
+            if (self.out_dir / IDENTITY).is_file():
+                try:
+                    return _checked_identity(read_output_json(self.out_dir / IDENTITY),
+                                             self.launch.spec)
+                except (OSError, ValueError):
+                    pass  # not a whole file: read again, or the process ends
+            if time.monotonic() > deadline:
+                raise _load_timeout(self.launch.spec, limit, timeout_s)
+            time.sleep(POLL_S)
+
+    def hand_over(self, names: list[str]
+                  ) -> tuple[subprocess.Popen, list[str], Path, Path] | None:
+        """Tell the waiting process to run ``names`` (of ``cases_dir``, written by now):
+        ``(process, command, stdout log, stderr log)``; None (the process ended or killed)
+        when a fresh process must run them as before: it ended meanwhile, no sandbox, or
+        its sandbox would differ from a fresh one's now (a case needs a folder bound that
+        did not exist or was not named when it started)."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        if proc.poll() is not None or self._sandboxed() != self.cmd:
+            _kill_group(proc)
+            return None
+        (self.out_dir / HEARTBEAT).unlink(missing_ok=True)
+        try:
+            proc.stdin.write((json.dumps(list(names)) + "\n").encode())
+            proc.stdin.close()
+        except OSError:  # it ended meanwhile
+            _kill_group(proc)
+            return None
+        return proc, self.cmd, self.stdout, self.stderr
+
+    def close(self) -> None:
+        """Kill the process group when it was not handed over (idempotent)."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            _kill_group(proc)
+
+    def __enter__(self) -> WaitingCandidate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
