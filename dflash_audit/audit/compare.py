@@ -181,7 +181,11 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
     Raises:
         CompareSetupError: any usage or setup error (exit code 2).
     """
-    from dflash_audit.audit.sides.candidate_process import CandidateLoadError, WaitingCandidate
+    from dflash_audit.audit.sides.candidate_process import (
+        CandidateLoadError,
+        WaitingCandidate,
+        processes_started,
+    )
     from dflash_audit.audit.sides.install_guard import InstallGuard
     from dflash_audit.audit.sides.integrity import enable_subreaper, tool_roots
     from dflash_audit.audit.sides.tamper_record import refuse_recorded_tampering
@@ -264,6 +268,7 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
                 elif ref_info.get("cache", {}).get("from_cache"):
                     report.notes.append(cache_note(ref_info["cache"]))
                 report.candidate["sandbox"] = sandbox
+                report.candidate["processes"] = processes_started(Path(tmp) / CANDIDATE_OUTPUTS)
                 if not sandbox["sandboxed"]:
                     report.notes.append(sandbox["note"])
                 if canary is not None and report.verdict == "pass":  # what train reruns

@@ -262,6 +262,13 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
     return results
 
 
+def processes_started(out_dir: Path) -> int:
+    """How many candidate processes wrote into ``out_dir`` (one log of each, kept beside it
+    where the candidate cannot write): 1 for an audit where nothing restarted it."""
+    logs = Path(out_dir).parent / f".{Path(out_dir).name}.logs"
+    return len(list(logs.glob("stdout-*.txt"))) if logs.is_dir() else 0
+
+
 def _watch(proc: subprocess.Popen, out_dir: Path, remaining: list[str],
            results: dict[str, CandidateCaseRun], timeout_s: float | None,
            startup_timeout_s: float | None, stdout: Path, stderr: Path,
