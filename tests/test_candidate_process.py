@@ -152,7 +152,7 @@ def test_candidate_side_in_compare_form(chaos_run):
 
 
 def test_load_only_gives_the_identity_without_importing_here(tmp_path):
-    from dflash_audit.audit.sides.candidate_process import load_candidate_identity
+    from dflash_audit.audit.sides.candidate_load import load_candidate_identity
 
     ident = load_candidate_identity(CHAOS, tmp_path)
     assert ident["name"] == "chaos" and ident["has_select_anchors"] is True
@@ -249,7 +249,7 @@ def test_one_process_loads_the_candidate_then_runs_cases_written_after(tmp_path)
     exists, blocks, then runs the cases handed over: in the sandbox one process in all (the
     candidate imported once); without one, a fresh process runs them (it never lives while
     the cases are written)."""
-    from dflash_audit.audit.sides.candidate_process import WaitingCandidate
+    from dflash_audit.audit.sides.candidate_load import WaitingCandidate
     from dflash_audit.audit.sides.sandbox import sandbox_status
 
     cases = tiny_cases([40, 47])
@@ -265,7 +265,7 @@ def test_one_process_loads_the_candidate_then_runs_cases_written_after(tmp_path)
 
 
 def test_a_waiting_process_that_died_is_replaced_by_a_fresh_one(tmp_path):
-    from dflash_audit.audit.sides.candidate_process import WaitingCandidate
+    from dflash_audit.audit.sides.candidate_load import WaitingCandidate
 
     cases = tiny_cases([40])
     mine, out = tmp_path / "mine", tmp_path / "out"
@@ -279,7 +279,7 @@ def test_a_waiting_process_that_died_is_replaced_by_a_fresh_one(tmp_path):
 
 
 def test_a_load_error_of_the_waiting_process_is_the_load_error(tmp_path):
-    from dflash_audit.audit.sides.candidate_process import WaitingCandidate
+    from dflash_audit.audit.sides.candidate_load import WaitingCandidate
 
     with pytest.raises(CandidateLoadError, match="has no attribute 'Nope'"):
         WaitingCandidate(f"{HERE / 'isolation_candidates.py'}:Nope", tmp_path / "m",

@@ -61,6 +61,7 @@ from dflash_audit.audit.sides.canary import publish_canary, stage_canary
 from dflash_audit.audit.sides.import_check import ImportCheck, import_ok_marker
 from dflash_audit.audit.sides.integrity import reference_code_digest
 from dflash_audit.audit.sides.reference_cache import CACHE_SUMMARY
+from dflash_audit.audit.sides.reference_records import record_dirs
 from dflash_audit.audit.sides.sandbox import work_root
 from dflash_audit.audit.sides.run_sides import (
     CANDIDATE_CASES,
@@ -181,11 +182,8 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
     Raises:
         CompareSetupError: any usage or setup error (exit code 2).
     """
-    from dflash_audit.audit.sides.candidate_process import (
-        CandidateLoadError,
-        WaitingCandidate,
-        processes_started,
-    )
+    from dflash_audit.audit.sides.candidate_load import WaitingCandidate
+    from dflash_audit.audit.sides.candidate_process import CandidateLoadError, processes_started
     from dflash_audit.audit.sides.install_guard import InstallGuard
     from dflash_audit.audit.sides.integrity import enable_subreaper, tool_roots
     from dflash_audit.audit.sides.tamper_record import refuse_recorded_tampering
@@ -229,6 +227,9 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
             with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-",
                                              dir=work_root()) as tmp, ExitStack() as live:
                 with st.stage("load_candidate", "loading the candidate (own process)"):
+                    # the folders its sandbox hides exist before it starts (a cold run's
+                    # records folder too): the same sandbox then runs the cases, one process
+                    record_dirs()
                     try:  # never imported here: its import may exit, crash or print
                         waiting = live.enter_context(WaitingCandidate(
                             launch, Path(tmp) / CANDIDATE_CASES, Path(tmp) / CANDIDATE_OUTPUTS,

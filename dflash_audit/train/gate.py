@@ -200,7 +200,7 @@ def expected_for(identity: dict[str, Any] | None, candidate_spec: str | None, pr
 
     Args:
         identity: the candidate's identity as its own process reported it
-            (:func:`~dflash_audit.audit.sides.candidate_process.load_candidate_identity`:
+            (:func:`~dflash_audit.audit.sides.candidate_load.load_candidate_identity`:
             its ``source_files``); None for our drafter (``candidate_spec`` None), whose
             files are read here.
         candidate_spec: ``--candidate`` as given (None = our drafter); its own files are

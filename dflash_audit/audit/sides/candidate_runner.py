@@ -24,7 +24,7 @@ Files written into OUT_DIR (the only channel to the parent, :mod:`.candidate_pro
   hashes come from here). ``--load-only`` stops there (a cheap setup check). ``--wait`` then
   blocks on its stdin until the parent writes one line, the JSON list of the cases to run (once
   they are written: one process per audit loads the candidate and runs its cases,
-  :class:`.candidate_process.WaitingCandidate`); an empty line or end of input ends it.
+  :class:`.candidate_load.WaitingCandidate`); an empty line or end of input ends it.
 
 A file candidate's folder is first on ``sys.path`` (its sibling modules import, as when the
 file runs as a script). The candidate's stdout and stderr go wherever the parent points this

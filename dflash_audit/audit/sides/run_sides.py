@@ -312,7 +312,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     (:class:`dflash_audit.audit.sides.launch.CandidateLaunch`; None: ``opts.candidate`` under
     this interpreter). ``waiting``: the audit's candidate process, started on
     ``cases_dir/`` :data:`CANDIDATE_CASES` (still empty) before the cases were planned
-    (:class:`.candidate_process.WaitingCandidate`): it runs them once they are written and
+    (:class:`.candidate_load.WaitingCandidate`): it runs them once they are written and
     their digests taken (None: a process started here). Returns ``{case name: (SideOutputs | None, failing "run" result |
     None)}``.
 
