@@ -144,3 +144,74 @@ def test_the_record_refuses_until_the_good_content_is_back(tmp_path: Path, monke
     assert record_path().is_file()  # another installation's entry stays
     assert outstanding_tampering(lambda p: True) == []  # /elsewhere/x.py: absent, as it was
     assert not record_path().exists()
+
+
+def test_a_record_entry_the_candidate_planted_never_vouches_for_its_change(
+        tmp_path: Path, monkeypatch) -> None:
+    """Without a sandbox the candidate can write the record before its audit records the
+    change: an entry for the file it poisoned whose "good" value is the poisoned content.
+    The audit's own good value replaces it, so the next audit refuses until the file is
+    really restored."""
+    import hashlib
+
+    from dflash_audit.audit.sides.tamper_record import (
+        outstanding_tampering,
+        record_tampering,
+    )
+
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
+    module = tmp_path / "mod.py"
+    module.write_text("X = 7\n")  # poisoned
+    poisoned = hashlib.sha256(b"X = 7\n").hexdigest()
+    good = hashlib.sha256(b"X = 1\n").hexdigest()
+    record_tampering({str(module): f"sha256:{poisoned}"})  # planted by the candidate
+    record_tampering({str(module): f"sha256:{good}"})  # the audit's own record
+    mine = lambda p: str(tmp_path) in p  # noqa: E731
+    assert outstanding_tampering(mine) == [str(module)]
+    module.write_text("X = 1\n")
+    assert outstanding_tampering(mine) == []
+
+
+@pytest.mark.parametrize("block", ["integrity is a file", "lock is a folder",
+                                   "temporary name is a folder"])
+def test_a_blocked_record_refuses_every_later_audit(tmp_path: Path, monkeypatch,
+                                                    block: str) -> None:
+    """The candidate blocks the record (its folder made a file, its lock a folder, the
+    temporary file's name taken): the change must still be recorded, or -- when the folder
+    cannot be used at all -- every later audit refuses naming it, never starts on an
+    installation it cannot know is restored."""
+    import hashlib
+
+    from dflash_audit.audit.setup_error import CompareSetupError
+    from dflash_audit.audit.sides.tamper_record import (
+        outstanding_tampering,
+        record_path,
+        record_tampering,
+        refuse_recorded_tampering,
+    )
+
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
+    folder = record_path().parent
+    folder.parent.mkdir(parents=True)
+    if block == "integrity is a file":
+        folder.write_text("")
+    else:
+        folder.mkdir()
+    if block == "lock is a folder":
+        (folder / ".lock").mkdir()
+    if block == "temporary name is a folder":
+        (folder / f".{record_path().name}.{os.getpid()}").mkdir()
+    module = tmp_path / "mod.py"
+    module.write_text("X = 7\n")
+    good = hashlib.sha256(b"X = 1\n").hexdigest()
+    try:
+        record_tampering({str(module): f"sha256:{good}"})
+    except OSError:
+        pass  # the audit that saw the change refuses either way
+    mine = lambda p: str(tmp_path) in p  # noqa: E731
+    assert outstanding_tampering(mine) != []
+    with pytest.raises(CompareSetupError, match="writable folder"
+                       if block != "temporary name is a folder" else "mod.py"):
+        monkeypatch.setattr("dflash_audit.audit.sides.tamper_record.installation_roots",
+                            lambda: [str(tmp_path)])
+        refuse_recorded_tampering([])
