@@ -215,3 +215,55 @@ def test_a_blocked_record_refuses_every_later_audit(tmp_path: Path, monkeypatch,
         monkeypatch.setattr("dflash_audit.audit.sides.tamper_record.installation_roots",
                             lambda: [str(tmp_path)])
         refuse_recorded_tampering([])
+
+
+def test_what_python_runs_at_start_up_is_in_the_baseline(tmp_path: Path, monkeypatch) -> None:
+    """Files no module is imported from but Python's start-up runs (in the next audit's own
+    process, before any check): an existing ``.pth`` edited, an absent ``sys.path`` entry
+    created (``python311.zip`` with an ``encodings`` package runs first, even under ``-I
+    -S``), ``pyvenv.cfg`` edited. Each is a change; the current folder is never watched (an
+    honest candidate may write there)."""
+    import sys
+    import time
+    import zipfile
+
+    from dflash_audit.audit.sides import install_guard
+    from dflash_audit.audit.sides.install_guard import ABSENT, InstallBaseline, startup_paths
+
+    site, prefix, here = tmp_path / "site-packages", tmp_path / "prefix", tmp_path / "here"
+    for folder in (site, prefix, here):
+        folder.mkdir()
+    pth, cfg, zipped = site / "distutils-precedence.pth", prefix / "pyvenv.cfg", \
+        tmp_path / "python311.zip"
+    pth.write_text("import os\n")
+    cfg.write_text("home = /usr/bin\n")
+    monkeypatch.chdir(here)
+    monkeypatch.setattr(sys, "path", [str(here), str(zipped), str(site)])
+    monkeypatch.setattr(sys, "prefix", str(prefix))
+    monkeypatch.setattr("dflash_audit.reference_source.runner.site_dirs", lambda: [str(site)])
+    monkeypatch.setattr("site.ENABLE_USER_SITE", False)
+    paths = startup_paths()
+    assert {str(pth), str(cfg), str(zipped)} <= set(paths) and str(here) not in paths
+    baseline = InstallBaseline()
+    assert baseline.watch(paths) == []
+    time.sleep(0.05)
+    (here / "json.py").write_text("")  # the current folder: not watched
+    (site / ".hypothesis").mkdir()  # nothing an import finds: no change
+    assert baseline.changes() == []
+    (site / "json").mkdir()
+    (site / "json" / "__init__.py").write_text("")  # a package that shadows the stdlib's
+    assert baseline.changes() == [str(site)]
+    shutil.rmtree(site / "json")
+    with pth.open("a") as f:
+        f.write("import evil\n")
+    with zipfile.ZipFile(zipped, "w") as z:
+        z.writestr("encodings/__init__.py", "import evil\n")
+    cfg.write_text("home = /tmp/evil\n")
+    assert baseline.changes() == sorted([str(pth), str(zipped), str(cfg)])
+    assert baseline.good(str(zipped)) == ABSENT
+    monkeypatch.undo()  # the audit's guard on this interpreter takes its own .pth files
+    from dflash_audit.reference_source.runner import site_dirs
+
+    real = [str(p) for d in site_dirs() for p in Path(d).glob("*.pth")]
+    guard = install_guard.InstallGuard([])
+    assert real and set(real) <= set(guard.baseline.files), real
