@@ -144,3 +144,126 @@ def test_the_record_refuses_until_the_good_content_is_back(tmp_path: Path, monke
     assert record_path().is_file()  # another installation's entry stays
     assert outstanding_tampering(lambda p: True) == []  # /elsewhere/x.py: absent, as it was
     assert not record_path().exists()
+
+
+def test_a_record_entry_the_candidate_planted_never_vouches_for_its_change(
+        tmp_path: Path, monkeypatch) -> None:
+    """Without a sandbox the candidate can write the record before its audit records the
+    change: an entry for the file it poisoned whose "good" value is the poisoned content.
+    The audit's own good value replaces it, so the next audit refuses until the file is
+    really restored."""
+    import hashlib
+
+    from dflash_audit.audit.sides.tamper_record import (
+        outstanding_tampering,
+        record_tampering,
+    )
+
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
+    module = tmp_path / "mod.py"
+    module.write_text("X = 7\n")  # poisoned
+    poisoned = hashlib.sha256(b"X = 7\n").hexdigest()
+    good = hashlib.sha256(b"X = 1\n").hexdigest()
+    record_tampering({str(module): f"sha256:{poisoned}"})  # planted by the candidate
+    record_tampering({str(module): f"sha256:{good}"})  # the audit's own record
+    mine = lambda p: str(tmp_path) in p  # noqa: E731
+    assert outstanding_tampering(mine) == [str(module)]
+    module.write_text("X = 1\n")
+    assert outstanding_tampering(mine) == []
+
+
+@pytest.mark.parametrize("block", ["integrity is a file", "lock is a folder",
+                                   "temporary name is a folder"])
+def test_a_blocked_record_refuses_every_later_audit(tmp_path: Path, monkeypatch,
+                                                    block: str) -> None:
+    """The candidate blocks the record (its folder made a file, its lock a folder, the
+    temporary file's name taken): the change must still be recorded, or -- when the folder
+    cannot be used at all -- every later audit refuses naming it, never starts on an
+    installation it cannot know is restored."""
+    import hashlib
+
+    from dflash_audit.audit.setup_error import CompareSetupError
+    from dflash_audit.audit.sides.tamper_record import (
+        outstanding_tampering,
+        record_path,
+        record_tampering,
+        refuse_recorded_tampering,
+    )
+
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
+    folder = record_path().parent
+    folder.parent.mkdir(parents=True)
+    if block == "integrity is a file":
+        folder.write_text("")
+    else:
+        folder.mkdir()
+    if block == "lock is a folder":
+        (folder / ".lock").mkdir()
+    if block == "temporary name is a folder":
+        (folder / f".{record_path().name}.{os.getpid()}").mkdir()
+    module = tmp_path / "mod.py"
+    module.write_text("X = 7\n")
+    good = hashlib.sha256(b"X = 1\n").hexdigest()
+    try:
+        record_tampering({str(module): f"sha256:{good}"})
+    except OSError:
+        pass  # the audit that saw the change refuses either way
+    mine = lambda p: str(tmp_path) in p  # noqa: E731
+    assert outstanding_tampering(mine) != []
+    with pytest.raises(CompareSetupError, match="writable folder"
+                       if block != "temporary name is a folder" else "mod.py"):
+        monkeypatch.setattr("dflash_audit.audit.sides.tamper_record.installation_roots",
+                            lambda: [str(tmp_path)])
+        refuse_recorded_tampering([])
+
+
+def test_what_python_runs_at_start_up_is_in_the_baseline(tmp_path: Path, monkeypatch) -> None:
+    """Files no module is imported from but Python's start-up runs (in the next audit's own
+    process, before any check): an existing ``.pth`` edited, an absent ``sys.path`` entry
+    created (``python311.zip`` with an ``encodings`` package runs first, even under ``-I
+    -S``), ``pyvenv.cfg`` edited. Each is a change; the current folder is never watched (an
+    honest candidate may write there)."""
+    import sys
+    import time
+    import zipfile
+
+    from dflash_audit.audit.sides import install_guard
+    from dflash_audit.audit.sides.install_guard import ABSENT, InstallBaseline, startup_paths
+
+    site, prefix, here = tmp_path / "site-packages", tmp_path / "prefix", tmp_path / "here"
+    for folder in (site, prefix, here):
+        folder.mkdir()
+    pth, cfg, zipped = site / "distutils-precedence.pth", prefix / "pyvenv.cfg", \
+        tmp_path / "python311.zip"
+    pth.write_text("import os\n")
+    cfg.write_text("home = /usr/bin\n")
+    monkeypatch.chdir(here)
+    monkeypatch.setattr(sys, "path", [str(here), str(zipped), str(site)])
+    monkeypatch.setattr(sys, "prefix", str(prefix))
+    monkeypatch.setattr("dflash_audit.reference_source.runner.site_dirs", lambda: [str(site)])
+    monkeypatch.setattr("site.ENABLE_USER_SITE", False)
+    paths = startup_paths()
+    assert {str(pth), str(cfg), str(zipped)} <= set(paths) and str(here) not in paths
+    baseline = InstallBaseline()
+    assert baseline.watch(paths) == []
+    time.sleep(0.05)
+    (here / "json.py").write_text("")  # the current folder: not watched
+    (site / ".hypothesis").mkdir()  # nothing an import finds: no change
+    assert baseline.changes() == []
+    (site / "json").mkdir()
+    (site / "json" / "__init__.py").write_text("")  # a package that shadows the stdlib's
+    assert baseline.changes() == [str(site)]
+    shutil.rmtree(site / "json")
+    with pth.open("a") as f:
+        f.write("import evil\n")
+    with zipfile.ZipFile(zipped, "w") as z:
+        z.writestr("encodings/__init__.py", "import evil\n")
+    cfg.write_text("home = /tmp/evil\n")
+    assert baseline.changes() == sorted([str(pth), str(zipped), str(cfg)])
+    assert baseline.good(str(zipped)) == ABSENT
+    monkeypatch.undo()  # the audit's guard on this interpreter takes its own .pth files
+    from dflash_audit.reference_source.runner import site_dirs
+
+    real = [str(p) for d in site_dirs() for p in Path(d).glob("*.pth")]
+    guard = install_guard.InstallGuard([])
+    assert real and set(real) <= set(guard.baseline.files), real

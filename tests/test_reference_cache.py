@@ -155,6 +155,30 @@ def test_records_written_while_an_unsandboxed_candidate_ran_are_discarded(tmp_pa
     assert why == "" and record.files["outputs.safetensors"] == b"reference"
 
 
+def test_records_an_unsandboxed_candidate_plants_in_another_cache_are_discarded(
+        tmp_path, monkeypatch):
+    # the candidate can also sign a record with another cache's key (readable without a
+    # sandbox) and plant it in that cache's records (the default cache, or one an earlier
+    # audit registered), for the next audit that uses that cache: every records folder the
+    # sandbox would hide is watched, and what changed there is removed too
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "other"))
+    other = ReferenceCache.open(read=True)  # an audit with another cache: registered
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
+    default = tmp_path / "home" / ".cache" / "dflash-audit" / rc.RECORDS_DIR
+    default.mkdir(parents=True)
+    case = tmp_path / "case"
+    case.mkdir()
+    (case / "outputs.json").write_text("{}")
+    (case / "outputs.safetensors").write_bytes(b"forged")
+    cache = ReferenceCache.open(read=True)
+    cache.watch()
+    rc.write_record(default / ("a" * 64), "a" * 64, case, {}, cache.report_key)
+    rc.write_record(other.root / ("b" * 64), "b" * 64, case, {}, other.report_key)
+    assert cache.discard_changed() == ["a" * 64, "b" * 64]
+    assert list(default.iterdir()) == [] and list(other.root.iterdir()) == []
+
+
 def test_the_least_recently_used_records_go_first_past_the_size_limit(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(tmp_path / "cache"))
     case = tmp_path / "case"

@@ -2,10 +2,11 @@
 process and the reference's processes run code from (standard-library and site-packages
 sources, extension modules and the shared libraries they map, the interpreter;
 :func:`~dflash_audit.reference_source.imported_files.imported_files`) and the folders they are
-found in (a new ``.pth``, a package that shadows a module), against a baseline taken before any
-candidate code runs; a change is recorded in the tool cache, so every later audit refuses too
-until the files are restored (:mod:`.tamper_record`). Bytecode in those folders that is new
-or changed is deleted.
+found in (a new ``.pth``, a package that shadows a module) and what Python's start-up runs
+(:func:`startup_paths`: an edited ``.pth``, a created ``python311.zip`` or user site,
+``pyvenv.cfg``), against a baseline taken before any candidate code runs; a change is
+recorded in the tool cache, so every later audit refuses too until the files are restored
+(:mod:`.tamper_record`). Bytecode in those folders that is new or changed is deleted.
 
 The reference's tree, dflash-audit's own files and the reference's bytecode prefix are
 covered (and repaired) by :mod:`.integrity` and left out here.
@@ -77,6 +78,19 @@ def _bytecode(folder: str) -> dict[str, str]:
     return out
 
 
+def importable(folder: str, names: frozenset[str] | None) -> frozenset[str] | None:
+    """The ``names`` of ``folder`` an import could find: module files (any import suffix),
+    ``.pth`` files and regular packages (a folder with ``__init__.py``); other entries
+    (``.hypothesis``, ``reports``) are left out."""
+    from importlib.machinery import all_suffixes
+
+    if names is None:
+        return None
+    suffixes = (*all_suffixes(), ".pth")
+    return frozenset(n for n in names if n.endswith(suffixes)
+                     or os.path.isfile(os.path.join(folder, n, "__init__.py")))
+
+
 def listing_digest(names: Iterable[str] | None) -> str | None:
     """sha256 of the sorted ``names`` (None stays None)."""
     if names is None:
@@ -99,6 +113,12 @@ class InstallBaseline:
         self.sha: dict[str, str] = {}
         self.folders: dict[str, frozenset[str]] = {}
         self.bytecode: dict[str, str] = {}
+        #: Paths that did not exist (a ``sys.path`` entry such as ``python311.zip``, the user
+        #: site): creating one is a change.
+        self.absent: set[str] = set()
+        #: Folders watched only for what an import could find in them (:func:`importable`):
+        #: ``sys.path`` entries no module was imported from yet (a checkout on PYTHONPATH).
+        self.importable: set[str] = set()
         self._to_hash: queue.SimpleQueue[str] = queue.SimpleQueue()
         threading.Thread(target=self._hash, name="dflash-audit-install-digests",
                          daemon=True).start()
@@ -155,6 +175,24 @@ class InstallBaseline:
                     if int(sig.rsplit(":", 1)[1]) < self.since_ns:  # else: swept
                         self.bytecode[path] = sig
 
+    def watch(self, paths: Iterable[str]) -> list[str]:
+        """Add ``paths`` whatever they are: a folder's entries (:meth:`add_folders`), a file
+        (:meth:`add`; returned when written since the baseline began), or -- when absent --
+        the fact that it is absent."""
+        changed = []
+        for path in paths:
+            if self._covered(os.path.join(path, "")):
+                continue
+            if os.path.isdir(path):
+                if path not in self.folders:  # only what an import could find there
+                    self.importable.add(path)
+                self.add_folders([path])
+            elif os.path.exists(path):
+                changed += self.add([path])
+            else:
+                self.absent.add(path)
+        return changed
+
     def sweep_bytecode(self) -> list[str]:
         """Delete the files of the recorded folders' ``__pycache__`` that are new or changed
         since the baseline (returned): Python compiles them again from the sources, which the
@@ -178,7 +216,11 @@ class InstallBaseline:
         entries differ, and files of ``current`` first seen now that were written since the
         baseline began (the others are added). Sorted."""
         out = [p for p, sig in self.files.items() if signature(p) != sig]
-        out += [f for f, names in self.folders.items() if folder_names(f) != names]
+        out += [f for f, names in self.folders.items()
+                if (importable(f, folder_names(f)) if f in self.importable
+                    else folder_names(f)) != (importable(f, names) if f in self.importable
+                                              else names)]
+        out += [p for p in self.absent if os.path.lexists(p)]
         return sorted(set(out + self.add(current)))
 
     def good(self, path: str) -> str:
@@ -186,6 +228,8 @@ class InstallBaseline:
         :data:`HASH_LIMIT`, once hashed), ``dir:HEX`` (a folder's entries), ``stat:SIGNATURE``
         (a larger file, one not hashed before it changed, one first seen after it had changed)
         or :data:`ABSENT`."""
+        if path in self.absent:
+            return ABSENT
         if path in self.folders:
             return f"dir:{listing_digest(self.folders[path])}"
         if path in self.sha:
@@ -204,6 +248,35 @@ class InstallBaseline:
         return f"{path}/ ({' '.join((added + removed)[:3])})"
 
 
+def startup_paths() -> list[str]:
+    """What Python's start-up runs code from without it being a module's file, in this
+    process and the next audit's: every ``sys.path`` entry (a folder's new module shadows a
+    later one; an absent ``pythonXY.zip`` created with an ``encodings`` package runs first in
+    every process, the reference's ``-I -S`` ones included) but the current folder (the
+    user's own, where an honest candidate may write), each site folder's ``.pth`` files
+    (their ``import`` lines run at every start), the user site when it is enabled (absent:
+    a ``usercustomize`` or ``.pth`` created there runs at the next start) and
+    ``<sys.prefix>/pyvenv.cfg`` (it chooses the base interpreter and its site-packages)."""
+    import site
+    import sys
+
+    from dflash_audit.reference_source.runner import site_dirs
+
+    here = {"", os.getcwd()}
+    sites = list(site_dirs())
+    if site.ENABLE_USER_SITE:
+        sites.append(site.getusersitepackages())
+    paths = [p for p in sys.path if p not in here and os.path.isabs(p)] + sites
+    for folder in sites:
+        try:
+            paths += sorted(os.path.join(folder, n) for n in os.listdir(folder)
+                            if n.endswith(".pth"))
+        except OSError:
+            continue
+    paths.append(os.path.join(sys.prefix, "pyvenv.cfg"))
+    return list(dict.fromkeys(paths))
+
+
 class InstallGuard:
     """One audit's :class:`InstallBaseline`: this process's files and folders, the
     site-packages folders and the reference's files known so far (``reference_files``: its
@@ -217,6 +290,7 @@ class InstallGuard:
         self.baseline = InstallBaseline(excluded)
         self.baseline.add_folders(site_dirs())
         self.pending = self.baseline.add(imported_files())
+        self.pending += self.baseline.watch(startup_paths())
         self.pending += self.baseline.add(reference_files)
         self.seconds = time.perf_counter() - start
         #: Set once a change was reported (and recorded): not reported twice.

@@ -33,6 +33,7 @@ from dflash_audit.audit.sides.reference_records import (
     environment_fields,
     prune,
     read_record,
+    record_dirs,
     record_key,
     records_root,
     stat_signature,
@@ -68,18 +69,20 @@ class ReferenceCache:
     ignored: dict[str, str] = field(default_factory=dict)
     stored: list[str] = field(default_factory=list)
     note: str = ""
-    _watched: dict[str, str] | None = None
+    _watched: dict[Path, dict[str, str]] | None = None
 
     @classmethod
     def open(cls, read: bool) -> ReferenceCache:
-        """The cache of this run (:func:`records_root`), with the report key read now (before
-        any candidate code runs); unusable (with a ``note``) when the key cannot be read."""
+        """The cache of this run (:func:`records_root`, registered in
+        :func:`.reference_records.record_dirs`), with the report key read now (before any
+        candidate code runs); unusable (with a ``note``) when the key cannot be read."""
         from dflash_audit.report.fingerprint import report_key
 
         try:
             key = report_key(create=True)
         except OSError as exc:
             return cls(read=False, note=f"the reference cache is off: {exc}")
+        record_dirs()  # this cache's folder registered: watched by later audits too
         return cls(read=read, report_key=key, root=records_root())
 
     def lookup(self, cases_dir: Path, names: list[str], digests: dict[str, str],
@@ -110,26 +113,33 @@ class ReferenceCache:
                 shutil.rmtree(self.root / key, ignore_errors=True)
 
     def watch(self) -> None:
-        """Take a stat signature of the records (before a candidate without a sandbox runs,
-        which can write there); :meth:`discard_changed` removes what changed meanwhile."""
+        """Take a stat signature of the records of every records folder the sandbox hides
+        (:func:`.reference_records.record_dirs`: this cache's, the default cache's, those of
+        earlier audits with other caches), before a candidate without a sandbox runs, which
+        can sign records with any of their keys; :meth:`discard_changed` removes what
+        changed meanwhile."""
         if self.root is not None:
-            self._watched = stat_signature(self.root)
+            self._watched = {root: stat_signature(root)
+                             for root in dict.fromkeys([self.root, *record_dirs()])}
 
     def discard_changed(self) -> list[str]:
         """Remove every record whose files changed, appeared or vanished since :meth:`watch`
-        (written by the candidate, or by another audit at the same time: recomputed when
-        next needed); returns their keys. This audit's own hits were read before."""
+        in any of the watched folders (written by the candidate, or by another audit at the
+        same time: recomputed when next needed); returns their keys. This audit's own hits
+        were read before."""
         if self.root is None or self._watched is None:
             return []
-        now = stat_signature(self.root)
-        changed = {k.split("/", 1)[0] for k in self._watched.keys() | now.keys()
-                   if self._watched.get(k) != now.get(k)}
-        for key in sorted(changed):
-            target = self.root / key
-            if target.is_symlink() or target.is_file():
-                target.unlink(missing_ok=True)
-            else:
-                shutil.rmtree(target, ignore_errors=True)
+        changed = set()
+        for root, before in self._watched.items():
+            now = stat_signature(root)
+            for key in {k.split("/", 1)[0] for k in before.keys() | now.keys()
+                        if before.get(k) != now.get(k)}:
+                changed.add(key)
+                target = root / key
+                if target.is_symlink() or target.is_file():
+                    target.unlink(missing_ok=True)
+                else:
+                    shutil.rmtree(target, ignore_errors=True)
         self._watched = None
         return sorted(changed)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -71,8 +72,10 @@ def _update_record(change: Callable[[dict[str, dict]], None]) -> None:
         if not files:
             path.unlink(missing_ok=True)
             return
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
+        # a fresh name (O_EXCL): a folder or link planted at a predictable one cannot block it
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"files": files}, indent=1, sort_keys=True))
         os.replace(tmp, path)
 
 
@@ -99,16 +102,21 @@ def record_tampering(good: dict[str, str]) -> None:
     at = datetime.now(timezone.utc).isoformat(timespec="seconds")
 
     def change(files: dict[str, dict]) -> None:
+        # this audit's good values always win: an entry already there for a path this audit
+        # verified was written during it (at its start none was outstanding), by the
+        # candidate itself (a "good" value that vouches for its own change) or by another
+        # audit whose baseline, taken before the change too, holds the same value
         for path, value in good.items():
-            if path not in files:  # an earlier record keeps its good value
-                files[path] = {"good": value, "seen": _state(path, value), "at": at}
+            files[path] = {"good": value, "seen": _state(path, value), "at": at}
 
     _update_record(change)
 
 
 def outstanding_tampering(relevant: Callable[[str], bool]) -> list[str]:
     """Recorded paths, among those ``relevant`` to this audit, that are not repaired yet
-    (sorted); the repaired ones are dropped from the record. [] when it cannot be read."""
+    (sorted); the repaired ones are dropped from the record. The record's own path when it
+    cannot be read or its folder cannot be locked or written (a candidate without a sandbox
+    may have blocked it: then no later audit would learn what it changed)."""
     found: list[str] = []
 
     def change(files: dict[str, dict]) -> None:
@@ -124,7 +132,7 @@ def outstanding_tampering(relevant: Callable[[str], bool]) -> list[str]:
     try:
         _update_record(change)
     except OSError:
-        return found
+        return sorted({*found, str(record_path())})
     return found
 
 
@@ -153,7 +161,8 @@ def repair_hint(paths: list[str], tool: Iterable[Path] = ()) -> str:
             hints.append("reinstall dflash-audit")
             continue
         if path == str(record_path()):
-            hints.append(f"delete the unreadable record {path} once the files are checked")
+            hints.append(f"make {record_path().parent} a writable folder and delete an "
+                         f"unreadable record {path} there once the files are checked")
             continue
         if os.path.isdir(path) or not os.path.exists(path):
             hints.append(f"remove what was added to {path}" if os.path.isdir(path)
