@@ -152,7 +152,7 @@ def test_candidate_side_in_compare_form(chaos_run):
 
 
 def test_load_only_gives_the_identity_without_importing_here(tmp_path):
-    from dflash_audit.audit.sides.candidate_process import load_candidate_identity
+    from dflash_audit.audit.sides.candidate_load import load_candidate_identity
 
     ident = load_candidate_identity(CHAOS, tmp_path)
     assert ident["name"] == "chaos" and ident["has_select_anchors"] is True
@@ -237,3 +237,54 @@ def test_a_full_work_folder_is_a_setup_error_not_a_traceback(where, tmp_path, mo
         monkeypatch.setattr(shutil, "copy2", full)
     with pytest.raises(CompareSetupError, match="cannot write the cases into .*No space left"):
         write_work_cases(tiny_cases([40]), tmp_path / "work")
+
+
+def _starts(out_dir: Path) -> int:
+    """How many candidate processes wrote into ``out_dir``: one stdout log each."""
+    return len(list(out_dir.parent.joinpath(f".{out_dir.name}.logs").glob("stdout-*.txt")))
+
+
+def test_one_process_loads_the_candidate_then_runs_cases_written_after(tmp_path):
+    """The audit's candidate process (WaitingCandidate) reports its identity before any case
+    exists, blocks, then runs the cases handed over: in the sandbox one process in all (the
+    candidate imported once); without one, a fresh process runs them (it never lives while
+    the cases are written)."""
+    from dflash_audit.audit.sides.candidate_load import WaitingCandidate
+    from dflash_audit.audit.sides.sandbox import sandbox_status
+
+    cases = tiny_cases([40, 47])
+    mine, out = tmp_path / "mine", tmp_path / "out"
+    with WaitingCandidate(CHAOS, mine, out, threads=1) as waiting:
+        assert waiting.identity["name"] == "chaos" and waiting.identity["has_select_anchors"]
+        assert list(mine.iterdir()) == []  # loaded before any case was written
+        write_cases(cases, mine)
+        runs = run_candidate_process(CHAOS, mine, ["c40", "c47"], out, threads=1,
+                                     waiting=waiting)
+    assert runs["c40"].ok and runs["c47"].status == "raised"  # ChaosCandidate raises on 47
+    assert _starts(out) == (1 if sandbox_status().available else 2)
+
+
+def test_a_waiting_process_that_died_is_replaced_by_a_fresh_one(tmp_path):
+    from dflash_audit.audit.sides.candidate_load import WaitingCandidate
+
+    cases = tiny_cases([40])
+    mine, out = tmp_path / "mine", tmp_path / "out"
+    with WaitingCandidate(None, mine, out, threads=1) as waiting:
+        if waiting.proc is not None:
+            os.killpg(waiting.proc.pid, 9)
+            waiting.proc.wait()
+        write_cases(cases, mine)
+        runs = run_candidate_process(None, mine, ["c40"], out, threads=1, waiting=waiting)
+    assert runs["c40"].ok and _starts(out) == 2
+
+
+def test_a_load_error_of_the_waiting_process_is_the_load_error(tmp_path):
+    from dflash_audit.audit.sides.candidate_load import WaitingCandidate
+
+    with pytest.raises(CandidateLoadError, match="has no attribute 'Nope'"):
+        WaitingCandidate(f"{HERE / 'isolation_candidates.py'}:Nope", tmp_path / "m",
+                         tmp_path / "o")
+    with pytest.raises(CandidateLoadError, match=r"ended \(exit code 0\) before the candidate "
+                                                 r"was loaded"):
+        WaitingCandidate(f"{HERE / 'isolation_candidates.py'}:ExitAtImport", tmp_path / "m2",
+                         tmp_path / "o2")

@@ -224,7 +224,7 @@ def _in_thread(call, fifo, limit):
 
 
 def _identity_in_thread(spec, out_dir, limit):
-    from dflash_audit.audit.sides.candidate_process import load_candidate_identity
+    from dflash_audit.audit.sides.candidate_load import load_candidate_identity
 
     return _in_thread(lambda: load_candidate_identity(spec, out_dir), out_dir / "candidate.json",
                       limit)

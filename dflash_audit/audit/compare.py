@@ -38,6 +38,7 @@ import json
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -60,14 +61,17 @@ from dflash_audit.audit.sides.canary import publish_canary, stage_canary
 from dflash_audit.audit.sides.import_check import ImportCheck, import_ok_marker
 from dflash_audit.audit.sides.integrity import reference_code_digest
 from dflash_audit.audit.sides.reference_cache import CACHE_SUMMARY
+from dflash_audit.audit.sides.reference_records import record_dirs
 from dflash_audit.audit.sides.sandbox import work_root
 from dflash_audit.audit.sides.run_sides import (
+    CANDIDATE_CASES,
     CANDIDATE_OUTPUTS,
     REFERENCE_NOT_RUN,
     candidate_ran,
     refuse_code_changes,
     resolve_reference,
     run_both_sides,
+    usable_cores,
     with_code_changes,
 )
 
@@ -178,10 +182,8 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
     Raises:
         CompareSetupError: any usage or setup error (exit code 2).
     """
-    from dflash_audit.audit.sides.candidate_process import (
-        CandidateLoadError,
-        load_candidate_identity,
-    )
+    from dflash_audit.audit.sides.candidate_load import WaitingCandidate
+    from dflash_audit.audit.sides.candidate_process import CandidateLoadError, processes_started
     from dflash_audit.audit.sides.install_guard import InstallGuard
     from dflash_audit.audit.sides.integrity import enable_subreaper, tool_roots
     from dflash_audit.audit.sides.tamper_record import refuse_recorded_tampering
@@ -223,19 +225,26 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
         st.timing["install_baseline"] = guard.seconds
         try:  # every refusal after candidate code ran also names (and records) changes
             with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-",
-                                             dir=work_root()) as tmp:
+                                             dir=work_root()) as tmp, ExitStack() as live:
                 with st.stage("load_candidate", "loading the candidate (own process)"):
+                    # the folders its sandbox hides exist before it starts (a cold run's
+                    # records folder too): the same sandbox then runs the cases, one process
+                    record_dirs()
                     try:  # never imported here: its import may exit, crash or print
-                        candidate = load_candidate_identity(launch, Path(tmp) / ".load")
+                        waiting = live.enter_context(WaitingCandidate(
+                            launch, Path(tmp) / CANDIDATE_CASES, Path(tmp) / CANDIDATE_OUTPUTS,
+                            threads=usable_cores()))
                     except CandidateLoadError as exc:
                         raise CompareSetupError(f"candidate: {exc}") from None
+                candidate = waiting.identity
                 framework = framework_facts(launch, candidate)
                 planned, inputs_info = plan_cases(
                     opts, profile, st, import_check.wait,
                     capabilities=framework["capabilities"] if framework else None,
                     framework_label=framework["label"] if framework else "")
                 outputs = run_both_sides(opts, identity, planned, Path(tmp), st, import_check,
-                                         reference_code, launch=launch, guard=guard)
+                                         reference_code, launch=launch, guard=guard,
+                                         waiting=waiting)
                 reference_ran = candidate_ran(outputs)
                 tolerance = measured_tolerances(planned, Path(tmp))
                 records, pictures = check_all(planned, outputs, Path(tmp), st, framework)
@@ -260,6 +269,7 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
                 elif ref_info.get("cache", {}).get("from_cache"):
                     report.notes.append(cache_note(ref_info["cache"]))
                 report.candidate["sandbox"] = sandbox
+                report.candidate["processes"] = processes_started(Path(tmp) / CANDIDATE_OUTPUTS)
                 if not sandbox["sandboxed"]:
                     report.notes.append(sandbox["note"])
                 if canary is not None and report.verdict == "pass":  # what train reruns

@@ -19,7 +19,9 @@
   {"sandboxed", "tool", "bwrap" (its path), "version", "proof": {property: {"ok",
   "evidence"}} (what the sandbox proved from inside before the candidate ran:
   :mod:`dflash_audit.audit.sides.sandbox_proof`), "note"}, "framework": {...} (an audited
-  framework), "canary": {...} (after a PASS)}``.
+  framework), "canary": {...} (after a PASS), "processes": the candidate processes the audit
+  started (1: loaded once, its cases run in the same process; more after a crash, a timeout,
+  without a sandbox, or when a case's verifier folder had to be bound)}``.
 - ``profile``: ``{"name", "source", "fingerprint", "fields": {every profile field}}``.
 - ``verifiers``: ``{verifier fingerprint: {"name", "architecture"}}``, every verifier the audit
   covered (the real one and each synthetic family proxy); the gate refuses to train with

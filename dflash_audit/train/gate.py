@@ -47,13 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_audit.user_input import (
-    loads_json,
-    not_a_file,
-    path_kind,
-    read_regular_text,
-    shorten,
-)
+from dflash_audit.user_input import loads_json, not_a_file, path_kind, read_regular_text, shorten
 
 REPORT_FILE = "report.json"
 DEFAULT_REPORTS_DIR = Path("reports")
@@ -149,13 +143,12 @@ def read_report(path: Path) -> ReportFields:
                             f"object: {what}")
         if "kind" in d and "schema_version" not in d:
             raise GateError(f"{path} is a {shorten(repr(d['kind']))} report, not a "
-                            "`dflash-audit compare` "
-                            "report; pass the compare report's path to --report")
+                            "`dflash-audit compare` report; pass the compare report's path to "
+                            "--report")
         version = d.get("schema_version")
         if type(version) is not int or version != SCHEMA_VERSION:  # noqa: E721 (True == 1)
             raise GateError(f"audit report {path} has schema_version "
-                            f"{shorten(repr(version))}; this "
-                            f"dflash-audit reads schema_version "
+                            f"{shorten(repr(version))}; this dflash-audit reads schema_version "
                             f"{SCHEMA_VERSION} only: rerun the audit with this version "
                             "(`dflash-audit compare`)")
         canary = d["candidate"].get("canary")
@@ -200,7 +193,7 @@ def expected_for(identity: dict[str, Any] | None, candidate_spec: str | None, pr
 
     Args:
         identity: the candidate's identity as its own process reported it
-            (:func:`~dflash_audit.audit.sides.candidate_process.load_candidate_identity`:
+            (:func:`~dflash_audit.audit.sides.candidate_load.load_candidate_identity`:
             its ``source_files``); None for our drafter (``candidate_spec`` None), whose
             files are read here.
         candidate_spec: ``--candidate`` as given (None = our drafter); its own files are

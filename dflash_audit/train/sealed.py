@@ -7,7 +7,7 @@ candidate can replace (an import can rebind ``check_gate`` or ``run_canary`` in
 
 1. :func:`decide` -- the candidate's identity (its source files) comes from a process of its
    own, sandboxed as in compare
-   (:func:`~dflash_audit.audit.sides.candidate_process.load_candidate_identity`); its
+   (:func:`~dflash_audit.audit.sides.candidate_load.load_candidate_identity`); its
    fingerprint is computed here by the function compare records it with
    (:func:`~dflash_audit.audit.sides.launch.identity_fingerprint`), which also
    hashes the files the spec names, located without running code -- a candidate whose
@@ -54,12 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_audit.audit.options import CANDIDATE_START_TIMEOUT_S, CANDIDATE_TIMEOUT_ENV
-from dflash_audit.audit.sides.candidate_process import (
-    TAIL_CHARS,
-    load_candidate_identity,
-    load_error,
-    runner_env,
-)
+from dflash_audit.audit.sides.candidate_load import load_candidate_identity
+from dflash_audit.audit.sides.candidate_process import TAIL_CHARS, load_error, runner_env
 from dflash_audit.audit.sides.candidate_runner import EXIT_LOAD_ERROR, LOAD_ERROR, STATUS
 from dflash_audit.audit.sides.launch import CandidateLaunch
 from dflash_audit.audit.sides.sandbox import links_in, sandbox_status, sandboxed, work_root

@@ -15,6 +15,7 @@ with its cause and the tail of the candidate's stderr; the process group is kill
 runner continues with the remaining cases, so one bad case never loses the others and the
 audit never hangs. The only way the candidate influences the verdict is the outputs it wrote
 (read back with :meth:`dflash_audit.audit.case.SideOutputs.read`, as the reference's are).
+Loading the candidate (its identity, the audit's waiting process) is :mod:`.candidate_load`.
 """
 
 from __future__ import annotations
@@ -36,15 +37,14 @@ from dflash_audit.audit.options import (
 from dflash_audit.audit.sides.candidate_runner import (
     EXIT_LOAD_ERROR,
     HEARTBEAT,
-    IDENTITY,
     LOAD_ERROR,
     STATUS,
 )
 from dflash_audit.audit.sides.case_run import CandidateCaseRun, death_summary
-from dflash_audit.audit.sides.launch import TAIL_CHARS, CandidateLaunch, launch_env, run_with_tails
+from dflash_audit.audit.sides.launch import TAIL_CHARS, CandidateLaunch, launch_env
 from dflash_audit.audit.sides.sandbox import links_in, sandboxed
 from dflash_audit.candidate import CandidateError
-from dflash_audit.limits import Watch, exceeded, limit_s
+from dflash_audit.limits import Watch, exceeded
 from dflash_audit.user_input import read_output_json
 
 POLL_S = 0.05
@@ -69,7 +69,7 @@ def load_error(out_dir: Path, launch: CandidateLaunch) -> CandidateLoadError:
     return CandidateLoadError(str(data.get("message", "")))
 
 
-def _tail(path: Path) -> str:
+def log_tail(path: Path) -> str:
     """The last ``TAIL_CHARS`` of a log file ("" when unreadable); a symlink is never followed
     (the logs live outside what the candidate can write, and this holds if one does not)."""
     try:
@@ -82,7 +82,7 @@ def _tail(path: Path) -> str:
         return f.read().decode(errors="replace")
 
 
-def _new_log(path: Path) -> Any:
+def new_log(path: Path) -> Any:
     """A fresh log file opened for writing: created, never an existing file or a symlink."""
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600),
                      "wb")
@@ -110,12 +110,29 @@ def as_launch(spec: str | CandidateLaunch | None) -> CandidateLaunch:
     return spec if isinstance(spec, CandidateLaunch) else CandidateLaunch(spec=spec)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def runner_command(launch: CandidateLaunch, cases_dir: Path, out_dir: Path,
+                   threads: int | None, names: list[str] | None, *extra: str) -> list[str]:
+    """The runner's command line (unsandboxed): the cases ``names`` of ``cases_dir`` (None:
+    none named, as with ``--load-only`` and ``--wait``), outputs into ``out_dir``, ``extra``
+    flags last."""
+    return [launch.executable, "-m", "dflash_audit.audit.sides.candidate_runner",
+            str(cases_dir), str(out_dir), *(["--candidate", launch.spec] if launch.spec else []),
+            *(["--threads", str(threads)] if threads else []),
+            *(["--framework"] if launch.framework else []),
+            *[a for n in names or () for a in ("--case", n)], *extra]
+
+
+def kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+    if proc.stdin is not None:  # a waiting process's (.candidate_load.WaitingCandidate)
+        try:
+            proc.stdin.close()
+        except OSError:  # it ended before reading what was written
+            pass
 
 
 def _read_status(folder: Path) -> dict[str, Any] | None:
@@ -131,42 +148,17 @@ def _read_status(folder: Path) -> dict[str, Any] | None:
     return status
 
 
-#: The longest name or class a candidate's identity keeps (the rest is cut).
-MAX_IDENTITY_TEXT = 200
-
-
-def _checked_identity(data: Any, spec: str | None) -> dict[str, Any]:
-    """The identity the candidate's process wrote, with the types its readers rely on:
-    ``name`` and ``class`` short strings, ``source_files`` strings, ``has_select_anchors`` a
-    bool, ``adapter`` an object when present.
-
-    Raises:
-        CandidateLoadError: it is not a JSON object.
-    """
-    if not isinstance(data, dict):
-        raise CandidateLoadError(f"the process loading candidate {spec!r} wrote an identity "
-                                 f"({IDENTITY}) that is a JSON {type(data).__name__}, not an "
-                                 "object: the candidate's code replaced it")
-    files = data.get("source_files")
-    out = {**data, "name": str(data.get("name") or spec or "")[:MAX_IDENTITY_TEXT],
-           "class": str(data.get("class") or "")[:MAX_IDENTITY_TEXT],
-           "source_files": [f for f in files if isinstance(f, str)]
-           if isinstance(files, list) else [],
-           "has_select_anchors": data.get("has_select_anchors") is True}
-    if not isinstance(out.get("adapter", {}), dict):
-        out["adapter"] = {}
-    return out
-
-
 def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, names: list[str],
                           out_dir: Path, timeout_s: float | None = None, *,
                           threads: int | None = None,
                           startup_timeout_s: float | None = None,
-                          on_case: Callable[[CandidateCaseRun], None] = lambda run: None
+                          on_case: Callable[[CandidateCaseRun], None] = lambda run: None,
+                          waiting: Any = None
                           ) -> dict[str, CandidateCaseRun]:
     """Run the candidate ``spec`` (``module:attr``, ``file.py:attr``, None: our drafter, or a
-    :class:`CandidateLaunch`: interpreter, spec and path of a framework adapter) on the cases ``names`` of ``cases_dir`` in its own process; outputs land in
-    ``out_dir/<case>/`` (read them with :func:`read_candidate_outputs`).
+    :class:`CandidateLaunch`: interpreter, spec and path of a framework adapter) on the cases
+    ``names`` of ``cases_dir`` in its own process; outputs land in ``out_dir/<case>/`` (read
+    them with :func:`read_candidate_outputs`).
 
     Args:
         timeout_s: seconds one case may run (from the runner's announcement of the case);
@@ -176,6 +168,10 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
             None: ``$DFLASH_AUDIT_CANDIDATE_START_TIMEOUT``, else 300 scaled with the load.
         threads: torch intra-op threads of the candidate process.
         on_case: called once per case as its result is known (progress).
+        waiting: the audit's candidate process, started before the cases were written
+            (:class:`.candidate_load.WaitingCandidate`, on ``cases_dir`` and ``out_dir``): it
+            runs them, when it can (its ``hand_over``); a process started after a crash, a
+            timeout, or in its place loads the candidate again.
 
     Returns:
         ``{case name: CandidateCaseRun}`` for every name, in no particular order.
@@ -194,31 +190,31 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
     remaining = list(dict.fromkeys(names))
     results: dict[str, CandidateCaseRun] = {}
     attempt = 0
+    first = waiting.hand_over(remaining) if waiting is not None else None
     while remaining:
         attempt += 1
-        stdout, stderr = logs / f"stdout-{attempt}.txt", logs / f"stderr-{attempt}.txt"
-        (out_dir / HEARTBEAT).unlink(missing_ok=True)
-        cmd = [launch.executable, "-m", "dflash_audit.audit.sides.candidate_runner", str(cases_dir),
-               str(out_dir), *(["--candidate", spec] if spec else []),
-               *(["--threads", str(threads)] if threads else []),
-               *(["--framework"] if launch.framework else []),
-               *[a for n in remaining for a in ("--case", n)]]
-        env = runner_env(threads, launch)
-        cmd = sandboxed(cmd, spec, cases_dir, out_dir, env)
-        with _new_log(stdout) as fo, _new_log(stderr) as fe:
-            proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)
+        if first is not None:  # the audit's process: loaded, now told to run the cases
+            proc, cmd, stdout, stderr = first
+            first = None
+        else:
+            stdout, stderr = logs / f"stdout-{attempt}.txt", logs / f"stderr-{attempt}.txt"
+            (out_dir / HEARTBEAT).unlink(missing_ok=True)
+            cmd = sandboxed(runner_command(launch, cases_dir, out_dir, threads, remaining),
+                            spec, cases_dir, out_dir, env := runner_env(threads, launch))
+            with new_log(stdout) as fo, new_log(stderr) as fe:
+                proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL,
+                                        env=env, start_new_session=True)
         try:
             current, watch, timed_out = _watch(proc, out_dir, remaining, results, timeout_s,
                                                startup_timeout_s, stdout, stderr, on_case)
         finally:
-            _kill_group(proc)  # also any child the candidate left behind
+            kill_group(proc)  # also any child the candidate left behind
         _collect(out_dir, remaining, results, stdout, stderr, on_case)
         if (out_dir / LOAD_ERROR).is_file() and proc.returncode == EXIT_LOAD_ERROR:
             raise load_error(out_dir, launch)
         if not remaining:
             break
-        tails = {"stderr_tail": _tail(stderr), "stdout_tail": _tail(stdout)}
+        tails = {"stderr_tail": log_tail(stderr), "stdout_tail": log_tail(stdout)}
         if current in remaining:
             if timed_out:  # killed at the limit: named with the setting that raises it
                 status, summary = "timeout", exceeded(
@@ -237,6 +233,13 @@ def run_candidate_process(spec: str | CandidateLaunch | None, cases_dir: Path, n
             _record(results, remaining, on_case, CandidateCaseRun(
                 name, "startup", summary, **tails))
     return results
+
+
+def processes_started(out_dir: Path) -> int:
+    """How many candidate processes wrote into ``out_dir`` (one log of each, kept beside it
+    where the candidate cannot write): 1 for an audit where nothing restarted it."""
+    logs = Path(out_dir).parent / f".{Path(out_dir).name}.logs"
+    return len(list(logs.glob("stdout-*.txt"))) if logs.is_dir() else 0
 
 
 def _watch(proc: subprocess.Popen, out_dir: Path, remaining: list[str],
@@ -278,7 +281,7 @@ def _collect(out_dir: Path, remaining: list[str], results: dict[str, CandidateCa
             continue
         run = CandidateCaseRun.from_status(name, status)
         if not run.ok:
-            run.stderr_tail, run.stdout_tail = _tail(stderr), _tail(stdout)
+            run.stderr_tail, run.stdout_tail = log_tail(stderr), log_tail(stdout)
         _record(results, remaining, on_case, run)
 
 
@@ -326,48 +329,3 @@ def candidate_side(runs: dict[str, CandidateCaseRun], out_dir: Path) -> dict[str
                 name="run", case=name, status=FAIL, summary=f"the candidate's outputs cannot "
                 f"be read back: {type(exc).__name__}: {exc}", details={"cause": "protocol"}))
     return side
-
-
-def load_candidate_identity(spec: str | CandidateLaunch | None, out_dir: Path,
-                            timeout_s: float | None = None) -> dict[str, Any]:
-    """Load the candidate in a runner process (``--load-only``) and return its
-    ``candidate.json`` (name, class, source_files, has_select_anchors): the setup check that
-    replaces importing the candidate into our process. ``timeout_s``: seconds it may take;
-    None: ``$DFLASH_AUDIT_CANDIDATE_START_TIMEOUT``, else 300 scaled with the load.
-
-    Raises:
-        CandidateLoadError: it cannot be loaded (message from the runner), or the process
-            died, hung (the message names the setting to raise) or wrote nothing (with the
-            tail of its stderr).
-        LimitError: the limit's variable is not a positive number.
-    """
-    launch = as_launch(spec)
-    spec = launch.spec
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / IDENTITY).unlink(missing_ok=True)
-    cmd = [launch.executable, "-m", "dflash_audit.audit.sides.candidate_runner", str(out_dir),
-           str(out_dir), "--load-only", *(["--candidate", spec] if spec else []),
-           *(["--framework"] if launch.framework else [])]
-    env = runner_env(None, launch)
-    limit = (limit_s(CANDIDATE_START_TIMEOUT_S, CANDIDATE_START_TIMEOUT_ENV)
-             if timeout_s is None else timeout_s)
-    cmd = sandboxed(cmd, spec, out_dir, out_dir, env)
-    try:  # its output to files, only their tails read: a flood of output costs no memory
-        returncode, _, stderr = run_with_tails(cmd, env, limit)
-    except subprocess.TimeoutExpired:
-        raise CandidateLoadError(exceeded(
-            f"loading the candidate {spec!r}", limit, CANDIDATE_START_TIMEOUT_ENV,
-            scaled=timeout_s is None)) from None
-    if returncode == EXIT_LOAD_ERROR and (out_dir / LOAD_ERROR).is_file():
-        raise load_error(out_dir, launch)
-    try:
-        data = read_output_json(out_dir / IDENTITY)
-    except (OSError, ValueError):
-        rc = unwrapped_code(returncode, cmd)
-        how = (f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
-        tail = stderr.strip()
-        raise CandidateLoadError(f"the process loading candidate {spec!r} ended ({how}) "
-                                 "before the candidate was loaded (its import or factory "
-                                 "exits or crashes)" + (f"\n{tail}" if tail else "")) from None
-    return _checked_identity(data, spec)

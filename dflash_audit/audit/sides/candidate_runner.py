@@ -21,7 +21,10 @@ Files written into OUT_DIR (the only channel to the parent, :mod:`.candidate_pro
   the audit (the adapter's REQUIREMENTS or the environment), never a conformance failure;
 - ``candidate.json`` = ``{"name", "class", "source_files", "has_select_anchors"}`` once it is
   loaded (so the parent never imports the candidate: its name and the files its fingerprint
-  hashes come from here). ``--load-only`` stops there (a cheap setup check).
+  hashes come from here). ``--load-only`` stops there (a cheap setup check). ``--wait`` then
+  blocks on its stdin until the parent writes one line, the JSON list of the cases to run (once
+  they are written: one process per audit loads the candidate and runs its cases,
+  :class:`.candidate_load.WaitingCandidate`); an empty line or end of input ends it.
 
 A file candidate's folder is first on ``sys.path`` (its sibling modules import, as when the
 file runs as a script). The candidate's stdout and stderr go wherever the parent points this
@@ -203,6 +206,33 @@ def identity(candidate: Any, spec: str | None) -> dict[str, Any]:
     return out
 
 
+#: The longest line of case names ``--wait`` reads from its stdin.
+MAX_GO_LINE = 1 << 20
+
+
+def await_cases() -> list[str] | None:
+    """Block (no polling) on file descriptor 0 until the parent writes one line: the JSON list
+    of the cases to run; None on an empty line, end of input or anything but a list of
+    strings (read from the descriptor itself: the candidate's code may have replaced
+    ``sys.stdin``)."""
+    line = b""
+    while not line.endswith(b"\n") and len(line) < MAX_GO_LINE:
+        try:
+            chunk = os.read(0, 65536)
+        except OSError:
+            return None
+        if not chunk:
+            break
+        line += chunk
+    try:
+        names = json.loads(line.decode() or "null")
+    except ValueError:
+        return None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return None
+    return names
+
+
 def die_with_parent() -> None:
     """On Linux, ask the kernel to SIGKILL this process when the compare that started it dies
     (``prctl(PR_SET_PDEATHSIG)``): a ``kill -9`` of compare leaves no candidate running."""
@@ -229,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--case", action="append", default=None)
     parser.add_argument("--load-only", action="store_true")
+    parser.add_argument("--wait", action="store_true",
+                        help="after loading, wait for the JSON list of cases on stdin")
     parser.add_argument("--framework", action="store_true",
                         help="the candidate is a framework adapter: an import that fails is "
                              "a setup error (load_error.json), not a case's failure")
@@ -262,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     write_json_atomic(args.out_dir / IDENTITY, identity(candidate, args.candidate))
     if args.load_only:
         return 0
+    if args.wait:
+        args.case = await_cases()
+        if args.case is None:
+            return 0
     names = sorted(p.name for p in args.cases_dir.iterdir() if (p / "profile.json").is_file())
     if args.case is not None:
         names = [n for n in names if n in set(args.case)]

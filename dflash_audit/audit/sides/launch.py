@@ -74,7 +74,7 @@ def identity_fingerprint(identity: dict[str, Any], spec: str | CandidateLaunch |
                          profile_fingerprint: str) -> dict[str, Any]:
     """The fingerprint of a candidate known by its identity (the ``source_files`` its own
     process reported:
-    :func:`~dflash_audit.audit.sides.candidate_process.load_candidate_identity`) and its spec
+    :func:`~dflash_audit.audit.sides.candidate_load.load_candidate_identity`) and its spec
     or launch (whose files are located here without running code:
     :func:`dflash_audit.report.fingerprint.audited_fingerprint`): what compare records in the
     report and train recomputes before it decides."""

@@ -291,7 +291,7 @@ def with_code_changes(exc: CompareSetupError, identity: Any, before: dict[str, s
 def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], cases_dir: Path,
                    st: Stages, import_check: ImportCheck,
                    reference_code: dict[str, str] | None = None, launch: Any = None,
-                   guard: Any = None) -> dict[str, Any]:
+                   guard: Any = None, waiting: Any = None) -> dict[str, Any]:
     """Write the cases, run the candidate on each (in its own process, all cores,
     ``opts.candidate_timeout_s`` per case, None: scaled with the load), then -- once the
     candidate's process is gone -- the reference on all of them (not at all when the candidate
@@ -310,7 +310,10 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     entry is written into ``cases_dir/`` :data:`.reference_cache.CACHE_SUMMARY`.
     ``launch``: how the candidate process starts
     (:class:`dflash_audit.audit.sides.launch.CandidateLaunch`; None: ``opts.candidate`` under
-    this interpreter). Returns ``{case name: (SideOutputs | None, failing "run" result |
+    this interpreter). ``waiting``: the audit's candidate process, started on
+    ``cases_dir/`` :data:`CANDIDATE_CASES` (still empty) before the cases were planned
+    (:class:`.candidate_load.WaitingCandidate`): it runs them once they are written and
+    their digests taken (None: a process started here). Returns ``{case name: (SideOutputs | None, failing "run" result |
     None)}``.
 
     Raises:
@@ -348,7 +351,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
                       total=len(planned)) as advance:
             runs = run_candidate_process(launch or opts.candidate, cand_cases, names, out_dir,
                                          opts.candidate_timeout_s, threads=threads,
-                                         on_case=lambda run: advance(1))
+                                         on_case=lambda run: advance(1), waiting=waiting)
     except CandidateLoadError as exc:
         leftover_processes()
         raise CompareSetupError(f"candidate: {exc}") from None

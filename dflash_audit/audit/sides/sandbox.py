@@ -384,12 +384,17 @@ def candidate_sandbox_command(cmd: list[str], spec: str | None, cases_dir: Path,
                 Path(cmd[0]).parent.parent]  # the interpreter's environment (--candidate-python)
     if target.endswith(".py"):
         readable.append(Path(target).resolve().parent)
+    private = [work_root(), *known_work_roots()]
+    roots = [Path(p).resolve() for p in private]
     for derive in Path(cases_dir).glob("*/derive.json"):  # the verifier a case derives from
         try:
-            readable.append(Path(json.loads(derive.read_text())["verifier_dir"]))
+            folder = Path(json.loads(derive.read_text())["verifier_dir"])
         except (OSError, ValueError, KeyError, TypeError):
-            pass
+            continue
+        # one in an audit's work folder (a proxy verifier's config, in the reference's copy
+        # of the case) stays covered: the candidate's copy of the case holds its own
+        if not any(r == folder.resolve() or r in folder.resolve().parents for r in roots):
+            readable.append(folder)
     return sandbox_command(cmd, bwrap=bwrap, writable=[Path(out_dir)], readable=readable,
                            hidden=with_aliases([*key_dirs(), *record_dirs(), *hidden]),
-                           private=[work_root(), *known_work_roots()],
-                           cwd=Path.cwd())
+                           private=private, cwd=Path.cwd())
