@@ -58,6 +58,7 @@ from dflash_audit.audit.progress import Stages
 from dflash_audit.audit.replay.noise import measured_tolerances
 from dflash_audit.audit.setup_error import CompareSetupError
 from dflash_audit.audit.sides.canary import publish_canary, stage_canary
+from dflash_audit.audit.sides.code_changes import refuse_code_changes, with_code_changes
 from dflash_audit.audit.sides.import_check import ImportCheck, import_ok_marker
 from dflash_audit.audit.sides.integrity import reference_code_digest
 from dflash_audit.audit.sides.reference_cache import CACHE_SUMMARY
@@ -68,11 +69,9 @@ from dflash_audit.audit.sides.run_sides import (
     CANDIDATE_OUTPUTS,
     REFERENCE_NOT_RUN,
     candidate_ran,
-    refuse_code_changes,
     resolve_reference,
     run_both_sides,
     usable_cores,
-    with_code_changes,
 )
 
 

@@ -47,7 +47,11 @@ from dflash_audit.audit.replay.loss_formulas import (
     diagnose_loss_total,
     own_loss,
 )
-from dflash_audit.audit.replay.weight_formulas import weight_formula_causes
+from dflash_audit.audit.replay.weight_formulas import (
+    fit_decay,
+    no_decay_causes,
+    weight_formula_causes,
+)
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult, is_downstream
 from dflash_audit.audit.slots import slot_coordinates, supervised_slots
 from dflash_audit.audit.tolerance import closeness, fmt_diff, tolerance, worst
@@ -58,46 +62,6 @@ from dflash_audit.model.loss import (
 )
 
 SOFTMAX_BF16 = "loss softmax computed in bfloat16; the reference computes it in float32"
-
-
-def fit_decay(weights: torch.Tensor, supervised: torch.Tensor, block_size: int
-              ) -> dict[str, float | None] | None:
-    """Fit ``w_s = exp(-(s - s0) / gamma)`` to per-position weights on supervised slots.
-
-    Args:
-        weights: [1,Q] or [Q]; supervised: [Q] bool; block_size: B.
-
-    Returns:
-        ``{"gamma", "offset" (s0: 1 for exp(-(s-1)/g), 0 for exp(-s/g)), "w0" (weight of slot 0
-        where seen, else None), "constant_per_slot" (same weight in every block)}``, gamma and
-        offset None when fewer than two slots carry positive weight; None without supervised
-        slots. Each slot's weight is its median over supervised positions.
-    """
-    w = weights.reshape(-1, block_size).double()
-    m = supervised.reshape(-1, block_size)
-    if not m.any():
-        return None
-    per_slot, constant = {}, True
-    for s in range(block_size):
-        vals = w[:, s][m[:, s]]
-        if vals.numel():
-            per_slot[s] = float(vals.median())
-            constant &= bool((vals - vals.median()).abs().max() <= 1e-6 * max(1.0, abs(
-                per_slot[s])))
-    w0 = per_slot.get(0)
-    pts = [(s, math.log(v)) for s, v in per_slot.items() if s >= 1 and v > 0]
-    gamma = offset = None
-    if len(pts) >= 2:
-        n = len(pts)
-        sx, sy = sum(p[0] for p in pts), sum(p[1] for p in pts)
-        sxx, sxy = sum(p[0] ** 2 for p in pts), sum(p[0] * p[1] for p in pts)
-        slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
-        intercept = (sy - slope * sx) / n
-        if slope < 0:
-            gamma = -1.0 / slope
-            offset = intercept * gamma  # log w = (s0 - s)/g  =>  intercept = s0/g
-    return {"gamma": gamma, "offset": offset, "w0": w0, "constant_per_slot": constant,
-            "per_slot": per_slot}
 
 
 def _compare_mask(case: Case, cand: SideOutputs, ref: SideOutputs) -> dict[str, Any]:
@@ -298,24 +262,6 @@ def diagnose_weights(ev: Evidence, part: dict[str, Any]) -> list[str]:
         return []
     return [f"per-slot weights scaled by {math.exp((s0 - s0_ref) / g):.4g} (e.g. normalised per "
             "block)"]
-
-
-def no_decay_causes(fit: dict[str, Any], sample_from_anchor: bool) -> list[str]:
-    """Name candidate weights that are not the ``none`` weighting's (w_0 = 0 unless
-    sample_from_anchor, every other trained slot 1; SpecForge's ``loss_decay_gamma=None``)."""
-    out = []
-    w0 = fit["per_slot"].get(0)
-    if not sample_from_anchor and w0 is not None and abs(w0) > 1e-6:
-        out.append(f"slot 0 weighted (w_0 = {w0:.3g}; reference 0): the anchor slot is not "
-                   "masked out of the loss")
-    if fit.get("gamma") is not None:
-        out.append(f"per-slot weights decay (gamma {fit['gamma']:.4g} fitted from the weights) "
-                   "where the profile's weighting 'none' gives every trained slot weight 1")
-    elif any(abs(w - 1.0) > 1e-3 for s, w in fit["per_slot"].items() if s > 0):
-        other = {s: round(w, 4) for s, w in fit["per_slot"].items() if s > 0}
-        out.append(f"per-slot weights {other} where the profile's weighting 'none' gives every "
-                   "trained slot weight 1")
-    return out
 
 
 def data_token_ce(ev: Evidence) -> torch.Tensor | None:

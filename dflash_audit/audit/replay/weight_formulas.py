@@ -17,6 +17,10 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 #: Relative tolerance of a per-slot weight match (weights are fp32 exponentials).
 WEIGHT_RTOL = 1e-3
@@ -85,7 +89,7 @@ def weight_formula_causes(per_slot: dict[int, float], gamma_fit: float | None,
 
     Args:
         per_slot: the candidate's weight per supervised slot {s: w_s} (median over blocks).
-        gamma_fit: the gamma fitted from those weights (:func:`...checks.loss.fit_decay`), or
+        gamma_fit: the gamma fitted from those weights (:func:`fit_decay`), or
             None with fewer than two decaying slots.
         gamma: the profile's gamma; sample_from_anchor: the config's flag; block_size: B.
 
@@ -127,3 +131,61 @@ def weight_formula_causes(per_slot: dict[int, float], gamma_fit: float | None,
     return [f"{' or '.join(best)}: this case supervises only slot(s) {seen} of each block and "
             f"cannot tell them apart; a case supervising two or more of slots 1..{block_size - 1}"
             " in one block separates them"]
+
+
+def fit_decay(weights: torch.Tensor, supervised: torch.Tensor, block_size: int
+              ) -> dict[str, float | None] | None:
+    """Fit ``w_s = exp(-(s - s0) / gamma)`` to per-position weights on supervised slots.
+
+    Args:
+        weights: [1,Q] or [Q]; supervised: [Q] bool; block_size: B.
+
+    Returns:
+        ``{"gamma", "offset" (s0: 1 for exp(-(s-1)/g), 0 for exp(-s/g)), "w0" (weight of slot 0
+        where seen, else None), "constant_per_slot" (same weight in every block)}``, gamma and
+        offset None when fewer than two slots carry positive weight; None without supervised
+        slots. Each slot's weight is its median over supervised positions.
+    """
+    w = weights.reshape(-1, block_size).double()
+    m = supervised.reshape(-1, block_size)
+    if not m.any():
+        return None
+    per_slot, constant = {}, True
+    for s in range(block_size):
+        vals = w[:, s][m[:, s]]
+        if vals.numel():
+            per_slot[s] = float(vals.median())
+            constant &= bool((vals - vals.median()).abs().max() <= 1e-6 * max(1.0, abs(
+                per_slot[s])))
+    w0 = per_slot.get(0)
+    pts = [(s, math.log(v)) for s, v in per_slot.items() if s >= 1 and v > 0]
+    gamma = offset = None
+    if len(pts) >= 2:
+        n = len(pts)
+        sx, sy = sum(p[0] for p in pts), sum(p[1] for p in pts)
+        sxx, sxy = sum(p[0] ** 2 for p in pts), sum(p[0] * p[1] for p in pts)
+        slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+        intercept = (sy - slope * sx) / n
+        if slope < 0:
+            gamma = -1.0 / slope
+            offset = intercept * gamma  # log w = (s0 - s)/g  =>  intercept = s0/g
+    return {"gamma": gamma, "offset": offset, "w0": w0, "constant_per_slot": constant,
+            "per_slot": per_slot}
+
+
+def no_decay_causes(fit: dict[str, Any], sample_from_anchor: bool) -> list[str]:
+    """Name candidate weights that are not the ``none`` weighting's (w_0 = 0 unless
+    sample_from_anchor, every other trained slot 1; SpecForge's ``loss_decay_gamma=None``)."""
+    out = []
+    w0 = fit["per_slot"].get(0)
+    if not sample_from_anchor and w0 is not None and abs(w0) > 1e-6:
+        out.append(f"slot 0 weighted (w_0 = {w0:.3g}; reference 0): the anchor slot is not "
+                   "masked out of the loss")
+    if fit.get("gamma") is not None:
+        out.append(f"per-slot weights decay (gamma {fit['gamma']:.4g} fitted from the weights) "
+                   "where the profile's weighting 'none' gives every trained slot weight 1")
+    elif any(abs(w - 1.0) > 1e-3 for s, w in fit["per_slot"].items() if s > 0):
+        other = {s: round(w, 4) for s, w in fit["per_slot"].items() if s > 0}
+        out.append(f"per-slot weights {other} where the profile's weighting 'none' gives every "
+                   "trained slot weight 1")
+    return out

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_audit.audit.progress import Stages
 from dflash_audit.audit.setup_error import CompareSetupError
+from dflash_audit.audit.sides.code_changes import refuse_changes, refuse_code_changes
 from dflash_audit.audit.sides.import_check import Background, ImportCheck
 from dflash_audit.audit.sides.reference_cache import (
     SUBSET_DIR,
@@ -199,95 +200,6 @@ def private_copy(cases_dir: Path, names: list[str], dest: Path) -> Path:
     return dest
 
 
-def refuse_code_changes(identity: Any, before: dict[str, str] | None, when: str,
-                        whole_prefix: bool = True, guard: Any = None,
-                        reference_files: list[str] = ()) -> None:
-    """Compare :func:`.integrity.reference_code_digest` with ``before`` (skipped when None)
-    and the installation with ``guard``'s baseline (:class:`.install_guard.InstallGuard`,
-    with ``reference_files``: what a reference run listed). On any change discard the damaged
-    reference cache (rebuilt by the next resolve) and delete planted bytecode of the tool and
-    of the prefix; record changed sources of the tool and changed files of the installation
-    (:func:`.tamper_record.record_tampering`: every later audit refuses until they are
-    restored); raise :class:`CompareSetupError` naming the files (one line).
-
-    Raises:
-        CompareSetupError: anything changed.
-    """
-    from dflash_audit.audit.sides.tamper_record import record_tampering, repair_hint
-    from dflash_audit.audit.sides.integrity import (
-        PYCACHE,
-        changed_files,
-        reference_code_digest,
-        remove_planted_bytecode,
-        remove_planted_prefix_bytecode,
-        tool_roots,
-    )
-    from dflash_audit.reference_source import discard_damaged_tree
-
-    changed: list[str] = []
-    if before is not None:
-        whole = whole_prefix and any(k.startswith("pycache/") for k in before)
-        if not whole:  # the reference may add bytecode of modules not compiled yet
-            before = {k: v for k, v in before.items() if not k.startswith("pycache/")}
-        changed = changed_files(before, reference_code_digest(identity, whole))
-    installed = guard.changes(reference_files) if guard is not None else []
-    if not changed and not installed:
-        return
-    roots = tool_roots()
-    persistent = {str(roots[k.partition("/")[0]] / k.partition("/")[2]):
-                  f"sha256:{before[k]}" if before and k in before else "absent"
-                  for k in changed if k.partition("/")[0] in roots
-                  and PYCACHE not in Path(k.partition("/")[2]).parts}
-    persistent.update({p: guard.baseline.good(p) for p in installed})
-    try:
-        record_tampering(persistent)
-    except OSError:  # an unwritable cache: this audit is refused either way
-        pass
-    messages = []
-    if changed:
-        # sources first: a changed source also makes its bytecode be rewritten
-        changed.sort(key=lambda k: k.startswith("bytecode-"))
-        if any(k.startswith("ref/") for k in changed):
-            discard_damaged_tree(identity)
-        remove_planted_prefix_bytecode(changed, identity)  # compiled again by the next run
-        remove_planted_bytecode(changed)
-        concurrent = ("; another audit using the same cache at the same time (a cold one) can "
-                      "also write there: then rerun"
-                      if all(k.startswith("pycache/") for k in changed) else "")
-        messages.append(
-            f"the audit's code changed {when} ({', '.join(changed[:3])}"
-            f"{', ...' if len(changed) > 3 else ''}): the candidate wrote into the reference's "
-            "cached tree or bytecode, or into dflash-audit's own files, so no verdict can be "
-            "given. The damaged reference cache and the changed bytecode are discarded (the "
-            "next run rebuilds them); reinstall dflash-audit if its sources are named (until "
-            f"then every audit refuses){concurrent}.")
-    if installed:
-        named = [guard.baseline.describe(p) for p in installed[:3]]
-        messages.append(
-            f"files of the Python installation that the audit's processes import changed "
-            f"{when} ({', '.join(named)}{', ...' if len(installed) > 3 else ''}): the candidate "
-            "wrote into the interpreter's files, so no verdict can be given, in this audit or "
-            f"any later one until they are restored: {repair_hint(installed, roots.values())}.")
-    if guard is not None:
-        guard.reported = True
-    raise CompareSetupError(" ".join([messages[0], *(m[0].upper() + m[1:] for m in messages[1:])])
-                            + " Run candidates in the sandbox (bubblewrap).")
-
-
-def with_code_changes(exc: CompareSetupError, identity: Any, before: dict[str, str] | None,
-                      guard: Any) -> CompareSetupError:
-    """``exc`` (an audit refused after candidate code may have run), with what
-    :func:`refuse_code_changes` finds appended ("Also: ..."; changes recorded as there);
-    ``exc`` itself when nothing changed or the changes were reported already."""
-    if guard is not None and guard.reported:
-        return exc
-    try:
-        refuse_code_changes(identity, before, "meanwhile", guard=guard)
-    except CompareSetupError as more:
-        return CompareSetupError(f"{exc} Also: {more}")
-    return exc
-
-
 def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], cases_dir: Path,
                    st: Stages, import_check: ImportCheck,
                    reference_code: dict[str, str] | None = None, launch: Any = None,
@@ -370,7 +282,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
             message += f" Also: {exc}"
         raise CompareSetupError(message)
     outputs = candidate_side(runs, out_dir)
-    _refuse_changes(changed_files(digests, case_digests(cases_dir, names)))
+    refuse_changes(changed_files(digests, case_digests(cases_dir, names)))
     refuse_code_changes(identity, reference_code, "while the candidate ran", guard=guard)
     if not candidate_ran(outputs):
         st.say(REFERENCE_NOT_RUN)
@@ -395,7 +307,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     import_check.remember(imported)
     stdout += "\n" + cache.restore(cases_dir)
     after = case_digests(cases_dir, names)
-    _refuse_changes(sorted(k for k in digests if digests[k] != after.get(k))
+    refuse_changes(sorted(k for k in digests if digests[k] != after.get(k))
                     + reference_output_changes(stdout, cases_dir, names))
     finish_reference_cache(cache, cases_dir, names, missed)
     return outputs
@@ -427,13 +339,3 @@ def candidate_ran(outputs: dict[str, Any]) -> bool:
     """Whether the candidate gave outputs on at least one case of ``outputs`` (what
     :func:`run_both_sides` returns); when not, the reference is not run."""
     return any(out is not None for out, _ in outputs.values())
-
-
-def _refuse_changes(changed: list[str]) -> None:
-    """Raise :class:`CompareSetupError` naming the first files of ``changed`` (if any)."""
-    if changed:
-        raise CompareSetupError(
-            f"the audit's files changed during the run ({', '.join(changed[:3])}"
-            "): the candidate's process wrote outside its own copy of the cases (into the "
-            "reference's inputs, outputs or code), so no verdict can be given. Make the "
-            "candidate read its inputs only from run_case's arguments and return its outputs.")
