@@ -5,14 +5,12 @@ A report (``reports/<time>-<ref>/report.json``, written by ``dflash-audit compar
 training run when all of these hold:
 
 * ``verdict == "pass"``;
-* ``candidate.fingerprint`` equals the fingerprint of the candidate about to be trained
-  (its source files, as its own sandboxed process reports them, the files its spec names and
-  the profile: :func:`dflash_audit.audit.sides.launch.identity_fingerprint`, the
-  function compare records it with);
+* ``candidate.fingerprint`` equals the fingerprint of the candidate about to be trained (its
+  source files as its own sandboxed process reports them, the files its spec names, the
+  profile: :func:`dflash_audit.audit.sides.launch.identity_fingerprint`, as compare records it);
 * ``profile.fingerprint`` equals :meth:`dflash_audit.profile.Profile.fingerprint` of the
-  training profile;
-* ``reference_key(reference)`` equals the key of the reference that ``--ref`` resolves to now
-  (the lock's reference by default);
+  training profile; ``reference_key(reference)`` equals the key of the reference that
+  ``--ref`` resolves to now (the lock's reference by default);
 * the training verifier's architecture fingerprint is among the report's ``verifiers``
   (:func:`dflash_audit.report.fingerprint.verifier_fingerprint`; a proxy audited with
   ``--verifier path/to/config.json`` covers the real model of that config);
@@ -31,13 +29,11 @@ loss, metrics or gradients differ from the audited ones (:mod:`dflash_audit.trai
 the gate checks behaviour, not only source).
 
 Exit codes of a refusal (:class:`GateError.exit_code`): **2** when no report matches (none
-found, or the newest differs in candidate / profile / reference, or it is unreadable or
-tampered with, or the candidate's outputs on the canary case differ from the audited ones) -
-run the printed ``dflash-audit compare`` command; **1** when the matching report's verdict
-is ``fail`` (a conformance failure: fix the candidate first).
+found, or the closest differs in candidate / profile / reference, is unreadable or tampered
+with, or the canary's outputs differ from the audited ones): run the printed compare command;
+**1** when the matching report's verdict is ``fail`` (a conformance failure: fix the candidate).
 
-The accepted report's ``fingerprint`` is written into every checkpoint (safetensors metadata
-``dflash_audit_report_fingerprint`` and the training state).
+The accepted report's ``fingerprint`` is written into every checkpoint (its metadata).
 """
 
 from __future__ import annotations
@@ -73,6 +69,7 @@ class Expected:
     compare_command: str
     verifier_fingerprint: str | None = None  # None: the verifier is not checked
     verifier_name: str = ""
+    candidate_files: dict[str, str] | None = None  # {name: sha256}: what changed is named
 
 
 @dataclass(frozen=True)
@@ -91,6 +88,7 @@ class ReportFields:
     verifiers: dict[str, Any] | None = None  # None: a report from before verifier coverage
     canary: dict[str, Any] | None = None  # candidate.canary
     signature_problem: str | None = None  # None: signed by this machine's report key
+    candidate_files: dict[str, str] | None = None  # candidate.files
 
 
 @dataclass(frozen=True)
@@ -161,7 +159,7 @@ def read_report(path: Path) -> ReportFields:
             profile_name=str(d["profile"].get("name") or ""),
             created_at=str(d.get("created_at") or ""), verifiers=d.get("verifiers"),
             canary=canary if isinstance(canary, dict) else None,
-            signature_problem=signature_problem(d))
+            signature_problem=signature_problem(d), candidate_files=d["candidate"].get("files"))
     except OSError as exc:
         raise GateError(f"cannot read audit report {path}: {exc.strerror or exc}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -242,10 +240,11 @@ def expected_for(identity: dict[str, Any] | None, candidate_spec: str | None, pr
                 f"never audited here ({exc}).\nRun the audit first:\n  {command}") from None
     profile_fp = profile.fingerprint()
     verifier_fp = _verifier_fingerprint(verifier, profile) if verifier else None
-    return Expected(candidate_fingerprint=identity_fingerprint(
-        identity, candidate_spec, profile_fp)["fingerprint"], profile_fingerprint=profile_fp,
-        reference_key=reference_key(reference_identity), compare_command=command,
-        verifier_fingerprint=verifier_fp, verifier_name=spec or "")
+    audited = identity_fingerprint(identity, candidate_spec, profile_fp)
+    return Expected(candidate_fingerprint=audited["fingerprint"], profile_fingerprint=profile_fp,
+                    reference_key=reference_key(reference_identity), compare_command=command,
+                    verifier_fingerprint=verifier_fp, verifier_name=spec or "",
+                    candidate_files=audited["files"])
 
 
 def _verifier_fingerprint(spec: Any, profile: Any = None) -> str:
@@ -287,11 +286,16 @@ def differences(report: ReportFields, expected: Expected) -> list[str]:
     from dflash_audit.report.fingerprint import reference_key
 
     out = []
-    if report.candidate_fingerprint != expected.candidate_fingerprint:
+    one, two = report.candidate_files, expected.candidate_files  # equal files: the profile
+    changed = [] if one is None or two is None else sorted(k for k in one.keys() | two.keys()
+                                                           if one.get(k) != two.get(k))
+    if report.candidate_fingerprint != expected.candidate_fingerprint and (changed or not one or (
+            report.profile_fingerprint == expected.profile_fingerprint)):
+        code = (f"its files differ: {', '.join(changed[:4])}" if changed else
+                "its code or the profile changed since the audit")
         out.append(f"candidate differs: the report audited {report.candidate_name or 'a candidate'}"
                    f" with fingerprint {report.candidate_fingerprint[:12]}, this run trains "
-                   f"{expected.candidate_fingerprint[:12]} (its code or the profile changed "
-                   "since the audit)")
+                   f"{expected.candidate_fingerprint[:12]} ({code})")
     if report.profile_fingerprint != expected.profile_fingerprint:
         out.append(f"profile differs: the report used profile {report.profile_name or '?'} "
                    f"({report.profile_fingerprint[:12]}), this run uses "
@@ -389,7 +393,7 @@ def check_gate(expected: Expected, report: Path | None = None,
                         f"other or unreadable report(s) skipped):\n{shown}\n{how}")
     fields, diffs = first_mismatch
     which = "the given report" if report is not None else (
-        f"the closest of its {len(paths)} report(s) ({fields.path}, verdict "
+        f"the closest of its {len(paths) - len(skipped)} report(s) ({fields.path}, verdict "
         f"{fields.verdict.upper()}; the newest of those with the fewest differences)")
     listing = "\n".join(f"  - {d}" for d in diffs)
     raise GateError(f"no audit report matches this training run; {which} differs:\n{listing}\n"
