@@ -160,6 +160,22 @@ def is_our_drafter(spec: str | None) -> bool:
     return spec is None or spec in OUR_DRAFTER_SPECS
 
 
+def spec_problem(spec: str | None) -> str | None:
+    """Why ``spec`` (``--candidate``) cannot name a candidate, found without running any code
+    (its form, a ``file.py`` that is not there); None when it may (our drafter included)."""
+    if is_our_drafter(spec):
+        return None
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        return f"candidate {spec!r} must look like module:attr or file.py:attr"
+    path = Path(target).resolve()
+    if target.endswith(".py") and not path.is_file():
+        return (f"candidate file {path} {not_a_file(path)} (a relative path is read from the "
+                f"working folder {Path.cwd()}); give an existing FILE.py:ATTR or an importable "
+                "module:attr")
+    return None
+
+
 def load_candidate(spec: str | None) -> Candidate:
     """Resolve ``None`` (our drafter), ``module:attr`` or ``path/to/file.py:attr``.
 
@@ -168,17 +184,13 @@ def load_candidate(spec: str | None) -> Candidate:
     """
     if is_our_drafter(spec):
         return DrafterCandidate()
+    problem = spec_problem(spec)
+    if problem:
+        raise CandidateError(problem)
     target, _, attr = spec.rpartition(":")
-    if not target or not attr:
-        raise CandidateError(f"candidate {spec!r} must look like module:attr or file.py:attr")
     try:
         if target.endswith(".py"):
             path = Path(target).resolve()
-            if not path.is_file():
-                raise CandidateError(
-                    f"candidate file {path} {not_a_file(path)} (a relative path is read from the "
-                    f"working folder {Path.cwd()}); give an existing FILE.py:ATTR or an "
-                    "importable module:attr")
             mod_name = f"dflash_audit_candidate_{path.stem}"
             module_spec = importlib.util.spec_from_file_location(mod_name, path)
             module = importlib.util.module_from_spec(module_spec)
