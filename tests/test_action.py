@@ -119,7 +119,7 @@ def test_gate_missing_drafter_is_a_usage_error(tmp_path):
     run = run_gate(repo, "drafter.py:candidate", timeout_s=300)
     assert run.rc == 2, run.stdout + run.stderr
     reason = run.stdout.strip().splitlines()[-2]
-    assert reason.startswith(f"dflash-audit: ERROR (exit 2): candidate: candidate file "
+    assert reason.startswith(f"dflash-audit: ERROR (exit 2): candidate file "
                              f"{repo.resolve() / 'drafter.py'} does not exist (")
     assert run.summary == f"## dflash-audit compare: no report\n\n{reason}\n"
     assert run.outputs["exit-code"] == "2" and run.outputs["report-dir"] == ""
