@@ -157,6 +157,27 @@ def test_loss_goes_down_and_evaluation_runs(paths, tmp_path):
     assert running_mean([1.0, 3.0, float("nan"), 5.0], 2) == [1.0, 2.0, 3.0, 5.0]
 
 
+def test_ctrl_c_during_the_final_evaluation_keeps_the_checkpoint_and_summary(paths, tmp_path,
+                                                                              monkeypatch):
+    """SIGINT while the trained drafter is evaluated (minutes on 2 busy cores): the run ends
+    as stopped by SIGINT (exit code 130), its last checkpoint and summary.json are written,
+    and no evaluation result is claimed (a newcomer got a blank line and no summary)."""
+    import dflash_audit.train.loop as loop
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "evaluate_drafter", interrupted)
+    out = tmp_path / "i"
+    summary = train(tt.tiny_config(paths, out, steps=2, eval_at_end=True,
+                                   eval_data=str(paths["conversations"])),
+                    reference_identity=tt.REFERENCE)
+    assert (summary.stopped_by, summary.exit_code, summary.step) == ("SIGINT", 130, 2)
+    assert summary.checkpoint and (out / "checkpoints" / "latest").exists()
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["stopped_by"] == "SIGINT" and saved["eval"] == {}
+
+
 def test_online_capture_with_muon(paths, tmp_path):
     cfg = tt.tiny_config(paths, tmp_path / "o", batches=None, data=str(paths["conversations"]),
                          seq_len=128, steps=3, optimizer="muon", online_chunk=8,

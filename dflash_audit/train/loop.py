@@ -2,30 +2,28 @@
 
 Order of a run (:func:`train`):
 
-1. **Gate** (:mod:`dflash_audit.train.gate`): a passing, signed audit report with a canary
-   for this candidate, profile and reference must exist, else
-   :class:`~dflash_audit.train.gate.GateError` (decided before the candidate is imported:
-   :mod:`dflash_audit.train.sealed`); once the model, its forward and optimizers exist
-   (before step 1, before a resume loads weights), the report's canary runs through train's
-   own step on that very model (:func:`dflash_audit.train.canary.run_canary`).
+1. **Gate** (:mod:`dflash_audit.train.gate`): a passing, signed audit report with a canary for
+   this candidate, profile and reference, else :class:`~dflash_audit.train.gate.GateError`
+   (decided before the candidate is imported: :mod:`dflash_audit.train.sealed`); once the
+   model, its forward and optimizers exist (before step 1 and a resume's weights), the canary
+   runs through train's own step on that model (:func:`dflash_audit.train.canary.run_canary`).
    The run folder ``out`` must be writable, and one that already holds a run
    (checkpoints, metrics) is only continued (``resume``) or replaced (``overwrite``):
    :func:`dflash_audit.train.state.check_run_folder`.
-2. Verifier, data source (:mod:`~dflash_audit.train.sources`: batch files, or online capture
-   by the verifier in the loop), drafter from the profile (``Profile.to_drafter_config``),
-   draft vocabulary from token counts when the profile sets ``draft_vocab_size``, frozen
-   verifier-owned weights.
+2. Verifier, data source (:mod:`~dflash_audit.train.sources`: batch files, or online capture),
+   drafter from the profile (``Profile.to_drafter_config``), draft vocabulary from token
+   counts when the profile sets ``draft_vocab_size``, frozen verifier-owned weights.
 3. Optimizers and schedules (:mod:`~dflash_audit.train.optim`); ``--resume`` restores weights,
    optimizer, scheduler, RNG and data position (:mod:`~dflash_audit.train.state`).
 4. Steps (:func:`dflash_audit.train.step.train_step`): anchors drawn each step with
    ``select_anchors`` from a seeded ``torch.Generator`` (``max_anchors`` and ``block_size``
    from the profile), the profile's loss and weighting, gradient clipping, bf16 autocast on
-   CUDA and fp32 on CPU. Metrics go to JSONL / TensorBoard / a progress bar
-   (:mod:`~dflash_audit.train.track`).
+   CUDA, fp32 on CPU. Metrics to JSONL / TensorBoard / a progress bar (:mod:`.track`).
 5. Checkpoints every ``save_every`` steps, at the end, and on SIGINT/SIGTERM (the step in
    flight finishes, a checkpoint is written, then the run stops: exit code 130 / 143).
 6. Acceptance evaluation with real speculative decoding on held-out conversations
-   (:mod:`~dflash_audit.train.evaluate`), before training (``eval_untrained``) and after.
+   (:mod:`~dflash_audit.train.evaluate`), before training (``eval_untrained``) and after (a
+   SIGINT there keeps the last checkpoint and the summary: exit 130, ``--resume`` evaluates).
 
 Multi-process: under ``torchrun --nproc_per_node=P`` (``WORLD_SIZE`` > 1) the drafter is
 wrapped in ``DistributedDataParallel`` on the gloo backend (CPU) or NCCL (CUDA, one GPU per
@@ -381,7 +379,11 @@ def train(cfg: TrainConfig, *, reference_identity: dict[str, Any] | None = None,
                         break
                 summary.step = step
             if summary.stopped_by is None and cfg.eval_at_end and evaluates:
-                evaluate(step, "trained")
+                try:
+                    evaluate(step, "trained")
+                except KeyboardInterrupt:  # the run's checkpoint is written: keep the summary
+                    summary.stopped_by = "SIGINT"
+                    tracker.message(f"evaluation interrupted; checkpoint {summary.checkpoint}")
             summary.wall_s = time.perf_counter() - start_wall
             if env.is_main:
                 summary.loss_curve = loss_curve(out / "metrics.jsonl")
