@@ -68,7 +68,8 @@ def test_compare_with_the_checkpoint_config_and_weights(checkpoint, tmp_path):
                     "--out", str(tmp_path / "reports"))
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert (f"\nnext: dflash-audit train --profile {checkpoint / 'config.json'} --reports-dir "
-            f"{tmp_path / 'reports'} --data chitchat --out runs/drafter\nreport: ") in proc.stdout
+            f"{tmp_path / 'reports'} --data chitchat --out runs/drafter\n  (train's defaults: "
+            "300 steps") in proc.stdout
     report = json.loads(next((tmp_path / "reports").glob("*/report.json")).read_text())
     assert report["inputs"]["weights"] == str(checkpoint.resolve())
     assert report["profile"]["fields"]["loss"] == "ce"  # the train-cli recipe
