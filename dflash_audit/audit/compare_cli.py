@@ -142,7 +142,8 @@ def main(opts: CompareOptions) -> int:
     failed = [c["name"] for c in checks if c["status"] == "fail"]
     warned = [c["name"] for c in checks if c["status"] == "warn"]
     by_adapter = sorted({".".join(filter(None, (r.name, (r.details or {}).get("layer_type"))))
-                         for r in report.results if (r.details or {}).get("provenance")})
+                         for r in report.results if (r.details or {}).get("provenance")
+                         and r.name not in failed})  # a FAIL there stays a FAIL: listed once
     unsupported = sum(1 for c in report.cases if c.layout.get("unsupported"))
     groups = [f"{len(report.cases)} cases, {len(checks)} checks"] + [
         f"{label}: {', '.join(names)}" for label, names in (
