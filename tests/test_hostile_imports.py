@@ -267,3 +267,30 @@ def test_what_python_runs_at_start_up_is_in_the_baseline(tmp_path: Path, monkeyp
     real = [str(p) for d in site_dirs() for p in Path(d).glob("*.pth")]
     guard = install_guard.InstallGuard([])
     assert real and set(real) <= set(guard.baseline.files), real
+
+
+def test_bytecode_an_honest_process_rewrote_is_benign_a_planted_one_is_not(tmp_path: Path
+                                                                          ) -> None:
+    """The tool's ``__pycache__`` is rewritten by any process that imports a module not compiled
+    yet (a test worker, another audit, the candidate's own process): marshal's bytes differ
+    between processes, the code does not, so that is no tampering (a fresh clone's CI run was
+    refused on it); a .pyc that runs other code than its source is."""
+    import importlib.util
+    import py_compile
+
+    from dflash_audit.audit.sides.integrity import benign_bytecode
+
+    source = tmp_path / "mod.py"
+    source.write_text("def f(x):\n    return {'a': (x, 4.0)}\n")
+    pyc = Path(importlib.util.cache_from_source(str(source)))
+    subprocess.run([sys.executable, "-c", f"import py_compile; py_compile.compile({str(source)!r})"],
+                   check=True)  # written by another process
+    assert pyc.is_file() and benign_bytecode(pyc)
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f(x):\n    return {'a': (x, 7.0)}\n")
+    py_compile.compile(str(planted), cfile=str(pyc))  # other code under the source's name
+    assert not benign_bytecode(pyc)
+    pyc.write_bytes(b"not bytecode")
+    assert not benign_bytecode(pyc)
+    pyc.unlink()
+    assert benign_bytecode(pyc)  # gone: Python compiles the source again

@@ -30,6 +30,7 @@ def refuse_code_changes(identity: Any, before: dict[str, str] | None, when: str,
     from dflash_audit.audit.sides.tamper_record import record_tampering, repair_hint
     from dflash_audit.audit.sides.integrity import (
         PYCACHE,
+        benign_bytecode,
         changed_files,
         reference_code_digest,
         remove_planted_bytecode,
@@ -44,10 +45,13 @@ def refuse_code_changes(identity: Any, before: dict[str, str] | None, when: str,
         if not whole:  # the reference may add bytecode of modules not compiled yet
             before = {k: v for k, v in before.items() if not k.startswith("pycache/")}
         changed = changed_files(before, reference_code_digest(identity, whole))
+    roots = tool_roots()
+    changed = [k for k in changed if not (  # bytecode of the tool an honest process rewrote
+        k.partition("/")[0] in roots and PYCACHE in Path(k.partition("/")[2]).parts
+        and benign_bytecode(roots[k.partition("/")[0]] / k.partition("/")[2]))]
     installed = guard.changes(reference_files) if guard is not None else []
     if not changed and not installed:
         return
-    roots = tool_roots()
     persistent = {str(roots[k.partition("/")[0]] / k.partition("/")[2]):
                   f"sha256:{before[k]}" if before and k in before else "absent"
                   for k in changed if k.partition("/")[0] in roots

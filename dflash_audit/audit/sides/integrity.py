@@ -138,6 +138,28 @@ def changed_files(before: dict[str, str], after: dict[str, str]) -> list[str]:
     return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
 
 
+def benign_bytecode(path: Path) -> bool:
+    """Whether the bytecode file ``path`` (``__pycache__/<name>.cpython-XY[.opt-N].pyc`` of the
+    tool) can only run what its source says: it is gone (Python compiles the source again), or
+    its code object equals the source compiled now. An honest process (another audit, a test
+    worker, the candidate's own process importing a module not compiled yet) writes such a
+    file, and marshal's bytes differ from process to process although the code does not; a
+    planted ``.pyc`` runs other code and is not benign."""
+    import importlib.util
+    import marshal
+
+    if not os.path.lexists(path):
+        return True
+    try:
+        source = Path(importlib.util.source_from_cache(str(path)))
+        opt = path.name.split(".opt-")[1].split(".")[0] if ".opt-" in path.name else ""
+        code = marshal.loads(path.read_bytes()[16:])
+        return code == compile(source.read_bytes(), str(source), "exec", dont_inherit=True,
+                               optimize=int(opt) if opt else -1)
+    except (OSError, ValueError, EOFError, TypeError, SyntaxError, IndexError):
+        return False
+
+
 def remove_planted_bytecode(changed: list[str]) -> None:
     """Delete the changed / added files of ``changed`` (keys of :func:`tool_digest`) that lie
     in a ``__pycache__`` folder of the tool: Python rebuilds them from the sources."""
