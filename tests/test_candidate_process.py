@@ -261,7 +261,11 @@ def test_one_process_loads_the_candidate_then_runs_cases_written_after(tmp_path)
         runs = run_candidate_process(CHAOS, mine, ["c40", "c47"], out, threads=1,
                                      waiting=waiting)
     assert runs["c40"].ok and runs["c47"].status == "raised"  # ChaosCandidate raises on 47
-    assert _starts(out) == (1 if sandbox_status().available else 2)
+    if sandbox_status().available:  # one, unless a concurrent audit registered a folder
+        # every sandbox hides meanwhile (its view then differs: a fresh process, as before)
+        assert _starts(out) == 1 or (_starts(out), waiting.fallback) == (2, "sandbox changed")
+    else:
+        assert _starts(out) == 2
 
 
 def test_a_waiting_process_that_died_is_replaced_by_a_fresh_one(tmp_path):

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cache_support import copy_of_cache
 from cli_zygote import run_cli
 
 from dflash_audit.audit.sides import reference_records as rc
@@ -46,11 +47,16 @@ def values(report: dict) -> list:
 @pytest.fixture(scope="module")
 def cold_and_warm(tmp_path_factory, reference_identity):
     """An audit that ran the reference (``--no-reference-cache``: whatever the cache held)
-    and the same audit again, warm."""
+    and the same audit again, warm; in a cache of this module's own (for its tests too): an
+    unsandboxed audit of another test worker discards every record written while its
+    candidate ran, in every registered records folder, the suite's shared one included."""
     tmp = tmp_path_factory.mktemp("reference-cache")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("DFLASH_AUDIT_CACHE", str(copy_of_cache(tmp / "cache")))
     cold = audit(tmp, "--no-reference-cache")
     warm = audit(tmp)
-    return {"tmp": tmp, "cold": cold, "warm": warm}
+    yield {"tmp": tmp, "cold": cold, "warm": warm}
+    patch.undo()
 
 
 def test_a_warm_audit_takes_the_reference_outputs_from_the_cache(cold_and_warm):

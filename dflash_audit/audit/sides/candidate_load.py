@@ -158,6 +158,7 @@ class WaitingCandidate:
         self.stdout, self.stderr = logs / "stdout-load.txt", logs / "stderr-load.txt"
         self.env = runner_env(threads, self.launch)
         self.cmd = self._sandboxed()
+        self.fallback = ""  # why a fresh process ran the cases (hand_over), "" when none did
         with new_log(self.stdout) as fo, new_log(self.stderr) as fe:
             self.proc: subprocess.Popen | None = subprocess.Popen(
                 self.cmd, stdout=fo, stderr=fe, stdin=subprocess.PIPE, env=self.env,
@@ -206,6 +207,8 @@ class WaitingCandidate:
         if proc is None:
             return None
         if proc.poll() is not None or self._sandboxed() != self.cmd:
+            # another audit may have registered a folder every sandbox hides meanwhile
+            self.fallback = "ended" if proc.poll() is not None else "sandbox changed"
             kill_group(proc)
             return None
         (self.out_dir / HEARTBEAT).unlink(missing_ok=True)
