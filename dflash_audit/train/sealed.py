@@ -55,7 +55,7 @@ from typing import Any
 
 from dflash_audit.audit.options import CANDIDATE_START_TIMEOUT_S, CANDIDATE_TIMEOUT_ENV
 from dflash_audit.audit.sides.candidate_load import load_candidate_identity
-from dflash_audit.audit.sides.candidate_process import TAIL_CHARS, load_error, runner_env
+from dflash_audit.audit.sides.candidate_process import load_error, log_tail, runner_env
 from dflash_audit.audit.sides.candidate_runner import EXIT_LOAD_ERROR, LOAD_ERROR, STATUS
 from dflash_audit.audit.sides.launch import CandidateLaunch
 from dflash_audit.audit.sides.sandbox import links_in, sandbox_status, sandboxed, work_root
@@ -209,9 +209,7 @@ def sealed_canary(candidate_spec: str | None, gate: GateResult, config: Any,
     if returncode == EXIT_LOAD_ERROR and (out_dir / LOAD_ERROR).is_file():
         raise load_error(out_dir, launch)
     result = out_dir / RESULT
-    with open(stderr, "rb") as f:  # the tail only: the candidate chose its length
-        f.seek(max(0, stderr.stat().st_size - TAIL_CHARS))
-        tail = f.read().decode(errors="replace").strip()
+    tail = log_tail(stderr).strip()  # the tail only: the candidate chose its length
     status = _read_result(result)
     if status is None:
         raise GateError(f"the candidate's process ended (exit code {returncode}) without "
