@@ -42,7 +42,7 @@ from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 FLOAT_RTOL = 1e-9
 #: Keys of a derivation dict that are not fields (``provenance``: which fields a framework
 #: adapter set itself, :mod:`dflash_audit.audit.frameworks.provenance`).
-META_KEYS = {"error", "traceback", "provenance"}
+META_KEYS = {"error", "traceback", "provenance", "unsupported"}
 #: Fields whose difference is a documented choice, not a conformance failure: the mask token
 #: is saved in the checkpoint's config.json, so training and inference agree on it either way
 #: (our data pipeline prefers an unused reserved special token over the reference CLI's
@@ -220,6 +220,8 @@ def check_derivation(case: Case, cand: SideOutputs, ref: SideOutputs) -> list[Ch
     if c is None:
         return result(WARN, "not provided: the candidate has no derive_config(verifier_config, "
                       "config)")
+    if "unsupported" in c:  # the framework's own limit, declared (not a failure)
+        return result(WARN, str(c["unsupported"]), details={"unsupported": c["unsupported"]})
     if "error" in c:
         return result(FAIL, f"the candidate's derive_config raised {c['error']}",
                       details={"candidate_error": c["error"]})

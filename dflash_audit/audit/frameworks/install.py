@@ -68,6 +68,19 @@ def entry_problems(entry: Path, requirements: Sequence[str]) -> list[str]:
     return problems
 
 
+def local_requirements(requirements: Sequence[str], folder: Path | str) -> list[str]:
+    """``requirements`` with every local file among them (a wheel or sdist named by a path
+    ending ``.whl`` / ``.tar.gz`` / ``.zip``, e.g. ``"dist/fw-1.0-py3-none-any.whl"``) made
+    absolute against ``folder`` (the adapter's folder), so an adapter can pin a wheel it ships
+    beside it whatever the current directory; index requirements are unchanged."""
+    out = []
+    for r in requirements:
+        local = r.endswith((".whl", ".tar.gz", ".zip")) and "://" not in r
+        out.append(str((Path(folder) / r).resolve()) if local and not Path(r).is_absolute()
+                   else r)
+    return out
+
+
 def pip_command(requirements: Sequence[str], target: Path,
                 pip_args: Sequence[str] = ()) -> list[str]:
     """``python -m pip install --no-deps --target TARGET REQUIREMENTS`` (this interpreter)."""

@@ -12,7 +12,29 @@ record what it computes, without recomputing it (DESIGN.md sec. 8).
 * :func:`seeded_global_rng` -- run a sampler that draws from torch's global RNG under a seed
   drawn from a ``torch.Generator``, leaving the global RNG as it was;
 * :func:`state_dict_entries` -- the ``structure["state_dict"]`` summary of the framework's
-  built drafter plus the frozen verifier tensors it uses.
+  built drafter plus the frozen verifier tensors it uses;
+* :func:`record_locals` -- the named locals of a framework function, read from its own frame
+  when it returns (a loss helper's per-token weights that it never returns);
+* :func:`framework_structure` -- the structure check's summary of the drafter the framework
+  built, from the framework's own facts (never the profile's: a framework whose layers all
+  share one windowed, always-bidirectional mask must say so, not echo the profile);
+* :func:`packing_metadata` -- a packed row's ``document_ids`` as the packing metadata
+  frameworks take (``seq_lens``, ``cu_seqlens``, ``doc_remaining``);
+* :func:`qwen3_draft_config` -- the case's drafter geometry as the ``Qwen3Config`` most
+  frameworks build their draft from;
+* :func:`.light_import.skip_package_inits` -- import a framework's DFlash modules without the heavy
+  ``__init__`` of the packages around them (NeMo's ``speculative.dflash`` imports every
+  drafter family, models and distributed code);
+* :class:`NotSupported` / :func:`refuse_unsupported` -- "not supported by NAME VERSION: ..."
+  for a case (``run_case``) or a verifier (``derive_config``: the derivation check reports it
+  as a warning, not a failure) the framework cannot express.
+
+For ``derive_config``, :func:`derivation_record` gives the record of a framework's draft
+config; :mod:`dflash_audit.model.derivation` has its builders:
+``architecture_fields(cfg)`` (head geometry, eps, activation, bias, positions of any config
+object), ``rope_fields(rope_parameters, rotary_module)`` (theta, type, partial factor, scaling,
+the rotary dim and attention scaling the module really applies) and ``SAVED_KEYS`` (the
+``saved.<key>`` fields: what the framework writes into the drafter's ``config.json``).
 
 Every recorder is a context manager that restores what it changed on exit, also when the
 framework raises. ``examples/frameworks/toy_framework_adapter.py`` wraps a tiny framework with
@@ -23,11 +45,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# the kit's builders of a framework's inputs live in kit_build (kit's line budget); one import
+from dflash_audit.audit.frameworks.kit_build import (  # noqa: F401
+    frozen_embedding_and_head,
+    packing_metadata,
+    qwen3_draft_config,
+)
 
 
 @dataclass
@@ -191,3 +221,133 @@ def state_dict_entries(module: torch.nn.Module, frozen: dict[str, torch.Tensor] 
     tensors.update({k: (t, bool(t.requires_grad)) for k, t in (frozen or {}).items()})
     return {k: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                 "trainable": trainable} for k, (t, trainable) in tensors.items()}
+
+
+class NotSupported(ValueError):
+    """A case or verifier the framework cannot express (its message starts "not supported by
+    NAME VERSION:" and says why). Raised by ``derive_config`` it makes the derivation check a
+    warning naming the limit, not a failure; raised by ``run_case`` it guards a case given to
+    the adapter directly (the planner never sends one outside ``CAPABILITIES``)."""
+
+
+def refuse_unsupported(capabilities: dict[str, Any], label: str, config: Any,
+                       inputs: dict[str, torch.Tensor], loss: Any = None,
+                       dtype: str = "fp32") -> None:
+    """Raise :class:`NotSupported` when a case is outside an adapter's ``CAPABILITIES`` (the
+    planner's own rule, :meth:`.capabilities.Capabilities.unsupported`).
+
+    Raises:
+        NotSupported: "not supported by <label>: <reasons>".
+    """
+    from types import SimpleNamespace
+
+    from dflash_audit.audit.frameworks.capabilities import Capabilities
+
+    case = SimpleNamespace(config=config, inputs=inputs, weights={}, dtype=dtype,
+                           loss=loss or SimpleNamespace(loss="ce-data", weighting="none"))
+    why = Capabilities.from_dict(capabilities).unsupported(case)
+    if why:
+        raise NotSupported(f"not supported by {label}: {'; '.join(why)}")
+
+
+@contextlib.contextmanager
+def record_locals(function: Any, names: Iterable[str]) -> Iterator[list[dict[str, Any]]]:
+    """Inside the block, every time ``function`` (a function, method or code object) returns,
+    its locals named in ``names`` are recorded as they are at its return (``sys.setprofile``
+    on this thread; the function is not changed, the previous profiler is restored on exit).
+    Use it for what a framework computes inside a function and does not return (the per-token
+    weights a loss helper multiplies with, ModelOpt's ``_compute_loss`` teacher logits).
+
+    Yields:
+        The list of records, one ``{name: value}`` per return (a name the frame does not hold
+        is absent), in call order.
+    """
+    code = getattr(getattr(function, "__func__", function), "__code__", function)
+    wanted, records = tuple(names), []
+    previous = sys.getprofile()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "return" and frame.f_code is code:
+            local = frame.f_locals
+            records.append({k: local[k] for k in wanted if k in local})
+
+    sys.setprofile(profile)
+    try:
+        yield records
+    finally:
+        sys.setprofile(previous)
+
+
+def framework_structure(draft: torch.nn.Module, frozen: dict[str, torch.Tensor] | None, *,
+                        target_layer_ids: list[int], block_size: int, mask_token_id: int | None,
+                        layer_types: list[str], sliding_window: int | None,
+                        sliding_window_non_causal: bool, sample_from_anchor: bool = False
+                        ) -> dict[str, Any]:
+    """The ``structure`` output for the drafter a framework built: ``fc`` in / out features
+    and the state dict (:func:`state_dict_entries`) read from ``draft``, every other fact
+    given by the adapter as the framework runs it -- ids in the speculators convention, the
+    layer types and window its masks apply (all ``sliding_attention`` when one windowed mask
+    serves every layer), and ``sliding_window_non_causal`` True where the block is
+    bidirectional under a window. Keyword-only and without defaults from a profile, so an
+    adapter cannot report the profile's layout for the framework's."""
+    return {"fc_in_features": draft.fc.in_features, "fc_out_features": draft.fc.out_features,
+            "target_layer_ids": [int(i) for i in target_layer_ids],
+            "block_size": int(block_size), "mask_token_id": mask_token_id,
+            "layer_types": list(layer_types), "sliding_window": sliding_window,
+            "sliding_window_non_causal": bool(sliding_window_non_causal),
+            "sample_from_anchor": bool(sample_from_anchor),
+            "state_dict": state_dict_entries(draft, frozen)}
+
+
+def sampled_anchors(sample: Callable[[], tuple[torch.Tensor, torch.Tensor]], max_anchors: int,
+                    generator: torch.Generator, no_anchor: tuple[type, ...] | type = ()
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_anchors`` from a framework's own sampler: ``sample()`` (its method called on a
+    stand-in ``self``) runs under :func:`seeded_global_rng` and returns its anchors and keep
+    mask ([n] or [1, n]); an exception of ``no_anchor`` (its "no valid anchor" error) gives
+    none. Returns (anchor_positions [A] long, anchor_valid [A] bool), A = ``max_anchors``:
+    the framework's first min(n, A) slots, then padding (0, False)."""
+    with seeded_global_rng(generator):
+        try:
+            anchors, keep = sample()
+        except no_anchor:
+            anchors, keep = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool)
+    positions = torch.zeros(max_anchors, dtype=torch.long, device=anchors.device)
+    valid = torch.zeros(max_anchors, dtype=torch.bool, device=anchors.device)
+    n = min(max_anchors, anchors.reshape(-1).numel())
+    positions[:n], valid[:n] = anchors.reshape(-1)[:n].long(), keep.reshape(-1)[:n].bool()
+    return positions, valid
+
+
+def signature_defaults(function: Callable[..., Any], **names: str) -> dict[str, Any]:
+    """``{key: default of parameter names[key]}`` of ``function``'s signature (a framework's
+    own defaults for the ``defaults`` check: ``block_size="block_size", gamma="loss_gamma"``);
+    with ``gamma`` also ``weighting`` (``none`` for a None gamma, else ``fixed-exp-decay``)."""
+    import inspect
+
+    params = inspect.signature(function).parameters
+    out = {key: params[name].default for key, name in names.items()}
+    if "gamma" in out:
+        out["weighting"] = "none" if out["gamma"] is None else "fixed-exp-decay"
+    return out
+
+
+def derivation_record(cfg: Any, rotary: Any, saved: dict[str, Any] | None = None,
+                      **fields: Any) -> dict[str, Any]:
+    """The ``derive_config`` record of a framework's draft config ``cfg`` (a transformers
+    config) and the rotary module its draft builds from it: the architecture fields, vocab,
+    ``tie_word_embeddings``, ``layer_types`` and ``sliding_window`` (None without a sliding
+    layer), the RoPE fields it really applies, ``saved.<key>`` for every key of
+    :data:`~dflash_audit.model.derivation.SAVED_KEYS` in ``saved`` (what the framework writes
+    into the drafter's ``config.json``), then ``fields`` (``default_target_layer_ids`` in
+    the speculators convention, ``mask_token_id``, ...)."""
+    from dflash_audit.model.derivation import SAVED_KEYS, architecture_fields, rope_fields
+
+    types = list(getattr(cfg, "layer_types", None) or [])
+    return {**architecture_fields(cfg), "vocab_size": cfg.vocab_size,
+            "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+            "layer_types": types, "sliding_window": getattr(cfg, "sliding_window", None)
+            if "sliding_attention" in types else None,
+            **rope_fields(dict(cfg.rope_parameters or {}), rotary),
+            **({f"saved.{k}": saved.get(k) for k in SAVED_KEYS} if saved is not None else {}),
+            **fields}

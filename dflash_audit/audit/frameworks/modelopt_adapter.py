@@ -42,9 +42,7 @@ Declared adapter choices (``PROVENANCE`` / ``settings.*``):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -53,7 +51,7 @@ import torch
 
 from dflash_audit.audit.case import SideOutputs
 from dflash_audit.audit.frameworks import modelopt_config as mc
-from dflash_audit.audit.frameworks.kit import state_dict_entries
+from dflash_audit.audit.frameworks.kit import record_locals, state_dict_entries
 from dflash_audit.audit.frameworks.modelopt_recipe import read_run_config  # noqa: F401
 from dflash_audit.audit.frameworks.modelopt_rows import (
     plan_rows,
@@ -131,23 +129,6 @@ _FROZEN = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
            "verifier_norm.weight")
 _LOCALS = ("teacher_logits", "target_ids", "binary_eval_mask", "flat_weights",
            "safe_label_indices")
-
-
-@contextlib.contextmanager
-def _locals_on_return(code: Any, out: dict[str, Any]):
-    """Copy the locals :data:`_LOCALS` of the frame running ``code`` into ``out`` when it
-    returns (``sys.setprofile``; the function itself is unchanged)."""
-    previous = sys.getprofile()
-
-    def profile(frame, event, arg):
-        if event == "return" and frame.f_code is code:
-            out.update({k: frame.f_locals[k] for k in _LOCALS if k in frame.f_locals})
-
-    sys.setprofile(profile)
-    try:
-        yield
-    finally:
-        sys.setprofile(previous)
 
 
 def modelopt_defaults() -> dict[str, Any]:
@@ -237,8 +218,11 @@ class ModelOptCandidate:
         code = HFDFlashModel._compute_loss.__code__
 
         def traced_loss(*args: Any, **kwargs: Any) -> Any:
-            with _locals_on_return(code, found):
-                return compute_loss(*args, **kwargs)
+            with record_locals(code, _LOCALS) as returns:
+                out = compute_loss(*args, **kwargs)
+            for local in returns:
+                found.update(local)
+            return out
 
         model._compute_loss = traced_loss
         batch = self._batch(layout, inputs, device)

@@ -42,6 +42,7 @@ KNOWN: dict[str, tuple[str, str]] = {
     "specforge": ("SpecForge", "0.2.0"),
     "modelopt": ("NVIDIA ModelOpt", "0.47.0"),
     "zlab": ("z-lab dflash", "0.1.0"),
+    "nemo": ("NeMo Automodel", "0.7.0"),
 }
 SPECULATORS = "speculators"
 SPECULATORS_FORMS = ("speculators@REF", "speculators==X.Y.Z", "speculators:path:DIR")
@@ -256,10 +257,11 @@ def framework_launch(spec: str, *, python: str | None = None, offline: bool = Fa
         info.update(version=display_version(identity), ref=fs.ref or identity.spec,
                     source=identity.to_dict())
     elif python is None:
-        from dflash_audit.audit.frameworks.install import install_framework
+        from dflash_audit.audit.frameworks.install import install_framework, local_requirements
 
-        folder = install_framework(fs.key, info["version"],
-                                   list(constants.get("REQUIREMENTS") or []),
+        folder = install_framework(fs.key, info["version"], local_requirements(
+                                   constants.get("REQUIREMENTS") or [],
+                                   Path(constants["path"]).parent),
                                    offline=offline, cache_dir=cache_dir)
         pythonpath.append(str(folder))
         info["install"] = str(folder)

@@ -9,11 +9,12 @@ Runs INSIDE the candidate's process with ``specforge`` importable. File:line cit
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from dflash_audit.audit.frameworks.kit import record_locals
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -91,15 +92,6 @@ def recorded_objective(model: Any, into: dict[str, Any]) -> Iterator[None]:
     recomputed. Needs ``objective_chunk_blocks=0`` (one call over all blocks); a second call
     raises ``RuntimeError``. Restores the method on exit."""
     function = type(model)._dflash_objective_chunk_terms
-    code = function.__code__
-
-    def on_event(frame: Any, event: str, arg: Any) -> None:
-        if event == "return" and frame.f_code is code:
-            local = frame.f_locals
-            if "loss_weights" in local:
-                into["loss_weights"] = local["loss_weights"].detach().clone()
-            elif "dpace_weights" in local:
-                into["loss_weights"] = (local["weight_mask"] * local["dpace_weights"]).detach()
 
     def record(hidden: torch.Tensor, target_ids: torch.Tensor, weight_mask: torch.Tensor):
         if "target_ids" in into:
@@ -107,12 +99,14 @@ def recorded_objective(model: Any, into: dict[str, Any]) -> Iterator[None]:
                                "objective_chunk_blocks=0")
         into["target_ids"] = target_ids.detach().clone()
         into["weight_mask"] = weight_mask.detach().clone()
-        previous = sys.getprofile()
-        sys.setprofile(on_event)
-        try:
-            return function(model, hidden, target_ids, weight_mask)
-        finally:
-            sys.setprofile(previous)
+        with record_locals(function, ("loss_weights", "dpace_weights", "weight_mask")) as ret:
+            out = function(model, hidden, target_ids, weight_mask)
+        local = ret[-1]
+        if "loss_weights" in local:
+            into["loss_weights"] = local["loss_weights"].detach().clone()
+        elif "dpace_weights" in local:
+            into["loss_weights"] = (local["weight_mask"] * local["dpace_weights"]).detach()
+        return out
 
     model._dflash_objective_chunk_terms = record
     try:

@@ -150,13 +150,18 @@ def run_one(candidate: Any, case: Any) -> tuple[dict[str, Any], Any]:
 def candidate_derivation(candidate: Any, case: Any) -> dict[str, Any] | None:
     """The candidate's ``derive_config(verifier_config, config)`` for the case's verifier;
     None when the case has no verifier or the candidate no ``derive_config``;
-    ``{"error": ...}`` when it raised or returned no dict (the ``derivation`` check fails)."""
+    ``{"error": ...}`` when it raised or returned no dict (the ``derivation`` check fails);
+    ``{"unsupported": ...}`` when it raised a ``NotSupported`` (:class:`.frameworks.kit.
+    NotSupported`, or an adapter's own class of that name): the framework cannot derive a
+    drafter for that verifier, which the check reports as a warning."""
     derive = getattr(candidate, "derive_config", None)
     if case.verifier is None or not callable(derive):
         return None
     try:
         fields = derive(case.verifier.config, case.config)
     except Exception as exc:  # noqa: BLE001 - user code: reported by the check
+        if any(c.__name__ == "NotSupported" for c in type(exc).__mro__):
+            return {"unsupported": str(exc).strip()[:600]}
         return {"error": f"{type(exc).__name__}: {str(exc).strip()[:600]}"}
     if not isinstance(fields, dict):
         return {"error": f"derive_config returned {type(fields).__name__}, not a dict"}

@@ -1,0 +1,107 @@
+"""NeMo Automodel 0.7.0's real DFlash trainer audited through the tool's own path,
+``dflash-audit compare --candidate framework:nemo`` (the tool installs nemo-automodel==0.7.0
+into its cache, --no-deps; a failed install fails the test): ONE compare under the default
+profile (4 synthetic cases, all Qwen3-family: NeMo has no DFlash draft for other targets),
+packed rows (3 documents, padding) given as NeMo's own packing metadata.
+
+The differences asserted are the ones read in NeMo next to the reference
+(``core`` = ``nemo_automodel/components/speculative/dflash/core.py``): labels are the data
+tokens (core.py:402-433) and the loss is divided by the sum of weights (loss/dllm_loss.py:
+824-827, ``normalize="mean"`` core.py:236); anchors admitted at T-B (core.py:261-263); the block
+is always bidirectional, one trainer window for every layer (attention/dflash_mask.py:129-135,
+core.py:543-584: the structure names it; the mask differs); its draft config builder keeps
+every layer full attention and copies the verifier's tying and partial rotary factor
+(speculative/dflash/draft_qwen3.py build_qwen3_dflash_draft_config); default ids from
+``build_target_layer_ids``; no decay by default. Packed rows, full-attention masks, context,
+full-attention logits and the aligned mask agree (no false alarm).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from framework_support import framework_compare, framework_site
+
+pytestmark = pytest.mark.reference
+
+SLIDING, FULL, Q35_SLIDING, Q35_FULL = ("syn-001-qwen3-sliding", "syn-009-qwen3-full",
+                                        "syn-010-qwen3_5-sliding", "syn-018-qwen3_5-full")
+
+
+@pytest.fixture(scope="session")
+def report(reference_identity, tmp_path_factory) -> dict:
+    """One compare of NeMo against the cached reference (see the module docstring)."""
+    return framework_compare("nemo", tmp_path_factory, "--cases", "4")
+
+
+def first(report, case, check) -> dict:
+    found = report["by"].get((case, check), [])
+    assert found, f"no {check} result for {case}"
+    return found[0]
+
+
+def test_runs_nemo_and_fails(report):
+    assert report["rc"] == 1, report["stdout"][-1500:]
+    assert report["json"]["candidate"]["framework"]["install"].endswith(
+        "frameworks/nemo-0.7.0/site")
+    ran = {c["name"] for c in report["json"]["cases"]}
+    assert ran == {SLIDING, FULL, Q35_SLIDING, Q35_FULL}, ran
+    assert "not supported by NeMo Automodel 0.7.0: verifier family 'llama'" in report["md"]
+
+
+def test_no_false_alarm_on_what_nemo_computes_like_the_reference(report):
+    for case in (FULL, Q35_FULL):  # packed rows (3 documents, padding): document mask agrees
+        for check in ("mask", "context", "logits"):
+            assert {r["status"] for r in report["by"].get((case, check), [])} <= {"pass"}, (
+                case, check, first(report, case, check)["summary"])
+    for case in (SLIDING, Q35_SLIDING):
+        assert first(report, case, "context")["status"] == "pass"
+
+
+def test_names_labels_loss_and_anchor_rule(report):
+    text = report["md"]
+    assert "targets are the data tokens input_ids[a+s]" in text
+    assert "loss normalised by the sum of weights instead of the number of supervised" in text
+    anchors = first(report, SLIDING, "anchors")
+    assert anchors["status"] == "fail"
+    assert "a <= T - block_size (NeMo Automodel 0.7.0's rule)" in anchors["summary"]
+
+
+def test_names_the_always_bidirectional_block_as_its_own_variant(report):
+    for case in (SLIDING, Q35_SLIDING):
+        s = first(report, case, "structure")
+        assert s["status"] == "fail" and "sliding_window_non_causal: candidate True" in (
+            s["summary"]), s["summary"]
+        assert first(report, case, "mask")["status"] == "fail"
+    assert first(report, FULL, "structure")["status"] == "warn"
+
+
+def test_names_its_draft_config_builder(report):
+    s = first(report, SLIDING, "derivation")["summary"]
+    assert "layer_types ['full_attention'] where the reference derives ['sliding_attention']" in s
+    assert "default_target_layer_ids [7] where the reference derives [2, 6, 9]" in s
+    assert "rope_partial_rotary_factor 0.25 where the reference derives None" in first(
+        report, Q35_FULL, "derivation")["summary"]
+    assert "tie_word_embeddings True where the reference derives False" in first(
+        report, FULL, "derivation")["summary"]
+    defaults = first(report, FULL, "defaults")["summary"]
+    assert "gamma: candidate None" in defaults and "block_size: candidate 16" in defaults
+
+
+def test_sampler_and_derivation_refusal_run_nemo_code():
+    """NeMo's own sampler admits a = T - B and draws no more than the valid anchors; a verifier
+    outside its families is "not supported" (a warning), not an error."""
+    framework_site("nemo")
+    from transformers import LlamaConfig
+
+    from dflash_audit.audit.frameworks import kit
+    from dflash_audit.audit.frameworks.nemo_adapter import candidate
+
+    mask = torch.zeros(1, 12)
+    mask[0, 4] = mask[0, 8] = 1  # valid: a <= T - B = 8
+    pos, valid = candidate.select_anchors(mask, 4, 4, torch.Generator().manual_seed(0))
+    assert pos[valid].tolist() == [4, 8] and valid.tolist() == [True, True, False, False]
+    none = candidate.select_anchors(torch.zeros(1, 12), 3, 4, torch.Generator())
+    assert not none[1].any()
+    with pytest.raises(kit.NotSupported, match="not supported by NeMo Automodel 0.7.0"):
+        candidate.derive_config(LlamaConfig(num_hidden_layers=4), None)
