@@ -6,10 +6,10 @@ packed rows (3 documents, padding) given as NeMo's own packing metadata.
 
 The differences asserted are the ones read in NeMo next to the reference
 (``core`` = ``nemo_automodel/components/speculative/dflash/core.py``): labels are the data
-tokens (core.py:402-433) and the loss is divided by the sum of weights (loss/dllm_loss.py:
-824-827, ``normalize="mean"`` core.py:236); anchors admitted at T-B (core.py:261-263); the block
-is always bidirectional, one trainer window for every layer (attention/dflash_mask.py:129-135,
-core.py:543-584: the structure names it; the mask differs); its draft config builder keeps
+tokens (core.py:399-433) and the loss is divided by the sum of weights (loss/dllm_loss.py:
+824-827, ``normalize="mean"`` core.py:225); anchors admitted at T-B (core.py:251-253); the block
+is always bidirectional, one trainer window for every layer (attention/dflash_mask.py:136-141,
+core.py:212, 442, 504-528: the structure names it; the mask differs); its draft config builder keeps
 every layer full attention and copies the verifier's tying and partial rotary factor
 (speculative/dflash/draft_qwen3.py build_qwen3_dflash_draft_config); default ids from
 ``build_target_layer_ids``; no decay by default. Packed rows, full-attention masks, context,

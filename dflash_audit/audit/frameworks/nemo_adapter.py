@@ -41,19 +41,19 @@ FRAMEWORK_MODULES = [_PKG + "speculative.dflash.core", _PKG + "speculative.dflas
 #: its package inits import every drafter family, models, distributed code and datasets
 skip_package_inits(_PKG + "speculative.dflash", _PKG + "datasets", _PKG + "datasets.llm")
 CAPABILITIES: dict[str, Any] = {
-    # the trainer's one `sliding_window` masks every layer alike (core.py:543-566): no mixed
-    # layout; its block is always bidirectional (dflash_mask.py:129-135, causal=False from
-    # DFlash's forward, core.py:580-584): a causal-block profile runs as its own variant
+    # the trainer's one `sliding_window` masks every layer (core.py:212, 504-528): no mixed
+    # layout; its block is always bidirectional (dflash_mask.py:136-141, causal=False from
+    # DFlash's forward, core.py:442): a causal-block profile runs as its own variant
     "layouts": ["full", "sliding"],
-    # Qwen3-shaped targets only (speculative/dflash/registry.py:93-121); packed rows with
-    # per-document positions and context (core.py:519-548)
+    # Qwen3-shaped targets only (speculative/dflash/registry.py:94-136); packed rows with
+    # per-document positions and context (core.py:490-500)
     "verifier_families": ["qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
                           "qwen3_5_moe_text"],
-    # its one loss, CE on the data tokens (core.py:616-627), runs for every profile loss;
-    # loss_type "dflash" with / without loss_decay_gamma, no D-PACE (core.py:166)
+    # its one loss, CE on the data tokens (core.py:575-587), runs for every profile loss;
+    # loss_type "dflash" with / without loss_decay_gamma, no D-PACE (core.py:168)
     "weightings": ["none", "fixed-exp-decay"],
     "draft_vocab": False, "sample_from_anchor": False, "dtypes": ["fp32"],
-    # a decoder-layer hook cannot capture the embedding output (target.py:74-125)
+    # a decoder-layer hook cannot capture the embedding output (target.py:74-175)
     "embedding_layer": False,
 }
 PROVENANCE: dict[str, str] = {"structure.target_layer_ids": "adapter"}
@@ -146,7 +146,7 @@ class NeMoCandidate:
 
     def select_anchors(self, loss_mask: torch.Tensor, max_anchors: int, block_size: int,
                        generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """NeMo's own ``_sample_anchor_positions`` (core.py:241-290) on ``loss_mask`` [1,T]
+        """NeMo's own ``_sample_anchor_positions`` (core.py:230-285) on ``loss_mask`` [1,T]
         (an unpacked row), torch's global RNG seeded from ``generator``: (anchor_positions
         [A] long, anchor_valid [A] bool), padded; a row without a valid anchor gives none."""
         core = nemo("core")
@@ -161,7 +161,7 @@ class NeMoCandidate:
         layer ``full_attention``), as the derivation record.
 
         Raises:
-            kit.NotSupported: a verifier without a NeMo DFlash draft (registry.py:93-121).
+            kit.NotSupported: a verifier without a NeMo DFlash draft (registry.py:94-136).
         """
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
         dq, text = nemo("draft_qwen3"), getattr(verifier_config, "text_config", None)
@@ -180,7 +180,7 @@ class NeMoCandidate:
 
 
 def nemo_defaults() -> dict[str, Any]:
-    """``DFlashTrainerModule``'s own defaults (core.py:172-184): block 16, 512 anchors, no
+    """``DFlashTrainerModule``'s own defaults (core.py:175-187): block 16, 512 anchors, no
     position decay (``loss_decay_gamma=None``; its recipe sets 7.0), CE on data tokens."""
     return kit.signature_defaults(nemo("core").DFlashTrainerModule.__init__,
                                   block_size="block_size", max_anchors="num_anchors",

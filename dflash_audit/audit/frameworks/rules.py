@@ -17,7 +17,7 @@ from dflash_audit.audit.checks.structure import DECODER_LAYER_IDS
 #: A rule's neutral name -> (what it is, the framework keys whose own code has it).
 OWNED_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     # modelopt 0.47.0 hf_dflash.py:617-620 (max_anchor = seq_len - bs, inclusive)
-    # nemo 0.7.0 speculative/dflash/core.py:261-263 (max_anchor = seq_len - bs, inclusive)
+    # nemo 0.7.0 speculative/dflash/core.py:251-253 (max_anchor = seq_len - bs, inclusive)
     AT_T_MINUS_B: ("rule", ("modelopt", "nemo")),
     # modelopt 0.47.0 hf_dflash.py:622 (max_n = min(num_anchors, valid) - 1)
     ONE_FEWER: ("count", ("modelopt",)),
@@ -27,7 +27,7 @@ OWNED_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     # their train_acc against input_ids[a+s]
     DATA_TOKEN_ACCURACY: ("accuracy", ("specforge", "modelopt", "nemo")),
     # z-lab dflash/model.py:37-43, SpecForge and ModelOpt read hidden_states[id + 1]
-    # NeMo's target.py:74-80 hooks decoder layer i (= HF hidden_states[i + 1])
+    # NeMo's target.py:175 hooks decoder layer i (= HF hidden_states[i + 1])
     DECODER_LAYER_IDS: ("convention", ("zlab", "specforge", "modelopt", "nemo")),
 }
 
