@@ -18,6 +18,7 @@ from dflash_audit.data.command import data_command
 from dflash_audit.data.errors import VerifierError
 from dflash_audit.data.pipeline import (
     build_batches,
+    describe_data_stats,
     load_batches,
     write_batches,
 )
@@ -190,6 +191,26 @@ def test_cli_writes_batches_and_reference_format(tiny_dir, jsonl, tmp_path):
     assert len(batches) == 2 and batches[0].target_layer_ids == [1, 3]
     assert (out / "reference" / "hidden_states" / "hs_0.safetensors").is_file()
     assert json.loads((out / "manifest.json").read_text())["target_layer_ids"] == [1, 3]
+    # where the conversations went, in words (the raw counts are in the manifest)
+    stats = batches[0].metadata["data_stats"]
+    available = stats["conversations_available"]
+    assert available + stats["skipped_no_assistant_turn"] == 40
+    rest = available - stats["documents_packed"] - stats["dropped_no_supervised_token"]
+    assert f"packed {stats['documents_packed']} of the {available} conversations in {jsonl} " \
+           "with an assistant turn" in " ".join(result.output.split())
+    assert f"the other {rest} were not needed to fill the rows" in " ".join(
+        result.output.split())
+
+
+def test_data_stats_in_words():
+    stats = {"conversations_available": 3520, "skipped_no_assistant_turn": 3648,
+             "dropped_no_supervised_token": 2, "truncated_documents": 3, "documents_packed": 41}
+    assert describe_data_stats(stats, "chitchat") == (
+        "packed 41 of the 3,520 conversations in chitchat with an assistant turn (3,648 more "
+        "have none and were skipped; 2 dropped: no supervised token within seq_len; 3 "
+        "documents cut at seq_len; the other 3,477 were not needed to fill the rows)")
+    assert describe_data_stats({"conversations_available": 2, "documents_packed": 2}, "x") == \
+        "packed 2 of the 2 conversations in x with an assistant turn"
 
 
 @pytest.mark.parametrize("args, message", [

@@ -122,3 +122,21 @@ def test_a_malformed_manifest_is_named_not_a_traceback(tmp_path, files):
     assert problem.startswith("malformed manifest:") and MANIFEST_NAME in problem
     with pytest.raises(CheckpointError, match="malformed manifest"):
         validate_checkpoint(tmp_path, 4)
+
+
+def test_a_stage_without_a_bar_says_it_is_running_only_when_it_runs_long(monkeypatch, capsys):
+    import time
+
+    import dflash_audit.audit.progress as stages
+
+    monkeypatch.setattr(stages, "STILL_RUNNING_S", 0.05)
+    with stages.Stages(enabled=False) as st:
+        with st.stage("quick", "a quick stage"):
+            pass
+        with st.stage("slow", "resolving the reference"):
+            time.sleep(0.5)
+    time.sleep(0.1)  # a cancelled notice never prints late
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("dflash-audit: a quick stage: ")
+    assert lines[1] == "dflash-audit: resolving the reference ..."
+    assert lines[2].startswith("dflash-audit: resolving the reference: ") and len(lines) == 3

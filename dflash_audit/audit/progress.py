@@ -4,17 +4,22 @@ one line per stage on stderr."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+#: seconds after which a stage without a progress bar prints that it is still running
+STILL_RUNNING_S = 5.0
+
 
 @dataclass
 class Stages:
     """Times each stage; shows a rich progress bar on a terminal, else one line per stage
-    on stderr."""
+    on stderr when it ends ("LABEL: 3.2 s"), preceded by "LABEL ..." when the stage runs
+    longer than :data:`STILL_RUNNING_S`."""
 
     enabled: bool
     timing: dict[str, float] = field(default_factory=dict)
@@ -54,6 +59,14 @@ class Stages:
         """Time ``key``; yields ``advance(n)`` for stages with ``total`` steps."""
         start = time.perf_counter()
         task = self._progress.add_task(label, total=total) if self._progress else None
+        # without a bar, a stage still running after STILL_RUNNING_S says what it is doing
+        # (a cold reference download or verifier conversion takes minutes, not silence)
+        notice = None if self.enabled else threading.Timer(
+            STILL_RUNNING_S, lambda: print(f"dflash-audit: {label} ...", file=sys.stderr,
+                                           flush=True))
+        if notice is not None:
+            notice.daemon = True
+            notice.start()
 
         def advance(n: int = 1) -> None:
             if task is not None:
@@ -62,6 +75,8 @@ class Stages:
         try:
             yield advance
         finally:
+            if notice is not None:
+                notice.cancel()
             self.timing[key] = self.timing.get(key, 0.0) + time.perf_counter() - start
             if task is not None:
                 self._progress.update(task, completed=total or 1, total=total or 1)

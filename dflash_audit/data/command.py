@@ -88,7 +88,11 @@ def data_command(
         raise NotADirectoryError(errno.ENOTDIR, f"--out {out}: {parent} is not a folder",
                                  str(parent))
     ensure_writable_dir(parent)
-    from dflash_audit.data.pipeline import build_batches, publish_batches  # torch: not for --help
+    from dflash_audit.data.pipeline import (  # torch: not for --help
+        build_batches,
+        describe_data_stats,
+        publish_batches,
+    )
 
     with _terminated_as_interrupt():
         batches = build_batches(verifier, data, seq_len, rows, target_layer_ids=target_layers,
@@ -101,8 +105,10 @@ def data_command(
     console.print(
         f"wrote {len(paths)} batches to {out} (T={meta['seq_len']}, "
         f"target_layer_ids={meta['target_layer_ids']}, mask_token_id={meta['mask_token_id']} "
-        f"({meta['mask_token_reason']}), {tokens} supervised tokens, {meta['data_stats']})",
-        highlight=False, markup=False)
+        f"({meta['mask_token_reason']}), {tokens} supervised tokens)", highlight=False,
+        markup=False)
+    console.print(describe_data_stats(meta["data_stats"], meta.get("data") or data),
+                  highlight=False, markup=False)
     if len(batches) < rows:
         console.print(f"warning: the data filled only {len(batches)} of {rows} rows",
                       markup=False)

@@ -60,6 +60,32 @@ class _Stats:
                 "truncated_documents": self.truncated, "documents_packed": self.used}
 
 
+def describe_data_stats(stats: dict[str, int], source: str = "the data") -> str:
+    """One sentence on where a run's conversations went, for a person: ``stats`` is a batch's
+    ``metadata["data_stats"]`` (:meth:`_Stats.to_dict`). Packing stops once the rows are full,
+    so conversations after that point were not reached (not rejected).
+
+    Example: "packed 41 of the 3,520 conversations in chitchat with an assistant turn (3,648
+    more have none and were skipped; 2 dropped: no supervised token within seq_len; 3
+    documents cut at seq_len; the other 3,477 were not needed to fill the rows)"."""
+    available = stats.get("conversations_available", 0)
+    used = stats.get("documents_packed", 0)
+    dropped = stats.get("dropped_no_supervised_token", 0)
+    parts = []
+    if stats.get("skipped_no_assistant_turn", 0):
+        parts.append(f"{stats['skipped_no_assistant_turn']:,} more have none and were skipped")
+    if dropped:
+        parts.append(f"{dropped:,} dropped: no supervised token within seq_len")
+    if stats.get("truncated_documents", 0):
+        parts.append(f"{stats['truncated_documents']:,} documents cut at seq_len")
+    if available - used - dropped > 0:
+        parts.append(f"the other {available - used - dropped:,} were not needed to fill the "
+                     "rows")
+    more = f" ({'; '.join(parts)})" if parts else ""
+    return (f"packed {used:,} of the {available:,} conversations in {source} with an "
+            f"assistant turn{more}")
+
+
 def _progress(enabled: bool) -> Any:
     """A rich progress bar on a terminal, progress lines every ~10 s on a non-TTY stderr
     (:func:`dflash_audit.progress.progress_display`), or a no-op stand-in."""
