@@ -9,7 +9,9 @@ Usage::
 
 Each framework is one ``dflash-audit compare --candidate framework:KEY==VERSION`` (the
 speculators adapter: ``framework:speculators==<the lock's version>``, its self-test) with the
-given case counts and profile; adapters that land in ``dflash_audit/audit/frameworks/`` are
+given case counts and profile; each framework's latent differences (what it would do on input
+it cannot express, :mod:`dflash_audit.audit.frameworks.latent`) are a row of warnings and one
+line each under the table; adapters that land in ``dflash_audit/audit/frameworks/`` are
 picked up
 (:func:`dflash_audit.audit.frameworks.registry.available_adapters`), and known frameworks whose
 adapter is not in this build get a row saying so. A framework that cannot be set up (exit 2)
@@ -52,7 +54,7 @@ def framework_specs(only: list[str] | None) -> list[tuple[str, str | None]]:
 
 def audit(spec: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One compare of ``spec``: ``{"label", "verdict", "checks": {name: (status, cause)},
-    "error"}``."""
+    "error", "latent"}`` (``latent``: the report's latent differences)."""
     from dflash_audit.audit.compare import run_compare
     from dflash_audit.audit.options import CompareOptions
     from dflash_audit.audit.setup_error import CompareSetupError
@@ -73,16 +75,25 @@ def audit(spec: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
                  (c["first_failure"] or {}).get("summary", "")) if c["status"] != "pass" else ""
         checks[c["name"]] = (c["status"], cause)
     return {"label": fw.get("label") or spec, "verdict": report.verdict, "checks": checks,
-            "error": None, "folder": str(outcome.folder)}
+            "error": None, "folder": str(outcome.folder), "latent": list(report.latent)}
 
 
 def render(rows: list[dict[str, Any]], check_names: list[str]) -> str:
-    """The markdown table: one row per check (the verdict first), one column per framework;
-    a cell is the status and, where it is not a pass, the first named cause. One line per
-    setup error after it."""
+    """The markdown table: one row per check (the verdict first, then how many latent
+    differences each framework has), one column per framework; a cell is the status and,
+    where it is not a pass, the first named cause. After it, one line per latent difference
+    (in full: what the framework would do, where in its code) and per setup error."""
+
+    def latent_cell(r: dict[str, Any]) -> str:
+        if "latent" not in r:  # no report (not available, setup error)
+            return "—"
+        n = len(r["latent"])
+        return f"{ICON['warn']} {n} (warnings)" if n else "none"
+
     lines = ["| check | " + " | ".join(_cell(r["label"], 60) for r in rows) + " |",
              "|---|" + "---|" * len(rows),
-             "| **verdict** | " + " | ".join(f"**{r['verdict']}**" for r in rows) + " |"]
+             "| **verdict** | " + " | ".join(f"**{r['verdict']}**" for r in rows) + " |",
+             "| **latent differences** | " + " | ".join(latent_cell(r) for r in rows) + " |"]
     for name in check_names:
         cells = []
         for r in rows:
@@ -90,8 +101,13 @@ def render(rows: list[dict[str, Any]], check_names: list[str]) -> str:
             cells.append((f"{ICON.get(status, '')} {status}" + (f": {_cell(cause)}" if cause
                                                                else "")) if status else "—")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    latent = [f"- {ICON['warn']} {' '.join(str(d['text']).split())}"
+              for r in rows for d in r.get("latent") or []]
     notes = [f"- {r['label']}: {_cell(r['error'], 400)}" for r in rows if r.get("error")]
-    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+    if latent:
+        latent = ["", "Latent differences: what each framework would do on input it cannot "
+                  "express (warnings, not counted in the verdict):", "", *latent]
+    return "\n".join(lines + latent + ([""] + notes if notes else [])) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -143,6 +143,13 @@ def test_adapter_computed_loss_warns_and_does_not_fail(testfw):
     assert others == {"pass"}
     assert "computed by the adapter, not audited: loss" in result.output
     assert "\n  warning: " in result.output  # a PASS says what its warnings are  # the terminal line
+    # what it lacks and does not describe (no LATENT) is listed, a warning: the exit stays 0
+    assert [(d["capability"], d["declared"]) for d in report["latent"]] == [
+        ("packed_rows", False), ("verifier_families", False)]
+    assert report["latent"][0]["cases"] and report["latent"][1]["cases"]
+    assert ("\n  warning (latent): TestFW 1.0 cannot express packed rows (CAPABILITIES "
+            "packed_rows); what it would do on such input is not declared by its adapter "
+            "(LATENT)") in result.output
 
 
 def test_testfw_cases_are_ones_it_supports(testfw):

@@ -11,7 +11,9 @@ last B positions and need loss_mask[a+1] (dfm:184-187, seen in the multi-turn do
 labels are data tokens and the loss is divided by the sum of weights (dfm:361-362, 406-416);
 no decay by default (dfm:148); a saved partial_rotary_factor the draft does not rotate, and
 nested per-layer-type RoPE crashing its derivation (training/model_loading.py:211-258); one
-document per row (algorithms/common/collation.py:24-68).
+document per row (algorithms/common/collation.py:24-68), with what it would do on packed rows
+(no document mask, dfm:72; no per-document positions, dfm:294-296) listed as latent
+differences.
 """
 
 from __future__ import annotations
@@ -172,6 +174,24 @@ def test_every_case_runs_cut_to_one_document(report):
     for case in report["json"]["cases"]:
         assert case["layout"]["documents"] == 1 and case["layout"]["padding"] == 0
         assert not case["layout"].get("unsupported")
+
+
+def test_what_specforge_would_do_on_packed_rows_is_a_warning(report):
+    """The cut rows' missing document mask and positions are latent differences: listed with
+    SpecForge's file and line in report.json, report.md and the terminal, with the cases that
+    were cut, as warnings (the exit code stays the checks')."""
+    latent = report["json"]["latent"]
+    assert {d["capability"] for d in latent} == {
+        "packed_rows", "block_attention", "draft_vocab", "sample_from_anchor", "dtypes",
+        "embedding_layer", "last_layer"} and all(d["declared"] for d in latent)
+    mask = next(d for d in latent if "no document mask" in d["text"])
+    assert mask["text"].startswith("SpecForge 0.2.0 has no document mask: ")
+    assert mask["text"].endswith("(specforge/algorithms/common/dflash_family_model.py:72)")
+    assert {c.rsplit("-doc", 1)[0] for c in mask["cases"]} >= {
+        n.rsplit("-doc", 1)[0] for n in (LLAMA, QWEN3, QWEN35)}
+    assert f"- ⚠️ {mask['text']}" in report["md"]
+    assert f"  warning (latent): {mask['text']}" in report["stdout"]
+    assert "8 latent differences of the framework (warnings)" in report["stdout"]
 
 
 def test_nothing_specforge_does_not_do_is_reported(report):

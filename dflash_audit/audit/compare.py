@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_audit.audit.cases.build import plan_cases
+from dflash_audit.audit.frameworks.latent import latent_findings
 from dflash_audit.audit.frameworks.registry import (
     SPECULATORS,
     candidate_launch,
@@ -254,14 +255,19 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
                                       staging)
                 st.timing["canary"] = time.perf_counter() - t_canary
                 st.timing["total"] = time.perf_counter() - started
+                exercised = inputs_info.pop("latent_exercised", {})
                 report = _build_report(opts, profile, ref_info, candidate, records, pictures,
                                        inputs_info, created_at, st.timing,
                                        covered_verifiers(planned), launch)
                 if framework is not None:
                     report.candidate["framework"] = {
-                        **{k: v for k, v in framework.items() if k != "capabilities"},
+                        **{k: v for k, v in framework.items()
+                           if k not in ("capabilities", "latent")},
                         "capabilities": framework["capabilities"].to_dict()}
                     report.notes += inputs_info.get("unsupported", [])
+                    report.latent = latent_findings(framework["label"],
+                                                     framework["capabilities"],
+                                                     framework["latent"], exercised)
                 report.tolerance = tolerance
                 if not reference_ran:
                     report.notes.append(REFERENCE_NOT_RUN)

@@ -151,11 +151,15 @@ def main(opts: CompareOptions) -> int:
             ("computed by the adapter, not audited", by_adapter)) if names]
     if unsupported:
         groups.append(f"{unsupported} cases not supported by the framework")
+    if report.latent:
+        groups.append(f"{len(report.latent)} latent differences of the framework (warnings)")
     line = (f"verdict: {report.verdict.upper()} ({'; '.join(groups)}) in "
             f"{report.timing.get('total', 0.0):.1f} s")
     print(line)
     if not report.candidate.get("sandbox", {}).get("sandboxed", True):
         print("  note: candidate ran without a sandbox (see report.json candidate.sandbox)")
+    for latent in report.latent:  # every one, whatever the verdict: none is dropped
+        print(f"  warning (latent): {latent.get('text')}")
     if report.verdict == "pass":  # what the warnings are, without opening report.md
         warnings = list(dict.fromkeys(d["cause"] for d in report.diagnoses()
                                       if d.get("status") == "warn"))

@@ -22,6 +22,7 @@ import torch
 from dflash_audit.report.markdown import (
     fmt_num,
     framework_lines,
+    latent_lines,
     reference_rows,
     sandbox_rows,
 )
@@ -208,6 +209,12 @@ def render_html(report: Report) -> str:
     if framework:
         parts.append("<h2>Framework</h2><ul>" + "".join(f"<li>{_e(line)}</li>"
                                                         for line in framework) + "</ul>")
+    latent = latent_lines(report)
+    if latent:
+        parts.append("<h2>Latent differences</h2><p>What the framework would do on input it "
+                     "cannot express (warnings; the verdict does not count them).</p><ul>"
+                     + "".join(f"<li>{_status('warn')} {_e(line)}</li>" for line in latent)
+                     + "</ul>")
     parts += ["<h2>Checks</h2>", _table(["check", "status", "results ✓ / ✗ / ⚠", "worst max abs",
                                          "worst max rel", "first failure"], rows)]
     diagnoses = report.diagnoses()

@@ -130,6 +130,19 @@ def framework_lines(report: Report) -> list[str]:
     return lines
 
 
+def latent_lines(report: Report) -> list[str]:
+    """One line per latent difference of an audited framework (``report.latent``): what it
+    would do on input it cannot express, where in its code, and which of the audit's cases
+    had such input (plain text; warnings that never change the verdict)."""
+    lines = []
+    for d in report.latent:
+        cases = d.get("cases") or []
+        lines.append(str(d.get("text")) + (
+            f" [input of {len(cases)} audit case(s), cut or left out: "
+            f"{', '.join(cases[:4])}{' ...' if len(cases) > 4 else ''}]" if cases else ""))
+    return lines
+
+
 def checks_table(report: Report) -> list[str]:
     """The table of checks aggregated over cases."""
     lines = ["| check | status | results ✓ / ✗ / ⚠ | worst max abs diff | worst max rel diff "
@@ -181,10 +194,11 @@ def root_cause_lines(report: Report) -> list[str]:
 
 def render_markdown(report: Report) -> str:
     """The text of ``report.md``: verdict, what was compared, a FAIL's named root causes, the
-    framework an adapter drove (if any), the checks, then the other diagnoses (consequences,
-    unexplained differences, warnings)."""
+    framework an adapter drove (if any) and its latent differences, the checks, then the other
+    diagnoses (consequences, unexplained differences, warnings)."""
     roots = root_cause_lines(report)
     fw = framework_lines(report)
+    latent = latent_lines(report)
     summary, proof = sandbox_rows(report)
     out = [verdict_line(report), "", *_what(report), "",
            *([summary, ""] if summary else []),
@@ -193,6 +207,10 @@ def render_markdown(report: Report) -> str:
               *[f"| {name} | {ok} | {_cell(ev, 300)} |" for name, ok, ev in proof],
               "", "</details>", ""] if proof else []), *roots,
            *(["### Framework", "", *[f"- {_cell(line, 400)}" for line in fw], ""] if fw
+             else []),
+           *([f"### Latent differences ({len(latent)} warning(s): what the framework would do "
+              "on input it cannot express; the verdict does not count them)", "",
+              *[f"- {ICON['warn']} {_cell(line, 600)}" for line in latent], ""] if latent
              else []), "### Checks", "",
            *checks_table(report), "",
            "One result per case (per case and layer type for mask). A check passes when "

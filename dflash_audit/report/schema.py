@@ -44,6 +44,12 @@
 - ``timing``: seconds per stage (resolve_reference, batches, cases, write_cases,
   reference_cache, import_check, candidate, reference_wait, reference, checks) and ``total``.
 - ``notes``: remarks (e.g. version-dependent metric definitions).
+- ``latent``: an audited framework's latent differences (warnings that never change the
+  verdict; :mod:`dflash_audit.audit.frameworks.latent`): what it would do on input it cannot
+  express, one entry each: ``capability``, ``text`` (the one line every format shows),
+  ``would``, ``source`` (``path:line`` in the framework's installed code), ``shows`` (what
+  those lines contain), ``declared`` (False: its adapter did not say) and ``cases`` (the
+  audit's cases that had such input and were cut or left out). Empty for other candidates.
 
 Status order: ``fail`` > ``warn`` > ``pass``.
 """
@@ -130,6 +136,8 @@ class Report:
     verifiers: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: dtype, measured noise and derived tolerances (dflash_audit.audit.precision); {} in fp32
     tolerance: dict[str, Any] = field(default_factory=dict)
+    #: a framework's latent differences (see the module docstring); warnings only
+    latent: list[dict[str, Any]] = field(default_factory=list)
 
     # ----------------------------------------------------------------- verdict
     @property
@@ -214,6 +222,7 @@ class Report:
             "cases": [c.to_dict() for c in self.cases],
             "timing": {k: round(v, 3) for k, v in self.timing.items()},
             "notes": self.notes,
+            "latent": self.latent,
             "tolerance": self.tolerance,
         }
 

@@ -73,6 +73,18 @@ from dflash_audit.model.layers import RMSNorm  # noqa: E402
 from dflash_audit.model.metrics import dflash_metrics  # noqa: E402
 
 NAME, VERSION = "toy framework", "0.0"
+#: What the toy cannot express (its labels are always the data tokens; one vocabulary) and,
+#: for each, what it would do on such input, where in its code (a latent difference: PATH
+#: relative to the framework's install root, here this folder; "shows" is what those lines say).
+CAPABILITIES = {"sample_from_anchor": False, "draft_vocab": False}
+LATENT = [
+    {"capability": "sample_from_anchor", "source": "toy_framework_adapter.py:64",
+     "would": "teaches slot s the data token input_ids[a+s] whatever the recipe: under "
+              "sample_from_anchor=True every slot would be taught one position early",
+     "shows": "input_ids[:, idx]"},
+    {"capability": "draft_vocab", "source": "toy_framework_adapter.py:40",
+     "would": "has one output head over the full vocabulary V: no draft vocabulary",
+     "shows": "nn.Linear(H, V, bias=False)"}]
 PROVENANCE = {"context": "framework", "logits": "framework", "mask.full_attention": "framework",
               "loss": "framework", "loss_weights.": "framework", "grad.": "framework",
               "targets": "adapter", "aligned_loss_mask": "adapter"}

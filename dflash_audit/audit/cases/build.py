@@ -26,8 +26,9 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
     awaits the reference's import check there, so a broken reference costs no capture).
     ``capabilities`` (a framework's :class:`~dflash_audit.audit.frameworks.capabilities.
     Capabilities`, named ``framework_label``): the cases are those it supports
-    (:func:`dflash_audit.audit.cases.supported.framework_cases`), and ``inputs["unsupported"]``
-    lists what was cut or left out.
+    (:func:`dflash_audit.audit.cases.supported.framework_cases`), ``inputs["unsupported"]``
+    lists what was cut or left out and ``inputs["latent_exercised"]`` which cases needed each
+    capability the framework lacks ({capability: [case names]}).
 
     Raises:
         CompareSetupError: bad verifier, data, layer ids, mask token, or a profile that does
@@ -98,10 +99,15 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
             if capabilities is not None and capabilities != type(capabilities)():
                 from dflash_audit.audit.cases.supported import framework_cases
 
+                exercised: dict[str, list[str]] = {}
                 planned, notes = framework_cases(planned, profile, opts.cases, opts.seed,
                                                  capabilities, framework_label,
-                                                 opts.dtype or profile.dtype)
+                                                 opts.dtype or profile.dtype, exercised)
+                if fit_note:  # every drafter was deepened to one target layer per layer
+                    exercised.setdefault("any_target_layer_count", []).extend(
+                        p.case.name for p in planned)
                 info["unsupported"] = ([fit_note] if fit_note else []) + notes
+                info["latent_exercised"] = exercised
             else:
                 planned += plan_synthetic_cases(profile, opts.cases, seed=opts.seed)
             if opts.device == "cuda":  # Q and T+Q past and off the flex block size

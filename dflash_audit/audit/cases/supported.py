@@ -33,15 +33,16 @@ TRIES_PER_CASE = 12
 
 
 def _fit(p: PlannedCase, caps: Capabilities, seed: int, dtype: str
-         ) -> tuple[PlannedCase, list[str]]:
+         ) -> tuple[PlannedCase, list[tuple[str, str]]]:
     """``p`` as the framework can run it (cut to one document when only packing is in the
-    way) and the reasons it still cannot (empty: supported) in the audit's ``dtype``."""
+    way) and the ``(capability, reason)`` pairs why it still cannot (empty: supported) in the
+    audit's ``dtype``."""
 
-    def why(case: Any) -> list[str]:
-        return caps.unsupported(dataclasses.replace(case, dtype=dtype))
+    def why(case: Any) -> list[tuple[str, str]]:
+        return caps.unsupported_by(dataclasses.replace(case, dtype=dtype))
 
     reasons = why(p.case)
-    if reasons and not caps.packed_rows and any(r.startswith("packed rows") for r in reasons):
+    if reasons and not caps.packed_rows and any(k == "packed_rows" for k, _ in reasons):
         cut = single_document(p.case, seed=seed)
         if cut is not None:
             p = PlannedCase(cut, p.kind, {**layout_facts(cut), "cut_to_first_document": True})
@@ -79,7 +80,8 @@ def _mark(p: PlannedCase, reasons: list[str], label: str) -> PlannedCase:
 
 
 def framework_cases(real: list[PlannedCase], profile: Any, count: int, seed: int,
-                    caps: Capabilities, label: str, dtype: str = "fp32"
+                    caps: Capabilities, label: str, dtype: str = "fp32",
+                    exercised: dict[str, list[str]] | None = None
                     ) -> tuple[list[PlannedCase], list[str]]:
     """The real cases fitted to ``caps`` and ``count`` synthetic cases the framework supports.
 
@@ -87,6 +89,10 @@ def framework_cases(real: list[PlannedCase], profile: Any, count: int, seed: int
         real: the real cases (:func:`dflash_audit.audit.cases.plan.plan_real_cases`).
         label: the framework as the report names it (``SpecForge 0.2.0``).
         dtype: the dtype the cases will run in (``fp32`` / ``bf16``).
+        exercised: filled with ``{capability: [case names]}``: the cases whose input needed a
+            capability ``caps`` lack (cut to one document, or left out): where the
+            framework's latent difference (:mod:`dflash_audit.audit.frameworks.latent`)
+            would have shown.
 
     Returns:
         ``(planned cases, notes)``: notes list each distinct reason a case was cut or left
@@ -95,13 +101,20 @@ def framework_cases(real: list[PlannedCase], profile: Any, count: int, seed: int
     planned: list[PlannedCase] = []
     skipped: dict[str, list[str]] = {}
     cut: list[str] = []
+    exercised = exercised if exercised is not None else {}
+
+    def count_in(name: str, reasons: list[tuple[str, str]]) -> None:
+        for key, r in reasons:
+            skipped.setdefault(r, []).append(name)
+            exercised.setdefault(key, []).append(name)
+
     for p in real:
         fitted, reasons = _fit(p, caps, seed, dtype)
         if fitted.case is not p.case:
             cut.append(p.case.name)
-        planned.append(_mark(fitted, reasons, label) if reasons else fitted)
-        for r in reasons:
-            skipped.setdefault(r, []).append(p.case.name)
+            exercised.setdefault("packed_rows", []).append(p.case.name)
+        planned.append(_mark(fitted, [r for _, r in reasons], label) if reasons else fitted)
+        count_in(p.case.name, reasons)
     synthetic: list[PlannedCase] = []
     spares: list[tuple[PlannedCase, list[str]]] = []
     depth = None if caps.any_target_layer_count else len(synthetic_target_layers(
@@ -111,12 +124,13 @@ def framework_cases(real: list[PlannedCase], profile: Any, count: int, seed: int
         p = synthetic_planned(profile, i, count, seed, num_draft_layers=depth)
         fitted, reasons = _fit(p, caps, seed * 7919 + i, dtype)
         i += 1
-        if fitted.case is not p.case and not reasons:
-            cut.append(p.case.name)
+        if fitted.case is not p.case:
+            exercised.setdefault("packed_rows", []).append(p.case.name)
+            if not reasons:
+                cut.append(p.case.name)
         if reasons:
-            for r in reasons:
-                skipped.setdefault(r, []).append(p.case.name)
-            spares.append((fitted, reasons))
+            count_in(p.case.name, reasons)
+            spares.append((fitted, [r for _, r in reasons]))
             continue
         synthetic.append(fitted)
     for fitted, reasons in spares[: count - len(synthetic)]:

@@ -24,6 +24,18 @@ The contract every adapter module ``dflash_audit/audit/frameworks/<name>_adapter
   head); a profile value the framework runs as its own variant is supported (the audit names
   the difference); a case outside them is "not supported by NAME VERSION: ...", never a
   failure, and the adapter's own refusals are only a guard for cases given to it directly.
+* ``LATENT``: what the framework WOULD do on input it cannot express (:mod:`.latent`): one
+  ``{"capability", "would", "source", "shows"}`` per capability its CAPABILITIES lack
+  (``capability`` a field it lacks; ``would`` read after its label: "has no document mask:
+  packed rows would leak across documents"; ``source`` ``PATH:LINE`` or ``PATH:FIRST-LAST``
+  relative to its install root; ``shows`` text those lines contain). Each is a warning in
+  every report format, the terminal and the conformance matrix, never a failure; a lacking
+  capability left undeclared is listed as such. Malformed entries are a setup error (exit 2);
+  :func:`.latent.check_sources` verifies the citations against the installed framework (a
+  test per adapter: the file exists at the pinned version and the lines say what is claimed).
+  The rule for what goes where: a profile value the framework runs as its own variant is
+  supported (a case runs, the audit names the difference); only what it cannot express at
+  all is left out of CAPABILITIES, and then described in LATENT.
 * ``NAME`` and ``VERSION`` (and ``REQUIREMENTS``) as literals: the registry reads them from the
   module's source without importing the framework.
 * ``REQUIREMENTS``: the pip requirements installed (``--no-deps``) into the tool's cache for

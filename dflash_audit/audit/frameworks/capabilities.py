@@ -120,64 +120,95 @@ class Capabilities:
     def unsupported(self, case: Any) -> list[str]:
         """Why ``case`` (a :class:`dflash_audit.audit.case.Case`) is outside these
         capabilities, one reason each; empty when the framework can run it."""
+        return [reason for _, reason in self.unsupported_by(case)]
+
+    def unsupported_by(self, case: Any) -> list[tuple[str, str]]:
+        """:meth:`unsupported` with the capability each reason comes from: ``(field of this
+        class, reason)`` pairs, in the same order."""
         cfg, inputs, why = case.config, case.inputs, []
         doc = inputs["document_ids"]
         documents = int(doc.max()) + 1 if bool((doc >= 0).any()) else 0
         if not self.packed_rows and (documents > 1 or bool((doc < 0).any())):
-            why.append(f"packed rows ({documents} documents"
-                       + (", padding" if bool((doc < 0).any()) else "") + " in one row)")
+            why.append(("packed_rows", f"packed rows ({documents} documents"
+                        + (", padding" if bool((doc < 0).any()) else "") + " in one row)"))
         types = set(cfg.effective_layer_types)
         layout = "mixed" if len(types) > 1 else ("sliding" if SLIDING_ATTENTION in types
                                                  else "full")
         if layout not in self.layouts:
-            why.append(f"{layout} draft-layer layout (supported: {', '.join(self.layouts)})")
+            why.append(("layouts", f"{layout} draft-layer layout (supported: "
+                                   f"{', '.join(self.layouts)})"))
         if SLIDING_ATTENTION in types:
             block = "non_causal" if cfg.sliding_window_non_causal else "causal"
             if block not in self.block_attention:
-                why.append(f"{block.replace('_', '-')} block attention in sliding layers")
+                why.append(("block_attention",
+                            f"{block.replace('_', '-')} block attention in sliding layers"))
         family = cfg.verifier_model_type
         if self.verifier_families is not None and family not in self.verifier_families:
-            why.append(f"verifier family {family!r} (supported: "
-                       f"{', '.join(self.verifier_families)})")
+            why.append(("verifier_families", f"verifier family {family!r} (supported: "
+                                             f"{', '.join(self.verifier_families)})"))
         if cfg.uses_draft_vocab and not self.draft_vocab:
-            why.append(f"a draft vocabulary (V_d={cfg.effective_draft_vocab_size} < "
-                       f"V={cfg.vocab_size})")
+            why.append(("draft_vocab", f"a draft vocabulary (V_d={cfg.effective_draft_vocab_size}"
+                                       f" < V={cfg.vocab_size})"))
         why += self._target_layers(cfg)
         if (SLIDING_ATTENTION in types and not self.window_below_block
                 and cfg.sliding_window < cfg.block_size):
-            why.append(f"a sliding window W={cfg.sliding_window} smaller than the block "
-                       f"(B={cfg.block_size})")
+            why.append(("window_below_block", f"a sliding window W={cfg.sliding_window} smaller "
+                                              f"than the block (B={cfg.block_size})"))
         heads = [case.weights.get(k) for k in ("lm_head.weight", "verifier_lm_head.weight")]
         if (not self.separate_draft_head and all(h is not None for h in heads)
                 and not torch.equal(heads[0], heads[1])):
-            why.append("a draft lm_head that differs from the verifier's (one head for both)")
+            why.append(("separate_draft_head", "a draft lm_head that differs from the "
+                                               "verifier's (one head for both)"))
         terms = list(parse_loss(case.loss.loss))
         if self.losses is not None and any(t not in self.losses for t in terms):
-            why.append(f"loss {case.loss.loss!r} (supported: {', '.join(self.losses)})")
+            why.append(("losses", f"loss {case.loss.loss!r} (supported: "
+                                  f"{', '.join(self.losses)})"))
         if len(terms) > 1 and not self.loss_mixes:
-            why.append(f"a mix of loss terms {case.loss.loss!r} (one term only)")
+            why.append(("loss_mixes", f"a mix of loss terms {case.loss.loss!r} (one term only)"))
         if self.weightings is not None and case.loss.weighting not in self.weightings:
-            why.append(f"loss weighting {case.loss.weighting!r} (supported: "
-                       f"{', '.join(self.weightings)})")
+            why.append(("weightings", f"loss weighting {case.loss.weighting!r} (supported: "
+                                      f"{', '.join(self.weightings)})"))
         if cfg.sample_from_anchor and not self.sample_from_anchor:
-            why.append("sample_from_anchor=True")
+            why.append(("sample_from_anchor", "sample_from_anchor=True"))
         if case.dtype not in self.dtypes:
-            why.append(f"dtype {case.dtype} (supported: {', '.join(self.dtypes)})")
+            why.append(("dtypes", f"dtype {case.dtype} (supported: {', '.join(self.dtypes)})"))
         return why
 
-    def _target_layers(self, cfg: Any) -> list[str]:
+    def _target_layers(self, cfg: Any) -> list[tuple[str, str]]:
         """Why the case's target layer ids (speculators convention) cannot be given."""
         ids, n, why = list(cfg.target_layer_ids), cfg.num_verifier_layers, []
         if not self.any_target_layer_count and len(ids) != cfg.num_hidden_layers:
-            why.append(f"{len(ids)} target layers for {cfg.num_hidden_layers} draft layer(s) "
-                       "(it takes exactly one target layer per draft layer)")
+            why.append(("any_target_layer_count",
+                        f"{len(ids)} target layers for {cfg.num_hidden_layers} draft layer(s) "
+                        "(it takes exactly one target layer per draft layer)"))
         if not self.embedding_layer and 0 in ids:
-            why.append("target layer id 0 (the embedding output: z-lab id -1, which it cannot "
-                       "name)")
+            why.append(("embedding_layer", "target layer id 0 (the embedding output: z-lab id "
+                                           "-1, which it cannot name)"))
         if not self.last_layer and n in ids:
-            why.append(f"target layer id {n} (the last layer's output before the final norm: "
-                       f"its id {n - 1} reads HF hidden_states[{n}], after the norm)")
+            why.append(("last_layer", f"target layer id {n} (the last layer's output before the "
+                                      f"final norm: its id {n - 1} reads HF hidden_states[{n}], "
+                                      "after the norm)"))
         return why
+
+    def lacking(self) -> list[str]:
+        """The fields where these capabilities fall short of the reference's (a flag False, a
+        list that leaves a known value out, a restriction where the default is None = all),
+        in field order: what a latent difference (:mod:`.latent`) can be declared for."""
+        full = Capabilities()
+        every = {"losses": LOSS_NAMES, "weightings": WEIGHTINGS}
+        out = []
+        for f in dataclasses.fields(self):
+            value, default = getattr(self, f.name), getattr(full, f.name)
+            if isinstance(default, bool):
+                short = not value
+            elif default is None:
+                short = value is not None and (f.name not in every
+                                               or not set(every[f.name]) <= set(value))
+            else:
+                short = not set(default) <= set(value)
+            if short:
+                out.append(f.name)
+        return out
 
 
 def single_document(case: Any, seed: int = 0) -> Any | None:

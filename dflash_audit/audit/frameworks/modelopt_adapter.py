@@ -52,6 +52,7 @@ import torch
 from dflash_audit.audit.case import SideOutputs
 from dflash_audit.audit.frameworks import modelopt_config as mc
 from dflash_audit.audit.frameworks.kit import record_locals, state_dict_entries
+from dflash_audit.audit.frameworks.modelopt_latent import LATENT  # noqa: F401 - contract
 from dflash_audit.audit.frameworks.modelopt_recipe import read_run_config  # noqa: F401
 from dflash_audit.audit.frameworks.modelopt_rows import (
     plan_rows,

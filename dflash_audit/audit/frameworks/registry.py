@@ -311,17 +311,20 @@ def framework_facts(launch: CandidateLaunch, identity: dict[str, Any]) -> dict[s
     """What the audit needs about the framework of ``launch`` once its candidate process has
     loaded the adapter (``identity``: the runner's ``candidate.json``, whose ``adapter`` holds
     the module's constants): ``label`` (``SpecForge 0.2.0``), ``provenance``,
-    ``capabilities`` (:class:`Capabilities`) and the launch's facts; None for a plain
-    candidate.
+    ``capabilities`` (:class:`Capabilities`), ``latent`` (its declared
+    :class:`~.latent.LatentDifference` list, :mod:`.latent`) and the launch's facts; None for
+    a plain candidate.
 
     Raises:
-        FrameworkError: the module lacks NAME / VERSION, or its CAPABILITIES are malformed; an
+        FrameworkError: the module lacks NAME / VERSION, or its CAPABILITIES or LATENT are
+            malformed; an
             external adapter loaded with a built-in framework's name (:func:`impersonation`).
     """
     from dflash_audit.audit.frameworks.capabilities import (
         Capabilities,
         CapabilitiesError,
     )
+    from dflash_audit.audit.frameworks.latent import parse_latent
 
     if launch.framework is None:
         return None
@@ -332,7 +335,8 @@ def framework_facts(launch: CandidateLaunch, identity: dict[str, Any]) -> dict[s
                              "NAME and VERSION (dflash_audit/audit/frameworks/__init__.py)")
     try:
         caps = Capabilities.from_dict(adapter.get("CAPABILITIES"))
-    except CapabilitiesError as exc:
+        latent = parse_latent(adapter.get("LATENT"), caps)
+    except CapabilitiesError as exc:  # LatentError too
         raise FrameworkError(f"the adapter {info['module']}: {exc}") from None
     name = str(adapter.get("NAME") or info["name"])
     version = str(adapter.get("VERSION") or info["version"])
@@ -345,7 +349,7 @@ def framework_facts(launch: CandidateLaunch, identity: dict[str, Any]) -> dict[s
         raise FrameworkError(f"the adapter {info['module']}: PROVENANCE must map output keys "
                              f"to 'framework' or 'adapter', got {provenance!r}")
     return {**info, "name": name, "version": version, "label": f"{name} {version}",
-            "provenance": dict(provenance), "capabilities": caps,
+            "provenance": dict(provenance), "capabilities": caps, "latent": latent,
             "requirements": list(adapter.get("REQUIREMENTS") or [])}
 
 

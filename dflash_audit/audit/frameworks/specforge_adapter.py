@@ -43,6 +43,7 @@ from dflash_audit.audit.frameworks.specforge_config import (
     derive_config,
     read_run_config,
 )
+from dflash_audit.audit.frameworks.specforge_latent import LATENT  # noqa: F401 - contract
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.layer_ids import from_zlab_ids, to_zlab_ids
 from dflash_audit.model.loss import parse_loss

@@ -77,6 +77,20 @@ CAPABILITIES: dict[str, Any] = {
     "sample_from_anchor": False,
     "dtypes": ["fp32", "bf16"],
 }
+#: What z-lab would do, serving a drafter, on what it cannot express (:mod:`.latent`; checked
+#: against the installed wheel by tests/test_framework_latent.py).
+LATENT: list[dict[str, str]] = [
+    {"capability": "draft_vocab",
+     "would": "drafts with the target's own output head: no draft vocabulary (t2d / d2t), so "
+              "a drafter trained on a reduced vocabulary cannot be served there",
+     "source": "dflash/model.py:260",
+     "shows": "draft_logits = model.compute_logits(draft_hidden, _output_head(target))"},
+    {"capability": "sample_from_anchor",
+     "would": "drafts from slots 1..B-1 only and writes slot s's token at position a+s: a "
+              "drafter trained with sample_from_anchor=True (slot s predicts the token after "
+              "a+s) would have each draft placed one position early and its slot 0 discarded",
+     "source": "dflash/model.py:243-249", "shows": "[:, 1 - verify_size :, :]"},
+]
 #: Who computes each output (see the module docstring).
 PROVENANCE: dict[str, str] = {
     "context": "framework",

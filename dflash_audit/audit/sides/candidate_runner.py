@@ -186,14 +186,15 @@ def publish(out_dir: Path, name: str, status: dict[str, Any], outputs: Any) -> N
 
 #: Constants of a framework adapter module (dflash_audit.audit.frameworks) reported to the
 #: parent: it never imports the adapter (the framework is importable only in this process).
-ADAPTER_CONSTANTS = ("NAME", "VERSION", "PROVENANCE", "CAPABILITIES", "REQUIREMENTS")
+ADAPTER_CONSTANTS = ("NAME", "VERSION", "PROVENANCE", "CAPABILITIES", "LATENT",
+                     "REQUIREMENTS")
 
 
 def identity(candidate: Any, spec: str | None) -> dict[str, Any]:
     """What the parent needs to know about the loaded candidate: its report name, class,
     source files (:func:`dflash_audit.report.fingerprint.candidate_source_files`), whether
     it has its own anchor sampler, and -- for a framework adapter module -- its contract
-    constants (``adapter``: {NAME, VERSION, PROVENANCE, CAPABILITIES, REQUIREMENTS}, JSON
+    constants (``adapter``: {NAME, VERSION, PROVENANCE, CAPABILITIES, LATENT, REQUIREMENTS}, JSON
     values) plus the files of the framework it imported (``framework_files``)."""
     from dflash_audit.report.fingerprint import candidate_source_files
 
