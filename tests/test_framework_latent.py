@@ -79,7 +79,7 @@ def test_a_lacking_capability_is_never_dropped(tmp_path):
     assert "does not exist" in check_sources(declared, tmp_path / "elsewhere")[0]
 
 
-@pytest.mark.parametrize("key", ["specforge", "modelopt", "zlab"])
+@pytest.mark.parametrize("key", ["specforge", "modelopt", "zlab", "nemo"])
 def test_every_builtin_claim_holds_in_the_frameworks_source(key):
     """Each built-in adapter declares what its framework would do for every capability it
     lacks, and each citation holds in the framework installed at the pinned version: the

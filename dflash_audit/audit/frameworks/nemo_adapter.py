@@ -28,6 +28,7 @@ import torch
 from dflash_audit.audit.case import SideOutputs
 from dflash_audit.audit.frameworks import kit
 from dflash_audit.audit.frameworks.light_import import skip_package_inits
+from dflash_audit.audit.frameworks.nemo_latent import LATENT  # noqa: F401 - contract
 from dflash_audit.model.layer_ids import from_zlab_ids, to_zlab_ids
 from dflash_audit.model.loss import parse_loss
 
@@ -54,10 +55,8 @@ CAPABILITIES: dict[str, Any] = {
     "weightings": ["none", "fixed-exp-decay"],
     "draft_vocab": False, "sample_from_anchor": False, "dtypes": ["fp32"],
     # a decoder-layer hook cannot capture the embedding output (target.py:74-175)
-    "embedding_layer": False,
-}
+    "embedding_layer": False}
 PROVENANCE: dict[str, str] = {"structure.target_layer_ids": "adapter"}
-_DRAFT = ("fc.", "hidden_norm.", "layers.", "norm.")
 
 
 def nemo(module: str) -> Any:
@@ -94,7 +93,8 @@ class NeMoCandidate:
                 "target_layer_ids": to_zlab_ids(config.target_layer_ids),
                 "mask_token_id": config.mask_token_id},
             attention_backend="eager" if device.type == "cpu" else "sdpa")).float().to(device)
-        draft.load_state_dict({k: v for k, v in weights.items() if k.startswith(_DRAFT)})
+        draft.load_state_dict({k: v for k, v in weights.items() if k.startswith(
+            ("fc.", "hidden_norm.", "layers.", "norm."))})
         embed, head = kit.frozen_embedding_and_head(weights, device)
         window = config.sliding_window if "sliding_attention" in config.effective_layer_types \
             else None  # NeMo's trainer has one window for every layer
