@@ -5,7 +5,8 @@ Hypotheses name: frozen weights being trained (gradients where the reference fre
 parameters no gradient reaches (detached or frozen on the candidate side; a consequence, not
 a cause, when the candidate's masks hide all context), gradients of every parameter scaled by
 one constant while the reported loss is not (the backward ran on k x the loss:
-:func:`gradient_scale`), another loss formula whose value equals the reference's within the
+:func:`gradient_scale`; named as the loss normalised by a count of the case where k is the
+supervised tokens over that count), another loss formula whose value equals the reference's within the
 loss tolerance on this case (replayed forward and backward:
 :func:`dflash_audit.audit.replay.loss_formulas.gradient_formula_causes`; D-PACE weights not detached
 among them), and differences that follow from an upstream check's difference.

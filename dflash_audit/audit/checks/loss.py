@@ -2,7 +2,9 @@
 loss mask (exact: which slots are trained) and each loss term's per-slot weights on supervised
 slots, with the decay gamma each side's weights imply (:func:`fit_decay`).
 
-Hypotheses name: slot 0 (the anchor) not masked out, padding anchors not masked out, a
+Hypotheses name: per-slot supervision taken from another mask than loss_mask (the attention
+mask, all ones, document boundaries: :mod:`dflash_audit.audit.replay.supervision`, with the
+slots it trains), slot 0 (the anchor) not masked out, padding anchors not masked out, a
 misaligned loss mask, the fixed per-slot weight formula (:mod:`dflash_audit.audit.replay.weight_formulas`:
 a wrong decay gamma or decay formula, no position decay, slot 0's weight under
 sample_from_anchor, weights normalised per block; on a case that cannot separate two formulas,
@@ -11,8 +13,9 @@ both in one cause with the slots a separating case needs), D-PACE vs fixed-exp-d
 an upstream difference or from another loss kind (a consequence, listed after it), D-PACE
 confidences computed from cross-entropy against the data tokens (ModelOpt), another loss (e.g.
 hard-label CE instead of a soft divergence, soft cross-entropy KL + H(p)) and the loss
-normalised by the sum of weights, averaged over all Q slots or per block or divided by the
-batch size (under either weighting), a loss reduced
+normalised by the sum of weights, averaged over all Q slots or per block, divided by the
+batch size or by a count of anchors, blocks or tokens (:mod:`dflash_audit.audit.replay.normalisers`;
+under any weighting), D-PACE weights that follow from the aligned mask, a loss reduced
 under another mask than the aligned_loss_mask the candidate reports, and a loss scaled by a
 constant (told from any other difference by the gradients: all scaled by the same factor);
 among several loss formulas that reproduce the total, only those with the fewest deviations,

@@ -4,13 +4,17 @@ against the profile.
 Compares fc in/out features, target_layer_ids, block_size, mask_token_id, layer types and
 window, the non-causal flag, sample_from_anchor and the state dict (keys, shapes, trainable
 flags); exact (no tolerance). Differences that cannot change training warn (dtype,
-inference-only buffers, frozen entries on one side only, fields one side does not report).
+inference-only buffers, frozen entries on one side only, fields one side does not report); a
+trainable parameter held in a coarser dtype than the reference's (bf16 where it keeps fp32
+master weights) fails unless the candidate reports a master copy of the reference's precision
+(``structure["master_weights"]``), since every optimizer update is then rounded.
 
 Hypotheses name: fc fed a subset of the target layers or sized by draft depth, target layer
 ids counted by decoder layer (z-lab's convention) / offset by one / negative ids wrapping, mask_token_id falling
 back to pad / eos / bos, a window bound off by one, frozen weights being trained (or trained
 weights frozen), an lm_head not reduced to the draft vocabulary, state-dict names that do not
-load into the reference.
+load into the reference, trainable parameters without a float32 master copy (with the smallest
+update that survives at the case's weights).
 """
 
 from __future__ import annotations
