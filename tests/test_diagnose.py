@@ -598,16 +598,21 @@ def test_a_case_where_tied_counts_differ_names_one():
 
 
 def test_a_count_that_equals_a_constant_on_the_case_says_so():
-    cause = count_cause(["valid_anchors"], 6.0, 12.0)
+    cause = count_cause(["valid_anchors"], {"valid_anchors": 6.0}, 12.0)
     assert cause == ("loss normalised by the number of valid anchors (anchor_valid) (N=6) "
                      "instead of the number of supervised tokens (N=12), or a loss scaled by "
                      "the constant 2: the two are equal on this case (N=6 x 2 = 12), a case "
                      "with another count separates them")
-    assert cause_key(cause) == cause_key(count_cause(["valid_anchors"], 5.0, 11.0))
-    assert count_cause(["anchors"], 6.0, 3.0).endswith("scaled by the constant 1/2: the two "
-                                                      "are equal on this case (N=6 x 1/2 = 3), "
-                                                      "a case with another count separates "
-                                                      "them")
+    assert cause_key(cause) == cause_key(count_cause(["valid_anchors"], {"valid_anchors": 5.0},
+                                                      11.0))
+    assert count_cause(["anchors"], {"anchors": 6.0}, 3.0).endswith(
+        "scaled by the constant 1/2: the two are equal on this case (N=6 x 1/2 = 3), a case "
+        "with another count separates them")
+    close = count_cause(["row_tokens", "row_real_tokens"],
+                        {"row_tokens": 4200.0, "row_real_tokens": 4196.0}, 3000.0)
+    assert close == ("loss normalised by the row's tokens (T, padding included) (N=4200) or the "
+                     "row's non-padding tokens (N=4196) instead of the number of supervised "
+                     "tokens (N=3000) (within the loss tolerance of each other on this case)")
 
 
 def test_gradients_of_a_loss_normalised_by_a_count(ours):

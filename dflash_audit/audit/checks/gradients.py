@@ -159,4 +159,4 @@ def backward_normaliser(ev: Evidence, k: float) -> str | None:
     supervised = float(m.float().sum())
     counts = normaliser_counts(ev.inputs, m, ev.config.block_size)
     names = count_of_scale(counts, supervised, k, tolerance(ev.case, "grad")["rtol"] * 10)
-    return f"the {count_cause(names, counts[names[0]], supervised)}" if names else None
+    return f"the {count_cause(names, counts, supervised)}" if names else None

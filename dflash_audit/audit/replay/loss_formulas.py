@@ -178,7 +178,7 @@ def formula_causes(ev: Evidence, name: str, denom: str) -> list[str]:
     elif denom in COUNTS:
         m = ev.cand.tensors.get("aligned_loss_mask", ev.ref.tensors.get("aligned_loss_mask"))
         counts = normaliser_counts(ev.inputs, m, ev.config.block_size)
-        causes.append(count_cause([denom], counts[denom], float(m.float().sum())))
+        causes.append(count_cause([denom], counts, float(m.float().sum())))
     return causes
 
 

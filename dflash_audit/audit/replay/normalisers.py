@@ -78,47 +78,52 @@ def _n(x: float) -> str:
     return f"{x:.6g}"
 
 
-def count_cause(names: list[str], count: float, supervised: float) -> str:
+def count_cause(names: list[str], counts: dict[str, float], supervised: float) -> str:
     """The class in words: "loss normalised by <count> (N=..) instead of the number of
-    supervised tokens (N=..)"; several ``names`` equal on the case are named together, and a
-    ratio that is a plain constant on the case is named as the alternative it cannot be told
-    from here."""
-    words = " or ".join({**COUNTS, **OLDER_COUNTS}[n] for n in names)
-    tie = " (equal on this case; a case where they differ separates them)" if len(names) > 1 \
-        else ""
-    text = (f"loss normalised by {words} (N={_n(count)}) instead of {REFERENCE} "
-            f"(N={_n(supervised)}){tie}")
-    k = plain_constant(supervised / count) if count else None
+    supervised tokens (N=..)". Several ``names`` that reproduce the loss on the case (equal
+    counts, or counts within the loss tolerance of each other) are named together; a ratio that
+    is a plain constant on the case is named as the alternative it cannot be told from here."""
+    words = {**COUNTS, **OLDER_COUNTS}
+    values = [counts[n] for n in names]
+    same = len(set(values)) == 1
+    if same:
+        what = f"{' or '.join(words[n] for n in names)} (N={_n(values[0])})"
+    else:
+        what = " or ".join(f"{words[n]} (N={_n(counts[n])})" for n in names)
+    tie = "" if len(names) == 1 else (
+        " (equal on this case; a case where they differ separates them)" if same else
+        " (within the loss tolerance of each other on this case)")
+    text = f"loss normalised by {what} instead of {REFERENCE} (N={_n(supervised)}){tie}"
+    k = plain_constant(supervised / values[0]) if same and values[0] else None
     if k:
         text += (f", or a loss scaled by the constant {k}: the two are equal on this case (N="
-                 f"{_n(count)} x {k} = {_n(supervised)}), a case with another count separates "
-                 "them")
+                 f"{_n(values[0])} x {k} = {_n(supervised)}), a case with another count "
+                 "separates them")
     return text
 
 
 def merge_count_causes(causes: list[list[str]], denoms: list[str], counts: dict[str, float],
                        supervised: float) -> list[list[str]]:
-    """Tied formulas (lists of causes, one per denominator in ``denoms``) of the same loss whose
-    denominators are counts (:data:`COUNTS`, :data:`OLDER_COUNTS`) equal on the case become one
-    formula with one :func:`count_cause` naming them all; the others (and a count alone) are
-    returned unchanged, in their order."""
+    """Tied formulas (lists of causes, one per denominator in ``denoms``, each reproducing the
+    loss) of the same loss whose denominators are counts (:data:`COUNTS`,
+    :data:`OLDER_COUNTS`) become one formula with one :func:`count_cause` naming them all; the
+    others (and a count alone) are returned unchanged, in their order."""
     out: list[list[str]] = []
-    groups: dict[tuple, int] = {}  # (the loss's causes, count) -> index in out
-    members: dict[int, list[tuple[str, list[str]]]] = {}
+    groups: dict[tuple, int] = {}  # the loss's causes -> index in out
+    members: dict[int, list[str]] = {}
     for causes_i, denom in zip(causes, denoms):
         if denom not in counts:
             out.append(causes_i)
             continue
-        key = (tuple(causes_i[:-1]), counts[denom])  # the denominator's cause comes last
+        key = tuple(causes_i[:-1])  # the denominator's cause comes last
         if key not in groups:
             groups[key] = len(out)
             members[len(out)] = []
             out.append(causes_i)
-        members[groups[key]].append((denom, causes_i))
-    for i, group in members.items():
-        if len(group) > 1:
-            out[i] = [*out[i][:-1], count_cause([d for d, _ in group], counts[group[0][0]],
-                                                supervised)]
+        members[groups[key]].append(denom)
+    for i, names in members.items():
+        if len(names) > 1:
+            out[i] = [*out[i][:-1], count_cause(names, counts, supervised)]
     return out
 
 
