@@ -60,7 +60,10 @@ def structure_summary(model: nn.Module, config: DFlashConfig) -> dict[str, Any]:
     """Structural facts of a drafter module, in the same form the reference adapter reports.
 
     Facts come from the built model's own ``config`` when it has one (a candidate may build
-    something other than the profile asks for), else from the profile's ``config``.
+    something other than the profile asks for), else from the profile's ``config``. A
+    candidate whose optimizer keeps a master copy of parameters the module holds in bf16 adds
+    ``"master_weights": "float32"`` (or ``{name: dtype}``); without it such parameters fail the
+    structure check (:func:`dflash_audit.audit.precision.unmastered_parameters`).
     """
     config = getattr(model, "config", None) if isinstance(
         getattr(model, "config", None), DFlashConfig) else config

@@ -5,6 +5,8 @@ dense mask."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from pathlib import Path
 
@@ -200,3 +202,101 @@ def test_compare_bf16(tmp_path, reference_identity, candidate, exit_code):
         assert "loss" in failing and not failing & {"mask", "context", "targets", "logits"}
         causes = {c["cause"] for c in outcome.report.diagnoses() if "loss" in c["checks"]}
         assert SOFTMAX_BF16 in causes
+
+
+# ------------------------------------------- master weights (issue 30; our drafter as the side
+# of the reference: its structure summary is the reference's, tests/test_checks.py)
+NO_MASTER = Path(__file__).resolve().parents[1] / "examples" / "candidates" / \
+    "bf16_params_no_master.py"
+MASTER_CAUSE = ("trainable parameters in bfloat16 with no float32 master copy under bf16 "
+                "training: every optimizer update is rounded to bfloat16, so an Adam step, "
+                "about the learning rate, rounds away once the rate falls below that and those "
+                "weights stop learning; the reference keeps float32 master weights and runs the "
+                "step under autocast. A candidate whose optimizer keeps a float32 master copy (a "
+                "mixed-precision optimizer) reports it as structure['master_weights'] = "
+                "'float32' (or {parameter: dtype})")
+
+
+@pytest.fixture(scope="module")
+def bf16_audit():
+    """``run(candidate spec) -> (results by check, report)``: one bf16 case, the candidate run
+    as the harness runs it (bf16 autocast), checked and diagnosed against our drafter."""
+    from dflash_audit.audit.checks import run_checks
+    from dflash_audit.audit.diagnose import diagnose
+    from dflash_audit.audit.sides.run_sides import run_candidate
+    from dflash_audit.report import CaseRecord, Report
+
+    case = in_dtype(synthetic_case("low", CONFIG, LossSpec(), seed=5, seq_len=32), "bf16")
+    ours, _ = run_candidate(DrafterCandidate(), case)
+
+    def run(spec):
+        out, _ = run_candidate(load_candidate(spec), case)
+        results = run_checks(case, out, ours)
+        diagnose(case, out, ours, results)
+        report = Report(reference={"spec": "ours", "short_id": "0" * 12},
+                        candidate={"name": spec, "fingerprint": "c" * 64},
+                        profile={"name": "p", "fingerprint": "p" * 64}, inputs={},
+                        cases=[CaseRecord(name=case.name, kind="synthetic", description="",
+                                          layout={}, results=results)],
+                        created_at="2026-09-01T10:00:00+00:00")
+        return {r.name: r for r in results if r.name != "mask"}, report
+
+    return run
+
+
+def test_bf16_parameters_without_a_master_copy_fail_in_every_format(bf16_audit, tmp_path,
+                                                                    capsys, monkeypatch):
+    """ModelOpt PR 2322: every numeric check passes (the forward is bf16 either way), and before
+    issue 30 the audit exited 0 with a structure warning only. It must fail, named."""
+    import json
+    import types
+
+    import dflash_audit.audit.compare as compare
+    from dflash_audit.report import write_report
+    from dflash_audit.report.html import render_html
+    from dflash_audit.report.junit import render_junit
+    from dflash_audit.report.markdown import render_markdown
+
+    results, report = bf16_audit(f"{NO_MASTER}:candidate")
+    assert {n for n, r in results.items() if r.status == "fail"} == {"structure"}
+    (cause,) = results["structure"].diagnosis
+    assert cause.startswith("trainable parameters in bfloat16 with no float32 master copy under "
+                            "bf16 training (on this case: 14 of 14, fc.weight, ")
+    assert "leaves the weight unchanged" in cause
+    assert report.verdict == "fail" and report.exit_code == 1
+    assert [d["cause"] for d in report.root_causes()] == [MASTER_CAUSE]
+    folder = write_report(report, tmp_path)
+    assert json.loads((folder / "report.json").read_text())["diagnoses"][0]["cause"] == \
+        MASTER_CAUSE
+    for text in (render_markdown(report), render_junit(report)):
+        assert "no float32 master copy under bf16 training" in text
+    assert "no float32 master copy under bf16 training" in render_html(report)
+    outcome = types.SimpleNamespace(report=report, folder=folder, exit_code=1)
+    monkeypatch.setattr(compare, "run_compare", lambda opts: outcome)
+    assert main(CompareOptions(out=tmp_path, progress=False)) == 1
+    assert f"  cause: {MASTER_CAUSE}" in capsys.readouterr().out
+
+
+def test_bf16_parameters_with_a_master_copy_and_autocast_over_fp32_pass(bf16_audit):
+    """Never cry wolf: bf16 module parameters whose optimizer keeps a float32 master copy
+    (reported), and our drafter (fp32 parameters under autocast), have no failing check."""
+    results, report = bf16_audit(f"{NO_MASTER}:with_master_copy")
+    assert report.verdict == "pass"
+    assert results["structure"].status == "warn"  # bf16 module copies: named, not failed
+    results, report = bf16_audit(None)
+    assert report.verdict == "pass" and results["structure"].status == "pass"
+
+
+def test_a_dtype_not_reported_says_what_to_report():
+    from dflash_audit.audit.checks.structure import check_structure
+
+    case = synthetic_case("low", CONFIG, LossSpec(), seed=5, seq_len=32)
+    ours = DrafterCandidate().run_case(case.config, case.loss, case.weights, dict(case.inputs))
+    case = in_dtype(case, "bf16")  # the structure summary does not depend on the dtype
+    cand = copy.deepcopy(ours.structure)
+    del cand["state_dict"]["fc.weight"]["dtype"]
+    r = check_structure(case, dataclasses.replace(ours, structure=cand), ours)
+    assert r.status == "warn" and "the dtype of trainable 'fc.weight' is not reported: whether " \
+        "its updates keep a float32 master copy cannot be checked (report state_dict" \
+        "['fc.weight']['dtype'], and structure['master_weights'] when the optimizer keeps its " \
+        "own copy)" in r.summary

@@ -307,7 +307,14 @@ def test_structure_one_sided_fields_ignored_and_profile_checked(ours):
 
 def test_structure_warnings_and_failures(ours):
     cand = edited(ours)
-    cand.structure["state_dict"]["norm.weight"]["dtype"] = "bfloat16"
+    cand.structure["state_dict"]["embed_tokens.weight"]["dtype"] = "bfloat16"  # frozen
+    assert check_structure(CASE, cand, ours).status == "warn"
+    cand.structure["state_dict"]["norm.weight"]["dtype"] = "bfloat16"  # trained, no master copy
+    res = check_structure(CASE, cand, ours)
+    assert res.status == "fail" and res.summary == (
+        "1 fail: 'norm.weight' is trained in bfloat16 with no float32 master copy reported (the "
+        "reference trains float32 weights)")
+    cand.structure["master_weights"] = {"norm.weight": "float32"}  # its optimizer keeps one
     assert check_structure(CASE, cand, ours).status == "warn"
     cand = edited(ours)
     cand.structure["state_dict"]["embed_tokens.weight"]["trainable"] = True

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+import dflash_audit.candidate as candidate_module
 import dflash_audit.model.loss as loss_module
 from dflash_audit.audit.case import SideOutputs
 from dflash_audit.audit.cases.synthetic import synthetic_case
@@ -24,6 +25,8 @@ from dflash_audit.audit.checks.targets import TargetHypothesis, predict_targets
 from dflash_audit.audit.diagnose import diagnose
 from dflash_audit.audit.replay.evidence import Evidence, SearchMemo
 from dflash_audit.audit.replay.loss_formulas import diagnose_loss_total, recompute_loss
+from dflash_audit.audit.replay.normalisers import count_cause
+from dflash_audit.audit.result import cause_key
 from dflash_audit.audit.replay.weight_formulas import weight_formula_causes
 from dflash_audit.audit.sides.raised import name_raise
 from dflash_audit.audit.sides.run_sides import run_candidate
@@ -31,7 +34,7 @@ from dflash_audit.candidate import DrafterCandidate
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION, DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter, block_indices
 from dflash_audit.model.layers import DecoderLayer, DraftAttention, RMSNorm, apply_rope
-from dflash_audit.model.loss import LossSpec
+from dflash_audit.model.loss import LossSpec, parse_loss, term_loss
 from dflash_audit.model.mask import dense_mask
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -238,6 +241,66 @@ class ContextHidden(DFlashDrafter):
         return {k: torch.cat([torch.zeros_like(m[:, :T]), m[:, T:]], 1) for k, m in masks.items()}
 
 
+def normalised_by(count):
+    """A drafter whose loss is its weighted sum divided by ``count(inputs, block_size)``
+    instead of the number of supervised tokens (NeMo Automodel PR 2572: ``B * N`` anchors, and
+    ``B * N * (block_size - 1)`` in its generic strategy), under any weighting."""
+
+    class Normalised(DrafterCandidate):
+        def run_case(self, cfg, spec, weights, inputs):
+            original = candidate_module.dflash_loss
+
+            def loss(logits, targets, m, block_size, spec, sample_from_anchor=False,
+                     target_ids=None):
+                out = original(logits, targets, m, block_size, spec, sample_from_anchor,
+                               target_ids=target_ids)
+                out.loss = sum(coef * (term_loss(name, logits, targets, target_ids) * m.float()
+                                       * out.weights[name]).sum()
+                               for name, coef in parse_loss(spec.loss).items()
+                               ) / count(inputs, block_size)
+                return out
+
+            candidate_module.dflash_loss = loss
+            try:
+                return super().run_case(cfg, spec, weights, inputs)
+            finally:
+                candidate_module.dflash_loss = original
+
+    return Normalised()
+
+
+def over_anchors(inputs, block_size):
+    return inputs["anchor_positions"].numel()
+
+
+def over_predicted_slots(inputs, block_size):
+    return inputs["anchor_positions"].numel() * (block_size - 1)
+
+
+def over_valid_anchors(inputs, block_size):
+    return int(inputs["anchor_valid"].sum())
+
+
+class AttentionMaskSupervision(DFlashDrafter):
+    """Per-slot supervision from the non-padding (attention) mask instead of loss_mask (NeMo
+    Automodel PR 2214, first revision)."""
+
+    def forward(self, *args, **kw):
+        self.non_padding = (kw["document_ids"] != -1).long()
+        return super().forward(*args, **kw)
+
+    def aligned_loss_mask(self, loss_mask, indices, anchor_valid):
+        return super().aligned_loss_mask(self.non_padding, indices, anchor_valid)
+
+
+ANCHORS_NORMALISER = ("loss normalised by the number of sampled anchors (padding anchors "
+                      "included) (N=6) instead of the number of supervised tokens (N=11)")
+ATTENTION_SUPERVISION = (
+    "per-slot supervision taken from the attention (non-padding) mask, document_ids != -1 "
+    "instead of loss_mask: every non-padding slot trained, prompt tokens included (on this "
+    "case: the candidate trains 14 slots, the reference 11; 3 trained that the reference does "
+    "not, 3 of them outside loss_mask)")
+
 # (id, candidate, {check[.layer type]: expected start of the first diagnosis}, checks that pass)
 UPSTREAM_OK = ("structure", "context", "mask", "logits")
 BUGS = [
@@ -313,6 +376,16 @@ BUGS = [
      ("structure", "mask", "context")),
     ("masks-hide-context", candidate(ContextHidden),
      {"gradients": "follows from the mask"}, ("structure", "context", "targets")),
+    ("loss-over-anchors", normalised_by(over_anchors),
+     {"loss": ANCHORS_NORMALISER, "gradients": "follows from the loss difference"},
+     UPSTREAM_OK + ("targets",)),
+    ("loss-over-predicted-slots", normalised_by(over_predicted_slots),
+     {"loss": "loss normalised by the number of predicted slots, anchors x (block_size - 1) "
+              "(N=18) instead of the number of supervised tokens (N=11)"},
+     UPSTREAM_OK + ("targets",)),
+    ("supervision-from-attention-mask", candidate(AttentionMaskSupervision),
+     {"loss": ATTENTION_SUPERVISION, "gradients": "follows from the loss difference"},
+     UPSTREAM_OK + ("targets",)),
 ]
 
 
@@ -485,6 +558,117 @@ def test_loss_denominator_named_alone(ours, denom, cause):
     total = recompute_loss(_ev(ours), {"kl_div": 1.0}, denom)
     r = audit(edited(ours, loss=torch.tensor(total)), ours)["loss"]
     assert r.status == "fail" and r.diagnosis == [cause]
+
+
+VALID_OR_BLOCKS = ("loss normalised by the number of valid anchors (anchor_valid) or the number "
+                   "of blocks with a supervised slot (N=5) instead of the number of supervised "
+                   "tokens (N=11) (equal on this case; a case where they differ separates them)")
+
+
+@pytest.mark.parametrize("weighting", ["none", "fixed-exp-decay", "dpace"])
+@pytest.mark.parametrize("count,cause", [(over_anchors, ANCHORS_NORMALISER),
+                                         (over_valid_anchors, VALID_OR_BLOCKS)])
+def test_loss_normaliser_named_under_every_weighting(weighting, count, cause):
+    """Issue 30: a loss divided by a count of anchors / blocks is one class under every
+    weighting (today's "loss scaled by k" gave another k per case); counts equal on the case
+    are named together."""
+    case = dataclasses.replace(CASE, loss=LossSpec("kl_div", weighting))
+    ref = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
+    out = normalised_by(count).run_case(case.config, case.loss, case.weights, case.inputs)
+    r = audit(out, ref, case)
+    assert r["loss"].diagnosis == [cause]
+    assert r["gradients"].diagnosis == ["follows from the loss difference"]
+    assert cause_key(cause) == cause_key(cause.replace("N=11", "N=40").replace("N=5", "N=7"))
+
+
+def test_a_case_where_tied_counts_differ_names_one():
+    """A valid anchor whose block has no supervised slot: valid anchors (5) and supervised
+    blocks (4) differ, so only the count the candidate divides by is named."""
+    inputs = dict(CASE.inputs)
+    a = int(inputs["anchor_positions"][inputs["anchor_valid"].bool()][0])
+    inputs["loss_mask"] = inputs["loss_mask"].clone()
+    inputs["loss_mask"][0, a + 1:a + BLOCK] = 0
+    case = dataclasses.replace(CASE, inputs=inputs)
+    ref = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
+    out = normalised_by(over_valid_anchors).run_case(case.config, case.loss, case.weights,
+                                                     case.inputs)
+    assert audit(out, ref, case)["loss"].diagnosis[0].startswith(
+        "loss normalised by the number of valid anchors (anchor_valid) (N=5) instead of the "
+        "number of supervised tokens (N=")
+
+
+def test_a_count_that_equals_a_constant_on_the_case_says_so():
+    cause = count_cause(["valid_anchors"], {"valid_anchors": 6.0}, 12.0)
+    assert cause == ("loss normalised by the number of valid anchors (anchor_valid) (N=6) "
+                     "instead of the number of supervised tokens (N=12), or a loss scaled by "
+                     "the constant 2: the two are equal on this case (N=6 x 2 = 12), a case "
+                     "with another count separates them")
+    assert cause_key(cause) == cause_key(count_cause(["valid_anchors"], {"valid_anchors": 5.0},
+                                                      11.0))
+    assert count_cause(["anchors"], {"anchors": 6.0}, 3.0).endswith(
+        "scaled by the constant 1/2: the two are equal on this case (N=6 x 1/2 = 3), a case "
+        "with another count separates them")
+    close = count_cause(["row_tokens", "row_real_tokens"],
+                        {"row_tokens": 4200.0, "row_real_tokens": 4196.0}, 3000.0)
+    assert close == ("loss normalised by the row's tokens (T, padding included) (N=4200) or the "
+                     "row's non-padding tokens (N=4196) instead of the number of supervised "
+                     "tokens (N=3000) (within the loss tolerance of each other on this case)")
+
+
+def test_gradients_of_a_loss_normalised_by_a_count(ours):
+    """The reported loss right, the backward on the loss over the 6 sampled anchors: every
+    gradient x 11/6, named as that normaliser."""
+    r = audit(edited(ours, **_grads_scaled(ours, 11 / 6)), ours)
+    assert r["loss"].status == "pass" and r["gradients"].diagnosis == [
+        "gradients scaled by 1.833: every parameter's gradient is 1.833 x the reference's while "
+        "the reported loss matches, so the backward ran on 1.833 x the loss (the "
+        + ANCHORS_NORMALISER + ", before backward)"]
+
+
+class DocumentSupervision(DFlashDrafter):
+    """Every slot inside the anchor's document trained (document boundaries, not loss_mask)."""
+
+    def forward(self, *args, **kw):
+        self.docs, self.anchor_docs = kw["document_ids"][0], kw["document_ids"][
+            0, kw["anchor_positions"]].repeat_interleave(BLOCK)
+        return super().forward(*args, **kw)
+
+    def aligned_loss_mask(self, loss_mask, indices, anchor_valid):
+        same = (self.docs[indices] == self.anchor_docs) & (self.docs[indices] != -1)
+        return super().aligned_loss_mask(torch.ones_like(loss_mask), indices, anchor_valid) * same
+
+
+class AllOnesSupervision(DFlashDrafter):
+    def aligned_loss_mask(self, loss_mask, indices, anchor_valid):
+        return super().aligned_loss_mask(torch.ones_like(loss_mask), indices, anchor_valid)
+
+
+@pytest.mark.parametrize("model,cause", [
+    (AttentionMaskSupervision, ATTENTION_SUPERVISION),
+    (AllOnesSupervision, "per-slot supervision taken from all ones (no supervision mask) "
+                         "instead of loss_mask: every slot trained, padding included (on this "
+                         "case: the candidate trains 15 slots"),
+    # on this case loss_mask covers the anchors' documents after the anchor: the two sources
+    # are the same mask here, and named together
+    (DocumentSupervision, "per-slot supervision taken from the anchor's document (document "
+                          "boundaries) or loss_mask cut at document boundaries (the same mask "
+                          "on this case) instead of loss_mask: every slot inside the anchor's "
+                          "document trained (on this case: the candidate trains 10 slots, the "
+                          "reference 11; 1 of the reference's not trained)"),
+])
+@pytest.mark.parametrize("weighting", ["none", "dpace"])
+def test_supervision_taken_from_another_mask_is_named(model, cause, weighting):
+    """Issue 30: today "the candidate's loss formula conforms" while the mask differs; under
+    D-PACE the weights differ too, as a consequence of the mask."""
+    case = dataclasses.replace(CASE, loss=LossSpec("kl_div", weighting))
+    ref = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
+    out = candidate(model).run_case(case.config, case.loss, case.weights, case.inputs)
+    diagnosis = audit(out, ref, case)["loss"].diagnosis
+    assert diagnosis[0].startswith(cause), diagnosis
+    assert diagnosis[1:] == ([] if weighting == "none" else [
+        "follows from the aligned loss mask difference: D-PACE weights depend on the per-slot "
+        "loss, and the reference's D-PACE formula on the candidate's own logits and targets "
+        "reproduces its weights"])
 
 
 def _grads_scaled(side: SideOutputs, k: float) -> dict[str, torch.Tensor]:

@@ -82,3 +82,52 @@ def check_device_and_dtype(device: str, dtype: str | None) -> None:
                          "--device cpu")
 
 
+
+
+#: Structure field a candidate reports the dtype of the copy its optimizer updates in:
+#: one dtype name for every trainable parameter (``"float32"``) or ``{parameter: dtype}``.
+MASTER_WEIGHTS = "master_weights"
+
+
+def torch_dtype(name: Any) -> torch.dtype | None:
+    """``"bfloat16"`` / ``"torch.float32"`` / ``"fp32"`` -> the torch dtype; None otherwise."""
+    if not isinstance(name, str):
+        return None
+    name = name.replace("torch.", "")
+    found = DTYPES.get(name, getattr(torch, name, None))
+    return found if isinstance(found, torch.dtype) else None
+
+
+def coarser(dtype: torch.dtype | None, than: torch.dtype) -> bool:
+    """Whether floating ``dtype`` holds fewer mantissa bits than floating ``than``."""
+    return dtype is not None and dtype.is_floating_point and than.is_floating_point and \
+        torch.finfo(dtype).eps > torch.finfo(than).eps
+
+
+def unmastered_parameters(cand: dict[str, Any], ref: dict[str, Any]) -> dict[str, str]:
+    """Trainable parameters the candidate holds in a coarser dtype than the reference's
+    (bf16 where the reference trains fp32) without a master copy of the reference's precision
+    reported in its structure's :data:`MASTER_WEIGHTS`: {name: its dtype}. ``cand`` / ``ref``
+    are structure summaries (``state_dict``: {name: {"dtype", "trainable", ...}})."""
+    master = cand.get(MASTER_WEIGHTS)
+    ref_sd, out = ref.get("state_dict") or {}, {}
+    for name, entry in (cand.get("state_dict") or {}).items():
+        if not isinstance(entry, dict) or not entry.get("trainable"):
+            continue
+        want = torch_dtype((ref_sd.get(name) or {}).get("dtype")) or torch.float32
+        own = torch_dtype(entry.get("dtype"))
+        copy = torch_dtype(master.get(name) if isinstance(master, dict) else master)
+        if coarser(own, want) and (copy is None or coarser(copy, want)):
+            out[name] = str(entry["dtype"]).replace("torch.", "")
+    return out
+
+
+def lost_update_floor(weight: torch.Tensor, dtype: torch.dtype) -> float:
+    """Half the spacing of ``dtype`` at the median nonzero |entry| of ``weight``: an update
+    below it leaves that entry unchanged when applied in ``dtype`` (round to nearest). 0.0 for
+    an all-zero weight."""
+    w = weight.detach().float().abs().flatten()
+    w = w[w > 0]
+    if not w.numel():
+        return 0.0
+    return float(torch.finfo(dtype).eps * 2.0 ** torch.floor(torch.log2(w.median())) / 2)

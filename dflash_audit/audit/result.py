@@ -32,10 +32,12 @@ def is_note(cause: str) -> bool:
 
 #: The per-case numbers a cause may end with: an unexplained difference's "(max abs ...)", the
 #: weights a weight fallback lists (": candidate {...}"), where an unexplained difference
-#: starts ("... (the first component ...: q_norm 0.54 ...)").
+#: starts ("... (the first component ...: q_norm 0.54 ...)"); and the counts a cause names in
+#: ``(N=...)`` or ``(on this case: ...)`` groups, with what a count equals there.
 PER_CASE_TAIL = re.compile(r"(?<=reproduces the candidate) \(.*\)$|(?<=reproduces them): "
                            r"candidate \{.*$| \(W = \d+\)$|(?<=^where it starts: )(.*?) "
-                           r"\((the first|every) component.*$")
+                           r"\((the first|every) component.*$| \(N=[^()]*\)|, or a loss "
+                           r"scaled by the constant .*$| \(on this case: [^()]*\)")
 
 
 def cause_key(cause: str) -> str:

@@ -5,7 +5,8 @@ Hypotheses name: frozen weights being trained (gradients where the reference fre
 parameters no gradient reaches (detached or frozen on the candidate side; a consequence, not
 a cause, when the candidate's masks hide all context), gradients of every parameter scaled by
 one constant while the reported loss is not (the backward ran on k x the loss:
-:func:`gradient_scale`), another loss formula whose value equals the reference's within the
+:func:`gradient_scale`; named as the loss normalised by a count of the case where k is the
+supervised tokens over that count), another loss formula whose value equals the reference's within the
 loss tolerance on this case (replayed forward and backward:
 :func:`dflash_audit.audit.replay.loss_formulas.gradient_formula_causes`; D-PACE weights not detached
 among them), and differences that follow from an upstream check's difference.
@@ -19,6 +20,7 @@ from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import not_provided
 from dflash_audit.audit.replay.evidence import Evidence, comma_list, follows_from
 from dflash_audit.audit.replay.loss_formulas import gradient_scale, nonzero_grad
+from dflash_audit.audit.replay.normalisers import count_cause, count_of_scale, normaliser_counts
 from dflash_audit.audit.result import FAIL, PASS, CheckResult
 from dflash_audit.audit.slots import as_bool_mask
 from dflash_audit.audit.tolerance import closeness, fmt_diff, grad_tolerance, tolerance
@@ -140,6 +142,21 @@ def diagnose_gradients(ev: Evidence, result: CheckResult) -> list[str]:
     elif rest and (k := gradient_scale(ev)) is not None:
         causes.append(f"gradients scaled by {k:.4g}: every parameter's gradient is {k:.4g} x "
                       "the reference's while the reported loss matches, so the backward ran on "
-                      f"{k:.4g} x the loss (a loss multiplied by a constant, or summed where the "
-                      "reference averages, before backward)")
+                      f"{k:.4g} x the loss (" + (backward_normaliser(ev, k) or
+                                                 "a loss multiplied by a constant, or summed "
+                                                 "where the reference averages") +
+                      ", before backward)")
     return causes
+
+
+def backward_normaliser(ev: Evidence, k: float) -> str | None:
+    """"the loss normalised by <count> (N=..) instead of ..." when ``k`` is the ratio of the
+    supervised tokens to a count of the case (:mod:`dflash_audit.audit.replay.normalisers`),
+    else None."""
+    m = ev.cand.tensors.get("aligned_loss_mask", ev.ref.tensors.get("aligned_loss_mask"))
+    if m is None:
+        return None
+    supervised = float(m.float().sum())
+    counts = normaliser_counts(ev.inputs, m, ev.config.block_size)
+    names = count_of_scale(counts, supervised, k, tolerance(ev.case, "grad")["rtol"] * 10)
+    return f"the {count_cause(names, counts, supervised)}" if names else None

@@ -2,7 +2,9 @@
 loss mask (exact: which slots are trained) and each loss term's per-slot weights on supervised
 slots, with the decay gamma each side's weights imply (:func:`fit_decay`).
 
-Hypotheses name: slot 0 (the anchor) not masked out, padding anchors not masked out, a
+Hypotheses name: per-slot supervision taken from another mask than loss_mask (the attention
+mask, all ones, document boundaries: :mod:`dflash_audit.audit.replay.supervision`, with the
+slots it trains), slot 0 (the anchor) not masked out, padding anchors not masked out, a
 misaligned loss mask, the fixed per-slot weight formula (:mod:`dflash_audit.audit.replay.weight_formulas`:
 a wrong decay gamma or decay formula, no position decay, slot 0's weight under
 sample_from_anchor, weights normalised per block; on a case that cannot separate two formulas,
@@ -11,8 +13,9 @@ both in one cause with the slots a separating case needs), D-PACE vs fixed-exp-d
 an upstream difference or from another loss kind (a consequence, listed after it), D-PACE
 confidences computed from cross-entropy against the data tokens (ModelOpt), another loss (e.g.
 hard-label CE instead of a soft divergence, soft cross-entropy KL + H(p)) and the loss
-normalised by the sum of weights, averaged over all Q slots or per block or divided by the
-batch size (under either weighting), a loss reduced
+normalised by the sum of weights, averaged over all Q slots or per block, divided by the
+batch size or by a count of anchors, blocks or tokens (:mod:`dflash_audit.audit.replay.normalisers`;
+under any weighting), D-PACE weights that follow from the aligned mask, a loss reduced
 under another mask than the aligned_loss_mask the candidate reports, and a loss scaled by a
 constant (told from any other difference by the gradients: all scaled by the same factor);
 among several loss formulas that reproduce the total, only those with the fewest deviations,
@@ -26,9 +29,7 @@ softmax in bfloat16 is named (speculators PR 788).
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ from dflash_audit.audit.replay.loss_formulas import (
     diagnose_loss_total,
     own_loss,
 )
+from dflash_audit.audit.replay.supervision import aligned_mask_hypotheses, supervision_counts
 from dflash_audit.audit.replay.weight_formulas import (
     fit_decay,
     no_decay_causes,
@@ -186,32 +188,6 @@ def diagnose_loss_precision(ev: Evidence, part: dict[str, Any]) -> list[str]:
     return []
 
 
-def aligned_mask_hypotheses(ev: Evidence) -> Iterator[tuple[str, torch.Tensor]]:
-    """loss_mask[a+s+d] (d = -1, 0, 1) x slot 0 (zeroed / kept) x anchor_valid (applied /
-    ignored), as [Q] bool."""
-    B, T = ev.config.block_size, ev.inputs["loss_mask"].shape[-1]
-    valid = ev.inputs["anchor_valid"].bool().repeat_interleave(B)
-    slot0 = torch.arange(ev.block_idx.numel()) % B == 0
-    zero0 = not ev.config.sample_from_anchor
-    for d, keep0, use_valid in itertools.product((0, 1, -1), (not zero0, zero0), (True, False)):
-        m = ev.inputs["loss_mask"][0, (ev.block_idx + d) % T].bool()
-        if use_valid:
-            m = m & valid
-        if not keep0:
-            m = m & ~slot0
-        causes = []
-        if keep0 and zero0:
-            causes.append("slot 0 (the anchor itself) not masked out of the loss")
-        if not keep0 and not zero0:
-            causes.append("slot 0 masked out although sample_from_anchor trains it")
-        if not use_valid:
-            causes.append("padding anchors (anchor_valid False) not masked out of the loss")
-        if d:
-            causes.append(f"loss mask misaligned: loss_mask[a+s{d:+d}] instead of loss_mask[a+s]")
-        if causes:
-            yield "; ".join(causes), m
-
-
 def diagnose_weights(ev: Evidence, part: dict[str, Any]) -> list[str]:
     """Name a per-slot weight difference: the fixed-decay formula the candidate's weights follow
     (:func:`dflash_audit.audit.replay.weight_formulas.weight_formula_causes`), or for D-PACE whether
@@ -227,7 +203,8 @@ def diagnose_weights(ev: Evidence, part: dict[str, Any]) -> list[str]:
                 "fixed-exp-decay"]
     if spec.weighting == "dpace":
         if own_dpace_weights_match(ev, part["term"]):
-            upstream = data_token_consequence(ev) or follows_from("loss", ev)
+            upstream = data_token_consequence(ev) or follows_from("loss", ev) or (
+                MASK_CONSEQUENCE if mask_differs(ev) else None)
             own = "targets" if "targets" in ev.cand.tensors else "labels (target_ids)"
             return [f"{upstream}: D-PACE weights depend on the per-slot loss, and the "
                     f"reference's D-PACE formula on the candidate's own logits and {own} "
@@ -262,6 +239,17 @@ def diagnose_weights(ev: Evidence, part: dict[str, Any]) -> list[str]:
         return []
     return [f"per-slot weights scaled by {math.exp((s0 - s0_ref) / g):.4g} (e.g. normalised per "
             "block)"]
+
+
+#: A weight difference that follows from the candidate's own aligned mask.
+MASK_CONSEQUENCE = "follows from the aligned loss mask difference"
+
+
+def mask_differs(ev: Evidence) -> bool:
+    """Whether the candidate's aligned mask trains other slots than the reference's."""
+    c = ev.cand.tensors.get("aligned_loss_mask")
+    return c is not None and c.numel() == ev.sup.numel() and not torch.equal(
+        c.reshape(-1).bool(), ev.sup)
 
 
 def data_token_ce(ev: Evidence) -> torch.Tensor | None:
@@ -330,9 +318,14 @@ def diagnose_loss(ev: Evidence, result: CheckResult) -> list[str]:
     """Causes of the failing loss parts: aligned mask, per-slot weights, total."""
     parts = result.details.get("parts", {})
     causes: list[str] = []
-    if parts.get("aligned_loss_mask", {}).get("status") == FAIL:
+    if parts.get("aligned_loss_mask", {}).get("status") == FAIL and mask_differs(ev):
         c = ev.cand.tensors["aligned_loss_mask"].reshape(-1).bool()
-        causes += [label for label, m in aligned_mask_hypotheses(ev) if torch.equal(m, c)][:1]
+        named = [label for label, m in aligned_mask_hypotheses(ev) if torch.equal(m, c)][:1]
+        causes += [label + supervision_counts(ev, c) for label in named] or [
+            "unexplained difference in the aligned loss mask: no tested supervision rule "
+            "(loss_mask, the attention mask, all ones, document boundaries, each with slot 0, "
+            "anchor_valid and a shift of one) reproduces the slots the candidate trains"
+            + supervision_counts(ev, c)]
     consequences: list[str] = []  # weights that follow from a cause named below come last
     for key, part in parts.items():
         if key.startswith("loss_weights.") and part.get("status") == FAIL:

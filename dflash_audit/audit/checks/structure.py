@@ -4,13 +4,17 @@ against the profile.
 Compares fc in/out features, target_layer_ids, block_size, mask_token_id, layer types and
 window, the non-causal flag, sample_from_anchor and the state dict (keys, shapes, trainable
 flags); exact (no tolerance). Differences that cannot change training warn (dtype,
-inference-only buffers, frozen entries on one side only, fields one side does not report).
+inference-only buffers, frozen entries on one side only, fields one side does not report); a
+trainable parameter held in a coarser dtype than the reference's (bf16 where it keeps fp32
+master weights) fails unless the candidate reports a master copy of the reference's precision
+(``structure["master_weights"]``), since every optimizer update is then rounded.
 
 Hypotheses name: fc fed a subset of the target layers or sized by draft depth, target layer
 ids counted by decoder layer (z-lab's convention) / offset by one / negative ids wrapping, mask_token_id falling
 back to pad / eos / bos, a window bound off by one, frozen weights being trained (or trained
 weights frozen), an lm_head not reduced to the draft vocabulary, state-dict names that do not
-load into the reference.
+load into the reference, trainable parameters without a float32 master copy (with the smallest
+update that survives at the case's weights).
 """
 
 from __future__ import annotations
@@ -20,6 +24,12 @@ from typing import Any
 from deepdiff import DeepDiff
 
 from dflash_audit.audit.case import Case, SideOutputs
+from dflash_audit.audit.precision import (
+    MASTER_WEIGHTS,
+    lost_update_floor,
+    torch_dtype,
+    unmastered_parameters,
+)
 from dflash_audit.audit.replay.evidence import Evidence
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.tolerance import worst
@@ -31,7 +41,8 @@ DECODER_LAYER_IDS = ("target layer ids counted by decoder layer, offset by one (
                      "k's output, hidden_states[k+1] = speculators id k+1)")
 #: Structure fields only one side reports that cannot change training (the reference's
 #: adapter reports its verifier-norm class and how the case weights loaded).
-ONE_SIDED_STRUCTURE_FIELDS = ("verifier_norm", "load_missing_keys", "load_unexpected_keys")
+ONE_SIDED_STRUCTURE_FIELDS = ("verifier_norm", "load_missing_keys", "load_unexpected_keys",
+                              MASTER_WEIGHTS)
 #: Buffers used only at inference (draft -> verifier vocabulary mapping).
 INFERENCE_ONLY_BUFFERS = ("t2d", "d2t")
 
@@ -174,6 +185,7 @@ def check_structure(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckRes
     findings += profile_differences(cand.structure, case, "candidate")
     findings += profile_differences(ref.structure, case, "reference")
     findings += load_findings(ref)
+    precision_findings(case, cand.structure, ref.structure, findings)
     status = worst(f["status"] for f in findings)
     top = [f for f in findings if f["status"] == status]
     if status == PASS:
@@ -190,6 +202,60 @@ def check_structure(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckRes
                      "reference": first.get("reference", first.get("profile"))}
                     if first else None),
         details={"findings": findings})
+
+
+def _dtype_key(field: str) -> str | None:
+    return field[len("state_dict."):-len(".dtype")] if field.startswith("state_dict.") and \
+        field.endswith(".dtype") else None
+
+
+def precision_findings(case: Case, cand: dict[str, Any], ref: dict[str, Any],
+                       findings: list[dict[str, Any]]) -> None:
+    """Dtype findings (in place) of trainable parameters: one held in a coarser dtype than the
+    reference's with no master copy of the reference's precision reported
+    (:func:`dflash_audit.audit.precision.unmastered_parameters`) fails, since every optimizer
+    update is then rounded to that dtype; one whose dtype the candidate does not report warns
+    and says what to report."""
+    gaps = unmastered_parameters(cand, ref)
+    sd = cand.get("state_dict") or {}
+    for f in findings:
+        key = _dtype_key(f["field"])
+        if key in gaps:
+            f["status"] = FAIL
+            f["reason"] = (f"{key!r} is trained in {gaps[key]} with no {f.get('reference')} "
+                           f"master copy reported (the reference trains {f.get('reference')} "
+                           "weights)")
+        elif key and f.get("candidate") is None and (sd.get(key) or {}).get("trainable"):
+            f["reason"] = (f"the dtype of trainable {key!r} is not reported: whether its updates "
+                           "keep a float32 master copy cannot be checked (report "
+                           f"state_dict[{key!r}]['dtype'], and structure[{MASTER_WEIGHTS!r}] "
+                           "when the optimizer keeps its own copy)")
+
+
+def master_weights_cause(ev: Evidence, keys: list[str], cand: dict[str, Any]) -> str:
+    """The class "trainable parameters in <dtype> with no fp32 master copy" with the smallest
+    update that survives at this case's weights (:func:`dflash_audit.audit.precision.
+    lost_update_floor`) and what a candidate whose optimizer keeps a master copy reports."""
+    sd = cand.get("state_dict") or {}
+    dtypes = sorted({str(sd[k]["dtype"]).replace("torch.", "") for k in keys})
+    low = torch_dtype(dtypes[0])
+    floors = sorted((lost_update_floor(ev.case.weights[k], low), k) for k in keys
+                    if k in ev.case.weights)
+    trainable = sum(1 for e in sd.values() if isinstance(e, dict) and e.get("trainable"))
+    shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    under = f" under {ev.case.dtype} training" if ev.case.dtype != "fp32" else ""
+    floor = (f"; an update below {floors[0][0]:.2g} at {floors[0][1]}'s median entry, "
+             f"{floors[-1][0]:.2g} at {floors[-1][1]}'s, leaves the weight unchanged"
+             if floors and low is not None else "")
+    return (f"trainable parameters in {' and '.join(dtypes)} with no float32 master copy"
+            f"{under} (on this case: {len(keys)} of {trainable}, {shown}{floor}): every "
+            f"optimizer update is rounded to {dtypes[0]}, so an Adam step, about the learning "
+            "rate, rounds away once the rate falls below that and those weights stop learning; "
+            "the reference keeps float32 master weights" + (" and runs the step under autocast"
+                                                             if under else "") +
+            ". A candidate whose optimizer keeps a float32 master copy (a mixed-precision "
+            f"optimizer) reports it as structure[{MASTER_WEIGHTS!r}] = 'float32' (or "
+            "{parameter: dtype})")
 
 
 def diagnose_fc(ev: Evidence, fc_in: int) -> list[str]:
@@ -263,8 +329,13 @@ def diagnose_structure_finding(ev: Evidence, f: dict[str, Any]) -> list[str] | s
 def diagnose_structure(ev: Evidence, result: CheckResult) -> list[str]:
     """The causes of every failing structure finding."""
     causes: list[str] = []
-    for f in result.details.get("findings", []):
-        if f["status"] == FAIL:
+    findings = result.details.get("findings", [])
+    unmastered = [_dtype_key(f["field"]) for f in findings
+                  if f["status"] == FAIL and _dtype_key(f["field"])]
+    if unmastered:
+        causes.append(master_weights_cause(ev, unmastered, ev.cand.structure))
+    for f in findings:
+        if f["status"] == FAIL and not _dtype_key(f["field"]):
             found = diagnose_structure_finding(ev, f) or [f["reason"]]  # the field is the cause
             causes += [found] if isinstance(found, str) else found
     return list(dict.fromkeys(causes))

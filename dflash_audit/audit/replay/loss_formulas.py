@@ -1,8 +1,10 @@
 """Loss formula hypotheses of the ``loss`` and ``gradients`` checks: the candidate's own
 logits, targets, aligned mask and weights reduced under another loss (every single loss and
 the profile's mix) and another denominator (the reference's supervised-token count, the sum of
-weights, all Q slots, per block), or scaled by a constant; and, where a loss value cannot tell
-two formulas apart on a case, our drafter replayed forward and backward under each.
+weights, all Q slots, per block, and every count of :mod:`dflash_audit.audit.replay.normalisers`:
+anchors, valid anchors, blocks, predicted slots, the row's tokens), or scaled by a constant;
+and, where a loss value cannot tell two formulas apart on a case, our drafter replayed forward
+and backward under each.
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ from dflash_audit.audit.replay.evidence import (
     Evidence,
     data_token_consequence,
     follows_from,
+)
+from dflash_audit.audit.replay.normalisers import (
+    COUNTS,
+    count_cause,
+    count_of_scale,
+    merge_count_causes,
+    normaliser_counts,
 )
 from dflash_audit.audit.result import is_downstream
 from dflash_audit.audit.tolerance import closeness, grad_tolerance, tolerance
@@ -60,8 +69,9 @@ def audit_term_loss(name: str, logits: torch.Tensor, targets: torch.Tensor | Non
 
 
 #: Denominators of a loss hypothesis: supervised tokens (the reference), sum of weights, all
-#: Q slots, per block, the batch size (one packed row: the plain weighted sum).
-DENOMINATORS = ("tokens", "weights", "slots", "blocks", "batch")
+#: Q slots, per block, the batch size (one packed row: the plain weighted sum), and the counts
+#: of :data:`dflash_audit.audit.replay.normalisers.COUNTS`.
+DENOMINATORS = ("tokens", "weights", "slots", "blocks", "batch", *COUNTS)
 
 
 def loss_formula_hypotheses(ev: Evidence) -> Iterator[tuple[str, dict[str, float], str]]:
@@ -94,6 +104,9 @@ def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str,
     m = (mask if mask is not None else t.get("aligned_loss_mask", ev.ref.tensors.get(
         "aligned_loss_mask"))).reshape(1, -1).float()
     B, spec = ev.config.block_size, ev.case.loss
+    if "counts:" not in cache:
+        cache["counts:"] = normaliser_counts(ev.inputs, m, B)
+    counts = cache["counts:"]
     total = 0.0
     own_weights = [v for k, v in t.items() if k.startswith("loss_weights.")]
     # the candidate's own labels where it returns them (hard labels), else the data tokens
@@ -109,14 +122,21 @@ def recompute_loss(ev: Evidence, mix: dict[str, float], denom: str,
             w = own_weights[0].reshape(1, -1)
         else:
             w = slot_weights(spec, el, m, B, ev.config.sample_from_anchor)
-        total += coef * float(reduce_term(el, w, m, B, denom))
+        total += coef * float(reduce_term(el, w, m, B, denom, counts))
     return total
 
 
 def reduce_term(el: torch.Tensor, w: torch.Tensor, m: torch.Tensor, block_size: int,
-                denom: str) -> torch.Tensor:
+                denom: str, counts: dict[str, float] | None = None) -> torch.Tensor:
     """One term's weighted, masked reduction [1,Q] x3 -> [] under a denominator (see
-    :func:`recompute_loss`); differentiable."""
+    :func:`recompute_loss`; a :data:`COUNTS` member divides by ``counts[denom]``, from
+    :func:`~dflash_audit.audit.replay.normalisers.normaliser_counts`); differentiable.
+
+    Raises:
+        KeyError: a count denominator without its count in ``counts``.
+    """
+    if denom in COUNTS:
+        return (el * w).sum() / max((counts or {})[denom], LOSS_REDUCTION_EPS)
     if denom == "blocks":  # each block's mean over its supervised tokens, then over blocks
         num, cnt = (el * w).reshape(-1, block_size).sum(-1), m.reshape(-1, block_size).sum(-1)
         return (num[cnt > 0] / cnt[cnt > 0]).mean() if bool((cnt > 0).any()) else num.sum() * 0
@@ -155,6 +175,10 @@ def formula_causes(ev: Evidence, name: str, denom: str) -> list[str]:
     elif denom == "batch":
         causes.append("loss divided by the batch size (1 row: the weighted sum of per-token "
                       "losses) instead of the number of supervised tokens")
+    elif denom in COUNTS:
+        m = ev.cand.tensors.get("aligned_loss_mask", ev.ref.tensors.get("aligned_loss_mask"))
+        counts = normaliser_counts(ev.inputs, m, ev.config.block_size)
+        causes.append(count_cause([denom], counts, float(m.float().sum())))
     return causes
 
 
@@ -196,6 +220,7 @@ def gradient_formula_causes(ev: Evidence, max_replays: int = 5) -> list[str]:
     with autocast(ev.case):
         out = model(**ev.case.inputs)
     m, B, spec = out.aligned_loss_mask.float(), ev.config.block_size, ev.case.loss
+    counts = normaliser_counts(ev.inputs, m, B)
     gtol = tolerance(ev.case, "grad")
     for name, mix, denom in close[:max_replays]:
         total = 0.0
@@ -207,7 +232,7 @@ def gradient_formula_causes(ev: Evidence, max_replays: int = 5) -> list[str]:
                 w = slot_weights(LossSpec(spec.loss, spec.weighting, spec.gamma, spec.dpace_alpha),
                                  el.detach(), m, B, ev.config.sample_from_anchor)
             total = total + coef * reduce_term(el, w, m, B, "tokens" if denom ==
-                                               WEIGHTS_WITH_GRAD else denom)
+                                               WEIGHTS_WITH_GRAD else denom, counts)
         grads = torch.autograd.grad(total, params, retain_graph=True, allow_unused=True)
         if not all(g is not None and closeness(cg[n], g, **grad_tolerance(rg[n], gtol)).ok
                    for n, g in zip(rg, grads)):
@@ -250,7 +275,7 @@ def diagnose_loss_total(ev: Evidence, masks: Iterable[tuple[str, torch.Tensor]] 
                 return ["the candidate's loss formula conforms (the reference's formula on "
                         "the candidate's own logits, targets, mask and weights reproduces its "
                         "loss)" + why]
-            found.append(formula_causes(ev, name, denom))
+            found.append((formula_causes(ev, name, denom), denom))
     if not found:
         for label, mask in masks:
             value = recompute_loss(ev, parse_loss(ev.case.loss.loss), "tokens", mask=mask)
@@ -258,6 +283,11 @@ def diagnose_loss_total(ev: Evidence, masks: Iterable[tuple[str, torch.Tensor]] 
                 return [f"the loss is reduced under another mask than the aligned_loss_mask the "
                         f"candidate reports: {label}"]
         return loss_scale_cause(ev, cl)
+    # counts equal on this case (sampled = valid anchors) are one normaliser cause, not a tie
+    m = ev.cand.tensors.get("aligned_loss_mask", ev.ref.tensors.get("aligned_loss_mask"))
+    found = merge_count_causes([f[0] for f in found], [f[1] for f in found],
+                               normaliser_counts(ev.inputs, m, ev.config.block_size),
+                               float(m.float().sum()))
     # the fewest deviations that reproduce the loss: two losses can agree numerically on a
     # case (rkl ~ kl_div near uniform targets), a second deviation is then not evidence
     fewest = min(map(len, found), default=0)
