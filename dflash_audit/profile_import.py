@@ -141,6 +141,9 @@ def zlab_run_config(d: dict[str, Any], source: str) -> dict[str, Any]:
     else:
         raise ValueError(f"{source}: neither target_layer_ids nor num_target_layers: z-lab "
                          "cannot tell which verifier layers the drafter reads")
+    if not isinstance(out["target_layer_ids"], list):
+        raise ValueError(f"{source}: target_layer_ids = {out['target_layer_ids']!r} is not a "
+                         "list of ids")
     out["target_layer_ids_speculators"] = [_int(i, "target_layer_ids") + 1
                                            for i in out["target_layer_ids"]]
     out["target_layer_ids_computed"] = "target_layer_ids" not in dc and "target_layer_ids" not in d

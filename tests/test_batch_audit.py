@@ -414,6 +414,18 @@ def test_check_batches_and_compare_read_a_drafter_configs_ids_alike(tmp_path):
                       "num_hidden_layers=1) = [4] (z-lab ids), + 1")
     assert drafter_layer_ids(json.loads(configs["top level"].read_text()), None, 8, "x")[1] == (
         "read from x top-level target_layer_ids (z-lab ids [1, 3, 5], + 1)")
+    # what one refuses, the other refuses in the same words (exit 2 in both commands)
+    from dflash_audit.data.errors import DataError
+    from dflash_audit.profile import ProfileError
+
+    for bad, words in [({"target_layer_ids": 5}, "target_layer_ids = 5 is not a list of ids"),
+                       ({"num_target_layers": None}, "neither target_layer_ids nor "
+                                                     "num_target_layers")]:
+        path = _zlab_config(tmp_path, f"bad{len(words)}", **bad)
+        with pytest.raises(DataError, match=words):
+            drafter_layer_ids(json.loads(path.read_text()), None, 8, str(path))
+        with pytest.raises(ProfileError, match=words):
+            Profile.load(str(path))
 
 
 def test_computed_ids_are_said_by_check_batches_and_by_compare(tiny_dir, good, tmp_path,
