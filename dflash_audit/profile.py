@@ -68,7 +68,7 @@ DTYPES = ("fp32", "bf16")
 _LAYER_TYPE = {"full": FULL_ATTENTION, "sliding": SLIDING_ATTENTION,
                FULL_ATTENTION: FULL_ATTENTION, SLIDING_ATTENTION: SLIDING_ATTENTION}
 #: Fields that are not part of the profile's semantics (excluded from the fingerprint).
-INFORMATIONAL = ("name", "description", "source")
+INFORMATIONAL = ("name", "description", "source", "target_layers_origin")
 
 
 class ProfileError(ValueError):
@@ -104,6 +104,7 @@ class Profile:
     mask_token_id: int | None = None
     dtype: str = "fp32"
     description: str = ""
+    target_layers_origin: str = ""  # a drafter config's ids: read from which key, or computed how
     source: str = ""  # built-in name or file path it was read from
 
     def __post_init__(self) -> None:
@@ -151,8 +152,7 @@ class Profile:
             recipe.pop(key, None)
         data = {**recipe, **fields, "name": Path(path).parent.name or "drafter-config",
                 "description": f"{fmt} drafter config {path} (recipe: {RECIPE[fmt]})"}
-        return cls.from_dict({k: v for k, v in data.items() if v is not None},
-                             source=str(path))
+        return cls.from_dict({k: v for k, v in data.items() if v is not None}, source=str(path))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> Profile:

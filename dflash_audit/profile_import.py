@@ -25,6 +25,7 @@ field.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,11 +141,80 @@ def zlab_run_config(d: dict[str, Any], source: str) -> dict[str, Any]:
     else:
         raise ValueError(f"{source}: neither target_layer_ids nor num_target_layers: z-lab "
                          "cannot tell which verifier layers the drafter reads")
+    if not isinstance(out["target_layer_ids"], list):
+        raise ValueError(f"{source}: target_layer_ids = {out['target_layer_ids']!r} is not a "
+                         "list of ids")
     out["target_layer_ids_speculators"] = [_int(i, "target_layer_ids") + 1
                                            for i in out["target_layer_ids"]]
+    out["target_layer_ids_computed"] = "target_layer_ids" not in dc and "target_layer_ids" not in d
     out["ignored"] = sorted(k for k in dc if k not in ZLAB_DRAFT_VALUES
                             and k not in ZLAB_DFLASH2_VALUES)
     return out
+
+
+#: How the origin of computed ids begins (:class:`DrafterLayerIds`,
+#: ``Profile.target_layers_origin``).
+COMPUTED = "computed, not read"
+
+
+@dataclass(frozen=True)
+class DrafterLayerIds:
+    """The target layer ids a drafter config makes its drafter read, and where they come from.
+
+    ``ids``: speculators convention (id L = HF ``output_hidden_states[L]``), in the config's
+    order; ``origin``: one line, the key they were read from, or (beginning with
+    :data:`COMPUTED`) the rule and the config values they were computed with.
+    """
+
+    ids: list[int]
+    origin: str
+
+    @property
+    def computed(self) -> bool:
+        """True when the config names no ids and they were computed by its framework's rule."""
+        return ids_computed(self.origin)
+
+
+def ids_computed(origin: str) -> bool:
+    """Whether a :attr:`DrafterLayerIds.origin` (or ``Profile.target_layers_origin``) says the
+    ids were computed by a rule rather than read from the config."""
+    return str(origin or "").startswith(COMPUTED)
+
+
+def drafter_layer_ids(d: dict[str, Any], source: str) -> DrafterLayerIds | None:
+    """The target layer ids of a parsed drafter ``config.json``: the one reading that both
+    ``compare --profile config.json`` and ``check-batches --drafter-config`` use.
+
+    A z-lab config is read as z-lab reads it (:func:`zlab_run_config`): its
+    ``target_layer_ids`` + 1, or, when it names none, z-lab's
+    ``build_target_layer_ids(num_target_layers, num_hidden_layers)`` + 1, and the origin says
+    so with the values used. Any other config's
+    top-level ``aux_hidden_state_layer_ids`` (speculators ids) is read as is. None when the
+    config holds neither.
+
+    Raises:
+        ValueError: ids that are not integers, or a z-lab config :func:`zlab_run_config`
+            refuses (naming ``source`` and the key).
+    """
+    if drafter_config_format(d) != "zlab":
+        if "aux_hidden_state_layer_ids" not in d:
+            return None
+        ids = d["aux_hidden_state_layer_ids"]
+        if not isinstance(ids, list):
+            raise ValueError(f"aux_hidden_state_layer_ids = {ids!r} is not a list of ids")
+        return DrafterLayerIds([_int(i, "aux_hidden_state_layer_ids") for i in ids],
+                               f"read from {source} aux_hidden_state_layer_ids (speculators ids)")
+    run = zlab_run_config(d, source)
+    zlab = list(run["target_layer_ids"])
+    if run["target_layer_ids_computed"]:
+        origin = (f"{COMPUTED}: {source} names no target_layer_ids, so z-lab's rule "
+                  f"build_target_layer_ids(num_target_layers={run['num_target_layers']}, "
+                  f"num_hidden_layers={run['num_hidden_layers']}) = {zlab} (z-lab ids), + 1")
+    else:
+        where = "dflash_config" if run["target_layer_ids_source"] == "dflash_config" else \
+            "top-level"
+        origin = f"read from {source} {where} target_layer_ids (z-lab ids {zlab}, + 1)"
+    return DrafterLayerIds(run["target_layer_ids_speculators"], origin)
 
 
 #: z-lab serving values a profile has no field for: a config that sets them is refused as a
@@ -173,8 +243,9 @@ def _zlab_fields(d: dict[str, Any], source: str) -> tuple[dict[str, Any], Any, A
     if run["is_causal"]:
         raise ValueError(f"{source}: is_causal = true makes every z-lab draft layer causal, "
                          "full-attention ones too; no profile layout holds that")
+    ids = drafter_layer_ids(d, source)
     fields = {"block_size": _int(run["block_size"], "block_size"),
-              "target_layers": run["target_layer_ids_speculators"],
+              "target_layers": ids.ids, "target_layers_origin": ids.origin,
               "mask_token_id": run["mask_token_id"]}
     if run["is_causal"] is False:
         fields["sliding_window_non_causal"] = True
@@ -197,9 +268,11 @@ def profile_fields(d: dict[str, Any], source: str) -> tuple[str, dict[str, Any]]
         if fmt == "speculators":
             tl = d["transformer_layer_config"]
             n = _int(tl["num_hidden_layers"], "num_hidden_layers")
+            ids = drafter_layer_ids(d, source)
+            if ids is None:
+                raise KeyError("aux_hidden_state_layer_ids")
             fields = {"block_size": _int(d["block_size"], "block_size"),
-                      "target_layers": [_int(i, "aux_hidden_state_layer_ids")
-                                        for i in d["aux_hidden_state_layer_ids"]],
+                      "target_layers": ids.ids, "target_layers_origin": ids.origin,
                       "mask_token_id": d.get("mask_token_id"),
                       "sliding_window_non_causal": bool(d.get("sliding_window_non_causal",
                                                               False)),

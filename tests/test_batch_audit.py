@@ -203,7 +203,7 @@ def test_target_layer_id_hypotheses():
     zlab = {"dflash_config": {"target_layer_ids": [1, 8, 14]}}
     assert drafter_layer_ids(zlab, None, 30)[0] == [2, 9, 15]
     assert drafter_layer_ids({"aux_hidden_state_layer_ids": [2, 9]}, None, 30)[0] == [2, 9]
-    assert drafter_layer_ids(None, None, 30) == (None, "")
+    assert drafter_layer_ids(None, None, 30) == (None, "no --drafter-config or --profile", False)
 
 
 def test_mask_token_hypotheses(tiny):
@@ -286,3 +286,184 @@ def test_nan_and_integer_hidden_states_are_named_before_layer_matching(tiny, goo
     assert str(refused.value) == str(train_refusal.value)
     assert ("NaN, 0 inf; first at position 5" in str(refused.value) if damage == "nan" else
             "dtype torch.int32, expected torch.float32" in str(refused.value))
+
+
+def _tokens(row, k):
+    s, e = row.documents[k]
+    return f"tokens {s}-{e - 1}"
+
+
+@pytest.mark.parametrize("positions", ["continue", "restart"])
+def test_a_capture_over_the_packed_row_is_named_cross_document_attention(tiny, tiny_dir, good,
+                                                                         tmp_path, positions):
+    """One causal forward over the packed row (``model(input_ids=row)``, or the files'
+    restarting positions with an all-ones attention mask): the first document equals each
+    layer exactly, the later ones only when recomputed over the whole row. Every slice is
+    named, and its layer is still measured (the layer-id check passes)."""
+    from dflash_audit.batch_audit.files import open_batch_folder
+    from dflash_audit.batch_audit.recompute import PACKED_CONTINUE, PACKED_RESTART
+
+    out = broken_script("cross_document_capture").make(good, tmp_path / positions,
+                                                       str(tiny_dir), positions=positions)
+    report = run_check_batches(out, tiny, rows_to_check=1, progress=False, profile="zlab")
+    assert report.exit_code == 1
+    assert failed(report) == {(f"hidden_states[{j}]", "cross-document attention")
+                              for j in range(5)} | {("verifier_last_hidden_states",
+                                                     "cross-document attention")}
+    by_name = {c.name: c for c in report.checks}
+    assert by_name["target_layer_ids"].status == "pass"
+    assert by_name["position_ids"].status == "pass"  # the files' layout is right
+    row = open_batch_folder(good).load(0)
+    last = by_name["verifier_last_hidden_states"]
+    assert last.message.startswith(
+        "verifier_last_hidden_states was captured over the packed row with a causal mask "
+        "across documents (cross-document attention in the capture; ")
+    assert (f"document 0 ({_tokens(row, 0)}) equals layer 8's output per document"
+            in last.message)
+    assert "later documents [1] do not" in last.message
+    assert "each later document's states saw the documents packed before it" in last.message
+    plan = {"continue": PACKED_CONTINUE, "restart": PACKED_RESTART}[positions]
+    d = last.details
+    assert plan in d["capture"] and d["matched"] == "layer 8"
+    assert d["packed_recomputes"][plan]["error"] < 1e-6 and d["first_document_error"] < 1e-6
+    assert min(d["document_errors_per_document"]) > d["tolerance"]
+    # the tiny random model barely uses positions (the two recomputes are far closer than
+    # the tolerance): the message says it cannot tell them apart instead of guessing
+    # (SmolLM2 tells them apart: test_batch_audit_smollm2.py)
+    assert len(d["capture"]) == 2 and "the evidence does not tell which" in last.message
+    if positions == "continue":  # a second cause on the same slices is named too
+        both = run_check_batches(out, tiny, rows_to_check=1, progress=False,
+                                 target_layer_ids=[3, 4, 5, 6, 7])
+        first = [c for c in both.failures if c.name == "hidden_states[0]"][0]
+        assert first.finding == "cross-document attention"
+        assert first.message.endswith("; and it is layer 2's output where the files say "
+                                      "layer 3")
+
+
+@pytest.mark.parametrize("damage", ["later documents", "every document"])
+def test_no_layer_says_what_the_documents_showed_and_claims_no_cause(tiny, good, tmp_path,
+                                                                     damage):
+    """States that no capture over the row explains stay ``no layer``: the message gives the
+    per-document evidence when the first document matches, and none when it does not."""
+    from dflash_audit.batch_audit.files import open_batch_folder
+
+    rows = broken_script("_batches").read_folder(good)
+    for _, t, _ in rows:
+        where = t["document_ids"][0] >= (1 if damage == "later documents" else 0)
+        for k in ("hidden_states", "verifier_last_hidden_states"):
+            t[k][0, where] *= 1.5
+    out = broken_script("_batches").write_folder(rows, tmp_path / "scaled")
+    report = run_check_batches(out, tiny, rows_to_check=1, progress=False)
+    assert {c.finding for c in report.failures} == {"no layer"}
+    last = [c for c in report.failures if c.name == "verifier_last_hidden_states"][0]
+    row = open_batch_folder(good).load(0)
+    evidence = (f"; document 0 ({_tokens(row, 0)}) equals layer 8's output per document")
+    if damage == "later documents":
+        assert evidence in last.message
+        assert ("later documents [1] do not" in last.message and "nor over the packed row "
+                "with a causal mask (positions counting on or restarting)" in last.message)
+        assert "cross-document" not in last.message and "captured over" not in last.message
+        assert "another verifier" not in last.message  # document 0 is this verifier's
+    else:
+        assert "document 0" not in last.message
+        assert last.message.endswith("(another verifier or weights, wrong positions, or a "
+                                     "different dtype)")
+
+
+def _zlab_config(tmp_path, name, **top):
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
+           "num_hidden_layers": 5, "num_target_layers": 8, "hidden_size": 32,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+           "vocab_size": 300, "rms_norm_eps": 1e-6, "dflash_config": {"mask_token_id": 260}}
+    cfg.update(top)
+    path = tmp_path / name / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_check_batches_and_compare_read_a_drafter_configs_ids_alike(tmp_path):
+    """One reading for both commands: ids in dflash_config or at the top level (z-lab + 1),
+    none (z-lab's build_target_layer_ids, said as computed), speculators' own key."""
+    from dflash_audit.batch_audit.ids import drafter_layer_ids
+    from dflash_audit.profile import Profile
+
+    configs = {
+        "dflash_config": _zlab_config(tmp_path, "a", dflash_config={
+            "mask_token_id": 260, "target_layer_ids": [1, 3, 5]}, num_hidden_layers=3),
+        "top level": _zlab_config(tmp_path, "b", target_layer_ids=[1, 3, 5],
+                                  num_hidden_layers=3),
+        "computed": _zlab_config(tmp_path, "c", num_hidden_layers=1),
+        "computed, five": _zlab_config(tmp_path, "d"),
+    }
+    expected = {"dflash_config": ([2, 4, 6], False), "top level": ([2, 4, 6], False),
+                "computed": ([5], True), "computed, five": ([2, 3, 4, 5, 6], True)}
+    for key, path in configs.items():
+        ids, origin, computed = drafter_layer_ids(json.loads(path.read_text()), None, 8,
+                                                  str(path))
+        profile = Profile.load(str(path))
+        assert (ids, computed) == expected[key], key
+        assert list(profile.target_layers) == ids and profile.target_layers_origin == origin
+        # --profile config.json in check-batches says the same origin
+        assert drafter_layer_ids(None, profile, 8)[1:] == (f"profile {profile.name}: {origin}",
+                                                           computed)
+    origin = drafter_layer_ids(json.loads(configs["computed"].read_text()), None, 8,
+                               str(configs["computed"]))[1]
+    assert origin == (f"computed, not read: {configs['computed']} names no target_layer_ids, "
+                      "so z-lab's rule build_target_layer_ids(num_target_layers=8, "
+                      "num_hidden_layers=1) = [4] (z-lab ids), + 1")
+    assert drafter_layer_ids(json.loads(configs["top level"].read_text()), None, 8, "x")[1] == (
+        "read from x top-level target_layer_ids (z-lab ids [1, 3, 5], + 1)")
+    # what one refuses, the other refuses in the same words (exit 2 in both commands)
+    from dflash_audit.data.errors import DataError
+    from dflash_audit.profile import ProfileError
+
+    for bad, words in [({"target_layer_ids": 5}, "target_layer_ids = 5 is not a list of ids"),
+                       ({"num_target_layers": None}, "neither target_layer_ids nor "
+                                                     "num_target_layers")]:
+        path = _zlab_config(tmp_path, f"bad{len(words)}", **bad)
+        with pytest.raises(DataError, match=words):
+            drafter_layer_ids(json.loads(path.read_text()), None, 8, str(path))
+        with pytest.raises(ProfileError, match=words):
+            Profile.load(str(path))
+
+
+def test_computed_ids_are_said_by_check_batches_and_by_compare(tiny_dir, good, tmp_path,
+                                                               capsys):
+    """check-batches no longer skips a z-lab config without target_layer_ids: it checks the
+    ids z-lab computes (one draft layer: [N//2] + 1 = [5], a count mismatch with the five
+    slices) and says on the terminal and in every report that they were computed; compare's
+    terminal and report.md say the same line for the same config."""
+    from dflash_audit.audit.compare_cli import _say_computed_ids
+    from dflash_audit.cli import app
+    from dflash_audit.profile import Profile
+    from dflash_audit.report.markdown import render_markdown
+    from test_report import make_report
+
+    path = _zlab_config(tmp_path, "one-layer", num_hidden_layers=1)
+    note = (f"target layer ids [5]: computed, not read: {path} names no target_layer_ids, so "
+            "z-lab's rule build_target_layer_ids(num_target_layers=8, num_hidden_layers=1) = "
+            "[4] (z-lab ids), + 1")
+    res = CliRunner().invoke(app, ["check-batches", str(good), "--verifier", str(tiny_dir),
+                                   "--rows-to-check", "1", "--drafter-config", str(path),
+                                   "--out", str(tmp_path / "r")])
+    assert res.exit_code == 1, res.output
+    assert f"note: {note}" in res.output
+    assert "FAIL [count mismatch] folder: the drafter reads 1 target layers [5] (computed" \
+        in res.output
+    (folder,) = (tmp_path / "r").iterdir()
+    report = json.loads((folder / "report.json").read_text())
+    assert report["notes"] == [note] and report["findings"] == ["count mismatch"]
+    assert f"- **note**: {note}" in (folder / "report.md").read_text()
+    assert note in (folder / "report.html").read_text().replace("&#x27;", "'")
+    assert f'name="note" value="{note}"' in (folder / "junit.xml").read_text().replace(
+        "&#x27;", "'")
+
+    fields = Profile.load(str(path)).to_dict()
+    _say_computed_ids(fields)
+    assert capsys.readouterr().out == f"  note: {note}\n"
+    compare = make_report({})
+    compare.profile["fields"] = fields
+    assert f"Target layer ids [5]: {note.split(': ', 1)[1]}." in render_markdown(compare)
+    _say_computed_ids(Profile.load("zlab").to_dict())  # a built-in profile: nothing to say
+    assert capsys.readouterr().out == ""

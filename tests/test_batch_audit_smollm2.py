@@ -57,3 +57,52 @@ def test_broken_batches_fail_with_the_right_name(smol, good, tmp_path, script, c
     if finding == "layer N-2":
         (c,) = report.failures
         assert "equals layer 28's output" in c.message and "L = N-2" in c.message
+
+
+@pytest.mark.parametrize("positions", ["continue", "restart"])
+def test_a_capture_over_the_packed_row_names_its_positions(smol, good, tmp_path, positions):
+    """On a real verifier the two captures over the packed row differ (positions matter
+    across documents: 2-14 % apart per layer, tolerances 0.6-9 %): the finding names the one
+    the files hold, never both."""
+    from dflash_audit.batch_audit.recompute import PACKED_CONTINUE, PACKED_RESTART
+
+    out = broken_script("cross_document_capture").make(good, tmp_path / positions, smol,
+                                                       positions=positions)
+    report = run_check_batches(out, smol, rows_to_check=1, progress=False)
+    assert {c.finding for c in report.failures} == {"cross-document attention"}
+    assert len(report.failures) == 6  # five target slices and the last state
+    plan = {"continue": PACKED_CONTINUE, "restart": PACKED_RESTART}[positions]
+    words = {"continue": "positions counting on across the row, as one plain "
+                         "model(input_ids=row) forward computes them",
+             "restart": "positions restarting per document, but one causal mask over the "
+                        "row"}[positions]
+    for c in report.failures:
+        assert c.details["capture"] == [plan], (c.name, c.details["packed_recomputes"])
+        assert f"(cross-document attention in the capture; {words})" in c.message
+
+
+def test_positions_counting_on_with_attention_per_document_changes_no_state(smol, good,
+                                                                            tmp_path):
+    """The sibling the evidence cannot show: positions offset per document while attention
+    stays within it. RoPE is relative, so the states equal the per-document ones within noise
+    and check-batches passes (nothing a drafter learns from them differs)."""
+    import torch
+
+    from dflash_audit.data.capture import LayerCapture
+
+    rows = broken_script("_batches").read_folder(good)
+    decoder = smol.model.get_decoder()
+    for _, t, _ in rows:
+        docs = t["document_ids"][0]
+        with torch.inference_mode(), LayerCapture(smol.model, [smol.num_layers]) as cap:
+            for k in range(int(docs.max()) + 1):
+                pos = (docs == k).nonzero().flatten()
+                s, e = int(pos[0]), int(pos[-1]) + 1
+                decoder(input_ids=t["input_ids"][:, s:e],
+                        position_ids=torch.arange(s, e).unsqueeze(0), use_cache=False)
+                t["verifier_last_hidden_states"][0, s:e] = cap.captured["last"][0]
+    out = broken_script("_batches").write_folder(rows, tmp_path / "offset")
+    report = run_check_batches(out, smol, rows_to_check=1, progress=False)
+    assert report.exit_code == 0, failed(report)
+    last = [c for c in report.checks if c.name == "verifier_last_hidden_states"][0]
+    assert last.details["error"] < last.details["tolerance"] / 100

@@ -156,6 +156,7 @@ def main(opts: CompareOptions) -> int:
     line = (f"verdict: {report.verdict.upper()} ({'; '.join(groups)}) in "
             f"{report.timing.get('total', 0.0):.1f} s")
     print(line)
+    _say_computed_ids(report.profile.get("fields") or {})
     if not report.candidate.get("sandbox", {}).get("sandboxed", True):
         print("  note: candidate ran without a sandbox (see report.json candidate.sandbox)")
     for latent in report.latent:  # every one, whatever the verdict: none is dropped
@@ -183,6 +184,16 @@ def main(opts: CompareOptions) -> int:
         print(f"  ({TRAIN_COST})")
     print(f"report: {outcome.folder}")
     return guarded_exit_code(outcome.exit_code, outcome.folder)
+
+
+def _say_computed_ids(fields: dict) -> None:
+    """Print a note when the profile's target layer ids were computed from a drafter config
+    that names none (z-lab's rule), as ``check-batches`` says it too."""
+    from dflash_audit.profile_import import ids_computed
+
+    if ids_computed(fields.get("target_layers_origin", "")):
+        print(f"  note: target layer ids {fields.get('target_layers')}: "
+              f"{fields['target_layers_origin']}")
 
 
 #: The run folder the printed train command names (the person picks their own).

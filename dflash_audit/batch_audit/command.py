@@ -58,6 +58,8 @@ def check_batches_command(
         console.print(f"error: {exc}", style="bold red", highlight=False, markup=False,
                       soft_wrap=True)
         raise typer.Exit(2) from None
+    for note in report.notes:
+        console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
     for c in report.failures:
         console.print(f"FAIL [{c.finding or c.name}] {c.row or 'folder'}: {c.message}",
                       highlight=False, markup=False, soft_wrap=True)

@@ -5,11 +5,14 @@ the verifier's embedding, never pad / eos / bos / unk / an end-of-turn token, ne
 the data (``input_ids`` of every row), and not be written by the chat template.
 
 ``target_layer_ids``: what the drafter reads slice j as (speculators convention, id L = HF
-``hidden_states[L]``) comes from ``--drafter-config`` (``aux_hidden_state_layer_ids``:
-speculators ids; ``dflash_config.target_layer_ids``: z-lab ids, read as ``hidden_states[id +
-1]`` by z-lab, so ours = z-lab + 1; a plain ``target_layer_ids``: per ``--profile``) or from
-``--profile`` alone (its ``target_layers`` for this verifier). It is compared with the layers
-the slices actually equal (:mod:`~dflash_audit.batch_audit.layers`). Findings:
+``hidden_states[L]``) comes from ``--drafter-config``, read by the very function
+``compare --profile config.json`` reads it with
+(:func:`dflash_audit.profile_import.drafter_layer_ids`: ``aux_hidden_state_layer_ids``:
+speculators ids; a z-lab config's ``target_layer_ids``: z-lab ids, read as ``hidden_states[id
++ 1]`` by z-lab, so ours = z-lab + 1; a z-lab config naming none: z-lab's
+``build_target_layer_ids(num_target_layers, num_hidden_layers)`` + 1, said as computed, not
+read), or from ``--profile`` (its ``target_layers`` for this verifier). It is compared with
+the layers the slices actually equal (:mod:`~dflash_audit.batch_audit.layers`). Findings:
 ``zlab ids read as speculators ids`` (every slice one layer early: the capture used z-lab ids
 as HF indices), ``speculators ids read as zlab ids`` (one layer late), ``count collision``
 (same number of slices, other ids: shapes match, so training runs silently on the wrong
@@ -18,7 +21,6 @@ layers) and ``count mismatch``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,6 @@ import torch
 from dflash_audit.batch_audit.result import FAIL, PASS, SKIP, Check
 from dflash_audit.data.errors import DataError
 from dflash_audit.data.tokenize import _forbidden_ids
-from dflash_audit.user_input import loads_json
 
 
 def find_key(config: Any, key: str) -> Any:
@@ -42,36 +43,64 @@ def find_key(config: Any, key: str) -> Any:
     return None
 
 
-def read_drafter_config(path: str | Path) -> dict[str, Any]:
-    """The drafter's ``config.json`` (a file, or a folder holding one).
+def read_drafter_config(path: str | Path) -> tuple[dict[str, Any], Path]:
+    """The drafter's ``config.json`` (a file, or a folder holding one) and the file read.
 
     Raises:
-        DataError: missing or not JSON.
+        DataError: missing, not JSON, or not a JSON object.
     """
-    p = Path(path)
-    p = p / "config.json" if p.is_dir() else p
+    from dflash_audit.profile_import import read_config_json
+
     try:
-        return loads_json(p.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DataError(f"--drafter-config {p}: cannot read a JSON config ({exc})") from exc
+        return read_config_json(path)
+    except ValueError as exc:
+        raise DataError(f"--drafter-config: {exc}") from None
 
 
-def drafter_layer_ids(config: dict[str, Any] | None, profile: Any, num_layers: int
-                      ) -> tuple[list[int] | None, str]:
-    """The ids the drafter reads (speculators convention) and where they come from."""
+def drafter_layer_ids(config: dict[str, Any] | None, profile: Any, num_layers: int,
+                      source: str = "drafter config") -> tuple[list[int] | None, str, bool]:
+    """The ids the drafter reads (speculators convention), where they come from (one line),
+    and whether they were computed by a rule from a config that names none.
+
+    A drafter config is read as ``compare --profile config.json`` reads it
+    (:func:`dflash_audit.profile_import.drafter_layer_ids`: a z-lab config naming no
+    ``target_layer_ids`` gets z-lab's ``build_target_layer_ids``, and the origin begins with
+    "computed, not read"); a config of neither format falls back to a ``target_layer_ids``
+    anywhere in it, in ``--profile``'s convention (z-lab + 1 under ``zlab``). Without a config,
+    ``--profile``'s ids for this verifier (its origin when it was read from a config).
+
+    Raises:
+        DataError: a config whose ids cannot be read (not integers; a z-lab config z-lab would
+            refuse), in :func:`~dflash_audit.profile_import.drafter_layer_ids`'s words.
+    """
+    from dflash_audit.profile_import import drafter_layer_ids as read_ids
+    from dflash_audit.profile_import import ids_computed
+
     if config is not None:
-        if (ids := find_key(config, "aux_hidden_state_layer_ids")) is not None:
-            return [int(i) for i in ids], "drafter config aux_hidden_state_layer_ids"
-        if (ids := find_key(config.get("dflash_config", {}), "target_layer_ids")) is not None:
-            return ([int(i) + 1 for i in ids],
-                    "drafter config dflash_config.target_layer_ids (z-lab ids, +1)")
+        try:
+            found = read_ids(config, source)
+        except ValueError as exc:
+            message = str(exc) if str(exc).startswith(source) else f"{source}: {exc}"
+            raise DataError(f"--drafter-config {message}") from None
+        if found is not None:
+            return found.ids, found.origin, found.computed
         if (ids := find_key(config, "target_layer_ids")) is not None:
             zlab = profile is not None and profile.name == "zlab"
             return ([int(i) + int(zlab) for i in ids],
-                    f"drafter config target_layer_ids{' (z-lab ids, +1)' if zlab else ''}")
+                    f"{source} target_layer_ids{' (z-lab ids, +1)' if zlab else ''}", False)
     if profile is not None:
-        return profile.resolve_target_layer_ids(num_layers), f"profile {profile.name}"
-    return None, ""
+        ids = profile.resolve_target_layer_ids(num_layers)
+        origin = profile.target_layers_origin
+        if origin:
+            return ids, f"profile {profile.name}: {origin}", ids_computed(origin)
+        if isinstance(profile.target_layers, str):
+            return ids, (f"profile {profile.name}: target_layers = {profile.target_layers!r} "
+                         f"for {num_layers} verifier layers"), False
+        return ids, f"profile {profile.name}", False
+    if config is not None:
+        return None, (f"{source} names no target layer ids (no aux_hidden_state_layer_ids, not "
+                      "a z-lab dflash_config) and no --profile says them"), False
+    return None, "no --drafter-config or --profile", False
 
 
 def check_target_layer_ids(measured: list[int | None], files_ids: list[int] | None,
@@ -81,8 +110,8 @@ def check_target_layer_ids(measured: list[int | None], files_ids: list[int] | No
     details = {"measured": measured, "files": files_ids, "drafter": drafter_ids,
                "drafter_source": source}
     if drafter_ids is None:
-        return Check(name, SKIP, "no --drafter-config or --profile: the ids the drafter reads "
-                     f"are unknown (the slices equal layers {measured})", details=details)
+        return Check(name, SKIP, f"{source}: the ids the drafter reads are unknown (the slices "
+                     f"equal layers {measured})", details=details)
     if list(measured) == list(drafter_ids):
         return Check(name, PASS, f"the slices equal layers {measured}, which the drafter reads "
                      f"({source})", details=details)

@@ -10,8 +10,13 @@ compared with the N+2 recomputed candidates of :mod:`~dflash_audit.batch_audit.r
   state taken two layers short: ``layer N-2``; a target slice at ``layer 28`` for id 29);
 - ``post-norm``: the slice equals the final norm of the last layer's output (HF
   ``hidden_states[-1]``); the drafter norms the last state itself, so it would be normed twice;
+- ``cross-document attention``: no layer per document, but the first document equals layer
+  L and the whole row equals layer L recomputed in one causal forward over the packed row
+  (:mod:`~dflash_audit.batch_audit.capture_attention`, which also says what the evidence
+  cannot tell apart);
 - ``no layer``: no candidate within tolerance (another verifier, other weights, positions
-  that do not restart, or a dtype far from the files').
+  wrong within a document, or a dtype far from the files'); on a packed row the message adds
+  what the documents showed (the first one equal to a layer, later ones not).
 
 Before any matching, each slice's values are checked (:func:`value_problem`): a slice that is
 not floating point (``dtype int32``) or holds NaN / inf (``non-finite``) fails with that name
@@ -22,8 +27,9 @@ from __future__ import annotations
 
 import torch
 
+from dflash_audit.batch_audit.capture_attention import PackedStates, explain_no_layer
 from dflash_audit.batch_audit.files import Row
-from dflash_audit.batch_audit.recompute import LayerStates, token_distance
+from dflash_audit.batch_audit.recompute import LayerStates, token_mask
 from dflash_audit.batch_audit.result import FAIL, PASS, Check
 
 LAST = "verifier_last_hidden_states"
@@ -34,28 +40,24 @@ def _relation(matched: int, expected: int, n: int) -> str:
     return f"layer N-{n - matched}" if matched > n // 2 else f"layer {matched}"
 
 
-def match_slice(x, states: LayerStates, tokens) -> tuple[int, list[float]]:
-    """Index of the closest candidate to ``x`` ``[T, H]`` on the ``tokens`` mask, and the
-    distances to all N+2 candidates."""
-    dist = [token_distance(x[tokens], states.states[c][tokens])
-            for c in range(states.states.shape[0])]
-    return min(range(len(dist)), key=dist.__getitem__), dist
-
-
 def _judge(name: str, row: Row, x, expected: int | None, states: LayerStates, tokens,
-           what: str) -> tuple[Check, int | None]:
+           what: str, packed: PackedStates | None) -> tuple[Check, int | None]:
     n = states.num_layers
-    best, dist = match_slice(x, states, tokens)
+    best, dist = states.closest(x, tokens)
     tol = states.tolerance[best]
     details = {"matched": states.label(best), "expected": None if expected is None
                else states.label(expected), "error": dist[best], "tolerance": tol,
                "error_to_expected": None if expected is None else dist[expected],
                "dtype": str(states.dtype).removeprefix("torch.")}
     if dist[best] > tol:
+        named, layer, evidence = explain_no_layer(name, row, x, expected, states, packed)
+        if named is not None:
+            return named, layer
+        why = f"; {evidence}" if evidence else (" (another verifier or weights, wrong "
+                                                 "positions, or a different dtype)")
         return Check(name, FAIL, f"{name} equals no layer of this verifier: closest is "
-                     f"{states.label(best)} at error {dist[best]:.3g} > tolerance {tol:.3g} "
-                     "(another verifier or weights, wrong positions, or a different dtype)",
-                     row=row.name, finding="no layer", details=details), None
+                     f"{states.label(best)} at error {dist[best]:.3g} > tolerance {tol:.3g}"
+                     f"{why}", row=row.name, finding="no layer", details=details), None
     matched = None if best == n + 1 else best
     if expected is None or best == expected:
         return Check(name, PASS, f"{name} equals {states.label(best)}'s output{what} (error "
@@ -93,7 +95,8 @@ def value_problem(name: str, row: Row, x: torch.Tensor) -> Check | None:
 
 
 def check_layers(row: Row, states: LayerStates, target_layer_ids: list[int] | None,
-                 hidden_size: int) -> tuple[list[Check], list[int | None]]:
+                 hidden_size: int, packed: PackedStates | None = None
+                 ) -> tuple[list[Check], list[int | None]]:
     """Judge every slice of ``row`` (see the module docstring).
 
     Args:
@@ -102,14 +105,14 @@ def check_layers(row: Row, states: LayerStates, target_layer_ids: list[int] | No
         target_layer_ids: what the files say slice j is (speculators convention), or ``None``
             when they do not say (each slice is then only located).
         hidden_size: H.
+        packed: the row recomputed over the packed row (causal mask across documents), asked
+            for only when a slice equals no layer per document; None: not examined.
 
     Returns:
         One check per slice then the last state's, and the layer id each target slice
         actually equals (``None`` where it equals none, or post-norm).
     """
-    tokens = row.input_ids.new_zeros(row.input_ids.numel(), dtype=bool)
-    for s, e in row.documents:
-        tokens[s:e] = True
+    tokens = token_mask(row.input_ids.numel(), row.documents)
     n_slices = row.hidden_states.shape[-1] // hidden_size
     checks, measured = [], []
     for j in range(n_slices):
@@ -117,11 +120,12 @@ def check_layers(row: Row, states: LayerStates, target_layer_ids: list[int] | No
         x = row.hidden_states[:, j * hidden_size:(j + 1) * hidden_size]
         bad = value_problem(f"hidden_states[{j}]", row, x)
         check, matched = (bad, None) if bad else _judge(f"hidden_states[{j}]", row, x,
-                                                        expected, states, tokens, "")
+                                                        expected, states, tokens, "",
+                                                        packed)
         checks.append(check)
         measured.append(matched)
     bad = value_problem(LAST, row, row.last)
     check = bad or _judge(LAST, row, row.last, states.num_layers, states, tokens,
-                          " (the last layer, pre-norm)")[0]
+                          " (the last layer, pre-norm)", packed)[0]
     checks.append(check)
     return checks, measured

@@ -4,7 +4,13 @@ Layer ids (HF ``output_hidden_states`` semantics, speculators convention): id ``
 residual stream after L decoder layers (0 = embeddings), id ``N`` the last layer's output
 *before* the final norm, and one more candidate, ``post-norm`` = ``norm(id N)`` = HF's
 ``hidden_states[-1]``. Each document is a separate forward with positions ``0..len-1`` (as
-:func:`dflash_audit.data.capture.capture_row` and the reference's per-conversation samples).
+:func:`dflash_audit.data.capture.capture_row` and the reference's per-conversation samples):
+the plan :data:`PER_DOCUMENT`. Two other plans recompute what a wrong capture computed, one
+causal forward over the packed row's documents (:func:`forward_plan`): :data:`PACKED_CONTINUE`
+(positions counting on across the row, a plain ``model(input_ids=row)``) and
+:data:`PACKED_RESTART` (per-document positions, one causal mask over the row); both pass an
+explicit all-ones ``attention_mask``, so transformers does not infer a per-document mask from
+restarting positions (``masking_utils.find_packed_sequence_indices``).
 
 Distance: the mean over tokens of ``||x_t - r_t|| / ||r_t||`` (per-token relative error, so the
 first token's massive activations do not swamp the rest).
@@ -39,6 +45,30 @@ NOISE_FACTOR = 4.0
 MIN_TOLERANCE = 1e-3
 NOISE_TOKENS = 128
 POST_NORM = "post-norm"
+PER_DOCUMENT = "per document"
+PACKED_CONTINUE = "packed row, positions counting on"
+PACKED_RESTART = "packed row, positions restarting per document"
+
+
+def forward_plan(documents: Sequence[tuple[int, int]], plan: str = PER_DOCUMENT
+                 ) -> list[tuple[int, int, torch.Tensor, bool]]:
+    """The forwards of a capture plan: ``(start, end, position_ids int64 [end - start], one
+    causal mask over the span)`` each. The packed plans span the first document's start to
+    the last one's end and need contiguous documents.
+
+    Raises:
+        ValueError: an unknown plan, or a packed plan over documents with gaps between them.
+    """
+    if plan == PER_DOCUMENT:
+        return [(s, e, torch.arange(e - s), False) for s, e in documents]
+    if plan not in (PACKED_CONTINUE, PACKED_RESTART):
+        raise ValueError(f"unknown capture plan {plan!r}")
+    if any(e != s for (_, e), (s, _) in zip(documents, documents[1:])):
+        raise ValueError(f"documents {list(documents)} are not contiguous: no packed forward")
+    start, end = documents[0][0], documents[-1][1]
+    positions = torch.arange(end - start) if plan == PACKED_CONTINUE else torch.cat(
+        [torch.arange(e - s) for s, e in documents])
+    return [(start, end, positions, True)]
 
 
 def file_precision(t: torch.Tensor) -> torch.dtype:
@@ -83,6 +113,13 @@ class LayerStates:
         """``"layer 12"`` or ``"post-norm"`` for candidate index ``c``."""
         return POST_NORM if c == self.num_layers + 1 else f"layer {c}"
 
+    def closest(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[int, list[float]]:
+        """Index of the candidate closest to ``x`` ``[T, H]`` on the bool ``tokens`` mask
+        ``[T]``, and the distances (:func:`token_distance`) to all N+2 candidates."""
+        dist = [token_distance(x[tokens], self.states[c][tokens])
+                for c in range(self.states.shape[0])]
+        return min(range(len(dist)), key=dist.__getitem__), dist
+
 
 class Recomputer:
     """Recomputes layer states with a loaded :class:`Verifier` in float32 and low precision.
@@ -104,17 +141,20 @@ class Recomputer:
 
     @torch.inference_mode()
     def states(self, input_ids: torch.Tensor, documents: Sequence[tuple[int, int]],
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, plan: str = PER_DOCUMENT) -> torch.Tensor:
         """float32 ``[N+2, T, H]`` of ``input_ids`` int64 ``[T]`` computed in ``dtype``;
-        zero outside ``documents`` (``[start, end)`` each, one forward per document)."""
+        zero outside ``documents`` (``[start, end)`` each; one forward per document, or one
+        over the row for a packed ``plan``, :func:`forward_plan`)."""
         model = self._model(dtype)
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
         n, h, T = self.verifier.num_layers, self.verifier.hidden_size, input_ids.numel()
         out = torch.zeros(n + 2, T, h)
         with LayerCapture(model, list(range(n))) as cap:
-            for s, e in documents:
+            for s, e, positions, one_mask in forward_plan(documents, plan):
+                mask = {"attention_mask": torch.ones(1, e - s, dtype=torch.long)} if one_mask \
+                    else {}
                 decoder(input_ids=input_ids[s:e].unsqueeze(0),
-                        position_ids=torch.arange(e - s).unsqueeze(0), use_cache=False)
+                        position_ids=positions.unsqueeze(0), use_cache=False, **mask)
                 for layer in range(n):
                     out[layer, s:e] = cap.captured[layer][0].float()
                 last = cap.captured["last"]
@@ -137,23 +177,24 @@ class Recomputer:
                     left -= docs[-1][1] - s
             full = self.states(input_ids, docs, torch.float32)
             lowp = self.states(input_ids, docs, low)
-            mask = _token_mask(input_ids.numel(), docs)
+            mask = token_mask(input_ids.numel(), docs)
             self._noise[low] = [token_distance(lowp[c][mask], full[c][mask])
                                 for c in range(full.shape[0])]
         return self._noise[low]
 
     def layer_states(self, input_ids: torch.Tensor, documents: Sequence[tuple[int, int]],
-                     precision: torch.dtype) -> LayerStates:
-        """Recompute in ``precision`` (float32 for float32 files) with the measured noise and
-        tolerance per candidate (see the module docstring)."""
+                     precision: torch.dtype, plan: str = PER_DOCUMENT) -> LayerStates:
+        """Recompute in ``precision`` (float32 for float32 files) under capture ``plan`` with
+        the measured noise and tolerance per candidate (see the module docstring)."""
         noise = self.measure_noise(input_ids, documents, precision)
         dtype = precision if precision in (torch.bfloat16, torch.float16) else torch.float32
-        return LayerStates(states=self.states(input_ids, documents, dtype), dtype=precision,
-                           noise=noise,
+        return LayerStates(states=self.states(input_ids, documents, dtype, plan),
+                           dtype=precision, noise=noise,
                            tolerance=[max(NOISE_FACTOR * x, MIN_TOLERANCE) for x in noise])
 
 
-def _token_mask(T: int, documents: Sequence[tuple[int, int]]) -> torch.Tensor:
+def token_mask(T: int, documents: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """bool ``[T]``: True on the tokens of ``documents`` (``[start, end)`` each)."""
     mask = torch.zeros(T, dtype=torch.bool)
     for s, e in documents:
         mask[s:e] = True

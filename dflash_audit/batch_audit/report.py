@@ -24,6 +24,7 @@ def render_markdown(report: BatchReport) -> str:
              f"- verifier: {report.verifier.get('name')} (`{report.verifier.get('path')}`)",
              f"- rows checked: {', '.join(report.rows_checked)}"]
     lines += [f"- {k}: {v}" for k, v in report.context.items()]
+    lines += [f"- **note**: {n}" for n in report.notes]
     if report.failures:
         lines += ["", "## Findings", ""]
         lines += [f"- **{c.finding or c.name}** ({c.row or 'folder'}): {c.message}"
@@ -45,6 +46,7 @@ def render_html(report: BatchReport) -> str:
         for c in _ordered(report))
     ctx = "".join(f"<li>{html.escape(str(k))}: {html.escape(str(v))}</li>"
                   for k, v in report.context.items())
+    ctx += "".join(f"<li><b>note</b>: {html.escape(n)}</li>" for n in report.notes)
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>check-batches "
             f"{report.verdict}</title></head><body style='font-family:sans-serif'>"
             f"<h1 style='color:{color[report.verdict]}'>check-batches: "
@@ -61,6 +63,10 @@ def render_junit(report: BatchReport) -> str:
     suite = ET.Element("testsuite", name="dflash-audit check-batches",
                        tests=str(len(report.checks)), failures=str(len(report.failures)),
                        skipped=str(sum(c.status == "skip" for c in report.checks)))
+    if report.notes:
+        props = ET.SubElement(suite, "properties")
+        for n in report.notes:
+            ET.SubElement(props, "property", name="note", value=n)
     for c in report.checks:
         case = ET.SubElement(suite, "testcase", classname=f"check-batches.{c.row or 'folder'}",
                              name=c.name)

@@ -39,7 +39,9 @@ class Check:
 @dataclass
 class BatchReport:
     """All checks of one ``check-batches`` run and its context (folder, format, verifier,
-    rows checked, tolerances, timings)."""
+    rows checked, tolerances, timings); ``notes``: lines a user must read whatever the verdict
+    (e.g. target layer ids computed from a drafter config that names none), printed on the
+    terminal and written in every report format."""
 
     folder: str
     format: str
@@ -47,6 +49,7 @@ class BatchReport:
     rows_checked: list[str]
     checks: list[Check] = field(default_factory=list)
     context: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
     created_at: str = field(
         default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
 
@@ -70,6 +73,6 @@ class BatchReport:
         return {"kind": "dflash-audit check-batches", "verdict": self.verdict,
                 "created_at": self.created_at, "folder": self.folder, "format": self.format,
                 "verifier": self.verifier, "rows_checked": self.rows_checked,
-                "context": self.context,
+                "context": self.context, "notes": self.notes,
                 "findings": sorted({c.finding for c in self.failures if c.finding}),
                 "checks": [c.to_dict() for c in self.checks]}

@@ -11,6 +11,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from dflash_audit.batch_audit.capture_attention import PackedStates
 from dflash_audit.batch_audit.files import BatchFolder, open_batch_folder
 from dflash_audit.batch_audit.ids import (
     check_mask_token,
@@ -90,7 +91,7 @@ def run_check_batches(directory: str | Path, verifier: str | Verifier, rows_to_c
             prof = Profile.load(profile)
         except ProfileError as exc:
             raise DataError(f"--profile: {exc}") from exc
-    config = read_drafter_config(drafter_config) if drafter_config else None
+    config, config_file = read_drafter_config(drafter_config) if drafter_config else (None, "")
     if target_layer_ids is not None:
         folder.target_layer_ids = list(target_layer_ids)
     all_ids = folder.all_input_ids()  # every row, as train checks every file up front
@@ -112,15 +113,19 @@ def run_check_batches(directory: str | Path, verifier: str | Verifier, rows_to_c
             checks += check_layout(row)
             checks.append(check_loss_mask(row, verifier.tokenizer,
                                           getattr(verifier.model, "generation_config", None)))
-            states = recompute.layer_states(row.input_ids, row.documents,
-                                            file_precision(row.hidden_states))
+            precision = file_precision(row.hidden_states)
+            states = recompute.layer_states(row.input_ids, row.documents, precision)
+            packed = PackedStates(lambda plan, row=row, p=precision: recompute.layer_states(
+                row.input_ids, row.documents, p, plan))
             layer_checks, ids = check_layers(row, states, folder.target_layer_ids,
-                                             verifier.hidden_size)
+                                             verifier.hidden_size, packed)
             checks += layer_checks
             measured, noise = measured or ids, states.noise
             if bar:
                 bar.advance(task)
-    drafter_ids, source = drafter_layer_ids(config, prof, verifier.num_layers)
+    drafter_ids, source, computed = drafter_layer_ids(config, prof, verifier.num_layers,
+                                                      str(config_file))
+    notes = [f"target layer ids {drafter_ids}: {source}"] if computed else []
     checks.append(check_target_layer_ids(measured, folder.target_layer_ids, drafter_ids, source))
     checks.append(check_mask_token(folder.mask_token_id,
                                    find_key(config, "mask_token_id") if config else None,
@@ -128,7 +133,7 @@ def run_check_batches(directory: str | Path, verifier: str | Verifier, rows_to_c
     precision = str(states.dtype)
     return BatchReport(
         folder=str(folder.path), format=folder.format, verifier=verifier.identity.to_dict(),
-        rows_checked=names, checks=checks,
+        rows_checked=names, checks=checks, notes=notes,
         context={"rows_in_folder": len(folder.names), "files_precision":
                  precision.removeprefix("torch."),
                  "noise_per_layer": [round(x, 5) for x in noise],

@@ -85,6 +85,9 @@ def _what(report: Report) -> list[str]:
                   f"{fields.get('sample_from_anchor')}"
                   + (f" ({_cell(fields['description'], 200)})" if fields.get("description")
                      else "") + "."]
+        if fields.get("target_layers_origin"):  # a drafter config's ids: read, or computed
+            lines += ["", f"Target layer ids {fields.get('target_layers')}: "
+                      f"{_cell(fields['target_layers_origin'], 300)}."]
     if inp.get("weights"):
         lines += ["", f"Real cases ran on the checkpoint weights in `{inp['weights']}` "
                   "(`--weights`); synthetic cases on seeded random weights."]
