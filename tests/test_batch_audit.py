@@ -95,7 +95,6 @@ def test_bf16_rounded_capture_passes_within_measured_noise(tiny, good, tmp_path)
     ("post_norm_last_state", "verifier_last_hidden_states", "post-norm", {}),
     ("loss_mask_shifted", "loss_mask", "shift +1", {}),
     ("mask_on_user_turns", "loss_mask", "user turns", {}),
-    ("positions_not_restarting", "position_ids", "positions continue", {}),
     ("zlab_ids_as_speculators", "target_layer_ids", "zlab ids read as speculators ids",
      {"drafter_config": "drafter_config.json"}),
 ])
@@ -106,6 +105,42 @@ def test_broken_batches_fail_with_the_right_name(tiny, tiny_dir, good, tmp_path,
     report = run_check_batches(out, tiny, rows_to_check=1, progress=False, **kwargs)
     assert report.exit_code == 1
     assert failed(report) == {(check, finding)}
+
+
+def test_positions_counting_on_warn_unless_the_rope_depends_on_the_absolute_position(
+        tiny, tiny_dir, good, tmp_path):
+    """A per-document position offset keeps every RoPE distance inside a document, and
+    attention stays per document: it cannot change training (compare passes such a drafter:
+    test_diagnose's positions-not-restarting), so a warning, exit 0; with a verifier whose
+    rope_type depends on the absolute position (dynamic NTK, longrope), a failure."""
+    from dflash_audit.batch_audit.files import open_batch_folder
+    from dflash_audit.batch_audit.layout import check_layout, rope_types
+
+    out = broken_script("positions_not_restarting").make(good, tmp_path / "p", str(tiny_dir))
+    report = run_check_batches(out, tiny, rows_to_check=1, progress=False)
+    assert report.exit_code == 0 and report.verdict == "pass" and not report.failures
+    assert {(c.name, c.finding) for c in report.warnings} == {("position_ids",
+                                                              "positions continue")}
+    assert "it cannot change what the drafter learns" in report.warnings[0].message
+    from dflash_audit.cli import app
+
+    cli = CliRunner().invoke(app, ["check-batches", str(out), "--verifier", str(tiny_dir),
+                                   "--rows-to-check", "1", "--out", str(tmp_path / "r")])
+    assert cli.exit_code == 0, cli.output
+    text = " ".join(cli.output.split())
+    assert "WARN [positions continue]" in text and "(5 checks" not in text
+    assert "0 failed, 1 warnings)" in text
+    (folder,) = (tmp_path / "r").iterdir()
+    assert "<system-out>WARN [positions continue]" in (folder / "junit.xml").read_text()
+    assert f"- **positions continue** ({report.warnings[0].row}, warn): position_ids do not " \
+           "restart" in (folder / "report.md").read_text()
+    row = open_batch_folder(out).load(0)
+    (pos,) = [c for c in check_layout(row, {"dynamic"}) if c.name == "position_ids"]
+    assert pos.status == "fail" and "rope_type 'dynamic'" in pos.message
+    assert rope_types(tiny.model.config) == {"default"}
+    nested = type("C", (), {"rope_parameters": {"full_attention": {"rope_type": "linear"},
+                                                "sliding_attention": {"rope_type": "default"}}})
+    assert rope_types(nested()) == {"linear", "default"}
 
 
 def test_zlab_ids_named_with_the_profile_alone(tiny, tiny_dir, good, tmp_path):

@@ -45,7 +45,6 @@ def test_our_files_and_reference_format_pass(smol, good):
     ("post_norm_last_state", "verifier_last_hidden_states", "post-norm", False),
     ("loss_mask_shifted", "loss_mask", "shift +1", False),
     ("mask_on_user_turns", "loss_mask", "user turns", False),
-    ("positions_not_restarting", "position_ids", "positions continue", False),
     ("zlab_ids_as_speculators", "target_layer_ids", "zlab ids read as speculators ids", True),
 ])
 def test_broken_batches_fail_with_the_right_name(smol, good, tmp_path, script, check,

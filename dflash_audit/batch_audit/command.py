@@ -60,11 +60,12 @@ def check_batches_command(
         raise typer.Exit(2) from None
     for note in report.notes:
         console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
-    for c in report.failures:
-        console.print(f"FAIL [{c.finding or c.name}] {c.row or 'folder'}: {c.message}",
+    for c in report.failures + report.warnings:
+        console.print(f"{c.status.upper()} [{c.finding or c.name}] {c.row or 'folder'}: "
+                      f"{c.message}",
                       highlight=False, markup=False, soft_wrap=True)
     console.print(f"check-batches: {report.verdict.upper()} ({len(report.checks)} checks, "
-                  f"{len(report.failures)} failed) report: {folder}", highlight=False,
+                  f"{len(report.failures)} failed, {len(report.warnings)} warnings) report: {folder}", highlight=False,
                   markup=False, soft_wrap=True)
     raise typer.Exit(report.exit_code)
 

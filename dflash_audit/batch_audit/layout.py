@@ -5,10 +5,13 @@ document and count up by one; ``input_ids`` / ``loss_mask`` / ``position_ids`` a
 padding. The reference's offline format has one conversation per row and no positions (its
 collator builds them), so these checks are skipped there.
 
-Findings: ``positions continue`` (one count across the packed documents: the drafter's RoPE
-and the verifier's would disagree after the first document), ``positions start at 1``,
-``positions wrong`` (anything else), ``document_ids not contiguous``, ``padding not at the
-end``, ``padding values``.
+Findings: ``positions continue`` (one count across the packed documents) and ``positions start
+at 1``: a per-document offset, which leaves every RoPE distance inside a document as it is, so
+with a relative RoPE (the default, linear, llama3, yarn ...) and attention kept per document by
+``document_ids`` it cannot change what a drafter learns (compare passes such a candidate): a
+warning; a FAIL only where the verifier's ``rope_type`` makes the frequencies depend on the
+absolute position (:data:`POSITION_DEPENDENT_ROPE`). ``positions wrong`` (anything else),
+``document_ids not contiguous``, ``padding not at the end``, ``padding values``: failures.
 """
 
 from __future__ import annotations
@@ -16,7 +19,12 @@ from __future__ import annotations
 import torch
 
 from dflash_audit.batch_audit.files import Row
-from dflash_audit.batch_audit.result import FAIL, PASS, SKIP, Check
+from dflash_audit.batch_audit.result import FAIL, PASS, SKIP, WARN, Check
+
+#: RoPE types whose rotation of a position depends on the absolute position or the sequence's
+#: length (transformers' ``dynamic`` NTK scaling, Phi-3's ``longrope`` short/long factors):
+#: there a per-document position offset changes the drafter's attention.
+POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 def _document_ids(row: Row) -> Check:
@@ -46,7 +54,19 @@ def expected_positions(row: Row) -> torch.Tensor:
     return pos
 
 
-def _positions(row: Row) -> Check:
+def rope_types(config: object) -> set[str]:
+    """Every ``rope_type`` in a transformers config's ``rope_parameters`` / ``rope_scaling``
+    (per layer type where it is nested, as Gemma 3's), ``{"default"}`` where none is set."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    found: set[str] = set()
+    for part in ([rope] if isinstance(rope, dict) else []):
+        nested = [v for v in part.values() if isinstance(v, dict)]
+        for d in (nested or [part]):
+            found.add(str(d.get("rope_type") or d.get("type") or "default"))
+    return found or {"default"}
+
+
+def _positions(row: Row, rope: set[str]) -> Check:
     expected = expected_positions(row)
     inside = row.document_ids >= 0
     got = row.position_ids
@@ -65,7 +85,16 @@ def _positions(row: Row) -> Check:
         finding, what = "positions start at 1", "position_ids start at 1, not 0"
     else:
         finding, what = "positions wrong", "position_ids do not count 0..len-1 per document"
-    return Check("position_ids", FAIL, f"{what} (document {doc} at position {first}: "
+    status = FAIL
+    if finding != "positions wrong":
+        absolute = sorted(rope & set(POSITION_DEPENDENT_ROPE))
+        status = FAIL if absolute else WARN
+        what += (f": the verifier's rope_type {absolute[0]!r} makes the rotation depend on the "
+                 "absolute position, so the drafter's attention changes" if absolute else
+                 ": a per-document offset, which keeps every RoPE distance inside a document "
+                 f"(rope_type {', '.join(sorted(rope))}), so with attention kept per document "
+                 "it cannot change what the drafter learns; the reference restarts them")
+    return Check("position_ids", status, f"{what} (document {doc} at position {first}: "
                  f"{int(got[first])}, expected {int(expected[first])})", row=row.name,
                  finding=finding, details={"first_position": first, "document": doc})
 
@@ -80,12 +109,14 @@ def _padding(row: Row) -> Check:
     return Check("padding", PASS, f"{int(pad.sum())} padding positions hold 0", row=row.name)
 
 
-def check_layout(row: Row) -> list[Check]:
-    """The layout checks of one row (see the module docstring); skips without positions."""
+def check_layout(row: Row, rope: set[str] | frozenset[str] = frozenset({"default"})
+                 ) -> list[Check]:
+    """The layout checks of one row (see the module docstring); skips without positions.
+    ``rope``: the verifier's rope types (:func:`rope_types`)."""
     if row.position_ids is None or row.document_ids is None:
         return [Check("position_ids", SKIP, "one conversation per row, no position_ids in the "
                       "files (the reference's collator builds them)", row=row.name)]
     docs = _document_ids(row)
     if docs.status == FAIL:
         return [docs]
-    return [docs, _positions(row), _padding(row)]
+    return [docs, _positions(row, set(rope)), _padding(row)]

@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 from xml.etree import ElementTree as ET
 
-from dflash_audit.batch_audit.result import FAIL, BatchReport, Check
+from dflash_audit.batch_audit.result import FAIL, WARN, BatchReport, Check
 
 
 def _ordered(report: BatchReport) -> list[Check]:
-    rank = {FAIL: 0, "skip": 1, "pass": 2}
+    rank = {FAIL: 0, WARN: 1, "skip": 2, "pass": 3}
     return sorted(report.checks, key=lambda c: rank.get(c.status, 3))
 
 
@@ -25,10 +25,10 @@ def render_markdown(report: BatchReport) -> str:
              f"- rows checked: {', '.join(report.rows_checked)}"]
     lines += [f"- {k}: {v}" for k, v in report.context.items()]
     lines += [f"- **note**: {n}" for n in report.notes]
-    if report.failures:
+    if report.failures or report.warnings:
         lines += ["", "## Findings", ""]
-        lines += [f"- **{c.finding or c.name}** ({c.row or 'folder'}): {c.message}"
-                  for c in report.failures]
+        lines += [f"- **{c.finding or c.name}** ({c.row or 'folder'}, {c.status}): {c.message}"
+                  for c in report.failures + report.warnings]
     lines += ["", "## Checks", "", "| status | check | row | result |", "|---|---|---|---|"]
     for c in _ordered(report):
         msg = c.message.replace("|", "\\|")
@@ -38,7 +38,7 @@ def render_markdown(report: BatchReport) -> str:
 
 def render_html(report: BatchReport) -> str:
     """The report as one self-contained HTML page."""
-    color = {FAIL: "#c62828", "pass": "#2e7d32", "skip": "#757575"}
+    color = {FAIL: "#c62828", "pass": "#2e7d32", "skip": "#757575", WARN: "#ef6c00"}
     rows = "".join(
         f"<tr><td style='color:{color.get(c.status, '#000')}'><b>{c.status}</b></td>"
         f"<td>{html.escape(c.name)}</td><td>{html.escape(c.row or 'folder')}</td>"
@@ -74,6 +74,8 @@ def render_junit(report: BatchReport) -> str:
             ET.SubElement(case, "failure", message=c.finding or c.name).text = c.message
         elif c.status == "skip":
             ET.SubElement(case, "skipped", message=c.message)
+        elif c.status == WARN:  # a passing testcase whose output says why it warns
+            ET.SubElement(case, "system-out").text = f"WARN [{c.finding}]: {c.message}"
     return ET.tostring(ET.ElementTree(suite).getroot(), encoding="unicode") + "\n"
 
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-PASS, FAIL, SKIP = "pass", "fail", "skip"
+PASS, FAIL, SKIP, WARN = "pass", "fail", "skip", "warn"
 
 
 @dataclass
@@ -17,7 +17,9 @@ class Check:
     ``name``: the property in the reference's terms (``hidden_states[2]``,
     ``verifier_last_hidden_states``, ``loss_mask``, ``position_ids``, ``document_ids``,
     ``mask_token_id``, ``target_layer_ids``); ``row``: the file / sample it was checked on
-    (``""`` for folder-level checks); ``status``: pass / fail / skip; ``finding``: the named
+    (``""`` for folder-level checks); ``status``: pass / fail / skip / warn (a difference
+    from the reference's format that cannot change training: shown, never failed);
+    ``finding``: the named
     hypothesis that explains a failure (``post-norm``, ``layer N-2``, ``shift +1``,
     ``user turns``, ``positions continue``, ``zlab ids read as speculators ids``...), empty on
     pass; ``message``: one line for a human; ``details``: numbers behind it (errors,
@@ -59,8 +61,13 @@ class BatchReport:
         return [c for c in self.checks if c.status == FAIL]
 
     @property
+    def warnings(self) -> list[Check]:
+        """The checks that warn (shown with the findings; the verdict stays pass)."""
+        return [c for c in self.checks if c.status == WARN]
+
+    @property
     def verdict(self) -> str:
-        """``pass`` when no check failed (skips allowed), else ``fail``."""
+        """``pass`` when no check failed (skips and warnings allowed), else ``fail``."""
         return FAIL if self.failures else PASS
 
     @property

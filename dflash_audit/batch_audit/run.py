@@ -21,7 +21,7 @@ from dflash_audit.batch_audit.ids import (
     read_drafter_config,
 )
 from dflash_audit.batch_audit.layers import check_layers
-from dflash_audit.batch_audit.layout import check_layout
+from dflash_audit.batch_audit.layout import check_layout, rope_types
 from dflash_audit.batch_audit.loss_mask import check_loss_mask
 from dflash_audit.batch_audit.recompute import Recomputer, file_precision
 from dflash_audit.batch_audit.result import BatchReport
@@ -110,7 +110,7 @@ def run_check_batches(directory: str | Path, verifier: str | Verifier, rows_to_c
             row = folder.load(i)
             _setup_checks(folder, verifier, row)
             names.append(row.name)
-            checks += check_layout(row)
+            checks += check_layout(row, rope_types(verifier.model.config))
             checks.append(check_loss_mask(row, verifier.tokenizer,
                                           getattr(verifier.model, "generation_config", None)))
             precision = file_precision(row.hidden_states)

@@ -1,5 +1,6 @@
 """Broken batches: ``position_ids`` counting on across the packed documents instead of
-restarting at 0 in each. ``check-batches`` names it ``positions continue``."""
+restarting at 0 in each. ``check-batches`` names it ``positions continue``: a warning (a
+per-document offset keeps every RoPE distance; a failure for a position-dependent rope_type)."""
 
 from __future__ import annotations
 
