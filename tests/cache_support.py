@@ -17,17 +17,17 @@ def copy_of_cache(dest: Path, releases: bool = True, private_bytecode: bool = Fa
     reference process ~5 s of compiling torch and transformers) and a link to the converted
     verifiers (read only). The bytecode is linked to the suite's, or copied when
     ``private_bytecode`` (a test whose candidate writes there, or whose audit discards it).
-    With the releases come the records of their passed import checks (``compare/import-ok``,
-    keyed by the release's digest, not its folder: a copy imports as the original does).
-    Never the reference cache's records nor the report key: an audit on the copy runs the
-    reference. Returns ``dest``."""
+    With the releases come the records of their passed import checks (``import-checks``,
+    keyed by the release's digest, not its folder: a copy imports as the original does),
+    signed again with the copy's own report key. Never the reference cache's records, the
+    case records nor the report key: an audit on the copy runs the reference. Returns
+    ``dest``."""
     src = Path(os.environ["DFLASH_AUDIT_CACHE"])
     dest.mkdir(parents=True, exist_ok=True)
     if releases:
         shutil.copytree(src / "reference" / "sdist", dest / "reference" / "sdist",
                         ignore=shutil.ignore_patterns("__pycache__", "tmp"))
-        if (src / "compare" / "import-ok").is_dir():
-            shutil.copytree(src / "compare" / "import-ok", dest / "compare" / "import-ok")
+        _resign_import_checks(src, dest)
     (src / "pycache").mkdir(exist_ok=True)
     if private_bytecode:
         shutil.copytree(src / "pycache", dest / "pycache")
@@ -36,6 +36,30 @@ def copy_of_cache(dest: Path, releases: bool = True, private_bytecode: bool = Fa
     if (src / "verifiers").is_dir():
         (dest / "verifiers").symlink_to(src / "verifiers")
     return dest
+
+
+def _resign_import_checks(src: Path, dest: Path) -> None:
+    """The trusted import-check records of the cache ``src``, signed with ``dest``'s report
+    key (created) into ``dest``."""
+    from dflash_audit.audit.sides import signed_records as sr
+    from dflash_audit.audit.sides.import_check import IMPORTED_FILE, KIND
+    from dflash_audit.audit.sides.reference_records import IMPORT_CHECKS_DIR
+    from dflash_audit.report.fingerprint import report_key
+
+    records = src / IMPORT_CHECKS_DIR
+    if not records.is_dir():
+        return
+    old = report_key(create=False)
+    os.environ["DFLASH_AUDIT_CACHE"] = str(dest)
+    try:
+        new = report_key(create=True)
+    finally:
+        os.environ["DFLASH_AUDIT_CACHE"] = str(src)
+    for folder in records.iterdir() if old else []:
+        found, _ = sr.read_signed(folder, folder.name, old, {IMPORTED_FILE}, KIND)
+        if found is not None:
+            sr.write_signed(dest / IMPORT_CHECKS_DIR / folder.name, folder.name, found[0], {},
+                            new, KIND)
 
 
 def release_repo(source_dir: Path, path: Path) -> git.Repo:

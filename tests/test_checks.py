@@ -525,3 +525,23 @@ def test_metric_helper_matches_dflash_metrics(ours):
     m = dflash_metrics(t["logits"], t["targets"], t["aligned_loss_mask"], B)
     assert eal_value(ours.metrics) == pytest.approx(m["eal_sum"] / m["eal_total"])
     assert "leading-run" in eal_definitions(ours, CASE)
+
+
+def test_all_finite_is_the_elementwise_test_in_one_sum():
+    import torch
+
+    from dflash_audit.audit.tolerance import all_finite, closeness
+
+    big = torch.full((4,), 3e38)  # finite values whose sum overflows: still finite
+    assert all_finite(big) and all_finite(torch.zeros(0)) and all_finite(torch.arange(5))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            t = torch.ones(1000, dtype=dtype)
+            t[517] = bad
+            assert not all_finite(t), (bad, dtype)
+    mixed = torch.tensor([float("inf"), float("-inf")])  # the sum is NaN, not inf
+    assert not all_finite(mixed)
+    c = closeness(torch.tensor([1.0, float("nan"), 3e38, 3e38]),
+                  torch.tensor([1.0, 2.0, 3e38, 3e38]), 1e-5, 1e-5)
+    assert c.num_non_finite == 1 and c.non_finite == {"candidate NaN": 1, "candidate inf": 0,
+                                                      "reference NaN": 0, "reference inf": 0}

@@ -76,6 +76,12 @@ def test_a_warm_audit_takes_the_reference_outputs_from_the_cache(cold_and_warm):
     assert values(warm) == values(cold)
     assert warm["fingerprint"] == cold["fingerprint"]
     assert warm["reference"]["module_file"] == cold["reference"]["module_file"]
+    # the built cases and the import check: recomputed cold, read warm, the same records
+    assert cold["inputs"]["case_cache"]["read"] is False
+    assert cold["reference"]["import_check"]["from_cache"] is False
+    assert warm["inputs"]["case_cache"]["from_cache"] is True
+    assert warm["reference"]["import_check"]["from_cache"] is True
+    assert warm["inputs"]["case_cache"]["record"] == cold["inputs"]["case_cache"]["record"]
 
 
 def _records(run: dict) -> dict[str, Path]:
@@ -119,11 +125,28 @@ def test_a_changed_or_foreign_record_is_never_trusted(cold_and_warm, tmp_path):
 
 def test_a_corrupted_record_is_recomputed_and_a_record_never_turns_a_fail_into_a_pass(
         cold_and_warm):
+    from dflash_audit.report.fingerprint import report_key
+
     (first, one), (second, _) = sorted(_records(cold_and_warm).items())
     path = one / "outputs.safetensors"
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x10  # a value of the reference's outputs, not its header
     path.write_bytes(bytes(data))
+    # the built cases: another audit's cases (digests right) with this audit's key, unsigned
+    cases = rc.records_root(rc.CASES_DIR) / cold_and_warm["warm"][1]["inputs"]["case_cache"][
+        "record"]
+    _plant_other_cases(cases)
+    # the import check: a trusted record of another tree moved into place
+    check = rc.records_root(rc.IMPORT_CHECKS_DIR) / cold_and_warm["warm"][1]["reference"][
+        "import_check"]["record"]
+    foreign = check.with_name("f" * 64)
+    shutil.copytree(check, foreign)
+    body = json.loads((foreign / rc.RECORD_FILE).read_text())
+    body["key"] = foreign.name
+    body["signature"] = rc.sign_record(body, report_key(create=False))
+    (foreign / rc.RECORD_FILE).write_text(json.dumps(body))
+    shutil.rmtree(check)
+    foreign.rename(check)
     bug = f"{ROOT / 'examples' / 'candidates' / 'gamma7.py'}:candidate"
     code, report = audit(cold_and_warm["tmp"], "--candidate", bug)
     cache = report["reference"]["cache"]
@@ -131,11 +154,31 @@ def test_a_corrupted_record_is_recomputed_and_a_record_never_turns_a_fail_into_a
     assert cache["cases"][first]["outputs"] == "run"  # the reference ran on that case only
     assert cache["cases"][second]["outputs"] == "cache" and cache["from_cache"] == 1
     assert path.read_bytes() != bytes(data)  # stored again from the new run
+    assert "signature" in report["inputs"]["case_cache"]["ignored"]
+    assert report["inputs"]["case_cache"]["from_cache"] is False
+    assert "another case" in report["reference"]["import_check"]["ignored"]
+    assert report["reference"]["import_check"]["from_cache"] is False
+    assert [c["name"] for c in report["cases"]] == [c["name"] for c in
+                                                    cold_and_warm["warm"][1]["cases"]]
     # the buggy loss fails on the recomputed case and on the one from the cache alike
     assert code == 1 and report["verdict"] == "fail"
     for case in report["cases"]:
         status = {r["name"]: r["status"] for r in case["results"]}
         assert status["loss"] == "fail", (case["name"], status)
+
+
+def _plant_other_cases(folder: Path) -> None:
+    """The case record in ``folder`` changed into cases that pass any candidate's loss (every
+    case's loss mask cleared), its files' digests written into record.json, not signed."""
+    from safetensors.torch import load, save
+
+    tensors = load((folder / "cases.safetensors").read_bytes())
+    tensors = {k: v.zero_() if k.endswith("/loss_mask") else v for k, v in tensors.items()}
+    data = save(tensors)
+    (folder / "cases.safetensors").write_bytes(data)
+    body = json.loads((folder / rc.RECORD_FILE).read_text())
+    body["files"]["cases.safetensors"] = rc._sha(data)
+    (folder / rc.RECORD_FILE).write_text(json.dumps(body))
 
 
 def test_records_written_while_an_unsandboxed_candidate_ran_are_discarded(tmp_path,
@@ -207,17 +250,20 @@ def test_the_records_are_hidden_from_the_candidates_sandbox(tmp_path):
 
     if not sandbox_status().available:
         pytest.skip("no bubblewrap sandbox on this machine")
-    root = rc.record_dirs()[0]
-    probe = rc.records_root() / "probe-record"
-    probe.mkdir(exist_ok=True)
+    roots = [rc.records_root(kind) for kind in rc.RECORD_KINDS]  # outputs, cases, checks
+    assert set(roots) <= set(rc.record_dirs())
+    probes = [root / "probe-record" for root in roots]
+    for probe in probes:
+        probe.mkdir(exist_ok=True)
     (tmp_path / "cases").mkdir()
     (tmp_path / "out").mkdir()
     try:
-        cmd = sandboxed([sys.executable, "-I", "-c", "import os, sys; print(os.listdir("
-                         "sys.argv[1]))", str(root)], None, tmp_path / "cases",
+        cmd = sandboxed([sys.executable, "-I", "-c", "import os, sys; print([os.listdir(p) "
+                         "for p in sys.argv[1:]])", *map(str, roots)], None, tmp_path / "cases",
                         tmp_path / "out", env={})
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
     finally:
-        probe.rmdir()
+        for probe in probes:
+            probe.rmdir()
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[]"
+    assert proc.stdout.strip() == "[[], [], []]"

@@ -452,7 +452,7 @@ def test_import_from_elsewhere_is_wrong_source(tmp_path):
 
 
 def test_import_check_record_follows_the_trees_content(tmp_path):
-    """A passed import check's record (compare/import-ok) names the tree's files, not its
+    """A passed import check's record (import-checks/) names the tree's files, not its
     short_id: a path ref whose module was renamed away, or edited with its mtime kept (short_id,
     path + newest mtime, unchanged), is checked again -- a stale record would otherwise be the
     only evidence the reference imports in an audit that never runs it (a candidate failing

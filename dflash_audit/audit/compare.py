@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_audit.audit.cases.build import plan_cases
+from dflash_audit.audit.cases.case_records import CaseCache
 from dflash_audit.audit.frameworks.latent import latent_findings
 from dflash_audit.audit.frameworks.registry import (
     SPECULATORS,
@@ -215,13 +216,15 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
         with st.stage("resolve_candidate", "resolving the candidate"):
             launch = candidate_launch(opts.candidate, python=opts.candidate_python,
                                       offline=opts.offline, url=opts.ref_url)
-        import_check = ImportCheck(identity, import_ok_marker(identity, opts.cache_dir))
+        import_check = ImportCheck(identity, import_ok_marker(identity, opts.cache_dir),
+                                   read=opts.reference_cache)
         if not sandbox["sandboxed"]:  # its bytecode is written before the candidate's window
             import_check.wait()
         reference_code = reference_code_digest(  # before any candidate code runs
             identity, whole_prefix=not sandbox["sandboxed"])
         guard = InstallGuard([identity.source_dir, *tool_roots().values(), pycache_prefix()],
                              import_check.files)
+        case_cache = CaseCache.open(opts.reference_cache, reference_code)  # before any candidate
         st.timing["install_baseline"] = guard.seconds
         try:  # every refusal after candidate code ran also names (and records) changes
             with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-",
@@ -241,7 +244,8 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
                 planned, inputs_info = plan_cases(
                     opts, profile, st, import_check.wait,
                     capabilities=framework["capabilities"] if framework else None,
-                    framework_label=framework["label"] if framework else "")
+                    framework_label=framework["label"] if framework else "",
+                    case_cache=case_cache)
                 outputs = run_both_sides(opts, identity, planned, Path(tmp), st, import_check,
                                          reference_code, launch=launch, guard=guard,
                                          waiting=waiting)
@@ -249,6 +253,7 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
                 tolerance = measured_tolerances(planned, Path(tmp))
                 records, pictures = check_all(planned, outputs, Path(tmp), st, framework)
                 ref_info = _reference_info(identity, Path(tmp))
+                ref_info["import_check"] = import_check.summary()
                 staging = Path(tmp) / ".canary"
                 t_canary = time.perf_counter()
                 canary = stage_canary(planned, Path(tmp), Path(tmp) / CANDIDATE_OUTPUTS,

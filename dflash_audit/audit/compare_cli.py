@@ -97,10 +97,10 @@ def compare_command(
              "without a sandbox').")] = None,
     reference_cache: Annotated[bool, typer.Option(
         "--reference-cache/--no-reference-cache",
-        help="Reuse the reference's outputs of identical cases from the cache (signed, "
-             "verified records; ~/.cache/dflash-audit/reference-outputs). "
-             "--no-reference-cache runs the reference on every case again and replaces the "
-             "records.")] = True,
+        help="Reuse the reference's outputs of identical cases, the built cases and the "
+             "passed import check from the cache (signed, verified records; "
+             "~/.cache/dflash-audit/reference-outputs, case-records, import-checks). "
+             "--no-reference-cache recomputes all three and replaces the records.")] = True,
 ) -> None:
     """Audit a DFlash drafter against the real reference; write reports/<time>-<ref>/.
 

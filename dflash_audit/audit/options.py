@@ -69,8 +69,8 @@ class CompareOptions:
     candidate_python: str | None = None
     #: refuse (exit 2) when the candidate's sandbox cannot start; None: on when CI=true
     require_sandbox: bool | None = None
-    #: reuse the reference's verified outputs kept in the cache (``--no-reference-cache``:
-    #: recompute them, and replace the records)
+    #: reuse the reference's verified outputs, the built cases and the passed import check
+    #: kept in the cache (``--no-reference-cache``: recompute them, and replace the records)
     reference_cache: bool = True
 
     @property

@@ -14,7 +14,9 @@
   ``module_file`` (where the reference process imported speculators from) and ``cache``
   (the reference cache, :mod:`dflash_audit.audit.sides.reference_cache`: ``read``,
   ``key_id`` of the key its records were checked against, ``from_cache`` (a count),
-  ``cases``: {case: {"outputs": "cache" | "run", "record": key}}, ``ignored``: {case: why}).
+  ``cases``: {case: {"outputs": "cache" | "run", "record": key}}, ``ignored``: {case: why})
+  and ``import_check`` (``from_cache``: the passed import check came from its signed record,
+  ``record``: its key, ``ignored``: why a record found was not trusted).
 - ``candidate``: ``{"name", "spec", "fingerprint", "files": {name: sha256}, "sandbox":
   {"sandboxed", "tool", "bwrap" (its path), "version", "proof": {property: {"ok",
   "evidence"}} (what the sandbox proved from inside before the candidate ran:
@@ -28,7 +30,8 @@
   a verifier not listed.
 - ``inputs``: verifier identity, data identity, seq_len, rows, target_layer_ids,
   mask_token_id (+ reason), audited anchors, batch cache key / hit, synthetic case count,
-  seed, number of cases.
+  seed, number of cases, ``case_cache`` (:mod:`dflash_audit.audit.cases.case_records`:
+  ``read``, ``from_cache``, ``record``, ``ignored``, ``note``; absent with ``--weights``).
 - ``checks``: one entry per check name aggregated over cases: ``name``, ``status``,
   ``cases``, ``passed``, ``failed``, ``warned``, ``worst_max_abs_diff`` / ``worst_abs_case``,
   ``worst_max_rel_diff`` / ``worst_rel_case``, ``tolerance``, ``summary``,

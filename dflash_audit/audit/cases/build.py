@@ -19,7 +19,7 @@ from dflash_audit.user_input import loads_json
 
 def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
                before_capture: Callable[[], None] | None = None, *,
-               capabilities: Any = None, framework_label: str = ""
+               capabilities: Any = None, framework_label: str = "", case_cache: Any = None
                ) -> tuple[list[Any], dict[str, Any]]:
     """The real cases (``--rows`` captured rows, cached) and the synthetic ones, plus the
     report's ``inputs`` section. ``before_capture`` runs before a verifier capture (the compare
@@ -28,23 +28,20 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
     Capabilities`, named ``framework_label``): the cases are those it supports
     (:func:`dflash_audit.audit.cases.supported.framework_cases`), ``inputs["unsupported"]``
     lists what was cut or left out and ``inputs["latent_exercised"]`` which cases needed each
-    capability the framework lacks ({capability: [case names]}).
+    capability the framework lacks ({capability: [case names]}). ``case_cache`` (a
+    :class:`~dflash_audit.audit.cases.case_records.CaseCache`): the cases come from its
+    trusted record when there is one, else they are built and stored there (not with
+    ``--weights``); ``inputs["case_cache"]`` says which.
 
     Raises:
         CompareSetupError: bad verifier, data, layer ids, mask token, or a profile that does
             not fit the verifier.
     """
-    from dflash_audit.audit.cases.plan import (
-        plan_flex_padding_case,
-        plan_real_cases,
-        plan_synthetic_cases,
-    )
     from dflash_audit.audit.cases.real_inputs import load_real_inputs
     from dflash_audit.audit.cases.user_weights import (
         UserWeightsError,
         load_user_weights,
     )
-    from dflash_audit.audit.precision import in_dtype
     from dflash_audit.data.errors import DataError
     from dflash_audit.model.config import ConfigError
     from dflash_audit.profile import ProfileError
@@ -93,27 +90,21 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
                                     "dir": str(real.cache_dir)},
                     "data_stats": real.stats}
         with st.stage("cases", "building cases"):
-            if opts.rows:
-                planned += plan_real_cases(profile, real, opts.anchors, seed=opts.seed,
-                                           user_weights=user, weights_source=str(opts.weights))
-            if capabilities is not None and capabilities != type(capabilities)():
-                from dflash_audit.audit.cases.supported import framework_cases
-
-                exercised: dict[str, list[str]] = {}
-                planned, notes = framework_cases(planned, profile, opts.cases, opts.seed,
-                                                 capabilities, framework_label,
-                                                 opts.dtype or profile.dtype, exercised)
-                if fit_note:  # every drafter was deepened to one target layer per layer
-                    exercised.setdefault("any_target_layer_count", []).extend(
-                        p.case.name for p in planned)
-                info["unsupported"] = ([fit_note] if fit_note else []) + notes
-                info["latent_exercised"] = exercised
+            cache = case_cache if opts.weights is None else None
+            frozen = real.frozen if opts.rows else {}
+            found = cache.lookup(_cases_fields(opts, profile, verifier, real if opts.rows
+                                               else None, capabilities, framework_label),
+                                 _environment(opts.device), frozen) if cache else None
+            if found is not None:
+                planned, extra = found
             else:
-                planned += plan_synthetic_cases(profile, opts.cases, seed=opts.seed)
-            if opts.device == "cuda":  # Q and T+Q past and off the flex block size
-                planned.append(plan_flex_padding_case(profile, seed=opts.seed))
-            planned = [dataclasses.replace(p, case=in_dtype(p.case, opts.dtype or profile.dtype,
-                                                            opts.device)) for p in planned]
+                planned, extra = _build(opts, profile, real if opts.rows else None, user,
+                                        capabilities, framework_label, fit_note)
+                if cache is not None:
+                    cache.store(planned, extra, frozen)
+            info.update(extra)
+            if cache is not None:
+                info["case_cache"] = cache.summary()
     except UserWeightsError as exc:
         raise CompareSetupError(str(exc)) from None
     except (DataError, ProfileError, ConfigError, ValueError) as exc:
@@ -123,6 +114,70 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
     info.update({"audited_anchors": min(opts.anchors, profile.max_anchors),
                  "synthetic_cases": opts.cases, "seed": opts.seed, "cases": len(planned)})
     return planned, info
+
+
+def _cases_fields(opts: CompareOptions, profile: Any, verifier: ResolvedVerifier, real: Any,
+                  capabilities: Any, framework_label: str) -> dict[str, Any]:
+    """What shapes an audit's cases, for :func:`dflash_audit.audit.cases.case_records.
+    cases_key` (with the tool's source and the libraries)."""
+    from dflash_audit.atomic import file_sha256
+
+    config = Path(verifier.folder) / "config.json"
+    return {"profile": profile.to_dict(), "profile_name": profile.name,
+            "options": {k: getattr(opts, k) for k in ("cases", "anchors", "seed", "rows",
+                                                      "seq_len", "device", "verifier", "data")},
+            "dtype": opts.dtype or profile.dtype, "verifier_folder": str(verifier.folder),
+            "verifier_config": file_sha256(config) if config.is_file() else None,
+            "real": None if real is None else {"batches": real.cache_key,
+                                               "verifier": real.verifier,
+                                               "verifier_dir": str(real.verifier_dir)},
+            "capabilities": None if capabilities is None else capabilities.to_dict(),
+            "framework": framework_label}
+
+
+def _environment(device: str) -> dict[str, Any]:
+    import torch
+
+    from dflash_audit.audit.sides.reference_records import environment_fields
+
+    return environment_fields(device, torch.get_num_threads())
+
+
+def _build(opts: CompareOptions, profile: Any, real: Any, user: Any, capabilities: Any,
+           framework_label: str, fit_note: str | None) -> tuple[list[Any], dict[str, Any]]:
+    """The cases built: real ones (``real``: the loaded batches, None without rows),
+    synthetic or a framework's supported ones, the flex padding case on CUDA, in the audit's
+    dtype and device; and the report's ``inputs`` entries they add (``unsupported``)."""
+    from dflash_audit.audit.cases.plan import (
+        plan_flex_padding_case,
+        plan_real_cases,
+        plan_synthetic_cases,
+    )
+    from dflash_audit.audit.precision import in_dtype
+
+    planned, extra = [], {}
+    if real is not None:
+        planned += plan_real_cases(profile, real, opts.anchors, seed=opts.seed,
+                                   user_weights=user, weights_source=str(opts.weights))
+    if capabilities is not None and capabilities != type(capabilities)():
+        from dflash_audit.audit.cases.supported import framework_cases
+
+        exercised: dict[str, list[str]] = {}
+        planned, notes = framework_cases(planned, profile, opts.cases, opts.seed,
+                                         capabilities, framework_label,
+                                         opts.dtype or profile.dtype, exercised)
+        if fit_note:  # every drafter was deepened to one target layer per layer
+            exercised.setdefault("any_target_layer_count", []).extend(
+                p.case.name for p in planned)
+        extra["unsupported"] = ([fit_note] if fit_note else []) + notes
+        extra["latent_exercised"] = exercised
+    else:
+        planned += plan_synthetic_cases(profile, opts.cases, seed=opts.seed)
+    if opts.device == "cuda":  # Q and T+Q past and off the flex block size
+        planned.append(plan_flex_padding_case(profile, seed=opts.seed))
+    planned = [dataclasses.replace(p, case=in_dtype(p.case, opts.dtype or profile.dtype,
+                                                    opts.device)) for p in planned]
+    return planned, extra
 
 
 def verifier_hint(profile: Any, verifier: str) -> str:

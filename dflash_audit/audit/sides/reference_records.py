@@ -24,23 +24,36 @@ case it is read for, and every file's sha256 is the one it lists (:func:`read_re
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
 import platform
-import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_audit.atomic import atomic_folder
+from dflash_audit.audit.sides.signed_records import (  # noqa: F401 - this module's API too
+    RECORD_FILE,
+    RECORD_FORMAT,
+    canonical,
+    prune,
+    read_regular,
+    read_signed,
+    sha,
+    sign_record,
+    stat_signature,
+    touch,
+    write_signed,
+)
 
 #: The cache's folder of records, under ``$DFLASH_AUDIT_CACHE``.
 RECORDS_DIR = "reference-outputs"
-RECORD_FILE = "record.json"
-RECORD_FORMAT = 1
+#: The other kinds of signed records (:mod:`.signed_records`), in folders beside
+#: :data:`RECORDS_DIR` in every cache: the built cases
+#: (:mod:`dflash_audit.audit.cases.case_records`) and the import checks (:mod:`.import_check`).
+CASES_DIR = "case-records"
+IMPORT_CHECKS_DIR = "import-checks"
+RECORD_KINDS = (RECORDS_DIR, CASES_DIR, IMPORT_CHECKS_DIR)
 #: What the adapter writes for a case (:data:`dflash_audit.audit.sides.integrity.
 #: REFERENCE_OUTPUT_FILES`): the files a record holds.
 OUTPUT_FILES = ("outputs.safetensors", "outputs.json", "derivation.json")
@@ -57,8 +70,6 @@ LAUNCH_SOURCES = ("dflash_audit/reference_source/", "dflash_audit/audit/sides/ru
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
 #: The most the records may hold; the least recently used are removed past it (:func:`prune`).
 MAX_BYTES = 2 << 30
-#: Where the key of records is derived from the report key (never the same MAC as a report's).
-_DOMAIN = b"dflash-audit reference-output records v1"
 
 
 def _cache_base() -> Path:
@@ -67,9 +78,10 @@ def _cache_base() -> Path:
     return cache_root().parent.expanduser().absolute()
 
 
-def records_root() -> Path:
-    """``<cache>/reference-outputs``: this run's folder of records."""
-    return _cache_base() / RECORDS_DIR
+def records_root(kind: str = RECORDS_DIR) -> Path:
+    """``<cache>/reference-outputs`` (or another of :data:`RECORD_KINDS`): this run's
+    folder of records."""
+    return _cache_base() / kind
 
 
 #: The registry (:mod:`dflash_audit.folder_registry`) of every records folder an audit used.
@@ -77,30 +89,30 @@ RECORDS_REGISTRY = "reference-record-folders"
 
 
 def record_dirs() -> list[Path]:
-    """The folders of records a candidate must not read (they hold the reference's outputs of
-    cases it may be given), wherever the cache is: this run's (created here, mode 0700, so the
-    sandbox covers it even before the first record), the default cache's, and every one an
-    audit of this user used with another ``$DFLASH_AUDIT_CACHE`` (:data:`RECORDS_REGISTRY`).
-    Best effort: a folder that cannot be created is skipped."""
+    """The folders of records a candidate must not read (the reference's outputs of cases it
+    may be given, the cases, the import checks: :data:`RECORD_KINDS`), wherever the cache
+    is: this run's (created here, mode 0700, so the sandbox covers them even before the
+    first record), the default cache's, and every one an audit of this user used with
+    another ``$DFLASH_AUDIT_CACHE`` (:data:`RECORDS_REGISTRY` names their
+    ``reference-outputs`` folders; the other kinds are beside them). Best effort: a folder
+    that cannot be created is skipped."""
     from dflash_audit.folder_registry import record_folder, recorded_folders
 
     root = records_root()
     try:
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for kind in RECORD_KINDS:
+            records_root(kind).mkdir(parents=True, exist_ok=True, mode=0o700)
         record_folder(RECORDS_REGISTRY, root.resolve())
     except OSError:
         pass
     default = (Path.home() / ".cache" / "dflash-audit" / RECORDS_DIR).absolute()
-    return [p for p in dict.fromkeys([root, default, *recorded_folders(RECORDS_REGISTRY)])
+    bases = [p.parent for p in dict.fromkeys([root, default,
+                                              *recorded_folders(RECORDS_REGISTRY)])]
+    return [p for p in dict.fromkeys(base / kind for base in bases for kind in RECORD_KINDS)
             if p.is_dir()]
 
 
-def _canonical(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str).encode()
-
-
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+_canonical, _sha = canonical, sha  # the names this module's tests use
 
 
 # ------------------------------------------------------------------------------ the key
@@ -197,30 +209,7 @@ def record_key(code: dict[str, str], environment: dict[str, Any], case: dict[str
 
 
 # ------------------------------------------------------------------------------ records
-def _records_key(report_key: bytes) -> bytes:
-    return hmac.new(report_key, _DOMAIN, hashlib.sha256).digest()
-
-
-def sign_record(body: dict[str, Any], report_key: bytes) -> str:
-    """HMAC-SHA256 (hex) of a record's canonical body (without ``signature``) under the
-    records' key derived from ``report_key``."""
-    text = _canonical({k: v for k, v in body.items() if k != "signature"})
-    return hmac.new(_records_key(report_key), text, hashlib.sha256).hexdigest()
-
-
-def _read_regular(path: Path, limit: int | None = None) -> bytes:
-    """A regular file's bytes, never through a symlink.
-
-    Raises:
-        OSError: missing, a link or not a regular file, or over ``limit`` bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise OSError(f"{path.name} is not a regular file")
-        data = f.read() if limit is None else f.read(limit + 1)
-    if limit is not None and len(data) > limit:
-        raise OSError(f"{path.name} is larger than {limit} bytes")
-    return data
+_read_regular = read_regular
 
 
 @dataclass
@@ -242,30 +231,11 @@ def read_record(folder: Path, key: str, report_key: bytes, derives: bool
     """The record in ``folder`` if it is trusted for the case whose key is ``key``, else
     ``(None, why)``; ``(None, "")`` when there is none. ``derives``: the case has a
     ``derive.json`` (its record must then hold ``derivation.json``, else must not)."""
-    if not os.path.lexists(folder):
-        return None, ""
-    try:
-        body = json.loads(_read_regular(folder / RECORD_FILE, limit=1 << 20))
-        if not isinstance(body, dict) or not isinstance(body.get("files"), dict):
-            return None, "its record.json is not a record"
-        signature = body.get("signature")
-        if not isinstance(signature, str) or not hmac.compare_digest(
-                signature, sign_record(body, report_key)):
-            return None, "its signature does not match (changed, or signed with another key)"
-        if body.get("key") != key or body.get("format") != RECORD_FORMAT:
-            return None, "it is the record of another case or reference (its key differs)"
-        want = {"outputs.safetensors", "outputs.json", *(["derivation.json"] if derives
-                                                          else [])}
-        if set(body["files"]) != want:
-            return None, f"it holds {sorted(body['files'])}, not {sorted(want)}"
-        files = {}
-        for name, digest in sorted(body["files"].items()):
-            data = _read_regular(folder / name)
-            if _sha(data) != digest:
-                return None, f"{name} is not the file it was stored as (its sha256 differs)"
-            files[name] = data
-    except (OSError, ValueError) as exc:
-        return None, f"it is unreadable ({exc})"
+    want = {"outputs.safetensors", "outputs.json", *(["derivation.json"] if derives else [])}
+    found, why = read_signed(folder, key, report_key, want)
+    if found is None:
+        return None, why
+    files, body = found
     reference = body.get("reference") if isinstance(body.get("reference"), dict) else {}
     return Record(key=key, files=files, reference=reference), ""
 
@@ -277,61 +247,6 @@ def write_record(folder: Path, key: str, case_dir: Path, reference: dict[str, An
 
     Raises:
         OSError: it cannot be written (a full disk, a read-only cache)."""
-    with atomic_folder(folder) as tmp:
-        files = {}
-        for name in OUTPUT_FILES:
-            path = case_dir / name
-            if path.is_file():
-                data = _read_regular(path)
-                (tmp / name).write_bytes(data)
-                files[name] = _sha(data)
-        body = {"format": RECORD_FORMAT, "key": key, "files": files, "reference": reference}
-        body["signature"] = sign_record(body, report_key)
-        (tmp / RECORD_FILE).write_text(json.dumps(body, indent=1, sort_keys=True))
-
-
-def prune(root: Path, max_bytes: int) -> list[str]:
-    """Remove the least recently used records of ``root`` (by ``record.json``'s mtime, which
-    a read refreshes: :func:`touch`) until the rest hold at most ``max_bytes``; returns the
-    removed keys."""
-    import shutil
-
-    entries = []
-    for folder in root.iterdir() if root.is_dir() else []:
-        try:
-            used = (folder / RECORD_FILE).stat().st_mtime
-            size = sum(p.stat().st_size for p in folder.iterdir())
-        except OSError:
-            continue  # being written or removed by another audit
-        entries.append((used, size, folder))
-    total, removed = sum(size for _, size, _ in entries), []
-    for _, size, folder in sorted(entries):
-        if total <= max_bytes:
-            break
-        shutil.rmtree(folder, ignore_errors=True)
-        total -= size
-        removed.append(folder.name)
-    return removed
-
-
-def touch(folder: Path) -> None:
-    """Mark a record as used now (for :func:`prune`); best effort."""
-    try:
-        os.utime(folder / RECORD_FILE)
-    except OSError:
-        pass
-
-
-def stat_signature(root: Path) -> dict[str, str]:
-    """``{path: "inode:size:mtime_ns:ctime_ns"}`` of everything under ``root`` (a write or a
-    replacement changes the inode or ctime, which no user can set back)."""
-    out = {}
-    if root.is_dir():
-        for path in sorted(root.rglob("*")):
-            try:
-                info = path.lstat()
-            except OSError:
-                continue
-            out[path.relative_to(root).as_posix()] = (
-                f"{info.st_ino}:{info.st_size}:{info.st_mtime_ns}:{info.st_ctime_ns}")
-    return out
+    files = {name: read_regular(case_dir / name) for name in OUTPUT_FILES
+             if (case_dir / name).is_file()}
+    write_signed(folder, key, files, {"reference": reference}, report_key)
