@@ -32,7 +32,7 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
 
     Raises:
         CompareSetupError: bad verifier, data, layer ids, mask token, or a profile that does
-            not fit the verifier.
+            not fit the verifier; a framework that can run none of the cases.
     """
     from dflash_audit.audit.cases.plan import (
         plan_flex_padding_case,
@@ -97,12 +97,16 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
                 planned += plan_real_cases(profile, real, opts.anchors, seed=opts.seed,
                                            user_weights=user, weights_source=str(opts.weights))
             if capabilities is not None and capabilities != type(capabilities)():
-                from dflash_audit.audit.cases.supported import framework_cases
+                from dflash_audit.audit.cases.supported import framework_cases, nothing_runs
 
                 exercised: dict[str, list[str]] = {}
                 planned, notes = framework_cases(planned, profile, opts.cases, opts.seed,
                                                  capabilities, framework_label,
                                                  opts.dtype or profile.dtype, exercised)
+                idle = nothing_runs(planned, capabilities, framework_label,
+                                    opts.dtype or profile.dtype)
+                if idle:  # only warnings would be left: never a PASS
+                    raise CompareSetupError(idle)
                 if fit_note:  # every drafter was deepened to one target layer per layer
                     exercised.setdefault("any_target_layer_count", []).extend(
                         p.case.name for p in planned)

@@ -143,3 +143,27 @@ def framework_cases(real: list[PlannedCase], profile: Any, count: int, seed: int
                      f"document each ({', '.join(cut[:4])}"
                      + (f" and {len(cut) - 4} more" if len(cut) > 4 else "") + ")")
     return planned + synthetic, notes
+
+
+def nothing_runs(planned: list[PlannedCase], caps: Capabilities, label: str,
+                 dtype: str = "fp32") -> str | None:
+    """The setup error's message when not one of ``planned`` is a case ``caps`` can run (each
+    would run only the checks that need no training step, whose warnings alone would pass
+    the audit): why, and what to pass instead (``--dtype``, ``--verifier family:...``, a
+    profile within the named capabilities); None when some case runs the framework's step."""
+    if not planned or any(not p.case.unsupported for p in planned):
+        return None
+    keys = list(dict.fromkeys(k for p in planned for k, _ in caps.unsupported_by(
+        dataclasses.replace(p.case, dtype=dtype))))
+    reasons = list(dict.fromkeys(r.split(": ", 1)[-1] for p in planned
+                                 for r in p.case.unsupported))
+    hints = [f"--dtype {caps.dtypes[0]}" for k in keys if k == "dtypes" and caps.dtypes]
+    hints += [f"--verifier family:{caps.verifier_families[0]}" for k in keys
+              if k == "verifier_families" and caps.verifier_families]
+    rest = [k for k in keys if k not in ("dtypes", "verifier_families")]
+    if rest:
+        hints.append(f"a --profile within its CAPABILITIES ({', '.join(rest)})")
+    return (f"none of the {len(planned)} audit cases can run on {label}: "
+            f"{'; '.join(reasons[:3])}{' ...' if len(reasons) > 3 else ''}. Nothing of its "
+            f"training step would be audited, so this audit cannot pass or fail it; rerun with "
+            f"{' and '.join(hints) or 'options within its CAPABILITIES'}")
