@@ -21,7 +21,12 @@ from dflash_audit.audit.frameworks.install import (
     entry_problems,
     install_framework,
 )
-from dflash_audit.audit.frameworks.latent import LatentDifference, LatentError, check_sources, parse_latent
+from dflash_audit.audit.frameworks.latent import (
+    LatentDifference,
+    LatentError,
+    check_sources,
+    parse_latent,
+)
 from dflash_audit.audit.frameworks.registry import FrameworkError, framework_facts
 from dflash_audit.audit.result import WARN, CheckResult
 from dflash_audit.audit.sides.launch import CandidateLaunch
@@ -53,6 +58,8 @@ def test_no_supported_case_is_a_setup_error_not_a_pass(profile, caps, dtype, hin
     message = nothing_runs(planned, caps, "TestFW 1.0", dtype)
     assert message.startswith("none of the 2 audit cases can run on TestFW 1.0: ")
     assert hint in message and "\n" not in message
+    if dtype == "bf16":  # the dtype alone blocks every case: no hint about the rest
+        assert "--verifier" not in message and "losses" not in message
     ok, _ = framework_cases([], profile, 2, 0, Capabilities(dtypes=("fp32",)), "T 1", "fp32")
     assert nothing_runs(ok, caps, "T 1", "fp32") is None
 
@@ -220,3 +227,42 @@ def test_an_unwritable_cache_is_a_setup_error_as_an_ordinary_user(request, wheel
                           env={**os.environ, "PYTHONPATH": root}, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "cannot write the tool's cache" in done.stdout and "DFLASH_AUDIT_CACHE" in done.stdout
+
+
+# --------------------------------------------- --device cuda: the flex-padding case, fitted
+@pytest.mark.parametrize("key", ["specforge", "modelopt", "zlab", "nemo"])
+def test_the_flex_padding_case_is_one_the_framework_can_run(profile, key):
+    """On --device cuda the audit adds a packed, padded case; a framework without packed rows
+    or of other verifier families must get it fitted (never a run_case refusal = a FAIL)."""
+    from dflash_audit.audit.cases.supported import framework_flex_case
+    from dflash_audit.audit.cases.plan import FLEX_BLOCK_SIZE
+
+    constants = registry.adapter_constants(registry.FOLDER / f"{key}_adapter.py")
+    caps = Capabilities.from_dict(constants.get("CAPABILITIES") or _module_caps(key))
+    p = framework_flex_case(profile, caps, key, 0, "fp32")
+    assert caps.unsupported(p.case) == [] and not p.case.unsupported
+    assert p.case.inputs["anchor_positions"].numel() * profile.block_size > FLEX_BLOCK_SIZE
+
+
+def _module_caps(key: str) -> dict:
+    import importlib
+
+    return importlib.import_module(f"dflash_audit.audit.frameworks.{key}_adapter").CAPABILITIES
+
+
+# --------------------------------------- run_case refusing every case dodges no check
+def test_run_case_raising_not_supported_is_a_failed_run_not_a_skip(profile):
+    """A case inside CAPABILITIES that run_case refuses (kit.NotSupported) is the candidate
+    failing to run it, whatever the exception is called: only the planner skips cases."""
+    from dflash_audit.audit.cases.plan import plan_synthetic_cases
+    from dflash_audit.audit.frameworks import kit
+    from dflash_audit.audit.sides.candidate_runner import run_one
+
+    class Refuses:
+        def run_case(self, config, loss, weights, inputs):
+            raise kit.NotSupported("not supported by EvilFW 1.0: anything")
+
+    case = plan_synthetic_cases(profile, 1)[0].case
+    status, out = run_one(Refuses(), case)
+    assert status["status"] == "raised" and out is None
+    assert "NotSupported: not supported by EvilFW 1.0" in status["summary"]

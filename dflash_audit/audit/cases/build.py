@@ -114,7 +114,12 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
                 info["latent_exercised"] = exercised
             else:
                 planned += plan_synthetic_cases(profile, opts.cases, seed=opts.seed)
-            if opts.device == "cuda":  # Q and T+Q past and off the flex block size
+            if opts.device == "cuda" and capabilities is not None:  # fitted like the rest
+                from dflash_audit.audit.cases.supported import framework_flex_case
+
+                planned.append(framework_flex_case(profile, capabilities, framework_label,
+                                                   opts.seed, opts.dtype or profile.dtype))
+            elif opts.device == "cuda":  # Q and T+Q past and off the flex block size
                 planned.append(plan_flex_padding_case(profile, seed=opts.seed))
             planned = [dataclasses.replace(p, case=in_dtype(p.case, opts.dtype or profile.dtype,
                                                             opts.device)) for p in planned]
