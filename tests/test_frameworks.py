@@ -124,9 +124,10 @@ def test_install_caches_verifies_and_repairs(tmp_path, wheel, capsys):
 
 
 def test_pip_failure_is_a_setup_error(tmp_path):
+    broken = tmp_path / "broken-1.0-py3-none-any.whl"
+    broken.write_bytes(b"not a zip")  # a regular file pip cannot install
     with pytest.raises(FrameworkInstallError, match="(?s)failed .*--candidate-python"):
-        install_framework("testfw", "1.0", [str(tmp_path / "missing-1.0-py3-none-any.whl")],
-                          cache_dir=tmp_path)
+        install_framework("testfw", "1.0", [str(broken)], cache_dir=tmp_path)
     assert not (tmp_path / "frameworks" / "testfw-1.0").exists()
 
 

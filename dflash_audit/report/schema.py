@@ -149,9 +149,13 @@ class Report:
 
     @property
     def verdict(self) -> str:
-        """``fail`` when any check failed on any case (or no check ran), else ``pass``."""
+        """``fail`` when any check failed on any case, no check ran, or every case was outside
+        an audited framework's capabilities (no training step ran: warnings only), else
+        ``pass``."""
         results = self.results
         if not results or any(r.status not in (PASS, WARN) for r in results):
+            return "fail"
+        if all(c.layout.get("unsupported") for c in self.cases):
             return "fail"
         return "pass"
 

@@ -35,7 +35,7 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
 
     Raises:
         CompareSetupError: bad verifier, data, layer ids, mask token, or a profile that does
-            not fit the verifier.
+            not fit the verifier; a framework that can run none of the cases.
     """
     from dflash_audit.audit.cases.real_inputs import load_real_inputs
     from dflash_audit.audit.cases.user_weights import (
@@ -160,12 +160,15 @@ def _build(opts: CompareOptions, profile: Any, real: Any, user: Any, capabilitie
         planned += plan_real_cases(profile, real, opts.anchors, seed=opts.seed,
                                    user_weights=user, weights_source=str(opts.weights))
     if capabilities is not None and capabilities != type(capabilities)():
-        from dflash_audit.audit.cases.supported import framework_cases
+        from dflash_audit.audit.cases.supported import framework_cases, nothing_runs
 
         exercised: dict[str, list[str]] = {}
         planned, notes = framework_cases(planned, profile, opts.cases, opts.seed,
                                          capabilities, framework_label,
                                          opts.dtype or profile.dtype, exercised)
+        idle = nothing_runs(planned, capabilities, framework_label, opts.dtype or profile.dtype)
+        if idle:  # only warnings would be left: never a PASS
+            raise CompareSetupError(idle)
         if fit_note:  # every drafter was deepened to one target layer per layer
             exercised.setdefault("any_target_layer_count", []).extend(
                 p.case.name for p in planned)
@@ -173,7 +176,12 @@ def _build(opts: CompareOptions, profile: Any, real: Any, user: Any, capabilitie
         extra["latent_exercised"] = exercised
     else:
         planned += plan_synthetic_cases(profile, opts.cases, seed=opts.seed)
-    if opts.device == "cuda":  # Q and T+Q past and off the flex block size
+    if opts.device == "cuda" and capabilities is not None:  # fitted like the rest
+        from dflash_audit.audit.cases.supported import framework_flex_case
+
+        planned.append(framework_flex_case(profile, capabilities, framework_label, opts.seed,
+                                           opts.dtype or profile.dtype))
+    elif opts.device == "cuda":  # Q and T+Q past and off the flex block size
         planned.append(plan_flex_padding_case(profile, seed=opts.seed))
     planned = [dataclasses.replace(p, case=in_dtype(p.case, opts.dtype or profile.dtype,
                                                     opts.device)) for p in planned]

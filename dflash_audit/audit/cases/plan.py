@@ -289,14 +289,16 @@ def pin_last_anchor(case: Case) -> None:
 FLEX_BLOCK_SIZE = 128
 
 
-def plan_flex_padding_case(profile: Profile, seed: int = 0) -> PlannedCase:
+def plan_flex_padding_case(profile: Profile, seed: int = 0,
+                           family: str | None = None) -> PlannedCase:
     """A synthetic case whose query count Q = A * B and key count T + Q are past and not
     multiples of the flex block size, so flex attention pads both (SpecForge PR 511: a
-    BlockMask that indexes past the anchors for padded queries). Added on ``--device cuda``."""
+    BlockMask that indexes past the anchors for padded queries). Added on ``--device cuda``;
+    ``family``: its verifier family (default the first of :data:`FAMILIES`)."""
     block = profile.block_size
     anchors = FLEX_BLOCK_SIZE // block + 3  # Q = 128 + 3 B (B >= 2: never a multiple of 128)
     seq_len = FLEX_BLOCK_SIZE + 77
-    family = FAMILIES[0]
+    family = family or FAMILIES[0]
     ids = synthetic_target_layers(profile, SYNTHETIC_VERIFIER["num_hidden_layers"])
     variant = profile.replace(draft_vocab_size=SYNTHETIC_VERIFIER["vocab_size"] // 2
                               if profile.draft_vocab_size is not None else None)

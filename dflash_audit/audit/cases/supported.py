@@ -23,6 +23,7 @@ from dflash_audit.audit.cases.plan import (
     SYNTHETIC_VERIFIER,
     PlannedCase,
     layout_facts,
+    plan_flex_padding_case,
     synthetic_planned,
     synthetic_target_layers,
 )
@@ -143,3 +144,43 @@ def framework_cases(real: list[PlannedCase], profile: Any, count: int, seed: int
                      f"document each ({', '.join(cut[:4])}"
                      + (f" and {len(cut) - 4} more" if len(cut) > 4 else "") + ")")
     return planned + synthetic, notes
+
+
+def nothing_runs(planned: list[PlannedCase], caps: Capabilities, label: str,
+                 dtype: str = "fp32") -> str | None:
+    """The setup error's message when not one of ``planned`` is a case ``caps`` can run (each
+    would run only the checks that need no training step, whose warnings alone would pass
+    the audit): why, and what to pass instead (``--dtype``, ``--verifier family:...``, a
+    profile within the named capabilities); None when some case runs the framework's step."""
+    if not planned or any(not p.case.unsupported for p in planned):
+        return None
+    per_case = [dict(caps.unsupported_by(dataclasses.replace(p.case, dtype=dtype)))
+                for p in planned]
+    every = [k for k in per_case[0] if all(k in c for c in per_case)]  # what blocks them all
+    keys = every or list(dict.fromkeys(k for c in per_case for k in c))
+    reasons = list(dict.fromkeys(c[k] for c in per_case for k in keys if k in c))
+    hints = [f"--dtype {caps.dtypes[0]}" for k in keys if k == "dtypes" and caps.dtypes]
+    hints += [f"--verifier family:{caps.verifier_families[0]}" for k in keys
+              if k == "verifier_families" and caps.verifier_families]
+    rest = [k for k in keys if k not in ("dtypes", "verifier_families")]
+    if rest:
+        hints.append(f"a --profile within its CAPABILITIES ({', '.join(rest)})")
+    return (f"none of the {len(planned)} audit cases can run on {label}: "
+            f"{'; '.join(reasons[:3])}{' ...' if len(reasons) > 3 else ''}. Nothing of its "
+            f"training step would be audited, so this audit cannot pass or fail it; rerun with "
+            f"{' and '.join(hints) or 'options within its CAPABILITIES'}")
+
+
+def framework_flex_case(profile: Any, caps: Capabilities, label: str, seed: int = 0,
+                        dtype: str = "fp32") -> PlannedCase:
+    """The flex-padding case of ``--device cuda`` (:func:`plan_flex_padding_case`) fitted to
+    ``caps`` like every other case: a verifier family the framework takes, cut to one
+    document where it has no packed rows, as deep as its target layers; marked unsupported
+    (named, never failed) when it still cannot run it."""
+    from dflash_audit.data.families import FAMILIES
+
+    families = [f for f in FAMILIES if caps.verifier_families is None
+                or f in caps.verifier_families] or [None]
+    profile, _ = fitted_profile(profile, caps, SYNTHETIC_VERIFIER["num_hidden_layers"], label)
+    p, reasons = _fit(plan_flex_padding_case(profile, seed, families[0]), caps, seed, dtype)
+    return _mark(p, [r for _, r in reasons], label) if reasons else p

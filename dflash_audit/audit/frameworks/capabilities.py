@@ -11,6 +11,8 @@ packed row to one document where packed rows are not supported
 from __future__ import annotations
 
 import dataclasses
+import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,18 @@ _ALLOWED: dict[str, tuple[str, ...]] = {
 
 class CapabilitiesError(ValueError):
     """An adapter's CAPABILITIES has an unknown key or a value of the wrong kind."""
+
+
+#: A transformers ``model_type`` (the values of ``verifier_families``).
+_MODEL_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlevel, _BRIEF.maxlist = 60, 60, 3, 4
+
+
+def brief(value: Any) -> str:
+    """``repr(value)`` cut short (long strings, deep or long containers, one line): how an
+    error message quotes what an adapter declared, whatever its size."""
+    return " ".join(_BRIEF.repr(value).split())
 
 
 @dataclass(frozen=True)
@@ -89,27 +103,41 @@ class Capabilities:
             CapabilitiesError: an unknown key (the known ones are named), a non-list value
                 where a list is expected, or a list value outside the known ones (named).
         """
-        data = dict(data or {})
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise CapabilitiesError(f"CAPABILITIES must be a dict of capability fields, got "
+                                    f"{brief(data)}")
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = sorted(str(k) for k in set(data) - names)
         if unknown:
-            raise CapabilitiesError(f"unknown CAPABILITIES key(s) {unknown}; known: "
+            raise CapabilitiesError(f"unknown CAPABILITIES key(s) {brief(unknown)}; known: "
                                     f"{sorted(names)}")
         out: dict[str, Any] = {}
         for key, value in data.items():
             default = getattr(cls, key)
             if isinstance(default, bool):
-                out[key] = bool(value)
+                if not isinstance(value, bool):  # bool("false") is True: never guessed
+                    raise CapabilitiesError(f"CAPABILITIES[{key!r}] must be true or false, "
+                                            f"got {brief(value)}")
+                out[key] = value
             elif value is None:
                 out[key] = None
             elif isinstance(value, (list, tuple)):
-                out[key] = tuple(str(v) for v in value)
-                bad = [v for v in out[key] if key in _ALLOWED and v not in _ALLOWED[key]]
+                out[key] = tuple(v if isinstance(v, str) else brief(v) for v in value)
+                if not out[key]:  # a framework that can run no case at all
+                    raise CapabilitiesError(f"CAPABILITIES[{key!r}] is empty: the framework "
+                                            "could run no case; list what it runs (None: all)")
+                bad = [v for v in out[key] if (v not in _ALLOWED[key] if key in _ALLOWED
+                                               else not _MODEL_TYPE.match(v))]
                 if bad:
-                    raise CapabilitiesError(f"CAPABILITIES[{key!r}]: unknown value(s) {bad}; "
-                                            f"known: {list(_ALLOWED[key])}")
+                    raise CapabilitiesError(
+                        f"CAPABILITIES[{key!r}]: unknown value(s) {brief(bad)}; "
+                        + (f"known: {list(_ALLOWED[key])}" if key in _ALLOWED else
+                           "not a model_type (letters, digits, '_', '-', '.')"))
             else:
-                raise CapabilitiesError(f"CAPABILITIES[{key!r}] must be a list, got {value!r}")
+                raise CapabilitiesError(f"CAPABILITIES[{key!r}] must be a list, got "
+                                        f"{brief(value)}")
         return cls(**out)
 
     def to_dict(self) -> dict[str, Any]:

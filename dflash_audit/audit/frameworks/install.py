@@ -6,7 +6,8 @@ Cache entry ``<cache>/frameworks/<name>-<version>/`` (``<cache>`` = ``$DFLASH_AU
 or ``~/.cache/dflash-audit``)::
 
     site/            pip install --no-deps --target of the adapter's REQUIREMENTS
-    manifest.json    {"requirements", "python", "installed_at", "files": {path: sha256}}
+    manifest.json    {"requirements", "local_files": {wheel path: sha256}, "python",
+                     "installed_at", "files": {path: sha256}}
 
 The entry is built in a temporary sibling and renamed (a crash never leaves half of one).
 Each use checks ``site/`` against the manifest (``__pycache__`` aside: importing writes it); a
@@ -51,9 +52,47 @@ def site_manifest(site: Path) -> dict[str, str]:
             if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}
 
 
+def is_local(requirement: str) -> bool:
+    """Whether a requirement names a local wheel or sdist (a path ending ``.whl`` /
+    ``.tar.gz`` / ``.zip``, not a URL)."""
+    return requirement.endswith((".whl", ".tar.gz", ".zip")) and "://" not in requirement
+
+
+def local_digests(requirements: Sequence[str]) -> dict[str, str]:
+    """``{path: sha256}`` of the local wheels / sdists among ``requirements`` (absolute
+    paths, :func:`local_requirements`): what the cached install was made from, so a wheel
+    rebuilt at the same path is installed again.
+
+    Raises:
+        FrameworkInstallError: one is missing or not a regular file (a FIFO, a device, a
+            folder: pip would block on it or fail).
+    """
+    out = {}
+    for r in requirements:
+        if not is_local(r):
+            continue
+        try:
+            regular = Path(r).is_file()  # follows a symlink: /dev/zero behind one is no file
+        except OSError as exc:  # e.g. in a folder this user cannot enter
+            raise FrameworkInstallError(f"the adapter's local requirement {r} cannot be read "
+                                        f"({exc.strerror or exc})") from None
+        if not regular:
+            raise FrameworkInstallError(
+                f"the adapter's local requirement {r} is not a regular file (missing, a folder, "
+                "a FIFO or a device): build the wheel there, or name the wheel file in "
+                "REQUIREMENTS (relative to the adapter's folder)")
+        out[r] = file_sha256(r)
+    return out
+
+
 def entry_problems(entry: Path, requirements: Sequence[str]) -> list[str]:
     """How a cache entry differs from what it must be: "no manifest", "made for other
-    requirements", "missing X", "changed Y", "extra Z.py"; empty when intact."""
+    requirements", "made for another build of W" (a local wheel W changed since),
+    "missing X", "changed Y", "extra Z.py"; empty when intact.
+
+    Raises:
+        FrameworkInstallError: a local requirement is no regular file (:func:`local_digests`).
+    """
     try:
         manifest = json.loads((entry / MANIFEST).read_text())
         expected = dict(manifest["files"])
@@ -61,6 +100,11 @@ def entry_problems(entry: Path, requirements: Sequence[str]) -> list[str]:
         return ["no manifest"]
     if list(manifest.get("requirements", [])) != list(requirements):
         return [f"made for other requirements ({manifest.get('requirements')})"]
+    built = manifest.get("local_files") or {}
+    changed = [f"made for another build of {path}" for path, digest in
+               local_digests(requirements).items() if built.get(path) != digest]
+    if changed:
+        return changed
     found = site_manifest(entry / SITE) if (entry / SITE).is_dir() else {}
     problems = [f"missing {k}" for k in expected if k not in found]
     problems += [f"changed {k}" for k in expected if k in found and found[k] != expected[k]]
@@ -73,12 +117,8 @@ def local_requirements(requirements: Sequence[str], folder: Path | str) -> list[
     ending ``.whl`` / ``.tar.gz`` / ``.zip``, e.g. ``"dist/fw-1.0-py3-none-any.whl"``) made
     absolute against ``folder`` (the adapter's folder), so an adapter can pin a wheel it ships
     beside it whatever the current directory; index requirements are unchanged."""
-    out = []
-    for r in requirements:
-        local = r.endswith((".whl", ".tar.gz", ".zip")) and "://" not in r
-        out.append(str((Path(folder) / r).resolve()) if local and not Path(r).is_absolute()
-                   else r)
-    return out
+    return [str((Path(folder) / r).resolve()) if is_local(r) and not Path(r).is_absolute()
+            else r for r in requirements]
 
 
 def pip_command(requirements: Sequence[str], target: Path,
@@ -105,9 +145,22 @@ def install_framework(name: str, version: str, requirements: Sequence[str], *,
         ``<cache>/frameworks/<name>-<version>/site`` (put it on the candidate's PYTHONPATH).
 
     Raises:
-        FrameworkInstallError: offline without a usable entry; pip failed or timed out.
+        FrameworkInstallError: offline without a usable entry; a local requirement that is
+            no regular file; the cache cannot be written; pip failed or timed out.
     """
     entry = frameworks_cache(cache_dir) / f"{name}-{version}"
+    try:
+        return _install(name, version, requirements, entry, offline, pip_args)
+    except OSError as exc:  # an unwritable or unreadable cache (another user's ~/.cache)
+        raise FrameworkInstallError(
+            f"cannot write the tool's cache for {name} {version} ({entry}: "
+            f"{exc.strerror or exc}): set ${CACHE_ENV} to a folder you can write") from None
+
+
+def _install(name: str, version: str, requirements: Sequence[str], entry: Path,
+             offline: bool, pip_args: Sequence[str]) -> Path:
+    """:func:`install_framework` into the cache entry ``entry`` (OSError passes through)."""
+    digests = local_digests(requirements)  # before anything: a FIFO must not reach pip
     problems = entry_problems(entry, requirements) if entry.exists() else ["not installed"]
     if not problems:
         return entry / SITE
@@ -147,7 +200,8 @@ def install_framework(name: str, version: str, requirements: Sequence[str], *,
                 "index is reachable, or install the framework into an environment of yours "
                 "and pass --candidate-python PATH")
         (tmp / MANIFEST).write_text(json.dumps({
-            "requirements": list(requirements), "python": sys.version.split()[0],
+            "requirements": list(requirements), "local_files": digests,
+            "python": sys.version.split()[0],
             "installed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "files": site_manifest(tmp / SITE)}, indent=1, sort_keys=True))
     return entry / SITE

@@ -27,13 +27,17 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from dflash_audit.audit.frameworks.capabilities import Capabilities, CapabilitiesError
+from dflash_audit.audit.frameworks.capabilities import Capabilities, CapabilitiesError, brief
 
 #: The keys of one ``LATENT`` entry (all required).
 KEYS = ("capability", "would", "source", "shows")
+#: The longest value of each key (characters): every one is printed on one terminal line.
+MAX_CHARS = {"capability": 64, "would": 600, "source": 200, "shows": 300}
+#: The most entries one adapter declares (one per capability it lacks, a few each).
+MAX_ENTRIES = 64
 _SOURCE = re.compile(r"^(?P<path>[^:\s]+\.[A-Za-z0-9]+):(?P<first>\d+)(?:-(?P<last>\d+))?$")
 
 
@@ -80,20 +84,31 @@ def parse_latent(data: Any, caps: Capabilities) -> list[LatentDifference]:
     """
     if data is None:
         return []
-    if not isinstance(data, (list, tuple)):
-        raise LatentError(f"LATENT must be a list of dicts with keys {list(KEYS)}, got {data!r}")
+    if not isinstance(data, (list, tuple)) or len(data) > MAX_ENTRIES:
+        raise LatentError(f"LATENT must be a list of dicts with keys {list(KEYS)} (at most "
+                          f"{MAX_ENTRIES}), got {brief(data)}")
     fields, lacking, out = {f.name for f in dataclasses.fields(Capabilities)}, caps.lacking(), []
     for i, entry in enumerate(data):
         where = f"LATENT[{i}]"
         if not isinstance(entry, dict):
-            raise LatentError(f"{where} must be a dict with keys {list(KEYS)}, got {entry!r}")
-        missing, unknown = [k for k in KEYS if k not in entry], sorted(set(entry) - set(KEYS))
+            raise LatentError(f"{where} must be a dict with keys {list(KEYS)}, got "
+                              f"{brief(entry)}")
+        missing = [k for k in KEYS if k not in entry]
+        unknown = sorted(str(k) for k in set(entry) - set(KEYS))
         if missing or unknown:
-            raise LatentError(f"{where}: missing key(s) {missing}, unknown key(s) {unknown}; "
+            raise LatentError(f"{where}: missing key(s) {missing}, unknown key(s) "
+                              f"{brief(unknown)}; "
                               f"keys: {list(KEYS)}")
         empty = [k for k in KEYS if not isinstance(entry[k], str) or not entry[k].strip()]
         if empty:
             raise LatentError(f"{where}: {empty} must be non-empty strings")
+        for key in KEYS:  # printed as is in the terminal and every report: one plain line
+            if not entry[key].isprintable():
+                raise LatentError(f"{where}[{key!r}] must be one line of printable text (no "
+                                  f"newline or control character), got {brief(entry[key])}")
+            if len(entry[key]) > MAX_CHARS[key]:
+                raise LatentError(f"{where}[{key!r}] is longer than {MAX_CHARS[key]} "
+                                  f"characters ({len(entry[key])}): say it in one line")
         capability = entry["capability"]
         if capability not in fields:
             raise LatentError(f"{where}: unknown capability {capability!r}; known: "
@@ -103,12 +118,22 @@ def parse_latent(data: Any, caps: Capabilities) -> list[LatentDifference]:
                               f"CAPABILITIES lack {lacking or 'nothing'}): a latent difference "
                               "is what it would do on input it cannot express")
         m = _SOURCE.match(entry["source"])
-        if m is None or (m["last"] and int(m["last"]) < int(m["first"])) or int(m["first"]) < 1:
+        if (m is None or (m["last"] and int(m["last"]) < int(m["first"]))
+                or int(m["first"]) < 1 or not inside(m["path"])):
             raise LatentError(f"{where}: source {entry['source']!r} must be PATH:LINE or "
-                              "PATH:FIRST-LAST (PATH relative to the framework's install root)")
+                              "PATH:FIRST-LAST (PATH relative to the framework's install root, "
+                              "without '..')")
         out.append(LatentDifference(capability, entry["would"].strip(), entry["source"],
                                     entry["shows"]))
     return out
+
+
+def inside(path: str) -> bool:
+    """Whether ``path`` (a citation's) names a file under the install root: relative, no
+    ``..`` part (symlinks are checked where the file is read, :func:`check_sources`)."""
+    parts = PurePosixPath(path).parts
+    return bool(parts) and not path.startswith(("/", "\\")) and ".." not in parts \
+        and "\\" not in path
 
 
 def undeclared(caps: Capabilities, declared: list[LatentDifference]) -> list[LatentDifference]:
@@ -143,6 +168,9 @@ def check_sources(latent: list[LatentDifference], root: Path | str) -> list[str]
         if not d.declared:
             continue
         path = Path(root) / d.path
+        if not inside(d.path) or not path.resolve().is_relative_to(Path(root).resolve()):
+            problems.append(f"{d.source}: {path} leads outside the install root {root}")
+            continue
         if not path.is_file():
             problems.append(f"{d.source}: {path} does not exist")
             continue

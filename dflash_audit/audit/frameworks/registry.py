@@ -155,6 +155,24 @@ def _normal(text: str) -> str:
     return re.sub(r"[^0-9a-z]", "", str(text).casefold())
 
 
+def _word_runs(text: str) -> set[str]:
+    """Every run of consecutive words of ``text`` (split at anything but letters and digits,
+    and between a digit and a letter), each run :func:`_normal`-ised: "NVIDIA NeMo
+    Automodel" gives "nemo", "nemoautomodel", "nvidianemo", ...; "Mnemonic" only itself."""
+    words = re.findall(r"[a-z]+|[0-9]+", str(text).casefold())
+    return {"".join(words[i:j]) for i in range(len(words)) for j in range(i + 1, len(words) + 1)}
+
+
+#: The longest NAME or VERSION an adapter may declare (characters).
+MAX_LABEL = 80
+
+
+def _label_text(value: Any) -> bool:
+    """Whether ``value`` can be a NAME / VERSION: one short line of printable text."""
+    text = str(value)
+    return bool(text.strip()) and text.isprintable() and len(text) <= MAX_LABEL
+
+
 def builtin_frameworks() -> tuple[set[str], list[str]]:
     """``(keys, names)`` of the built-in frameworks: every adapter of this package (the
     speculators one included) and every :data:`KNOWN` one, whether in this build or not;
@@ -169,14 +187,16 @@ def builtin_frameworks() -> tuple[set[str], list[str]]:
 def impersonation(key: str, name: Any, version: Any) -> str | None:
     """Why an external adapter (``$DFLASH_AUDIT_ADAPTER_PATH``) with file key ``key``,
     ``NAME`` and ``VERSION`` would pass for a built-in framework in a report: it takes a
-    built-in's key, or its label (``NAME VERSION``) begins with a built-in's name (case,
-    spaces and punctuation ignored: ``Spec Forge``, ``SpecForge 0.2.0``); None when not."""
+    built-in's key, or a built-in's name is a run of whole words of its label (``NAME
+    VERSION``; case, spaces and punctuation ignored: ``Spec Forge``, ``SpecForge 0.2.0``,
+    ``NVIDIA NeMo Automodel``, ``My SpecForge``, but not ``Mnemonic``); None when not."""
     keys, names = builtin_frameworks()
     if key in keys:
         return f"its file {key}{SUFFIX} takes the key of the built-in framework {key!r}"
     label = _normal(f"{name}{version}")
+    runs = _word_runs(f"{name} {version}")
     for builtin in names:
-        if label.startswith(_normal(builtin)):
+        if label.startswith(_normal(builtin)) or _normal(builtin) in runs:
             return (f"its label {f'{name} {version}'.strip()!r} (NAME, VERSION) takes the name "
                     f"of the built-in framework {builtin!r}")
     return None
@@ -323,6 +343,7 @@ def framework_facts(launch: CandidateLaunch, identity: dict[str, Any]) -> dict[s
     from dflash_audit.audit.frameworks.capabilities import (
         Capabilities,
         CapabilitiesError,
+        brief,
     )
     from dflash_audit.audit.frameworks.latent import parse_latent
 
@@ -333,6 +354,16 @@ def framework_facts(launch: CandidateLaunch, identity: dict[str, Any]) -> dict[s
     if not isinstance(adapter, dict):
         raise FrameworkError(f"the adapter {info['module']} does not define the contract's "
                              "NAME and VERSION (dflash_audit/audit/frameworks/__init__.py)")
+    if adapter.get("error"):  # its constants could not be handed over (candidate_runner)
+        raise FrameworkError(f"the adapter {info['module']}: "
+                             f"{' '.join(str(adapter['error']).split())[:400]}")
+    for key in ("NAME", "VERSION"):  # printed in the terminal and every report
+        value = adapter.get(key)
+        if value is not None and not _label_text(value):
+            raise FrameworkError(
+                f"the adapter {info['module']}: NAME and VERSION must be one short line of "
+                f"printable text (at most {MAX_LABEL} characters), got {key} = "
+                f"{brief(value)}")
     try:
         caps = Capabilities.from_dict(adapter.get("CAPABILITIES"))
         latent = parse_latent(adapter.get("LATENT"), caps)

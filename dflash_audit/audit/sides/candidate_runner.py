@@ -204,12 +204,34 @@ def identity(candidate: Any, spec: str | None) -> dict[str, Any]:
            "has_select_anchors": callable(getattr(candidate, "select_anchors", None))}
     module = sys.modules.get((spec or "").rpartition(":")[0])
     if module is not None and all(hasattr(module, k) for k in ("NAME", "VERSION")):
-        out["adapter"] = json.loads(json.dumps(
-            {k: getattr(module, k, None) for k in ADAPTER_CONSTANTS}, default=str))
+        out["adapter"] = adapter_constants_json(module)
         files = getattr(module, "FRAMEWORK_FILES", None)
         if callable(files):
             out["source_files"] += [str(f) for f in files()]
     return out
+
+
+#: The most characters an adapter's contract constants take as JSON (a literal LATENT of
+#: every capability is a few kB).
+MAX_CONSTANTS_CHARS = 1 << 20
+
+
+def adapter_constants_json(module: Any) -> dict[str, Any]:
+    """The :data:`ADAPTER_CONSTANTS` of an adapter module as JSON values (other objects as
+    their ``str``), or ``{"error": why}`` when they cannot be (nested too deep, circular) or
+    take more than :data:`MAX_CONSTANTS_CHARS`: the parent says so as a setup error."""
+    try:
+        text = json.dumps({k: getattr(module, k, None) for k in ADAPTER_CONSTANTS},
+                          default=str)
+    except (ValueError, TypeError, RecursionError) as exc:
+        return {"error": f"its contract constants ({', '.join(ADAPTER_CONSTANTS)}) cannot be "
+                         f"written as JSON ({type(exc).__name__}: {str(exc)[:200]}): declare "
+                         "them as plain literals (lists, dicts, strings)"}
+    if len(text) > MAX_CONSTANTS_CHARS:
+        return {"error": f"its contract constants ({', '.join(ADAPTER_CONSTANTS)}) are larger "
+                         f"than {MAX_CONSTANTS_CHARS} characters as JSON ({len(text)}): "
+                         "declare them as short literals"}
+    return json.loads(text)
 
 
 #: The longest line of case names ``--wait`` reads from its stdin.
