@@ -129,6 +129,19 @@ class SlotZeroTrained(DFlashDrafter):
         return loss_mask[:, indices].float() * anchor_valid.float().repeat_interleave(BLOCK)[None]
 
 
+class LabelsStopAtDocumentEnd(DFlashDrafter):
+    """Slots past the end of the anchor's document untrained (NeMo's doc_remaining cut)."""
+
+    def forward(self, *args, **kwargs):
+        self.docs = kwargs["document_ids"].reshape(-1)
+        return super().forward(*args, **kwargs)
+
+    def aligned_loss_mask(self, loss_mask, indices, anchor_valid):
+        anchors = indices - torch.arange(indices.numel()) % BLOCK
+        return super().aligned_loss_mask(loss_mask, indices, anchor_valid) * (
+            self.docs[indices] == self.docs[anchors]).float()[None]
+
+
 class PaddingAnchorsTrained(DFlashDrafter):
     def aligned_loss_mask(self, loss_mask, indices, anchor_valid):
         return super().aligned_loss_mask(loss_mask, indices, torch.ones_like(anchor_valid))
@@ -264,6 +277,9 @@ BUGS = [
     ("slot0-trained", candidate(SlotZeroTrained),
      {"loss": "slot 0 (the anchor itself) not masked out of the loss"},
      UPSTREAM_OK + ("targets",)),
+    ("labels-stop-at-document-end", candidate(LabelsStopAtDocumentEnd),
+     {"loss": "labels stop at the end of the anchor's document: slots a+s past it are not "
+              "trained"}, UPSTREAM_OK + ("targets",)),
     ("padding-anchors-trained", candidate(PaddingAnchorsTrained),
      {"loss": "padding anchors (anchor_valid False) not masked out of the loss"},
      UPSTREAM_OK + ("targets",)),

@@ -258,6 +258,8 @@ def synthetic_planned(profile: Profile, i: int, count: int, seed: int = 0,
                                  target_layers=profile.target_layers)
     if long_row:
         pin_last_anchor(case)
+    else:
+        pin_document_end_anchor(case)
     return PlannedCase(case, "synthetic", layout_facts(case))
 
 
@@ -283,6 +285,43 @@ def pin_last_anchor(case: Case) -> None:
         if last not in a[valid].tolist():
             a[int(valid.nonzero().max())] = last  # the largest valid anchor: order is kept
             case.inputs["anchor_positions"] = a
+
+
+def pin_document_end_anchor(case: Case) -> None:
+    """On a packed ``case`` (in place): make one valid anchor a position p within
+    block_size-1 tokens of the end of its document (its block reaches the next document), the
+    next document's tokens in that block supervised. The reference admits such an anchor and
+    trains those slots (loss_mask[a+s], across the boundary); a framework that keeps every
+    block inside one document (NeMo Automodel's ``doc_remaining >= block_size - 1``) or cuts
+    labels at the document's end differs there, which random anchors rarely show. The anchor
+    p is the supervised position before the first document boundary that fits, block slots
+    split about evenly between the two documents; the valid anchors stay sorted. Nothing
+    changes on a row of one document, when B < 2 or no boundary fits."""
+    B, inputs = case.config.block_size, case.inputs
+    doc, lm = inputs["document_ids"][0], inputs["loss_mask"]
+    a, valid = inputs["anchor_positions"].clone(), inputs["anchor_valid"]
+    T, k = doc.numel(), int(valid.sum())
+    if B < 2 or not k or bool((a[valid] + B > T).any()):
+        return
+    allowed = valid_anchor_mask(lm, B)
+    for e in range(1, T - 1):
+        if not (doc[e] >= 0 and doc[e - 1] >= 0 and doc[e] != doc[e - 1]):
+            continue
+        fits = [p for p in range(e - 1, e - B, -1)
+                if p >= 0 and doc[p] == doc[e - 1] and bool(allowed[p])]
+        if not fits:
+            continue
+        p = min(fits, key=lambda q: abs((e - q) - B // 2))
+        if p not in a[valid].tolist():
+            a[int((a[:k] - p).abs().argmin())] = p
+            a[:k] = a[:k].sort().values
+            inputs["anchor_positions"] = a
+        nxt = doc[e:p + B] == doc[e]
+        if not bool(lm[0, e:p + B][nxt].any()):  # the next document supervised from its start
+            lm = lm.clone()
+            lm[0, e:p + B] = torch.where(nxt, 1, lm[0, e:p + B])
+            inputs["loss_mask"] = lm
+        return
 
 
 #: The flex-attention block size (torch.nn.attention.flex_attention _DEFAULT_SPARSE_BLOCK_SIZE).

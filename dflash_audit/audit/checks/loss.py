@@ -186,20 +186,36 @@ def diagnose_loss_precision(ev: Evidence, part: dict[str, Any]) -> list[str]:
     return []
 
 
+#: Labels cut at the end of the anchor's document (NeMo Automodel's ``_build_block_targets``
+#: with ``doc_remaining``, core.py:426-428, as its DFlash2 trainer calls it; its DFlash trainer
+#: does not pass ``doc_remaining``, core.py:572).
+LABELS_STOP_AT_DOCUMENT_END = (
+    "labels stop at the end of the anchor's document: slots a+s past it are not trained; the "
+    "reference trains every slot where loss_mask[a+s] is 1, across the document boundary")
+
+
 def aligned_mask_hypotheses(ev: Evidence) -> Iterator[tuple[str, torch.Tensor]]:
     """loss_mask[a+s+d] (d = -1, 0, 1) x slot 0 (zeroed / kept) x anchor_valid (applied /
-    ignored), as [Q] bool."""
+    ignored) x slots past the anchor's document (trained / cut: only on a case where a block
+    crosses a document boundary), as [Q] bool."""
     B, T = ev.config.block_size, ev.inputs["loss_mask"].shape[-1]
     valid = ev.inputs["anchor_valid"].bool().repeat_interleave(B)
     slot0 = torch.arange(ev.block_idx.numel()) % B == 0
     zero0 = not ev.config.sample_from_anchor
-    for d, keep0, use_valid in itertools.product((0, 1, -1), (not zero0, zero0), (True, False)):
+    doc = ev.inputs["document_ids"].reshape(-1)
+    anchor = ev.inputs["anchor_positions"].long().repeat_interleave(B).clamp(0, T - 1)
+    in_doc = doc[ev.block_idx.clamp(0, T - 1)] == doc[anchor]
+    cuts = (False, True) if bool((~in_doc & valid).any()) else (False,)
+    for d, keep0, use_valid, cut in itertools.product((0, 1, -1), (not zero0, zero0),
+                                                       (True, False), cuts):
         m = ev.inputs["loss_mask"][0, (ev.block_idx + d) % T].bool()
         if use_valid:
             m = m & valid
         if not keep0:
             m = m & ~slot0
-        causes = []
+        if cut:
+            m = m & in_doc
+        causes = [LABELS_STOP_AT_DOCUMENT_END] if cut else []
         if keep0 and zero0:
             causes.append("slot 0 (the anchor itself) not masked out of the loss")
         if not keep0 and not zero0:
