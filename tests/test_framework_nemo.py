@@ -72,8 +72,39 @@ def test_names_the_always_bidirectional_block_as_its_own_variant(report):
         s = first(report, case, "structure")
         assert s["status"] == "fail" and "sliding_window_non_causal: candidate True" in (
             s["summary"]), s["summary"]
-        assert first(report, case, "mask")["status"] == "fail"
+        mask = first(report, case, "mask")
+        # dflash_mask.py:123 (a + s - kv < W) and 136-141 (bidirectional): both named, together
+        assert mask["status"] == "fail" and mask["diagnosis"][0].startswith(
+            "bidirectional attention inside the block in a sliding layer"), mask["diagnosis"]
+        assert mask["diagnosis"][1].startswith(
+            "sliding window measured from the query's own position: kv >= a + s - W + 1"), (
+            mask["diagnosis"])
     assert first(report, FULL, "structure")["status"] == "warn"
+
+
+def test_names_its_own_document_anchor_rule_and_trains_across_documents_like_the_reference(
+        report):
+    """Packed rows: NeMo's sampler keeps a block inside its document (core.py:258), named as
+    its rule; its DFlash trainer's labels cross the boundary like the reference's (core.py:572
+    passes no doc_remaining): every case holds an anchor near a document's end (the planner's),
+    and the trained slots agree."""
+    rule = ("an anchor needs block_size-1 further tokens of its own document (NeMo Automodel "
+            "0.7.0's rule)")
+    assert any(rule in first(report, case, "anchors")["summary"] for case in (FULL, Q35_FULL))
+    for case in (SLIDING, FULL, Q35_SLIDING, Q35_FULL):
+        parts = first(report, case, "loss")["details"]["parts"]
+        assert parts["aligned_loss_mask"]["status"] == "pass", (case, parts["aligned_loss_mask"])
+
+
+def test_metrics_differ_and_follow_from_its_data_token_labels(report):
+    """The planner makes the drafter right on some slots: NeMo's accuracy (against its labels,
+    the data tokens) differs from the reference's, named as following from the labels."""
+    for case in (SLIDING, FULL, Q35_SLIDING, Q35_FULL):
+        m = first(report, case, "metrics")
+        assert m["status"] == "warn", m["summary"]
+        assert any(k.startswith("position_") for k in m["details"]["differences"]), m["summary"]
+        assert any(d.startswith("follows from the targets difference (targets are the data "
+                                "tokens") for d in m["diagnosis"]), m["diagnosis"]
 
 
 def test_names_its_draft_config_builder(report):

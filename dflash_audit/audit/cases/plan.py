@@ -10,7 +10,12 @@ sample_from_anchor, sliding_window_non_causal, draft vocabulary or not) and vary
 data rarely exercises: block size, anchors (including padding anchors), packed documents,
 padding, windows smaller than a document, one long row (the last case when there are more
 than len(FAMILIES), as by default: T = LONG_SEQ_LEN > 4096), one case at a real width (the
-one before it: H = WIDE_HIDDEN with 16 heads of 128, one draft layer, a short row), layouts (full / sliding / mixed, cycled
+one before it: H = WIDE_HIDDEN with 16 heads of 128, one draft layer, a short row), on every
+packed row an anchor within B-1 tokens of a document's end whose block reaches the next
+document's supervised tokens (:func:`pin_document_end_anchor`), on all but those two the
+drafter's predictions right on some slots, against the verifier's argmax on some blocks and
+the data tokens on others (:func:`dflash_audit.audit.cases.synthetic.plant_hits`: accuracy and
+acceptance-length definitions then differ), layouts (full / sliding / mixed, cycled
 so any N >= 2 covers full and sliding), and the verifier: case i is a proxy of verifier family
 ``FAMILIES[i % len(FAMILIES)]`` (:mod:`dflash_audit.data.families`: llama with llama3 rope
 scaling, qwen3 with head_dim != H/heads, qwen3_5 hybrid with partial rotary and x*(1+w)
@@ -32,7 +37,7 @@ from typing import Any
 import torch
 
 from dflash_audit.audit.case import Case, CaseVerifier
-from dflash_audit.audit.cases.synthetic import synthetic_case
+from dflash_audit.audit.cases.synthetic import plant_hits, synthetic_case
 from dflash_audit.audit.cases.weights import fit_to_targets, real_case_weights
 from dflash_audit.audit.replay.architecture import COMMON_NORM_EPS, COMMON_ROPE_THETAS
 from dflash_audit.data.families import FAMILIES, family_config
@@ -260,6 +265,8 @@ def synthetic_planned(profile: Profile, i: int, count: int, seed: int = 0,
         pin_last_anchor(case)
     else:
         pin_document_end_anchor(case)
+    if not (long_row or wide):  # the two cost most to run our drafter on
+        plant_hits(case)
     return PlannedCase(case, "synthetic", layout_facts(case))
 
 
