@@ -81,6 +81,18 @@ def per_document(loss_mask, max_anchors, block_size, g, document_ids=None):
     return _pad(torch.cat(chosen).sort().values, max_anchors * docs)
 
 
+def own_document(loss_mask, max_anchors, block_size, g, document_ids=None):
+    """NeMo Automodel's packed-row rule: an anchor needs block_size-1 further tokens of its own
+    document (doc_remaining >= block_size - 1)."""
+    ok = loss_mask[0].bool().clone()
+    ok[-block_size:] = False
+    doc = document_ids[0]
+    ok[:-block_size] &= doc[block_size - 1:-1] == doc[:-block_size]
+    pool = ok.nonzero().squeeze(-1)
+    k = min(max_anchors, pool.numel())
+    return _pad(pool[torch.randperm(pool.numel(), generator=g)[:k]].sort().values, max_anchors)
+
+
 def first_k(loss_mask, max_anchors, block_size, g):
     """The first max_anchors valid positions every time (no randomness)."""
     pool = loss_mask[0, :-block_size].bool().nonzero().squeeze(-1)
@@ -131,7 +143,10 @@ def test_a_long_row_with_few_anchors_passes_the_same_sampler():
     (early_biased, "anchors not drawn uniformly over the valid positions", "position"),
     (first_k, "anchors not random: every draw returns the same anchors",
      "512 draws, all 4, 5, 6, 7, 8, 31; the reference's 512 draws hold 512 different sets"),
-], ids=["tail", "loss-mask", "replacement", "tail-too-long", "fewer", "skewed", "first-k"])
+    (own_document, "an anchor needs block_size-1 further tokens of its own document (no block "
+     "crosses a document boundary)", "never drawn: positions "),
+], ids=["tail", "loss-mask", "replacement", "tail-too-long", "fewer", "skewed", "first-k",
+        "own-document"])
 def test_sampler_bug_is_named(select, cause, evidence, ours):
     r = check(select, ours)
     assert r.status == "fail" and len(r.details["causes"]) == 1, r.summary

@@ -21,6 +21,7 @@ from dflash_audit.audit.case import SideOutputs
 from dflash_audit.audit.cases.synthetic import synthetic_case
 from dflash_audit.audit.cases.weights import fit_to_targets
 from dflash_audit.audit.checks import run_checks
+from dflash_audit.audit.checks.mask import MaskHypothesis, build_mask
 from dflash_audit.audit.checks.targets import TargetHypothesis, predict_targets
 from dflash_audit.audit.diagnose import diagnose
 from dflash_audit.audit.replay.evidence import Evidence, SearchMemo
@@ -129,6 +130,19 @@ def one_doc(document_ids):
 class SlotZeroTrained(DFlashDrafter):
     def aligned_loss_mask(self, loss_mask, indices, anchor_valid):
         return loss_mask[:, indices].float() * anchor_valid.float().repeat_interleave(BLOCK)[None]
+
+
+class LabelsStopAtDocumentEnd(DFlashDrafter):
+    """Slots past the end of the anchor's document untrained (NeMo's doc_remaining cut)."""
+
+    def forward(self, *args, **kwargs):
+        self.docs = kwargs["document_ids"].reshape(-1)
+        return super().forward(*args, **kwargs)
+
+    def aligned_loss_mask(self, loss_mask, indices, anchor_valid):
+        anchors = indices - torch.arange(indices.numel()) % BLOCK
+        return super().aligned_loss_mask(loss_mask, indices, anchor_valid) * (
+            self.docs[indices] == self.docs[anchors]).float()[None]
 
 
 class PaddingAnchorsTrained(DFlashDrafter):
@@ -326,6 +340,11 @@ BUGS = [
     ("slot0-trained", candidate(SlotZeroTrained),
      {"loss": "slot 0 (the anchor itself) not masked out of the loss"},
      UPSTREAM_OK + ("targets",)),
+    ("labels-stop-at-document-end", candidate(LabelsStopAtDocumentEnd),
+     {"loss": "per-slot supervision taken from the anchor's document (document boundaries) or "
+              "loss_mask cut at document boundaries (the same mask on this case) instead of "
+              "loss_mask"},
+     UPSTREAM_OK + ("targets",)),
     ("padding-anchors-trained", candidate(PaddingAnchorsTrained),
      {"loss": "padding anchors (anchor_valid False) not masked out of the loss"},
      UPSTREAM_OK + ("targets",)),
@@ -478,6 +497,51 @@ def test_search_memo_tries_what_reproduced_first():
         "b-label", "a-label"]
     memo.spend(memo.budget)  # budget spent: only what reproduced somewhere
     assert memo.order(key, [("a-label", 1), ("b-label", 2)]) == [("b-label", 2)]
+
+
+def masks_by_rule(**rules):
+    """A drafter whose masks of the given layer types are ``build_mask(CASE, rule)`` (the
+    audit's own rule builder on CASE's anchors), used by its attention as by ours."""
+
+    class Masks(DFlashDrafter):
+        def attention_masks(self, document_ids, anchor_positions):
+            masks = super().attention_masks(document_ids, anchor_positions)
+            for layer_type, rule in rules.items():
+                masks[layer_type] = build_mask(CASE, MaskHypothesis(**rule))
+            return masks
+
+    return Masks
+
+
+PER_QUERY_WINDOW = ("sliding window measured from the query's own position: kv >= a + s - W "
+                    "+ 1 (a + s - kv < W, the inference-time rule) instead of the reference's "
+                    "kv >= a - W for every slot of the block")
+BIDIRECTIONAL = ("bidirectional attention inside the block in a sliding layer (reference: "
+                 "causal, sliding_window_non_causal=False)")
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("rule,causes", [
+    # NeMo Automodel 0.7.0 create_dflash_sdpa_mask: a + s - kv < W, block always bidirectional
+    ({"window": W, "per_query": True}, [BIDIRECTIONAL, f"{PER_QUERY_WINDOW} (W = {W})"]),
+    ({"window": W - 1, "per_query": True},
+     [BIDIRECTIONAL, f"{PER_QUERY_WINDOW}; and W off by -1 (W = {W - 1})"]),
+    # sizes no fixed list holds: read off the candidate's mask
+    ({"window": W + 3, "per_query": True, "causal_block": True},
+     [f"{PER_QUERY_WINDOW}; and W off by +3 (W = {W + 3})"]),
+    ({"window": W - 3, "causal_block": True},
+     [f"window bound off by -3: kv >= anchor - {W - 3} (reference W={W})"]),
+], ids=["nemo-rule", "per-query-minus-one", "per-query-plus-three", "anchor-minus-three"])
+def test_window_rules_named_alone_and_with_the_block_rule(rule, causes, reference):
+    """A window measured from the query's own position (any size, from either side of W) is
+    named, alone and together with a bidirectional block; the logits follow from the mask."""
+    bug = candidate(masks_by_rule(sliding_attention=rule))
+    results = audit(bug.run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs), reference)
+    mask = results["mask.sliding_attention"]
+    assert mask.status == "fail" and mask.diagnosis == causes, mask.diagnosis
+    assert results["mask.full_attention"].status == "pass"
+    assert results["logits"].diagnosis[0].startswith("follows from the mask difference"), (
+        results["logits"].diagnosis)
 
 
 # ------------------------------------------------------------ hand-perturbed (no reference)

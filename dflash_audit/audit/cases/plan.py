@@ -10,7 +10,12 @@ sample_from_anchor, sliding_window_non_causal, draft vocabulary or not) and vary
 data rarely exercises: block size, anchors (including padding anchors), packed documents,
 padding, windows smaller than a document, one long row (the last case when there are more
 than len(FAMILIES), as by default: T = LONG_SEQ_LEN > 4096), one case at a real width (the
-one before it: H = WIDE_HIDDEN with 16 heads of 128, one draft layer, a short row), layouts (full / sliding / mixed, cycled
+one before it: H = WIDE_HIDDEN with 16 heads of 128, one draft layer, a short row), on every
+packed row an anchor within B-1 tokens of a document's end whose block reaches the next
+document's supervised tokens (:func:`pin_document_end_anchor`), on all but those two the
+drafter's predictions right on some slots, against the verifier's argmax on some blocks and
+the data tokens on others (:func:`dflash_audit.audit.cases.synthetic.plant_hits`: accuracy and
+acceptance-length definitions then differ), layouts (full / sliding / mixed, cycled
 so any N >= 2 covers full and sliding), and the verifier: case i is a proxy of verifier family
 ``FAMILIES[i % len(FAMILIES)]`` (:mod:`dflash_audit.data.families`: llama with llama3 rope
 scaling, qwen3 with head_dim != H/heads, qwen3_5 hybrid with partial rotary and x*(1+w)
@@ -32,7 +37,7 @@ from typing import Any
 import torch
 
 from dflash_audit.audit.case import Case, CaseVerifier
-from dflash_audit.audit.cases.synthetic import synthetic_case
+from dflash_audit.audit.cases.synthetic import plant_hits, synthetic_case
 from dflash_audit.audit.cases.weights import fit_to_targets, real_case_weights
 from dflash_audit.audit.replay.architecture import COMMON_NORM_EPS, COMMON_ROPE_THETAS
 from dflash_audit.data.families import FAMILIES, family_config
@@ -258,6 +263,10 @@ def synthetic_planned(profile: Profile, i: int, count: int, seed: int = 0,
                                  target_layers=profile.target_layers)
     if long_row:
         pin_last_anchor(case)
+    else:
+        pin_document_end_anchor(case)
+    if not (long_row or wide):  # the two cost most to run our drafter on
+        plant_hits(case)
     return PlannedCase(case, "synthetic", layout_facts(case))
 
 
@@ -283,6 +292,43 @@ def pin_last_anchor(case: Case) -> None:
         if last not in a[valid].tolist():
             a[int(valid.nonzero().max())] = last  # the largest valid anchor: order is kept
             case.inputs["anchor_positions"] = a
+
+
+def pin_document_end_anchor(case: Case) -> None:
+    """On a packed ``case`` (in place): make one valid anchor a position p within
+    block_size-1 tokens of the end of its document (its block reaches the next document), the
+    next document's tokens in that block supervised. The reference admits such an anchor and
+    trains those slots (loss_mask[a+s], across the boundary); a framework that keeps every
+    block inside one document (NeMo Automodel's ``doc_remaining >= block_size - 1``) or cuts
+    labels at the document's end differs there, which random anchors rarely show. The anchor
+    p is the supervised position before the first document boundary that fits, block slots
+    split about evenly between the two documents; the valid anchors stay sorted. Nothing
+    changes on a row of one document, when B < 2 or no boundary fits."""
+    B, inputs = case.config.block_size, case.inputs
+    doc, lm = inputs["document_ids"][0], inputs["loss_mask"]
+    a, valid = inputs["anchor_positions"].clone(), inputs["anchor_valid"]
+    T, k = doc.numel(), int(valid.sum())
+    if B < 2 or not k or bool((a[valid] + B > T).any()):
+        return
+    allowed = valid_anchor_mask(lm, B)
+    for e in range(1, T - 1):
+        if not (doc[e] >= 0 and doc[e - 1] >= 0 and doc[e] != doc[e - 1]):
+            continue
+        fits = [p for p in range(e - 1, e - B, -1)
+                if p >= 0 and doc[p] == doc[e - 1] and bool(allowed[p])]
+        if not fits:
+            continue
+        p = min(fits, key=lambda q: abs((e - q) - B // 2))
+        if p not in a[valid].tolist():
+            a[int((a[:k] - p).abs().argmin())] = p
+            a[:k] = a[:k].sort().values
+            inputs["anchor_positions"] = a
+        nxt = doc[e:p + B] == doc[e]
+        if not bool(lm[0, e:p + B][nxt].any()):  # the next document supervised from its start
+            lm = lm.clone()
+            lm[0, e:p + B] = torch.where(nxt, 1, lm[0, e:p + B])
+            inputs["loss_mask"] = lm
+        return
 
 
 #: The flex-attention block size (torch.nn.attention.flex_attention _DEFAULT_SPARSE_BLOCK_SIZE).

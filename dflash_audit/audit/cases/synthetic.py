@@ -103,3 +103,52 @@ def synthetic_case(name: str, config: DFlashConfig, loss: LossSpec, seed: int, s
                 weights=synthetic_weights(config, g),
                 description=f"synthetic seed={seed} T={seq_len} docs={num_documents} pad={pad} "
                             f"A={max_anchors}")
+
+
+def plant_hits(case: Case) -> int:
+    """Make the drafter's predictions right on some supervised slots of a synthetic ``case``
+    (in place), so that accuracy and acceptance-length definitions give different numbers: at
+    random weights the draft's argmax almost never equals either label, and every definition
+    reads 0 hits. Our drafter (the reference's computation) runs once on the case; then for
+    each valid anchor j, slots 1..ceil((B-1)/2) become a leading run of hits: against the
+    verifier's argmax target on even j (``verifier_last_hidden_states`` at a+s-1 set to the
+    draft's argmax row of ``verifier_lm_head``, divided by the ``verifier_norm`` gain), against
+    the data token ``input_ids[a+s]`` on odd j (never at an anchor position: the drafter's
+    own inputs stay as they were). A position that another block already set keeps its first
+    value. Not applied with ``sample_from_anchor`` (slot 0 is trained there).
+
+    Returns:
+        The number of supervised slots whose label was set (0: nothing changed).
+    """
+    config, inputs, B = case.config, case.inputs, case.config.block_size
+    if config.sample_from_anchor or B < 2:
+        return 0
+    model = DFlashDrafter(config).float()
+    model.load_state_dict(case.weights)
+    keys = ("hidden_states", "input_ids", "loss_mask", "verifier_last_hidden_states",
+            "document_ids", "position_ids", "anchor_positions", "anchor_valid")
+    with torch.no_grad():
+        out = model(**{k: inputs[k] for k in keys})
+        gain = model.verifier_norm(torch.ones(1, config.hidden_size))[0]
+    draft = out.logits[0].argmax(-1)  # [Q] draft-vocabulary ids
+    token = draft + model.d2t[draft] if config.uses_draft_vocab else draft
+    head = case.weights["verifier_lm_head.weight"].float()
+    anchors = inputs["anchor_positions"].tolist()
+    trained = out.aligned_loss_mask[0].bool()
+    states = inputs["verifier_last_hidden_states"].clone()
+    ids = inputs["input_ids"].clone()
+    taken: set[int] = set()
+    planted = 0
+    for j, (a, ok) in enumerate(zip(anchors, inputs["anchor_valid"].tolist())):
+        for s in range(1, 1 + B // 2 if ok else 1):
+            q, t = j * B + s, a + s
+            if not trained[q] or t in taken or (j % 2 and t in anchors):
+                continue
+            taken.add(t)
+            if j % 2:
+                ids[0, t] = token[q]
+            else:
+                states[0, t - 1] = head[draft[q]] / gain
+            planted += 1
+    inputs["verifier_last_hidden_states"], inputs["input_ids"] = states, ids
+    return planted

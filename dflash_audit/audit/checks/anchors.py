@@ -93,6 +93,7 @@ def rule_sets(case: Case) -> dict[str, set[int]]:
 #: The names of anchor rules, in neutral words: which framework's own rule each is is said
 #: only when that framework is the candidate (:mod:`dflash_audit.audit.frameworks.rules`).
 NEEDS_NEXT = "an anchor also needs loss_mask[a+1]"
+NEEDS_OWN_DOCUMENT = "an anchor needs block_size-1 further tokens of its own document"
 AT_T_MINUS_B = "anchors admitted at T-B: a <= T - block_size"
 ONE_FEWER = ("one anchor fewer per draw than there are valid positions: "
              "min(max_anchors, valid) - 1")
@@ -100,9 +101,8 @@ ONE_FEWER = ("one anchor fewer per draw than there are valid positions: "
 RULE_CAUSES = {
     "next": f"{NEEDS_NEXT}: the last supervised token before an unsupervised one is never an "
             "anchor; the reference admits every supervised position a < T - block_size",
-    "document": "an anchor needs block_size-1 further tokens of its own document (no block "
-                "crosses a document boundary); the reference admits every supervised position "
-                "a < T - block_size of the packed row",
+    "document": f"{NEEDS_OWN_DOCUMENT} (no block crosses a document boundary); the reference "
+                "admits every supervised position a < T - block_size of the packed row",
 }
 
 

@@ -168,16 +168,46 @@ def fitted_context_offset(case: Case, mask: torch.Tensor, rows: torch.Tensor) ->
     return int(torch.mode(last - qa[seen] + 1).values)
 
 
-def mask_hypotheses(case: Case, layer_type: str,
-                    fitted_offset: int | None = None) -> Iterator[MaskHypothesis]:
+def fitted_windows(case: Case, mask: torch.Tensor, rows: torch.Tensor) -> list[int]:
+    """The window sizes W a [Q, T+Q] bool ``mask`` implies on the ``rows`` (bool [Q]) whose
+    earliest visible context position f lies past the start of the anchor's document (where a
+    window bounds the context): the most common ``a - f`` (a bound from the anchor,
+    ``kv >= a - W``) and the most common ``a + s - f + 1`` (a bound from the query's own
+    position, ``kv >= a + s - W + 1``), so a window of any size, either way measured, is
+    named; [] when no row's context is cut short."""
+    B = case.config.block_size
+    doc = case.inputs["document_ids"].reshape(-1)
+    T = doc.numel()
+    a = case.inputs["anchor_positions"].long().repeat_interleave(B)
+    s = torch.arange(a.numel()) % B
+    ctx = mask[:, :T]
+    seen = rows & ctx.any(1)
+    if not seen.any():
+        return []
+    first = ctx.int().argmax(1)
+    change = torch.ones(T, dtype=torch.bool)
+    change[1:] = doc[1:] != doc[:-1]
+    # the first position of each position's document
+    starts = torch.cummax(torch.where(change, torch.arange(T), 0), 0).values
+    cut = seen & (first > starts[a.clamp(max=T - 1)])
+    if not cut.any():
+        return []
+    return [int(torch.mode(v[cut]).values) for v in (a - first, a + s - first + 1)]
+
+
+def mask_hypotheses(case: Case, layer_type: str, fitted_offset: int | None = None,
+                    fitted_window: list[int] | None = None) -> Iterator[MaskHypothesis]:
     """Block scope (own, earlier, all) x block rule (causal / bidirectional) x context offset
-    (<, <=, < a-1, and ``fitted_offset``) x window (expected, none, W-1, W+1, W; each bound
-    from the anchor or from the query's own position) x documents (respected, ignored): every
-    combination, so two deviations at once (a per-query window without the same-document
-    rule, as SpecForge and ModelOpt build it) are named together."""
+    (<, <=, < a-1, and ``fitted_offset``) x window (expected, none, W-1, W+1, W and the
+    ``fitted_window`` sizes of :func:`fitted_windows`; each bound from the anchor or from the
+    query's own position) x documents (respected, ignored): every combination, so two
+    deviations at once (a per-query window without the same-document rule, as SpecForge and
+    ModelOpt build it; a per-query window with a bidirectional block, as NeMo Automodel
+    builds it) are named together."""
     exp = expected_mask_hypothesis(case, layer_type)
     W = case.config.sliding_window
-    windows = list(dict.fromkeys([exp.window, None] + ([W, W - 1, W + 1] if W else [])))
+    windows = list(dict.fromkeys([exp.window, None] + ([W, W - 1, W + 1] if W else [])
+                                 + list(fitted_window or [])))
     windows = [w for w in windows if w is None or w >= 0]
     offsets = list(dict.fromkeys([0, 1, -1] + ([fitted_offset] if fitted_offset is not None
                                                else [])))
@@ -267,7 +297,8 @@ def diagnose_mask(ev: Evidence, result: CheckResult) -> list[str]:
         return [f"mask shape {list(c.shape)} (Q x T+Q expected {list(ev.ref.tensors[key].shape)})"]
     rows = ev.rows
     expected = expected_mask_hypothesis(ev.case, layer_type)
-    for h in mask_hypotheses(ev.case, layer_type, fitted_context_offset(ev.case, c, rows)):
+    for h in mask_hypotheses(ev.case, layer_type, fitted_context_offset(ev.case, c, rows),
+                             fitted_windows(ev.case, c, rows)):
         if h != expected and torch.equal(build_mask(ev.case, h)[rows], c[rows]):
             return describe_mask_hypothesis(ev.case, layer_type, h)
     return []

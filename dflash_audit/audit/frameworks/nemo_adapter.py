@@ -145,15 +145,20 @@ class NeMoCandidate:
                            defaults=nemo_defaults())
 
     def select_anchors(self, loss_mask: torch.Tensor, max_anchors: int, block_size: int,
-                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                       generator: torch.Generator, document_ids: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """NeMo's own ``_sample_anchor_positions`` (core.py:230-285) on ``loss_mask`` [1,T]
-        (an unpacked row), torch's global RNG seeded from ``generator``: (anchor_positions
-        [A] long, anchor_valid [A] bool), padded; a row without a valid anchor gives none."""
+        with the packed row's ``doc_remaining`` from ``document_ids`` [1,T] (as ``run_case``
+        gives it; None: an unpacked row), torch's global RNG seeded from ``generator``:
+        (anchor_positions [A] long, anchor_valid [A] bool), padded; a row without a valid
+        anchor gives none."""
         core = nemo("core")
+        remaining = None if document_ids is None else kit.packing_metadata(
+            document_ids.reshape(1, -1))["doc_remaining"]
         return kit.sampled_anchors(lambda: core.DFlashTrainerModule._sample_anchor_positions(
             SimpleNamespace(block_size=block_size, num_anchors=max_anchors), loss_mask.shape[-1],
-            loss_mask.reshape(1, -1).float(), "cpu"), max_anchors, generator,
-            core.NoValidAnchorsError)
+            loss_mask.reshape(1, -1).float(), "cpu", doc_remaining=remaining), max_anchors,
+            generator, core.NoValidAnchorsError)
 
     def derive_config(self, verifier_config: Any, config: Any) -> dict[str, Any]:
         """NeMo's own draft config for the verifier (``build_qwen3_dflash_draft_config``, the

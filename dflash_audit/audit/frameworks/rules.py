@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_audit.audit.checks.anchors import AT_T_MINUS_B, NEEDS_NEXT, ONE_FEWER
+from dflash_audit.audit.checks.anchors import (
+    AT_T_MINUS_B,
+    NEEDS_NEXT,
+    NEEDS_OWN_DOCUMENT,
+    ONE_FEWER,
+)
 from dflash_audit.audit.checks.metrics import DATA_TOKEN_ACCURACY
 from dflash_audit.audit.checks.structure import DECODER_LAYER_IDS
 
@@ -24,6 +29,8 @@ OWNED_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     # specforge 0.2.0 algorithms/common/dflash_family_model.py:184-187 (loss_mask[a] and
     # loss_mask[a+1])
     NEEDS_NEXT: ("rule", ("specforge",)),
+    # nemo 0.7.0 speculative/dflash/core.py:258 (doc_remaining >= bs - 1 on packed rows)
+    NEEDS_OWN_DOCUMENT: ("rule", ("nemo",)),
     # their train_acc against input_ids[a+s]
     DATA_TOKEN_ACCURACY: ("accuracy", ("specforge", "modelopt", "nemo")),
     # z-lab dflash/model.py:37-43, SpecForge and ModelOpt read hidden_states[id + 1]
