@@ -9,13 +9,17 @@ context rule kv <= anchor, kv < anchor - 1 or any other offset kv < anchor + k f
 candidate's mask (k >= 2: the block's own verifier states leak, as in SpecForge issue 470), the
 sliding window missing, applied in a full-attention layer, off by one or measured from the
 query's own position (``kv >= a + s - W + 1``, the inference-time rule of SpecForge / ModelOpt /
-z-lab), and cross-document leakage (document_ids not applied); every combination of them, so
-two at once are named together.
+z-lab), cross-document leakage (document_ids not applied), and context visibility keyed by block
+index instead of the anchor's position (block j sees the positions of blocks 0..j-1, as in
+SpecForge issue 470, or kv < j * block_size); every combination of them, so two at once are
+named together. The fewest deviations that reproduce the candidate are named; where several
+equally few do, all of them, as one cause the case cannot tell apart.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +39,9 @@ from dflash_audit.audit.slots import (
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_audit.model.mask import dense_mask
 
+#: The class of :attr:`MaskHypothesis.context_key` other than "anchor" (its variants follow).
+KEYED_BY_BLOCK = ("context visibility keyed by block index, not by the anchor's position "
+                  "(reference: kv < a_j)")
 #: A sliding window wider than any packed row: dense_mask then builds a causal block with no
 #: window bound on the context.
 NO_WINDOW = 1 << 62
@@ -101,7 +108,11 @@ class MaskHypothesis:
     SpecForge ``create_dflash_sdpa_mask``, ModelOpt ``_build_draft_attention_mask`` and z-lab
     ``_attention_mask``), documents respected or not. Block part: causal or bidirectional, over
     the query's own block (``blocks="own"``), its own and every earlier block (``"earlier"``)
-    or all blocks (``"all"``)."""
+    or all blocks (``"all"``). ``context_key``: what decides which context a block sees: its
+    anchor's position (``"anchor"``, the reference: kv < a_j), or its index j among the
+    anchors: the positions a_k..a_k+B-1 of the earlier valid blocks k < j (``"earlier_blocks"``:
+    SpecForge before PR 473, issue 470) or kv < j * B (``"block_index"``: the rule of uniformly
+    divided blocks); ``offset`` applies to ``"anchor"`` only."""
 
     offset: int = 0
     window: int | None = None
@@ -113,6 +124,9 @@ class MaskHypothesis:
     #: only when s - j < W), as z-lab 0.1.0 ``_attention_mask`` applies query_pos - key_pos <
     #: W to every key; it differs from the context-only rule only when W < block_size
     window_in_block: bool = False
+    context_key: str = "anchor"
+    #: without ``documents``: padding positions (document -1) visible as well
+    padding_visible: bool = False
 
 
 def expected_mask_hypothesis(case: Case, layer_type: str) -> MaskHypothesis:
@@ -138,6 +152,13 @@ def build_mask(case: Case, h: MaskHypothesis) -> torch.Tensor:
         base = dense_mask(docs, a, B, None)[:, :T] & (kv >= qa + s - h.window + 1)
     else:
         base = dense_mask(docs, a, B, h.window)[:, :T]
+    if h.context_key != "anchor":  # the same document and window rules, no kv < a_j
+        s = (torch.arange(qa.shape[0]) % B)[:, None]
+        low = (qa + s - h.window + 1 if h.per_query else qa - h.window) if h.window is not None \
+            else torch.zeros_like(qa)
+        same = (docs[None, :] == docs[qa]) & (docs[qa] != -1)
+        base = ((same | h.padding_visible) & (kv >= low)
+                & block_keyed_context(case, h.context_key))
     block = dense_mask(docs, a, B, NO_WINDOW if h.causal_block else None)[:, T:]
     if h.offset > 0:  # kv < anchor + offset: positions at and after the anchor become visible
         base |= ((kv >= qa) & (kv < qa + h.offset) & (docs[None, :] == docs[qa])
@@ -152,6 +173,23 @@ def build_mask(case: Case, h: MaskHypothesis) -> torch.Tensor:
     if h.per_query and h.window_in_block and h.window is not None:
         block = block & ((q % B) - (k % B) < h.window)
     return torch.cat([base, block], 1)
+
+
+def block_keyed_context(case: Case, key: str) -> torch.Tensor:
+    """[Q, T] bool: the context positions block j = q // B sees when visibility is keyed by
+    its index j instead of its anchor's position: the positions a_k..a_k+B-1 of the earlier
+    valid blocks k < j (``"earlier_blocks"``) or kv < j * B (``"block_index"``)."""
+    B = case.config.block_size
+    T = case.inputs["document_ids"].numel()
+    a = case.inputs["anchor_positions"].long()
+    kv = torch.arange(T)[None, :]
+    if key == "block_index":
+        seen = kv < (torch.arange(a.numel()) * B)[:, None]
+    else:
+        valid = case.inputs["anchor_valid"].bool()
+        span = (kv >= a[:, None]) & (kv < a[:, None] + B) & valid[:, None]  # [A, T]
+        seen = (span.cumsum(0) - span.int()) > 0  # some earlier block covers kv
+    return seen.repeat_interleave(B, 0)
 
 
 def fitted_context_offset(case: Case, mask: torch.Tensor, rows: torch.Tensor) -> int | None:
@@ -190,6 +228,10 @@ def mask_hypotheses(case: Case, layer_type: str,
             yield MaskHypothesis(offset, window, docs, causal, blocks, per_query)
             if per_query and window < case.config.block_size:
                 yield MaskHypothesis(offset, window, docs, causal, blocks, per_query, True)
+    for key, causal, window, (docs, pad) in itertools.product(
+            ("earlier_blocks", "block_index"), (exp.causal_block, not exp.causal_block),
+            windows, ((True, False), (False, False), (False, True))):
+        yield MaskHypothesis(0, window, docs, causal, context_key=key, padding_visible=pad)
 
 
 def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> list[str]:
@@ -211,6 +253,14 @@ def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> 
     elif h.blocks == "all":
         out.append("queries see the noise tokens of every block (no block rule; reference: own "
                    "block only)")
+    if h.context_key == "earlier_blocks":
+        out.append(f"{KEYED_BY_BLOCK}: block j sees the positions a_k..a_k+block_size-1 of the "
+                   "earlier blocks k < j, so a block overlapping the previous one sees the "
+                   "verifier states of the tokens it predicts (a leak that never occurs at "
+                   "inference) and the first block sees no context")
+    elif h.context_key == "block_index":
+        out.append(f"{KEYED_BY_BLOCK}: block j sees kv < j * block_size, the rule of uniformly "
+                   "divided blocks")
     if h.offset == 1:
         out.append("context rule kv <= anchor (reference: kv < anchor): queries also see the "
                    "context at their own anchor position")
@@ -251,13 +301,15 @@ def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> 
                        f"{h.window} (reference W={exp.window})")
     if not h.documents:
         out.append("cross-document leakage: queries see context of other packed documents "
-                   "(document_ids not applied)")
+                   "(document_ids not applied" + ("; padding positions visible too)"
+                                                  if h.padding_visible else ")"))
     return out
 
 
 def diagnose_mask(ev: Evidence, result: CheckResult) -> list[str]:
-    """The first mask hypothesis (:func:`mask_hypotheses`) equal to the candidate's mask on the
-    trained rows."""
+    """The mask hypotheses (:func:`mask_hypotheses`) equal to the candidate's mask on the
+    trained rows with the fewest deviations (a fitted context offset after the fixed rules):
+    their deviations when one does; when several equally few do, one cause naming them all."""
     layer_type = result.details.get("layer_type")
     key = f"mask.{layer_type}"
     if key not in ev.cand.tensors or key not in ev.ref.tensors:
@@ -266,8 +318,26 @@ def diagnose_mask(ev: Evidence, result: CheckResult) -> list[str]:
     if c.shape != as_bool_mask(ev.ref.tensors[key]).shape:
         return [f"mask shape {list(c.shape)} (Q x T+Q expected {list(ev.ref.tensors[key].shape)})"]
     rows = ev.rows
-    expected = expected_mask_hypothesis(ev.case, layer_type)
-    for h in mask_hypotheses(ev.case, layer_type, fitted_context_offset(ev.case, c, rows)):
-        if h != expected and torch.equal(build_mask(ev.case, h)[rows], c[rows]):
-            return describe_mask_hypothesis(ev.case, layer_type, h)
+    fixed = (0, 1, -1, ev.config.block_size)  # a fitted offset ranks after fixed rules
+    named = [((len(labels), h.offset not in fixed), labels, h) for labels, h in (
+        (describe_mask_hypothesis(ev.case, layer_type, h), h) for h in mask_hypotheses(
+            ev.case, layer_type, fitted_context_offset(ev.case, c, rows)))]
+    for level in sorted({rank for rank, labels, _ in named if labels}):
+        found = list(dict.fromkeys(tuple(labels) for rank, labels, h in named if rank == level
+                                   and torch.equal(build_mask(ev.case, h)[rows], c[rows])))
+        if len(found) == 1:
+            return list(found[0])
+        if found:  # equally few deviations reproduce it: one cause this case cannot resolve
+            return [alternatives(["; ".join(f) for f in found])]
     return []
+
+
+def alternatives(labels: list[str]) -> str:
+    """One cause from several rules that reproduce the same trained rows: ``A or B (...)``, or
+    ``class: variant A or variant B (...)`` when they share a class (a common text up to
+    ": ")."""
+    head = os.path.commonprefix(labels).rpartition(": ")[0]
+    text = (f"{head}: " + " or ".join(label[len(head) + 2:] for label in labels) if head
+            else " or ".join(labels))
+    return (f"{text} ({len(labels)} rules this case cannot tell apart: they agree on every "
+            "trained row; one cause, not several)")
