@@ -1,6 +1,9 @@
 """The ``mask`` check: each layer type's [Q, T+Q] bool attention mask, one result per layer
 type, by exact equality on the rows of blocks with a supervised slot (other rows feed no
-trained logit).
+trained logit). Fully masked query rows (no key visible; :mod:`dflash_audit.audit.masked_rows`)
+are named wherever they are: a fail in trained blocks or where the candidate's NaN from them
+reaches the loss or the gradients (an eager softmax over them), a warning where only its logits
+there are NaN, a note on a pass where its outputs stay finite.
 
 Hypotheses (the expected mask rebuilt with one rule changed, via ``dense_mask``) name: causal
 attention inside the block where the reference is bidirectional (or the reverse), noise tokens
@@ -28,6 +31,7 @@ import torch
 
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import not_provided
+from dflash_audit.audit.masked_rows import fully_masked_rows
 from dflash_audit.audit.replay.evidence import Evidence
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.slots import (
@@ -73,10 +77,22 @@ def check_mask(case: Case, cand: SideOutputs, ref: SideOutputs, layer_type: str
     details.update(differing=int(differ.sum()), differing_on_supervised_rows=int(trained.sum()),
                    extra_attention=int((trained & c).sum()),
                    missing_attention=int((trained & r).sum()))
+    hollow = fully_masked_rows(case, cand, ref, [layer_type])
+    if hollow is not None:
+        details["fully_masked_rows"] = {
+            "rows": int(hollow.rows.sum()), "padding_blocks": hollow.padding_blocks,
+            "idle_blocks": hollow.idle_blocks, "trained_blocks": hollow.trained_blocks,
+            "nan_rows": hollow.nan_rows, "reaches": hollow.reaches}
     if not trained.any():
+        if hollow is not None and hollow.changes_training:  # NaN from untrained rows
+            return CheckResult(name, case.name, FAIL, f"{layer_type} mask: {hollow.describe()}",
+                               details=details)
         note = (f" ({int(differ.sum())} entries differ on blocks without supervised slots, "
                 "which cannot change training)") if differ.any() else ""
-        return CheckResult(name, case.name, PASS,
+        if hollow is not None:
+            note = f"; {hollow.describe()}"
+        return CheckResult(name, case.name, WARN if hollow is not None and hollow.nan_rows
+                           else PASS,
                            f"{layer_type} masks equal on all {int(rows.sum())} trained rows{note}",
                            details=details)
     q, kv = (int(i) for i in trained.nonzero()[0])
@@ -317,7 +333,12 @@ def diagnose_mask(ev: Evidence, result: CheckResult) -> list[str]:
     c = as_bool_mask(ev.cand.tensors[key])
     if c.shape != as_bool_mask(ev.ref.tensors[key]).shape:
         return [f"mask shape {list(c.shape)} (Q x T+Q expected {list(ev.ref.tensors[key].shape)})"]
-    rows = ev.rows
+    rows, first = ev.rows, []
+    hollow = fully_masked_rows(ev.case, ev.cand, ev.ref, [layer_type])
+    if hollow is not None:  # named first; the other rows are searched for other rules
+        rows, first = rows & ~hollow.rows, [hollow.describe()]
+        if torch.equal(c[rows], as_bool_mask(ev.ref.tensors[key])[rows]):
+            return first
     fixed = (0, 1, -1, ev.config.block_size)  # a fitted offset ranks after fixed rules
     named = [((len(labels), h.offset not in fixed), labels, h) for labels, h in (
         (describe_mask_hypothesis(ev.case, layer_type, h), h) for h in mask_hypotheses(
@@ -326,10 +347,10 @@ def diagnose_mask(ev: Evidence, result: CheckResult) -> list[str]:
         found = list(dict.fromkeys(tuple(labels) for rank, labels, h in named if rank == level
                                    and torch.equal(build_mask(ev.case, h)[rows], c[rows])))
         if len(found) == 1:
-            return list(found[0])
+            return first + list(found[0])
         if found:  # equally few deviations reproduce it: one cause this case cannot resolve
-            return [alternatives(["; ".join(f) for f in found])]
-    return []
+            return first + [alternatives(["; ".join(f) for f in found])]
+    return first
 
 
 def alternatives(labels: list[str]) -> str:
