@@ -201,6 +201,29 @@ def test_sampler_bug_is_named(select, cause, evidence, ours):
     assert r.details["causes"][0].startswith(cause) and evidence in r.summary, r.summary
 
 
+def torchspec_sampler(loss_mask, max_anchors, block_size, g):
+    """TorchSpec's ``sample_anchor_positions`` as fixed after the PR 186 review, written out:
+    admitted positions a <= T - B whose next token is supervised too, a stride from a start
+    that wraps around."""
+    T = loss_mask.shape[-1]
+    lm = loss_mask[0].bool()
+    positions = torch.arange(T - block_size + 1)
+    pool = positions[lm[positions] & lm[(positions + 1).clamp(max=T - 1)]]
+    n = pool.numel()
+    s = max(1, min(n // max_anchors, block_size + 1))
+    ranks = (int(torch.randint(n, (), generator=g)) + torch.arange(min(max_anchors, n)) * s) % n
+    return _pad(pool[ranks].sort().values, max_anchors)
+
+
+def test_a_stride_is_named_beside_the_support_rules(ours):
+    """TorchSpec's sampler differs in three ways, each named: T-B admitted, loss_mask[a+1]
+    needed, and a stride (measured among the positions it admits)."""
+    causes = check(torchspec_sampler, ours).details["causes"]
+    assert [c.split(":")[0] for c in causes] == [
+        "anchors admitted at T-B", "an anchor also needs loss_mask[a+1]",
+        "anchors drawn at a fixed stride over the valid positions"], causes
+
+
 def with_slots(case, max_anchors):
     """The case with ``max_anchors`` anchor slots (what the samplers are asked to fill)."""
     zeros = torch.zeros(max_anchors, dtype=torch.long)

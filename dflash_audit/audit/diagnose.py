@@ -76,8 +76,9 @@ NAN_DOWNSTREAM = ("logits", "loss", "gradients", "metrics")
 
 
 def masked_nan(case: Case, cand: SideOutputs, ref: SideOutputs) -> MaskedRows | None:
-    """The candidate's fully masked query rows when non-finite values reach training (what its logits, loss, gradients and metrics then follow from: NaN
-    matches no numeric hypothesis), else None."""
+    """The candidate's fully masked query rows when non-finite values reach training (what
+    its logits, loss, gradients and metrics then follow from: NaN matches no numeric
+    hypothesis), else None."""
     try:
         hollow = fully_masked_rows(case, cand, ref)
     except Exception:  # noqa: BLE001 - malformed masks: the mask / protocol checks name them

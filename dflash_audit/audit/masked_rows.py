@@ -63,7 +63,7 @@ class MaskedRows:
     def describe(self) -> str:
         """The cause, in the audit's words, with what it does on this case."""
         n, types = int(self.rows.sum()), " and ".join(self.layer_types)
-        text = (f"{FULLY_MASKED}: {n} query rows see no key at all in the {types} mask "
+        text = (f"fully masked query rows: {n} query rows see no key at all in the {types} mask "
                 f"({self.which()}), where the reference lets every query see at least its own "
                 "block; an eager softmax over a row whose scores are all -inf turns it into NaN "
                 "(0/0)")
@@ -83,8 +83,10 @@ class MaskedRows:
                     "applied afterwards does not remove them)")
         if self.nan_rows is False:
             return ("the candidate's logits are finite on those rows but its gradients are not "
-                    "(zeroing a softmax's NaN output afterwards, with nan_to_num or where, "
-                    "leaves its backward NaN; a finite fill such as finfo.min does not)")
+                    "(zeroing the attention output of those rows afterwards leaves NaN in the "
+                    "backward pass, where the NaN weights multiply the values' gradient; "
+                    "zeroing the weights themselves, a finite fill such as finfo.min, or a "
+                    "softmax that gives 0 there does not)")
         return "the candidate returned no logits"
 
     def _reached(self) -> str:

@@ -30,15 +30,16 @@ A sampler whose signature names ``document_ids`` gets the case's packed-document
 1071) is named against the reference's "per row" sampling (and the other way round).
 
 Hypotheses name (the comparison names them itself): per document vs per row sampling, anchors
-not random (every draw the same: the first or last valid positions), anchors outside the packed row, anchors admitted at T-B
-(ModelOpt: its block ends inside the row) or drawn from past it, anchors where loss_mask is 0,
-more than the last block_size positions excluded, an anchor that also needs loss_mask[a+1]
-(SpecForge's) or block_size-1 further tokens of its own document, positions the reference draws
-never drawn, one anchor fewer than there are valid positions (ModelOpt) or another number of
-anchors per draw, anchors drawn with replacement, anchors at a fixed stride from a random
-start (a contiguous window for stride 1; the start drawn within the slack, as in the TorchSpec
-PR 186 review, or wrapping around), per-position frequencies that differ (where the excess
-lies: early, middle or late valid positions), and draws shaped otherwise.
+not random (every draw the same: the first or last valid positions), anchors outside the packed
+row, anchors admitted at T-B (ModelOpt: its block ends inside the row) or drawn from past it,
+anchors where loss_mask is 0, more than the last block_size positions excluded, an anchor that
+also needs loss_mask[a+1] (SpecForge's) or block_size-1 further tokens of its own document,
+positions the reference draws never drawn, one anchor fewer than there are valid positions
+(ModelOpt) or another number of anchors per draw, anchors drawn with replacement, anchors at a
+fixed stride from a random start (a contiguous window for stride 1; the start drawn within the
+slack, as in the TorchSpec PR 186 review, or wrapping around), per-position frequencies that
+differ (where the excess lies: early, middle or late valid positions), and draws shaped
+otherwise.
 """
 
 from __future__ import annotations
@@ -226,6 +227,12 @@ def check_anchor_draws(case: Case, cand: SideOutputs, ref: SideOutputs) -> Check
     details: dict = {"draws": len(c), "support_size": {"candidate": len(c_set),
                                                        "reference": len(r_set)},
                      "anchors_per_draw": {"candidate": c_count, "reference": r_count}}
+    if len(c_draws) > 1 and r_set:  # a stride is its own class, beside a support rule
+        admitted = (set(_pool(case).tolist()) - set(missing)) | (c_set - r_set)
+        shapes = (draw_shape(c, cv, torch.tensor(sorted(admitted))),
+                  draw_shape(r, rv, _pool(case)))
+        stride = None not in shapes and stride_finding(*shapes, details)
+        found += [stride] if stride else []
     if not found and r_set:
         found += distribution_findings(case, (c, cv), (r, rv), details)
     causes = [cause for cause, _ in found]
@@ -271,10 +278,11 @@ def cannot_show(case: Case, per_draw: list[int], max_anchors: int) -> str | None
 def distribution_findings(case: Case, cand: tuple[torch.Tensor, torch.Tensor],
                           ref: tuple[torch.Tensor, torch.Tensor], details: dict
                           ) -> list[tuple[str, str]]:
-    """(cause, evidence) for draws with the same support, count and no repeats that are still
-    not drawn alike: a fixed stride, per-position frequencies (one z per position, a pooled
-    chi-square; named by where the candidate's excess lies), or draws shaped otherwise (a rank
-    test of each draw's mean rank, smallest and largest gap). Fills ``details``."""
+    """(cause, evidence) for draws with the same support, count and no repeats (nor a stride:
+    :func:`stride_finding`) that are still not drawn alike: per-position frequencies (one z per
+    position, a pooled chi-square; named by where the candidate's excess lies), or draws shaped
+    otherwise (a rank test of each draw's mean rank, smallest and largest gap). Fills
+    ``details``."""
     (c, cv), (r, rv), K = cand, ref, len(cand[0])
     pool = _pool(case)
     size = int(max(c[cv].max(), r[rv].max())) + 1
@@ -284,9 +292,6 @@ def distribution_findings(case: Case, cand: tuple[torch.Tensor, torch.Tensor],
     shapes = draw_shape(c, cv, pool), draw_shape(r, rv, pool)
     if None in shapes or shapes[0].k != shapes[1].k:
         shapes = None
-    stride = shapes and stride_finding(*shapes, details)
-    if stride:  # its frequencies and gaps follow from it
-        return [stride]
     if float(z.abs().max()) > Z_LIMIT or p < P_LIMIT:
         worst = int(z.abs().argmax())
         nc, nr = (torch.bincount(x, minlength=size)[worst] / K for x in (c[cv], r[rv]))
@@ -333,8 +338,9 @@ def favoured(z: torch.Tensor, pool: torch.Tensor) -> str:
 
 
 def stride_finding(cand: DrawShape, ref: DrawShape, details: dict) -> tuple[str, str] | None:
-    """A fixed stride: most of the candidate's draws are k anchors s valid positions apart
-    (all but one cyclic gap equal), far more than the reference's draws; None otherwise."""
+    """A fixed stride: most of the candidate's draws are k anchors s positions apart among the
+    positions it admits (all but one cyclic gap equal), far more than the reference's draws
+    among its valid positions; None otherwise."""
     strides = cand.stride
     if not bool((strides > 0).any()):
         return None

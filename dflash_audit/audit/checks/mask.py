@@ -335,7 +335,9 @@ def diagnose_mask(ev: Evidence, result: CheckResult) -> list[str]:
         return [f"mask shape {list(c.shape)} (Q x T+Q expected {list(ev.ref.tensors[key].shape)})"]
     rows, first = ev.rows, []
     hollow = fully_masked_rows(ev.case, ev.cand, ev.ref, [layer_type])
-    if hollow is not None:  # named first; the other rows are searched for other rules
+    if hollow is not None and (hollow.changes_training or hollow.nan_rows):
+        # named first (where they cannot change training they are a note, not a cause); the
+        # other rows are searched for other rules
         rows, first = rows & ~hollow.rows, [hollow.describe()]
         if torch.equal(c[rows], as_bool_mask(ev.ref.tensors[key])[rows]):
             return first
