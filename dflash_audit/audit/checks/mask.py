@@ -228,7 +228,9 @@ def mask_hypotheses(case: Case, layer_type: str,
     (<, <=, < a-1, and ``fitted_offset``) x window (expected, none, W-1, W+1, W; each bound
     from the anchor or from the query's own position) x documents (respected, ignored): every
     combination, so two deviations at once (a per-query window without the same-document
-    rule, as SpecForge and ModelOpt build it) are named together."""
+    rule, as SpecForge and ModelOpt build it) are named together. Then context keyed by block
+    index (earlier blocks' positions, kv < j * B) x block rule x window (from the anchor) x
+    documents (respected, ignored, ignored with padding visible)."""
     exp = expected_mask_hypothesis(case, layer_type)
     W = case.config.sliding_window
     windows = list(dict.fromkeys([exp.window, None] + ([W, W - 1, W + 1] if W else [])))
