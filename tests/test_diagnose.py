@@ -21,7 +21,12 @@ from dflash_audit.audit.case import SideOutputs
 from dflash_audit.audit.cases.synthetic import synthetic_case
 from dflash_audit.audit.cases.weights import fit_to_targets
 from dflash_audit.audit.checks import run_checks
-from dflash_audit.audit.checks.mask import MaskHypothesis, build_mask
+from dflash_audit.audit.checks.mask import (
+    KEYED_BY_BLOCK,
+    MaskHypothesis,
+    build_mask,
+    diagnose_mask,
+)
 from dflash_audit.audit.checks.targets import TargetHypothesis, predict_targets
 from dflash_audit.audit.diagnose import diagnose
 from dflash_audit.audit.replay.evidence import Evidence, SearchMemo
@@ -909,6 +914,8 @@ class ExplicitAttention(DraftAttention):
     norm_context_keys = True  # k_norm on the context keys
     tiled = False  # query head h reads kv head h % n_kv instead of h // group
     scale = None  # None: head_dim ** -0.5
+    fill = float("-inf")  # the score of a masked key
+    zero_nan = None  # NaN of fully masked rows zeroed (nan_to_num) in the "weights" or "output"
 
     def forward(self, x, context, cos, sin, mask):
         Q, T, hd = x.shape[1], context.shape[1], self.head_dim
@@ -925,7 +932,9 @@ class ExplicitAttention(DraftAttention):
         kv = heads % self.num_kv_heads if self.tiled else heads // (
             self.num_heads // self.num_kv_heads)
         scores = q @ k[:, kv].transpose(-1, -2) * (self.scale or hd**-0.5)
-        out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v[:, kv]
+        weights = scores.masked_fill(~mask, self.fill).softmax(-1)
+        out = (weights.nan_to_num(0.0) if self.zero_nan == "weights" else weights) @ v[:, kv]
+        out = out.nan_to_num(0.0) if self.zero_nan == "output" else out
         return self.o_proj(out.transpose(1, 2).reshape(1, Q, -1))
 
 
@@ -1123,3 +1132,181 @@ def test_fit_to_targets_moves_only_trainable_weights_and_is_seeded():
     assert torch.equal(a["lm_head.weight"], CASE.weights["lm_head.weight"])
     assert not torch.equal(a["fc.weight"], CASE.weights["fc.weight"])
     assert not torch.equal(a["norm.weight"], CASE.weights["norm.weight"])
+
+
+# --------------------------------------- issue 30: fully masked rows, context keyed by block
+class PaddingRowsHidden(DFlashDrafter):
+    """NeMo Automodel PR 2826 (and SpecForge's first DFlash mask): the query rows of padding
+    blocks (anchor_valid False) masked whole, so they see no key at all."""
+
+    def forward(self, *args, **kw):
+        hidden = (~kw["anchor_valid"].bool()).repeat_interleave(BLOCK)[:, None]
+        own = self.attention_masks
+        self.attention_masks = lambda d, a: {k: m & ~hidden for k, m in own(d, a).items()}
+        try:
+            return super().forward(*args, **kw)
+        finally:
+            del self.attention_masks
+
+
+def padding_rows_hidden(**softmax):
+    """PaddingRowsHidden with SDPA (no ``softmax`` given: 0 for a fully masked row) or the
+    written-out attention with ``softmax`` slips (fill, zero_nan)."""
+    if not softmax:
+        return candidate(PaddingRowsHidden)
+    return candidate(type("Eager", (PaddingRowsHidden, drafter(attention_with(**softmax))), {}))
+
+
+FULLY_MASKED_PADDING = ("fully masked query rows: 4 query rows see no key at all in the "
+                        "full_attention mask (the blocks of padding anchors (anchor_valid False) "
+                        "j = 5), where the reference lets every query see at least its own "
+                        "block; an eager softmax over a row whose scores are all -inf turns it "
+                        "into NaN (0/0); here ")
+FOLLOWS = "follows from the fully masked query rows (see mask): 4 rows see no key (the blocks of "
+
+
+def keyed_by_block(case, faithful=False):
+    """Masks whose context is keyed by block index (SpecForge issue 470): block j sees the
+    positions a_k..a_k+B-1 of the earlier valid blocks k < j, written out here; ``faithful``:
+    as SpecForge built it, with no document or window rule and a bidirectional block in every
+    layer; else with the reference's document, window and block rules."""
+    c, B = case.config, case.config.block_size
+    doc, a = case.inputs["document_ids"][0], case.inputs["anchor_positions"].long()
+    valid, T = case.inputs["anchor_valid"].bool(), case.inputs["document_ids"].shape[-1]
+    out = {}
+    for layer_type in dict.fromkeys(c.effective_layer_types):
+        W = c.sliding_window if layer_type == SLIDING_ATTENTION else None
+        m = dense_mask(doc, a, B, None if faithful else W, c.sliding_window_non_causal)
+        for j in range(a.numel()):
+            seen = torch.zeros(T, dtype=torch.bool)
+            for k in range(j):
+                if valid[k]:
+                    seen[int(a[k]):int(a[k]) + B] = True
+            if not faithful:
+                seen &= (doc == doc[a[j]]) & (doc[a[j]] != -1)
+                if W is not None:
+                    seen[:max(0, int(a[j]) - W)] = False
+            m[j * B:(j + 1) * B, :T] = seen
+        out[f"mask.{layer_type}"] = m
+    return out
+
+
+class KeyedByBlock(DFlashDrafter):
+    def forward(self, *args, **kw):
+        case = dataclasses.replace(CASE, inputs=kw)
+        self.attention_masks = lambda d, a: {k[5:]: m for k, m in keyed_by_block(case).items()}
+        try:
+            return super().forward(*args, **kw)
+        finally:
+            del self.attention_masks
+
+
+MASK_CLASSES = [
+    ("padding-rows-eager", padding_rows_hidden(fill=float("-inf")), {
+        "protocol": FULLY_MASKED_PADDING.replace(" full_attention ", " full_attention and "
+                                                 "sliding_attention "),
+        "mask.full_attention": FULLY_MASKED_PADDING + "the candidate's logits are NaN on those "
+                                                      "rows",
+        "logits": FOLLOWS, "loss": FOLLOWS, "gradients": FOLLOWS}),
+    ("context-keyed-by-block", candidate(KeyedByBlock), {
+        "mask.full_attention": KEYED_BY_BLOCK + ": block j sees the positions a_k..a_k+"
+                                                "block_size-1 of the earlier blocks k < j",
+        "logits": "follows from the mask difference"}),
+]
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("bug,cand,expected", MASK_CLASSES, ids=[b[0] for b in MASK_CLASSES])
+def test_mask_class_is_named_against_the_reference(bug, cand, expected, reference):
+    out = cand.run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    results = audit(out, reference)
+    for key, cause in expected.items():
+        r = results[key]
+        assert r.status == "fail" and r.diagnosis[0].startswith(cause), (key, r.diagnosis)
+    assert results["context"].status == results["targets"].status == "pass"
+
+
+@pytest.mark.parametrize("softmax,outcome", [
+    ({}, "the candidate's outputs and gradients stay finite (a softmax that gives 0 for such "
+         "rows, or a finite fill), so they cannot change training"),
+    ({"fill": torch.finfo(torch.float32).min}, "the candidate's outputs and gradients stay "
+                                               "finite"),
+    ({"zero_nan": "weights"}, "the candidate's outputs and gradients stay finite"),
+    ({"zero_nan": "output"}, "the candidate's logits are finite on those rows but its gradients "
+                             "are not (zeroing the attention output of those rows afterwards "
+                             "leaves NaN in the backward pass"),
+], ids=["sdpa", "finite-fill", "weights-zeroed", "output-zeroed"])
+def test_fully_masked_rows_fail_only_where_they_reach_training(softmax, outcome, ours):
+    """Padding rows masked whole pass where the softmax keeps them finite (SDPA's 0, a finite
+    fill, NaN weights zeroed), and fail where NaN reaches the gradients although the forward
+    zeroed it (the attention output zeroed: the NaN weights still multiply dv)."""
+    out = padding_rows_hidden(**softmax).run_case(CASE.config, CASE.loss, CASE.weights,
+                                                   CASE.inputs)
+    results = audit(out, ours)
+    mask = results["mask.full_attention"]
+    assert FULLY_MASKED_PADDING + outcome in mask.summary + " ".join(mask.diagnosis), mask.summary
+    if softmax.get("zero_nan") == "output":
+        assert mask.status == "fail" and results["logits"].status == "pass"
+        assert results["gradients"].diagnosis[0].startswith(FOLLOWS)
+        assert results["protocol"].diagnosis[0].startswith(FULLY_MASKED_PADDING.replace(
+            " full_attention ", " full_attention and sliding_attention "))
+    else:
+        assert {r.status for r in results.values()} == {"pass"}, [
+            (k, r.summary) for k, r in results.items() if r.status != "pass"]
+
+
+def test_fully_masked_trained_rows_fail_whatever_the_softmax(ours):
+    m = ours.tensors["mask.full_attention"].clone()
+    m[:BLOCK] = False  # block 0 holds supervised slots
+    r = audit(edited(ours, **{"mask.full_attention": m}), ours)["mask.full_attention"]
+    assert r.status == "fail" and r.diagnosis == [
+        "fully masked query rows: 4 query rows see no key at all in the full_attention mask "
+        "(trained blocks j = 0), where the reference lets every query see at least its own "
+        "block; an eager softmax over a row whose scores are all -inf turns it into NaN (0/0); "
+        "rows of trained blocks lose their own block and context"]
+
+
+#: (seq_len, documents, padding, anchor slots, block size, layer types): overlapping and
+#: spread anchors, one or several documents, padding anchors, a single anchor.
+KEYED_SPREAD = [(48, 3, 4, 8, 4, "fs"), (64, 1, 0, 1, 2, "s"), (40, 2, 0, 30, 4, "f"),
+                (96, 4, 6, 6, 8, "sf"), (72, 2, 3, 3, 3, "f")]
+
+
+@pytest.mark.parametrize("faithful", [False, True], ids=["keyed-only", "as-specforge-built"])
+def test_context_keyed_by_block_is_named_wherever_it_differs(faithful):
+    """Issue 30 item 5 (SpecForge issue 470: two wrong causes on one case, "unexplained" on
+    the others): the class is named on every case and layer type where the trained rows
+    differ, and nothing else is named but the deviations the candidate really has."""
+    types = {"f": FULL_ATTENTION, "s": SLIDING_ATTENTION}
+    wrong = ("context rule", "window bound", "measured from the query", "noise tokens of",
+             "applied in a full-attention layer", "unexplained")
+    named = 0
+    for i, (seq_len, docs, pad, slots, block, layout) in enumerate(KEYED_SPREAD):
+        config = CONFIG.replace(block_size=block, layer_types=tuple(types[t] for t in layout),
+                                num_hidden_layers=len(layout))
+        case = synthetic_case(f"keyed-{i}", config, LossSpec(), seed=40 + i, seq_len=seq_len,
+                              num_documents=docs, pad=pad, max_anchors=slots)
+        ref = SideOutputs({k: v for k, v in ours_masks(case).items()}, {}, {})
+        cand = SideOutputs(keyed_by_block(case, faithful), {}, {})
+        for r in run_checks(case, cand, ref):
+            if r.name != "mask":
+                continue
+            if r.status == "pass":
+                assert r.details["differing_on_supervised_rows"] == 0, r.summary
+                continue
+            diagnosis = diagnose_mask(Evidence(case, cand, ref), r)
+            text = " ".join(diagnosis)
+            assert KEYED_BY_BLOCK in text and not any(w in text for w in wrong), diagnosis
+            assert faithful or (len(diagnosis) == 1 and text.startswith(KEYED_BY_BLOCK)), text
+            named += 1
+    assert named >= 6
+
+
+def ours_masks(case):
+    """Our drafter's (the reference's) masks of a case, without a forward."""
+    c = case.config
+    doc, a = case.inputs["document_ids"], case.inputs["anchor_positions"]
+    return {f"mask.{t}": dense_mask(doc, a, c.block_size, c.sliding_window
+                                    if t == SLIDING_ATTENTION else None,
+                                    c.sliding_window_non_causal)
+            for t in dict.fromkeys(c.effective_layer_types)}

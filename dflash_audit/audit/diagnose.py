@@ -15,6 +15,10 @@ Downstream checks name the upstream difference they follow from ("follows from t
 difference"), verified where possible by replaying our drafter with the candidate's own
 context / masks.
 
+Non-finite logits, loss, gradients and metrics of a candidate with fully masked query rows
+(where an eager softmax gives NaN: :mod:`dflash_audit.audit.masked_rows`) are named as
+following from them; NaN matches no numeric hypothesis.
+
 Each check's hypotheses live in its module (:mod:`dflash_audit.audit.checks`); this module runs
 them on the failing and warning results of one case.
 """
@@ -26,6 +30,7 @@ from collections.abc import Callable
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.checks import REGISTRY
 from dflash_audit.audit.hard_labels import DATA_TOKENS_CAUSE
+from dflash_audit.audit.masked_rows import MaskedRows, fully_masked_rows
 from dflash_audit.audit.replay.evidence import (
     Evidence,
     SearchMemo,
@@ -47,8 +52,12 @@ def diagnose(case: Case, cand: SideOutputs, ref: SideOutputs,
     run instead of hiding the result. ``memo`` (one per audit, shared by its cases) budgets the
     costly replay searches across cases (:class:`dflash_audit.audit.replay.evidence.SearchMemo`)."""
     ev = Evidence(case, cand, ref, {r.name for r in results if r.status == FAIL}, memo)
+    hollow = masked_nan(case, cand, ref)
     for result in results:
         if result.status == PASS or result.summary.startswith(("not provided", "not compared")):
+            continue
+        if hollow is not None and result.name in NAN_DOWNSTREAM:
+            result.diagnosis = [hollow.consequence()]
             continue
         try:
             causes = DIAGNOSERS.get(result.name, lambda e, r: [])(ev, result)
@@ -60,3 +69,18 @@ def diagnose(case: Case, cand: SideOutputs, ref: SideOutputs,
         if not causes and result.status == FAIL:
             causes = [unexplained(result)]
         result.diagnosis = causes
+
+
+#: Checks whose values carry the NaN of fully masked query rows (:func:`masked_nan`).
+NAN_DOWNSTREAM = ("logits", "loss", "gradients", "metrics")
+
+
+def masked_nan(case: Case, cand: SideOutputs, ref: SideOutputs) -> MaskedRows | None:
+    """The candidate's fully masked query rows when non-finite values reach training (what
+    its logits, loss, gradients and metrics then follow from: NaN matches no numeric
+    hypothesis), else None."""
+    try:
+        hollow = fully_masked_rows(case, cand, ref)
+    except Exception:  # noqa: BLE001 - malformed masks: the mask / protocol checks name them
+        return None
+    return hollow if hollow is not None and hollow.reaches else None

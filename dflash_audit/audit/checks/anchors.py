@@ -8,8 +8,13 @@ stream: two implementations need not share one, only the distribution reaches tr
 Compared on the valid anchors of every draw: the positions ever drawn (the support; a position
 the reference draws only rarely may be missed by chance on a long row, see
 :data:`MIN_MISSING_DRAWS`), the
-number of valid anchors per draw, repeats within a draw, and how often each position is
-drawn (a two-proportion z-test per position; tolerance: failing beyond |z| = ``Z_LIMIT``).
+number of valid anchors per draw, repeats within a draw, how often each position is drawn (a
+two-proportion z-test per position, failing beyond |z| = ``Z_LIMIT``, and their pooled
+chi-square, failing below p = ``P_LIMIT``), and the shape of each draw among the valid
+positions (:mod:`dflash_audit.audit.anchor_stats`): the share of draws at a fixed stride, and a
+rank test of each draw's mean rank, smallest and largest gap (tolerance: |z| = ``Z_LIMIT``).
+A case that cannot show a sampler's choice (every draw holds all valid positions) or its
+dependence (one anchor per draw) says so in its pass.
 Not compared, because neither can change training: the order of the anchors in a draw (the
 reference sorts them for its attention kernels) and the values of padding anchors
 (anchor_valid False).
@@ -25,25 +30,36 @@ A sampler whose signature names ``document_ids`` gets the case's packed-document
 1071) is named against the reference's "per row" sampling (and the other way round).
 
 Hypotheses name (the comparison names them itself): per document vs per row sampling, anchors
-not random (every draw the same), anchors outside the packed row, anchors admitted at T-B
-(ModelOpt: its block ends inside the row) or drawn from past it, anchors where loss_mask is 0,
-more than the last block_size positions excluded, an anchor that also needs loss_mask[a+1]
-(SpecForge's) or block_size-1 further tokens of its own document, positions the reference draws
-never drawn, one anchor fewer than there are valid positions (ModelOpt) or another number of
-anchors per draw, anchors drawn with replacement, and per-position frequencies that differ.
+not random (every draw the same: the first or last valid positions), anchors outside the packed
+row, anchors admitted at T-B (ModelOpt: its block ends inside the row) or drawn from past it,
+anchors where loss_mask is 0, more than the last block_size positions excluded, an anchor that
+also needs loss_mask[a+1] (SpecForge's) or block_size-1 further tokens of its own document,
+positions the reference draws never drawn, one anchor fewer than there are valid positions
+(ModelOpt) or another number of anchors per draw, anchors drawn with replacement, anchors at a
+fixed stride from a random start (a contiguous window for stride 1; the start drawn within the
+slack, as in the TorchSpec PR 186 review, or wrapping around), per-position frequencies that
+differ (where the excess lies: early, middle or late valid positions), and draws shaped
+otherwise.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dflash_audit.audit.anchor_stats import (
+    P_LIMIT,
+    Z_LIMIT,
+    DrawShape,
+    conditional_p,
+    draw_shape,
+    frequency_z,
+    mann_whitney_z,
+    pooled_p,
+)
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.replay.evidence import Evidence
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 
-#: |z| beyond which a position's draw frequency differs from the reference's (per position;
-#: a uniform sampler exceeds 6 about once in 10^9 positions).
-Z_LIMIT = 6.0
 KEYS = ("anchor_draws", "anchor_draws_valid")
 #: A position the reference draws at least this often and the candidate never is a support
 #: difference (missed by chance with probability ~exp(-21) ~ 1e-9); rarer ones are left to the
@@ -178,8 +194,11 @@ def check_anchor_draws(case: Case, cand: SideOutputs, ref: SideOutputs) -> Check
     c_draws, r_draws = ({tuple(sorted(row[ok].tolist())) for row, ok in zip(x, v)}
                         for x, v in ((c, cv), (r, rv)))
     if len(c_draws) == 1 and len(r_draws) > 1:  # support and counts then follow from it
-        found.append(("anchors not random: every draw returns the same anchors; the reference "
-                      "draws them uniformly at random each step",
+        only, pool = list(next(iter(c_draws))), _pool(case).tolist()
+        which = (" (the first valid positions)" if only == pool[:len(only)] else
+                 " (the last valid positions)" if only == pool[len(pool) - len(only):] else "")
+        found.append((f"anchors not random: every draw returns the same anchors{which}; the "
+                      "reference draws them uniformly at random each step",
                       f"{len(c)} draws, all {_positions(sorted(next(iter(c_draws))))}; the "
                       f"reference's {len(c)} draws hold {len(r_draws)} different sets"))
     c_set, r_set = set(c[cv].tolist()), set(r[rv].tolist())
@@ -188,7 +207,11 @@ def check_anchor_draws(case: Case, cand: SideOutputs, ref: SideOutputs) -> Check
     # probability ~exp(-n) when both sample alike (a long row, few anchors: ~2 draws each)
     missing = sorted(p for p in r_set - c_set if int(r_counts[p]) >= MIN_MISSING_DRAWS)
     never = set(r_set) - c_set
-    found += [] if found else support_findings(case, sorted(c_set - r_set), missing, never)
+    # positions never drawn where the others are drawn unlike the reference's: a skew (named
+    # by the frequencies below), not an exclusion rule
+    skewed = bool(missing) and conditional_p(c[cv], r[rv], sorted(c_set & r_set)) < P_LIMIT
+    found += [] if found else support_findings(case, sorted(c_set - r_set),
+                                               [] if skewed else missing, never)
     c_count, r_count = sorted(set(cv.sum(1).tolist())), sorted(set(rv.sum(1).tolist()))
     if c_count != r_count and not found:  # with another support the count follows from it
         one_fewer = len(r_count) == 1 and r_count[0] < A and c_count == [r_count[0] - 1]
@@ -204,29 +227,140 @@ def check_anchor_draws(case: Case, cand: SideOutputs, ref: SideOutputs) -> Check
     details: dict = {"draws": len(c), "support_size": {"candidate": len(c_set),
                                                        "reference": len(r_set)},
                      "anchors_per_draw": {"candidate": c_count, "reference": r_count}}
+    if len(c_draws) > 1 and r_set:  # a stride is its own class, beside a support rule
+        admitted = (set(_pool(case).tolist()) - set(missing)) | (c_set - r_set)
+        shapes = (draw_shape(c, cv, torch.tensor(sorted(admitted))),
+                  draw_shape(r, rv, _pool(case)))
+        stride = None not in shapes and stride_finding(*shapes, details)
+        found += [stride] if stride else []
     if not found and r_set:
-        size = int(max(r_set)) + 1
-        nc = torch.bincount(c[cv], minlength=size).double()
-        nr = torch.bincount(r[rv], minlength=size).double()
-        K = len(c)
-        p = (nc + nr) / (2 * K)
-        z = (nc - nr) / (2 * K * p * (1 - p)).clamp_min(1e-12).sqrt()
-        worst = int(z.abs().argmax())
-        details["max_abs_z"] = float(z.abs().max())
-        if z.abs().max() > Z_LIMIT:
-            found.append(("anchors not drawn uniformly over the valid positions",
-                          f"position {worst} drawn in {nc[worst] / K:.1%} of draws, reference "
-                          f"{nr[worst] / K:.1%} (z = {float(z[worst]):.1f})"))
+        found += distribution_findings(case, (c, cv), (r, rv), details)
     causes = [cause for cause, _ in found]
     details["causes"] = causes
     if causes:
         return CheckResult("anchors", case.name, FAIL,
                            "; ".join(f"{cause} ({evidence})" for cause, evidence in found),
                            details=details)
+    note = cannot_show(case, r_count, A)
+    if note:
+        details["cannot_show"] = note
     return CheckResult("anchors", case.name, PASS,
                        f"{len(c)} draws agree: the same {len(r_set)} positions, "
                        f"{_positions(r_count)} valid anchors per draw, frequencies within "
-                       f"|z| <= {Z_LIMIT:g}", details=details)
+                       f"|z| <= {Z_LIMIT:g}, draws alike in stride, gaps and location"
+                       + (f"; {note}" if note else ""), details=details)
+
+
+def _pool(case: Case) -> torch.Tensor:
+    """[n] int64: the valid anchor positions of the case (the reference's rule), sorted."""
+    from dflash_audit.model.anchors import valid_anchor_mask
+
+    return valid_anchor_mask(case.inputs["loss_mask"], case.config.block_size).nonzero()[:, 0]
+
+
+def cannot_show(case: Case, per_draw: list[int], max_anchors: int) -> str | None:
+    """What this case cannot show about a sampler (too few valid positions, one anchor per
+    draw), or None."""
+    n = int(_pool(case).numel())
+    k = per_draw[0] if len(per_draw) == 1 else None
+    if n <= max_anchors:
+        return (f"this case cannot show how a sampler chooses: every draw holds all {n} valid "
+                f"positions (max_anchors={max_anchors})")
+    if k == 1:
+        return ("one anchor per draw: only per-position frequencies can show a non-uniform "
+                "sampler here, not a rule that ties a draw's anchors together (a stride)")
+    if k is not None and k == n - 1:
+        return (f"every {k} of the {n} valid positions are a window with stride 1: a strided "
+                "sampler cannot show here, only per-position frequencies")
+    return None
+
+
+def distribution_findings(case: Case, cand: tuple[torch.Tensor, torch.Tensor],
+                          ref: tuple[torch.Tensor, torch.Tensor], details: dict
+                          ) -> list[tuple[str, str]]:
+    """(cause, evidence) for draws with the same support, count and no repeats (nor a stride:
+    :func:`stride_finding`) that are still not drawn alike: per-position frequencies (one z per
+    position, a pooled chi-square; named by where the candidate's excess lies), or draws shaped
+    otherwise (a rank test of each draw's mean rank, smallest and largest gap). Fills
+    ``details``."""
+    (c, cv), (r, rv), K = cand, ref, len(cand[0])
+    pool = _pool(case)
+    size = int(max(c[cv].max(), r[rv].max())) + 1
+    z = frequency_z(c[cv], r[rv], K, size)
+    p = pooled_p(z, c[cv], r[rv], K)
+    details.update(max_abs_z=float(z.abs().max()), pooled_p=p)
+    shapes = draw_shape(c, cv, pool), draw_shape(r, rv, pool)
+    if None in shapes or shapes[0].k != shapes[1].k:
+        shapes = None
+    if float(z.abs().max()) > Z_LIMIT or p < P_LIMIT:
+        worst = int(z.abs().argmax())
+        nc, nr = (torch.bincount(x, minlength=size)[worst] / K for x in (c[cv], r[rv]))
+        never = sorted(set(r[rv].tolist()) - set(c[cv].tolist()))
+        return [(f"anchors not drawn uniformly over the valid positions: {favoured(z, pool)}",
+                 f"position {worst} drawn in {nc:.1%} of draws, reference {nr:.1%} "
+                 f"(z = {float(z[worst]):.1f}); pooled chi-square p = {p:.1e}"
+                 + (f"; never drawn: positions {_positions(never)}" if never else ""))]
+    if shapes is None:
+        return []
+    zs = {name: mann_whitney_z(fc, shapes[1].features()[name])
+          for name, fc in shapes[0].features().items()}
+    details["draw_shape_z"] = zs
+    name, worst = max(zs.items(), key=lambda item: abs(item[1]))
+    if abs(worst) <= Z_LIMIT:
+        return []
+    more = "larger" if worst > 0 else "smaller"
+    return [(f"anchors of a draw not drawn independently of each other: {SHAPES[name, more]}",
+             f"each draw's {name} (in ranks among the valid positions) is {more} than the "
+             f"reference's, rank test z = {worst:.1f}")]
+
+
+#: What a draw-shape statistic that differs says about a sampler.
+SHAPES = {
+    ("smallest gap", "smaller"): "they cluster (closer together than uniform draws)",
+    ("largest gap", "larger"): "they cluster (leaving longer empty stretches than uniform "
+                               "draws)",
+    ("smallest gap", "larger"): "they are kept apart (a minimum spacing uniform draws do not "
+                                "have)",
+    ("largest gap", "smaller"): "they are spread more evenly than uniform draws",
+    ("mean rank", "smaller"): "whole draws lean towards the early valid positions",
+    ("mean rank", "larger"): "whole draws lean towards the late valid positions",
+}
+
+
+def favoured(z: torch.Tensor, pool: torch.Tensor) -> str:
+    """Where a sampler's excess lies: early / late valid positions, the middle or the ends."""
+    zz = z[pool[pool < z.numel()]]
+    thirds = [float(part.sum()) for part in zz.tensor_split(3)]
+    where = max(range(3), key=lambda i: thirds[i])
+    return ("the first third of the valid positions drawn more often than the rest",
+            "the middle of the valid positions drawn more often than its ends",
+            "the last third of the valid positions drawn more often than the rest")[where]
+
+
+def stride_finding(cand: DrawShape, ref: DrawShape, details: dict) -> tuple[str, str] | None:
+    """A fixed stride: most of the candidate's draws are k anchors s positions apart among the
+    positions it admits (all but one cyclic gap equal), far more than the reference's draws
+    among its valid positions; None otherwise."""
+    strides = cand.stride
+    if not bool((strides > 0).any()):
+        return None
+    s = int(strides[strides > 0].mode().values)
+    K = strides.numel()
+    fc, fr = float((strides == s).double().mean()), float((ref.stride == s).double().mean())
+    pooled = (fc + fr) / 2
+    z = (fc - fr) / max((2 * pooled * (1 - pooled) / K) ** 0.5, 1e-12)
+    details["stride"] = {"stride": s, "candidate": fc, "reference": fr, "z": z}
+    if fc < 0.5 or z <= Z_LIMIT:
+        return None
+    what = (f"a contiguous window of {cand.k} valid positions" if s == 1 else
+            f"{cand.k} anchors {s} valid positions apart")
+    start = ("its start drawn within the slack the stride leaves, so the middle of the valid "
+             "positions is drawn more often than its ends" if bool(cand.linear[strides == s].all())
+             else "its start wrapping around the valid positions, so each is drawn equally "
+             "often, but never independently of the others")
+    return (f"anchors drawn at a fixed stride over the valid positions: {what} from a random "
+            f"start, {start}; the reference draws max_anchors positions uniformly without "
+            "replacement", f"{fc:.0%} of {K} draws are strided by {s}, reference {fr:.0%}")
 
 
 def diagnose_anchors(ev: Evidence, result: CheckResult) -> list[str]:

@@ -1,6 +1,9 @@
 """The ``mask`` check: each layer type's [Q, T+Q] bool attention mask, one result per layer
 type, by exact equality on the rows of blocks with a supervised slot (other rows feed no
-trained logit).
+trained logit). Fully masked query rows (no key visible; :mod:`dflash_audit.audit.masked_rows`)
+are named wherever they are: a fail in trained blocks or where the candidate's NaN from them
+reaches the loss or the gradients (an eager softmax over them), a warning where only its logits
+there are NaN, a note on a pass where its outputs stay finite.
 
 Hypotheses (the expected mask rebuilt with one rule changed, via ``dense_mask``) name: causal
 attention inside the block where the reference is bidirectional (or the reverse), noise tokens
@@ -9,13 +12,17 @@ context rule kv <= anchor, kv < anchor - 1 or any other offset kv < anchor + k f
 candidate's mask (k >= 2: the block's own verifier states leak, as in SpecForge issue 470), the
 sliding window missing, applied in a full-attention layer, off by one or measured from the
 query's own position (``kv >= a + s - W + 1``, the inference-time rule of SpecForge / ModelOpt /
-z-lab), and cross-document leakage (document_ids not applied); every combination of them, so
-two at once are named together.
+z-lab), cross-document leakage (document_ids not applied), and context visibility keyed by block
+index instead of the anchor's position (block j sees the positions of blocks 0..j-1, as in
+SpecForge issue 470, or kv < j * block_size); every combination of them, so two at once are
+named together. The fewest deviations that reproduce the candidate are named; where several
+equally few do, all of them, as one cause the case cannot tell apart.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +31,8 @@ import torch
 
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.compare_tensors import not_provided
+from dflash_audit.audit.masked_rows import fully_masked_rows
+from dflash_audit.audit.replay.mask_fit import fitted_context_offset, fitted_windows
 from dflash_audit.audit.replay.evidence import Evidence
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.slots import (
@@ -35,6 +44,9 @@ from dflash_audit.audit.slots import (
 from dflash_audit.model.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_audit.model.mask import dense_mask
 
+#: The class of :attr:`MaskHypothesis.context_key` other than "anchor" (its variants follow).
+KEYED_BY_BLOCK = ("context visibility keyed by block index, not by the anchor's position "
+                  "(reference: kv < a_j)")
 #: A sliding window wider than any packed row: dense_mask then builds a causal block with no
 #: window bound on the context.
 NO_WINDOW = 1 << 62
@@ -66,10 +78,22 @@ def check_mask(case: Case, cand: SideOutputs, ref: SideOutputs, layer_type: str
     details.update(differing=int(differ.sum()), differing_on_supervised_rows=int(trained.sum()),
                    extra_attention=int((trained & c).sum()),
                    missing_attention=int((trained & r).sum()))
+    hollow = fully_masked_rows(case, cand, ref, [layer_type])
+    if hollow is not None:
+        details["fully_masked_rows"] = {
+            "rows": int(hollow.rows.sum()), "padding_blocks": hollow.padding_blocks,
+            "idle_blocks": hollow.idle_blocks, "trained_blocks": hollow.trained_blocks,
+            "nan_rows": hollow.nan_rows, "reaches": hollow.reaches}
     if not trained.any():
+        if hollow is not None and hollow.changes_training:  # NaN from untrained rows
+            return CheckResult(name, case.name, FAIL, f"{layer_type} mask: {hollow.describe()}",
+                               details=details)
         note = (f" ({int(differ.sum())} entries differ on blocks without supervised slots, "
                 "which cannot change training)") if differ.any() else ""
-        return CheckResult(name, case.name, PASS,
+        if hollow is not None:
+            note = f"; {hollow.describe()}"
+        return CheckResult(name, case.name, WARN if hollow is not None and hollow.nan_rows
+                           else PASS,
                            f"{layer_type} masks equal on all {int(rows.sum())} trained rows{note}",
                            details=details)
     q, kv = (int(i) for i in trained.nonzero()[0])
@@ -101,7 +125,11 @@ class MaskHypothesis:
     SpecForge ``create_dflash_sdpa_mask``, ModelOpt ``_build_draft_attention_mask`` and z-lab
     ``_attention_mask``), documents respected or not. Block part: causal or bidirectional, over
     the query's own block (``blocks="own"``), its own and every earlier block (``"earlier"``)
-    or all blocks (``"all"``)."""
+    or all blocks (``"all"``). ``context_key``: what decides which context a block sees: its
+    anchor's position (``"anchor"``, the reference: kv < a_j), or its index j among the
+    anchors: the positions a_k..a_k+B-1 of the earlier valid blocks k < j (``"earlier_blocks"``:
+    SpecForge before PR 473, issue 470) or kv < j * B (``"block_index"``: the rule of uniformly
+    divided blocks); ``offset`` applies to ``"anchor"`` only."""
 
     offset: int = 0
     window: int | None = None
@@ -113,6 +141,9 @@ class MaskHypothesis:
     #: only when s - j < W), as z-lab 0.1.0 ``_attention_mask`` applies query_pos - key_pos <
     #: W to every key; it differs from the context-only rule only when W < block_size
     window_in_block: bool = False
+    context_key: str = "anchor"
+    #: without ``documents``: padding positions (document -1) visible as well
+    padding_visible: bool = False
 
 
 def expected_mask_hypothesis(case: Case, layer_type: str) -> MaskHypothesis:
@@ -138,6 +169,13 @@ def build_mask(case: Case, h: MaskHypothesis) -> torch.Tensor:
         base = dense_mask(docs, a, B, None)[:, :T] & (kv >= qa + s - h.window + 1)
     else:
         base = dense_mask(docs, a, B, h.window)[:, :T]
+    if h.context_key != "anchor":  # the same document and window rules, no kv < a_j
+        s = (torch.arange(qa.shape[0]) % B)[:, None]
+        low = (qa + s - h.window + 1 if h.per_query else qa - h.window) if h.window is not None \
+            else torch.zeros_like(qa)
+        same = (docs[None, :] == docs[qa]) & (docs[qa] != -1)
+        base = ((same | h.padding_visible) & (kv >= low)
+                & block_keyed_context(case, h.context_key))
     block = dense_mask(docs, a, B, NO_WINDOW if h.causal_block else None)[:, T:]
     if h.offset > 0:  # kv < anchor + offset: positions at and after the anchor become visible
         base |= ((kv >= qa) & (kv < qa + h.offset) & (docs[None, :] == docs[qa])
@@ -154,45 +192,21 @@ def build_mask(case: Case, h: MaskHypothesis) -> torch.Tensor:
     return torch.cat([base, block], 1)
 
 
-def fitted_context_offset(case: Case, mask: torch.Tensor, rows: torch.Tensor) -> int | None:
-    """The offset k of a context rule ``kv < anchor + k`` read off a [Q, T+Q] bool ``mask``: the
-    most common ``last visible context position - anchor + 1`` over the ``rows`` (bool [Q]) that
-    see any context; None when no such row."""
-    B, T = case.config.block_size, case.inputs["document_ids"].numel()
-    qa = case.inputs["anchor_positions"].long().repeat_interleave(B)
-    ctx = mask[:, :T]
-    seen = rows & ctx.any(1)
-    if not seen.any():
-        return None
-    last = T - 1 - ctx[seen].flip(1).int().argmax(1)
-    return int(torch.mode(last - qa[seen] + 1).values)
-
-
-def fitted_windows(case: Case, mask: torch.Tensor, rows: torch.Tensor) -> list[int]:
-    """The window sizes W a [Q, T+Q] bool ``mask`` implies on the ``rows`` (bool [Q]) whose
-    earliest visible context position f lies past the start of the anchor's document (where a
-    window bounds the context): the most common ``a - f`` (a bound from the anchor,
-    ``kv >= a - W``) and the most common ``a + s - f + 1`` (a bound from the query's own
-    position, ``kv >= a + s - W + 1``), so a window of any size, either way measured, is
-    named; [] when no row's context is cut short."""
+def block_keyed_context(case: Case, key: str) -> torch.Tensor:
+    """[Q, T] bool: the context positions block j = q // B sees when visibility is keyed by
+    its index j instead of its anchor's position: the positions a_k..a_k+B-1 of the earlier
+    valid blocks k < j (``"earlier_blocks"``) or kv < j * B (``"block_index"``)."""
     B = case.config.block_size
-    doc = case.inputs["document_ids"].reshape(-1)
-    T = doc.numel()
-    a = case.inputs["anchor_positions"].long().repeat_interleave(B)
-    s = torch.arange(a.numel()) % B
-    ctx = mask[:, :T]
-    seen = rows & ctx.any(1)
-    if not seen.any():
-        return []
-    first = ctx.int().argmax(1)
-    change = torch.ones(T, dtype=torch.bool)
-    change[1:] = doc[1:] != doc[:-1]
-    # the first position of each position's document
-    starts = torch.cummax(torch.where(change, torch.arange(T), 0), 0).values
-    cut = seen & (first > starts[a.clamp(max=T - 1)])
-    if not cut.any():
-        return []
-    return [int(torch.mode(v[cut]).values) for v in (a - first, a + s - first + 1)]
+    T = case.inputs["document_ids"].numel()
+    a = case.inputs["anchor_positions"].long()
+    kv = torch.arange(T)[None, :]
+    if key == "block_index":
+        seen = kv < (torch.arange(a.numel()) * B)[:, None]
+    else:
+        valid = case.inputs["anchor_valid"].bool()
+        span = (kv >= a[:, None]) & (kv < a[:, None] + B) & valid[:, None]  # [A, T]
+        seen = (span.cumsum(0) - span.int()) > 0  # some earlier block covers kv
+    return seen.repeat_interleave(B, 0)
 
 
 def mask_hypotheses(case: Case, layer_type: str, fitted_offset: int | None = None,
@@ -203,7 +217,9 @@ def mask_hypotheses(case: Case, layer_type: str, fitted_offset: int | None = Non
     query's own position) x documents (respected, ignored): every combination, so two
     deviations at once (a per-query window without the same-document rule, as SpecForge and
     ModelOpt build it; a per-query window with a bidirectional block, as NeMo Automodel
-    builds it) are named together."""
+    builds it) are named together. Then context keyed by block index (earlier blocks'
+    positions, kv < j * B) x block rule x window (from the anchor) x documents (respected,
+    ignored, ignored with padding visible)."""
     exp = expected_mask_hypothesis(case, layer_type)
     W = case.config.sliding_window
     windows = list(dict.fromkeys([exp.window, None] + ([W, W - 1, W + 1] if W else [])
@@ -220,6 +236,10 @@ def mask_hypotheses(case: Case, layer_type: str, fitted_offset: int | None = Non
             yield MaskHypothesis(offset, window, docs, causal, blocks, per_query)
             if per_query and window < case.config.block_size:
                 yield MaskHypothesis(offset, window, docs, causal, blocks, per_query, True)
+    for key, causal, window, (docs, pad) in itertools.product(
+            ("earlier_blocks", "block_index"), (exp.causal_block, not exp.causal_block),
+            windows, ((True, False), (False, False), (False, True))):
+        yield MaskHypothesis(0, window, docs, causal, context_key=key, padding_visible=pad)
 
 
 def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> list[str]:
@@ -241,6 +261,14 @@ def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> 
     elif h.blocks == "all":
         out.append("queries see the noise tokens of every block (no block rule; reference: own "
                    "block only)")
+    if h.context_key == "earlier_blocks":
+        out.append(f"{KEYED_BY_BLOCK}: block j sees the positions a_k..a_k+block_size-1 of the "
+                   "earlier blocks k < j, so a block overlapping the previous one sees the "
+                   "verifier states of the tokens it predicts (a leak that never occurs at "
+                   "inference) and the first block sees no context")
+    elif h.context_key == "block_index":
+        out.append(f"{KEYED_BY_BLOCK}: block j sees kv < j * block_size, the rule of uniformly "
+                   "divided blocks")
     if h.offset == 1:
         out.append("context rule kv <= anchor (reference: kv < anchor): queries also see the "
                    "context at their own anchor position")
@@ -281,13 +309,15 @@ def describe_mask_hypothesis(case: Case, layer_type: str, h: MaskHypothesis) -> 
                        f"{h.window} (reference W={exp.window})")
     if not h.documents:
         out.append("cross-document leakage: queries see context of other packed documents "
-                   "(document_ids not applied)")
+                   "(document_ids not applied" + ("; padding positions visible too)"
+                                                  if h.padding_visible else ")"))
     return out
 
 
 def diagnose_mask(ev: Evidence, result: CheckResult) -> list[str]:
-    """The first mask hypothesis (:func:`mask_hypotheses`) equal to the candidate's mask on the
-    trained rows."""
+    """The mask hypotheses (:func:`mask_hypotheses`) equal to the candidate's mask on the
+    trained rows with the fewest deviations (a fitted context offset after the fixed rules):
+    their deviations when one does; when several equally few do, one cause naming them all."""
     layer_type = result.details.get("layer_type")
     key = f"mask.{layer_type}"
     if key not in ev.cand.tensors or key not in ev.ref.tensors:
@@ -295,10 +325,39 @@ def diagnose_mask(ev: Evidence, result: CheckResult) -> list[str]:
     c = as_bool_mask(ev.cand.tensors[key])
     if c.shape != as_bool_mask(ev.ref.tensors[key]).shape:
         return [f"mask shape {list(c.shape)} (Q x T+Q expected {list(ev.ref.tensors[key].shape)})"]
-    rows = ev.rows
-    expected = expected_mask_hypothesis(ev.case, layer_type)
-    for h in mask_hypotheses(ev.case, layer_type, fitted_context_offset(ev.case, c, rows),
-                             fitted_windows(ev.case, c, rows)):
-        if h != expected and torch.equal(build_mask(ev.case, h)[rows], c[rows]):
-            return describe_mask_hypothesis(ev.case, layer_type, h)
-    return []
+    rows, first = ev.rows, []
+    hollow = fully_masked_rows(ev.case, ev.cand, ev.ref, [layer_type])
+    if hollow is not None and (hollow.changes_training or hollow.nan_rows):
+        # named first (where they cannot change training they are a note, not a cause); the
+        # other rows are searched for other rules
+        rows, first = rows & ~hollow.rows, [hollow.describe()]
+        if torch.equal(c[rows], as_bool_mask(ev.ref.tensors[key])[rows]):
+            return first
+    fixed = (0, 1, -1, ev.config.block_size)  # a fitted offset / window ranks after fixed
+    W = ev.config.sliding_window  # rules
+    fixed_w = {expected_mask_hypothesis(ev.case, layer_type).window, None} | (
+        {W, W - 1, W + 1} if W else set())
+    named = [((len(labels), h.offset not in fixed or h.window not in fixed_w), labels, h)
+             for labels, h in ((describe_mask_hypothesis(ev.case, layer_type, h), h)
+                               for h in mask_hypotheses(
+                                   ev.case, layer_type, fitted_context_offset(ev.case, c, rows),
+                                   fitted_windows(ev.case, c, rows)))]
+    for level in sorted({rank for rank, labels, _ in named if labels}):
+        found = list(dict.fromkeys(tuple(labels) for rank, labels, h in named if rank == level
+                                   and torch.equal(build_mask(ev.case, h)[rows], c[rows])))
+        if len(found) == 1:
+            return first + list(found[0])
+        if found:  # equally few deviations reproduce it: one cause this case cannot resolve
+            return first + [alternatives(["; ".join(f) for f in found])]
+    return first
+
+
+def alternatives(labels: list[str]) -> str:
+    """One cause from several rules that reproduce the same trained rows: ``A or B (...)``, or
+    ``class: variant A or variant B (...)`` when they share a class (a common text up to
+    ": ")."""
+    head = os.path.commonprefix(labels).rpartition(": ")[0]
+    text = (f"{head}: " + " or ".join(label[len(head) + 2:] for label in labels) if head
+            else " or ".join(labels))
+    return (f"{text} ({len(labels)} rules this case cannot tell apart: they agree on every "
+            "trained row; one cause, not several)")

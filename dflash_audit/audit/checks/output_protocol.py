@@ -7,7 +7,8 @@ OUTPUT_SPEC` and every value is finite, else the worst finding's status with eve
 value that feeds training, and on a NaN metric) is stated in :mod:`dflash_audit.audit.protocol`.
 Exact: dtypes and shapes must match the protocol, no tolerance; any NaN / inf is a finding.
 Hypotheses name: a protocol violation (what was returned vs what is expected) and non-finite
-values (an overflow, a log of 0, a division by an empty count).
+values (an overflow, a log of 0, a division by an empty count; or fully masked query rows whose
+logits are NaN, as an eager softmax over them gives: :mod:`dflash_audit.audit.masked_rows`).
 
 :func:`conforming_sides` drops the keys a comparison would misread (a wrong dtype, a
 value that is not a tensor) from each side, so the checks that follow do not compare a misread
@@ -22,6 +23,7 @@ import dataclasses
 from typing import Any
 
 from dflash_audit.audit.case import Case, SideOutputs
+from dflash_audit.audit.masked_rows import fully_masked_rows
 from dflash_audit.audit.protocol import Finding, label, misread_keys, output_findings
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 
@@ -70,7 +72,10 @@ def diagnose_protocol(evidence: Any, result: CheckResult) -> list[str]:
         causes.append("the outputs do not follow the protocol of dflash_audit.candidate "
                       "(OUTPUT_SPEC in dflash_audit.audit.protocol): masks bool with True = "
                       "attend, float outputs in the case dtype, shapes as listed")
-    if "non_finite" in kinds:
+    hollow = fully_masked_rows(evidence.case, evidence.cand, evidence.ref)
+    if "non_finite" in kinds and hollow is not None and hollow.reaches:
+        causes.append(f"{hollow.describe()} (the cause of the candidate's non-finite values)")
+    elif "non_finite" in kinds:
         causes.append("non-finite values (NaN / inf) in outputs that feed training: an "
                       "overflow, a log of 0, a division by an empty count, or uninitialised "
                       "memory; the training signal of such a step is broken")
