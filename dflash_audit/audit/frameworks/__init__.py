@@ -48,7 +48,7 @@ The contract every adapter module ``dflash_audit/audit/frameworks/<name>_adapter
   imported there, on loading the adapter, or later inside a case is a setup error (exit 2)
   naming the module, who imports it and the fix (REQUIREMENTS, ``pip install``,
   ``--candidate-python``), never a conformance failure
-  (:func:`dflash_audit.audit.frameworks.registry.import_failure_message`).
+  (:func:`dflash_audit.audit.frameworks.import_failure.import_failure_message`).
 * ``NAME`` and ``VERSION``: the framework's display name and pinned version.
 * Layer ids of a z-lab-convention framework: :func:`dflash_audit.model.layer_ids.to_zlab_ids`
   / :func:`~dflash_audit.model.layer_ids.from_zlab_ids`; recorders: :mod:`.kit`.

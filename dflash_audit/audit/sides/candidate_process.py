@@ -55,7 +55,7 @@ class CandidateLoadError(CandidateError):
 def load_error(out_dir: Path, launch: CandidateLaunch) -> CandidateLoadError:
     """The setup error of the runner's ``load_error.json`` in ``out_dir``: its message, or,
     when a framework cannot import a module, one naming the module, who imports it and the
-    fix (:func:`dflash_audit.audit.frameworks.registry.import_failure_message`)."""
+    fix (:func:`dflash_audit.audit.frameworks.import_failure.import_failure_message`)."""
     try:
         data = read_output_json(out_dir / LOAD_ERROR)
     except (OSError, ValueError):
@@ -63,7 +63,7 @@ def load_error(out_dir: Path, launch: CandidateLaunch) -> CandidateLoadError:
     if not isinstance(data, dict):
         data = {}
     if launch.framework is not None and data.get("missing_module"):
-        from dflash_audit.audit.frameworks.registry import import_failure_message
+        from dflash_audit.audit.frameworks.import_failure import import_failure_message
 
         return CandidateLoadError(import_failure_message(launch, data))
     return CandidateLoadError(str(data.get("message", "")))
