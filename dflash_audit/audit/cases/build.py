@@ -112,8 +112,10 @@ def plan_cases(opts: CompareOptions, profile: Any, st: Stages,
                 planned += plan_synthetic_cases(profile, opts.cases, seed=opts.seed)
             if opts.device == "cuda":  # Q and T+Q past and off the flex block size
                 planned.append(plan_flex_padding_case(profile, seed=opts.seed))
+            rounded: dict[int, Any] = {}  # real cases keep sharing one weights dict
             planned = [dataclasses.replace(p, case=in_dtype(p.case, opts.dtype or profile.dtype,
-                                                            opts.device)) for p in planned]
+                                                            opts.device, rounded))
+                       for p in planned]
     except UserWeightsError as exc:
         raise CompareSetupError(str(exc)) from None
     except (DataError, ProfileError, ConfigError, ValueError) as exc:
