@@ -42,8 +42,9 @@ Declared adapter choices (``PROVENANCE`` / ``settings.*``):
   ``EagleTrainerWithAccLog.create_optimizer`` calls ``super().create_optimizer()``; repository
   main at a2fbac7, not in the wheel), whose optimizer takes the module's own parameters, and
   with the recipe's ``dp_shard_size: 1`` (dflash.yaml:34) no FSDP runs (accelerate 1.15.0
-  upcasts trainable parameters to fp32 only under FSDP with mixed precision,
-  utils/fsdp_utils.py:814-819). The structure check then names the difference.
+  upcasts trainable parameters to fp32 under FSDP with mixed precision,
+  utils/fsdp_utils.py:814-819; a run with ``dp_shard_size > 1`` is not what this adapter
+  runs). The structure check then names the difference.
 * the transformers 5.19 work-around: ``DFlashModule._maybe_init_rotary_emb`` calls
   ``Qwen3RotaryEmbedding(config=..., device=...)`` (modeling_dflash.py:380-388) and 5.19 has
   no ``device`` argument (TypeError on the first forward); the adapter pre-sets ``rotary_emb``
