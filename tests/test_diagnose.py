@@ -1310,3 +1310,33 @@ def ours_masks(case):
                                     if t == SLIDING_ATTENTION else None,
                                     c.sliding_window_non_causal)
             for t in dict.fromkeys(c.effective_layer_types)}
+
+
+@pytest.mark.parametrize("key", ["logits", "targets"])
+def test_a_loss_moved_by_tensors_within_their_tolerance_names_them_not_the_formula(ours, key):
+    """Issue 30: a loss past its tolerance whose formula conforms while logits and targets pass
+    was diagnosed "the candidate's loss formula conforms" (no cause). The tensor that carries
+    the difference is named: the reference's formula on the reference's tensors with it swapped
+    in reproduces the candidate's loss."""
+    import dataclasses
+
+    from dflash_audit.audit.replay.loss_formulas import FORMULA_CONFORMS, own_loss
+
+    t = ours.tensors
+    toward = (t["targets"] - t["logits"]) if key == "logits" else (t["logits"] - t["targets"])
+    moved = t[key] + 0.01 * toward / toward.abs().max()  # every value within 0.01, one sign
+    cand = edited(ours, **{key: moved})
+    cand.tensors["loss"] = torch.tensor(own_loss(CASE, cand))
+    shift = abs(float(cand.tensors["loss"] - t["loss"]))
+    case = dataclasses.replace(CASE, tolerances={q: {"atol": 0.02, "rtol": 0.0} for q in (
+        "context", "targets", "logits", "grad", "loss_from_logits")} | {
+        "loss": {"atol": shift / 4, "rtol": 0.0}})
+    r = audit(cand, ours, case)
+    assert r["logits"].status == r["targets"].status == "pass"
+    assert r["loss"].status == "fail"
+    assert r["loss"].diagnosis[0] == (
+        f"the loss difference comes from the candidate's {key} (the reference's formula on the "
+        f"reference's tensors with the candidate's {key} reproduces its loss): each value within "
+        "its tolerance, their differences add up in the loss, as when a forward rounds what the "
+        "reference keeps (weights, norm gains or activations in a lower precision); not the "
+        f"loss formula: {FORMULA_CONFORMS}")

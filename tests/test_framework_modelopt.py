@@ -356,3 +356,60 @@ def test_rows_mask_back_in_packed_coordinates():
     assert packed.shape == (8, 13 + 8)
     assert packed[4].nonzero().reshape(-1).tolist() == [6, 13 + 4, 13 + 5]  # anchor 7, doc 1
     assert packed[2].nonzero().reshape(-1).tolist() == [0, 1, 2, 13 + 2, 13 + 3]  # anchor 3
+
+
+# ---------------------------------------------------------------------- bf16 training dtype
+_BF16_STEP = """
+import json, sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_framework_modelopt import _config
+from dflash_audit.audit.cases.synthetic import synthetic_case
+from dflash_audit.audit.checks.structure import check_structure
+from dflash_audit.audit.frameworks.modelopt_adapter import candidate
+from dflash_audit.audit.precision import in_dtype
+from dflash_audit.audit.protocol import validate_outputs
+from dflash_audit.audit.sides.run_sides import run_candidate
+from dflash_audit.candidate import DrafterCandidate
+from dflash_audit.model.loss import LossSpec
+
+out = {{}}
+case = synthetic_case("c", _config(), LossSpec(loss="kl_div"), seed=3, seq_len=40,
+                      num_documents=1, pad=0, max_anchors=4)
+for dtype in ("fp32", "bf16"):
+    low = in_dtype(case, dtype)
+    mo, failed = run_candidate(candidate, low)
+    assert failed is None, failed.summary
+    ours, _ = run_candidate(DrafterCandidate(), low)
+    res = check_structure(low, mo, ours)
+    sd = mo.structure["state_dict"]
+    out[dtype] = {{"trainable": sorted({{e["dtype"] for e in sd.values() if e["trainable"]}}),
+                  "frozen": sorted({{sd[k]["dtype"] for k in ("embed_tokens.weight",
+                                                              "verifier_norm.weight")}}),
+                  "master": mo.structure.get("master_weights"),
+                  "protocol": [f.message for f in validate_outputs(mo, low)],
+                  "status": res.status, "summary": res.summary}}
+print(json.dumps(out))
+"""
+
+
+def test_a_bf16_case_trains_modelopts_draft_in_bf16_and_fails_on_its_missing_master(
+        modelopt_site):
+    """ModelOpt's recipe trains in bf16 (dflash.yaml ``bf16: true``) on a bf16 base (its
+    trainer loads the checkpoint's dtype) and casts its draft to the base's dtype
+    (hf_dflash.py:511): the adapter runs a bf16 case that way, so ModelOpt's trainable
+    parameters are bf16 with no float32 master copy (ModelOpt PR 2322's bug) and the structure
+    check fails naming the class; an fp32 case keeps fp32 parameters and no such failure. The
+    float outputs stay in the protocol's fp32."""
+    script = _BF16_STEP.format(tests=str(ROOT / "tests"))
+    done = subprocess.run([sys.executable, "-c", script], env=_env(modelopt_site),
+                          capture_output=True, text=True, timeout=limit_s(300), check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["bf16"]["trainable"] == out["bf16"]["frozen"] == ["bfloat16"]
+    assert out["bf16"]["master"] is None and out["bf16"]["protocol"] == []
+    assert out["bf16"]["status"] == "fail"
+    assert "'fc.weight' is trained in bfloat16 with no float32 master copy reported (the " \
+        "reference trains float32 weights)" in out["bf16"]["summary"]
+    assert out["fp32"]["trainable"] == ["float32"] and out["fp32"]["protocol"] == []
+    assert "master copy" not in out["fp32"]["summary"]

@@ -6,6 +6,15 @@ bfloat16)``; ``train/config/schema.py`` ``hidden_states_dtype``: the dataloader 
 verifier's hidden states over in bf16). The divergence softmaxes stay fp32 because the
 reference asks for it (``losses/eager.py``: ``log_softmax(..., dtype=torch.float32)``).
 The tolerances of a dtype other than fp32 are measured: :mod:`dflash_audit.audit.replay.noise`.
+
+A bf16 case's weights are bf16 values held in fp32 (:func:`representable_weights`): bf16
+training has two conforming layouts, fp32 parameters under autocast (the reference) and bf16
+module parameters whose optimizer keeps an fp32 master copy (FSDP ``MixedPrecision(param_dtype=
+bfloat16)``, Megatron / DeepSpeed bf16 optimizers), and the second forwards the master rounded to
+bf16. From weights that rounding leaves unchanged both start from identical values, so the
+measured noise (the reference against itself on these same weights) covers both; from
+arbitrary fp32 weights the second differed by the rounding of every weight (norm gains included),
+a difference no tolerance derived from the reference's own noise contains.
 """
 
 from __future__ import annotations
@@ -30,9 +39,23 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next((k for k, v in DTYPES.items() if v == dtype), str(dtype).replace("torch.", ""))
 
 
-def in_dtype(case: Case, dtype: str, device: str = "cpu") -> Case:
+def representable_weights(weights: dict[str, torch.Tensor], dtype: torch.dtype
+                          ) -> dict[str, torch.Tensor]:
+    """``weights`` with every floating tensor finer than ``dtype`` rounded to ``dtype``
+    (round to nearest even) and held in its own dtype again: fp32 master weights whose ``dtype``
+    copy is exact. Integer / bool tensors (``t2d``, ``d2t``) and tensors already in ``dtype``
+    are the same objects; nothing is changed in place."""
+    return {k: v.to(dtype).to(v.dtype) if coarser(dtype, v.dtype) else v
+            for k, v in weights.items()}
+
+
+def in_dtype(case: Case, dtype: str, device: str = "cpu",
+             rounded: dict[int, dict[str, torch.Tensor]] | None = None) -> Case:
     """The case run in ``dtype`` on ``device``: the hidden states cast to the dtype as the
-    reference's dataloader does; weights stay fp32 (master weights).
+    reference's dataloader does; the weights stay fp32 (master weights), with values the dtype
+    represents (:func:`representable_weights`; see the module docstring). ``rounded``: a memo
+    ``{id(fp32 weights): rounded weights}`` so cases that share one weights dict (the real
+    cases) still share one after rounding.
 
     Raises:
         ValueError: an unknown dtype or device.
@@ -42,7 +65,13 @@ def in_dtype(case: Case, dtype: str, device: str = "cpu") -> Case:
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}: use one of {list(DEVICES)}")
     inputs = {k: v.to(DTYPES[dtype]) if k in HIDDEN_KEYS else v for k, v in case.inputs.items()}
-    return dataclasses.replace(case, inputs=inputs, dtype=dtype, device=device)
+    weights = case.weights
+    if DTYPES[dtype] != torch.float32:
+        rounded = {} if rounded is None else rounded
+        if id(case.weights) not in rounded:
+            rounded[id(case.weights)] = representable_weights(case.weights, DTYPES[dtype])
+        weights = rounded[id(case.weights)]
+    return dataclasses.replace(case, inputs=inputs, weights=weights, dtype=dtype, device=device)
 
 
 def autocast(case: Case) -> contextlib.AbstractContextManager:

@@ -183,8 +183,9 @@ def _build(opts: CompareOptions, profile: Any, real: Any, user: Any, capabilitie
                                            opts.dtype or profile.dtype))
     elif opts.device == "cuda":  # Q and T+Q past and off the flex block size
         planned.append(plan_flex_padding_case(profile, seed=opts.seed))
+    rounded: dict[int, Any] = {}  # real cases keep sharing one weights dict
     planned = [dataclasses.replace(p, case=in_dtype(p.case, opts.dtype or profile.dtype,
-                                                    opts.device)) for p in planned]
+                                                    opts.device, rounded)) for p in planned]
     return planned, extra
 
 

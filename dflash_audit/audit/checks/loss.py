@@ -44,6 +44,7 @@ from dflash_audit.audit.replay.evidence import (
 )
 from dflash_audit.audit.replay.loss_formulas import (
     AUDIT_LOSS_NAMES,
+    FORMULA_CONFORMS,
     audit_term_loss,
     diagnose_loss_total,
     own_loss,
@@ -342,8 +343,7 @@ def diagnose_loss(ev: Evidence, result: CheckResult) -> list[str]:
         causes += diagnose_loss_precision(ev, parts["loss_from_logits"])
     if parts.get("total", {}).get("status") == FAIL:
         total = diagnose_loss_total(ev, aligned_mask_hypotheses(ev))
-        if (causes or consequences) and total and total[0].startswith(
-                "the candidate's loss formula conforms"):
+        if (causes or consequences) and total and FORMULA_CONFORMS in total[0]:
             total = []  # the named weight / mask cause already explains the total
         causes += [c for c in total if not is_downstream(c)]
         consequences += [c for c in total if is_downstream(c)]

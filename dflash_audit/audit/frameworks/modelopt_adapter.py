@@ -33,6 +33,18 @@ Declared adapter choices (``PROVENANCE`` / ``settings.*``):
 * ``dflash_architecture_config`` holds the case's head geometry (heads, KV heads, head_dim,
   MLP width, attention bias): what a user must write for the weights to load (ModelOpt
   inherits none of it under transformers 5.19). RoPE, eps, activation stay ModelOpt's.
+* the training dtype: a bf16 case runs as ModelOpt's recipe trains in bf16
+  (dflash.yaml:46 ``bf16: true``): the base in bf16 (:func:`.modelopt_config.fake_base`; its
+  example trainer loads the checkpoint's dtype, ``dtype="auto"``), and ModelOpt itself casts
+  the draft module to the base's dtype (hf_dflash.py:511 ``self.dflash_module.to(
+  self._base_model.dtype)``), so its trainable parameters are bf16. No master copy is reported:
+  the trainer is transformers' ``Trainer`` (examples/speculative_decoding/eagle_utils.py
+  ``EagleTrainerWithAccLog.create_optimizer`` calls ``super().create_optimizer()``; repository
+  main at a2fbac7, not in the wheel), whose optimizer takes the module's own parameters, and
+  with the recipe's ``dp_shard_size: 1`` (dflash.yaml:34) no FSDP runs (accelerate 1.15.0
+  upcasts trainable parameters to fp32 under FSDP with mixed precision,
+  utils/fsdp_utils.py:814-819; a run with ``dp_shard_size > 1`` is not what this adapter
+  runs). The structure check then names the difference.
 * the transformers 5.19 work-around: ``DFlashModule._maybe_init_rotary_emb`` calls
   ``Qwen3RotaryEmbedding(config=..., device=...)`` (modeling_dflash.py:380-388) and 5.19 has
   no ``device`` argument (TypeError on the first forward); the adapter pre-sets ``rotary_emb``
@@ -192,7 +204,8 @@ class ModelOptCandidate:
         settings = mc.dflash_settings(config, loss, int(inputs["anchor_positions"].numel()))
         layout = plan_rows(inputs, config.block_size)
         device = inputs["input_ids"].device
-        base = mc.fake_base(config)
+        low = inputs["hidden_states"].dtype  # the case's training dtype (bf16 / fp32)
+        base = mc.fake_base(config, low)  # ModelOpt casts its draft to this dtype
         self._load_frozen(base, weights)
         model = mc.convert(base, settings)
         draft = {k: v for k, v in weights.items() if k.split(".")[0] in _DRAFT_PARTS}
@@ -308,6 +321,8 @@ class ModelOptCandidate:
         module = model.dflash_module
         tensors.update({f"grad.{n}": p.grad.detach().clone() for n, p in
                         module.named_parameters() if p.requires_grad and p.grad is not None})
+        # float outputs in the case's fp32 (a bf16 case's context and gradients are bf16)
+        tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
         trainable = [n for n, p in module.named_parameters() if p.requires_grad]
         metrics = {"train_acc": float(out.train_acc[0][0]),
                    "loss_sum": float(out.loss.detach()), "loss_total": 1.0}

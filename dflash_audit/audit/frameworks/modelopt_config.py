@@ -160,10 +160,12 @@ def final_norm_type(model_type: str) -> str | None:
     return _select_final_norm_type(model_type)
 
 
-def fake_base(config: DFlashConfig) -> Any:
+def fake_base(config: DFlashConfig, dtype: Any = None) -> Any:
     """ModelOpt's offline base model (``FakeBaseModel``, modeling_fakebase.py:75-170) for a
     case: the verifier's depth, width, vocabulary and final norm (chosen by ModelOpt from the
-    verifier's model type), fp32.
+    verifier's model type), in ``dtype`` (torch dtype; default fp32). A bf16 case's base is
+    bf16, as ModelOpt's trainer loads it: ``FakeBaseModel.from_source`` takes the checkpoint's
+    dtype, bf16 when it names none (modeling_fakebase.py:200, FakeBaseConfig's default :86).
 
     Raises:
         NotSupported: ModelOpt knows no final norm for the verifier's model type (with a
@@ -184,7 +186,7 @@ def fake_base(config: DFlashConfig) -> Any:
     return FakeBaseModel(FakeBaseConfig(
         num_hidden_layers=config.num_verifier_layers, hidden_size=config.hidden_size,
         vocab_size=config.vocab_size, max_position_embeddings=config.max_position_embeddings,
-        dtype=torch.float32, num_attention_heads=config.num_attention_heads,
+        dtype=dtype or torch.float32, num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads,
         intermediate_size=config.intermediate_size, rms_norm_eps=config.rms_norm_eps,
         rope_theta=config.rope_theta, final_norm_type=norm))

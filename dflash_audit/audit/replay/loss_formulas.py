@@ -9,6 +9,7 @@ and backward under each.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator
 
@@ -249,6 +250,37 @@ def gradient_formula_causes(ev: Evidence, max_replays: int = 5) -> list[str]:
     return []
 
 
+#: The candidate's loss follows from its own tensors by the reference's formula.
+FORMULA_CONFORMS = ("the candidate's loss formula conforms (the reference's formula on the "
+                    "candidate's own logits, targets, mask and weights reproduces its loss)")
+
+
+def loss_inputs_cause(ev: Evidence) -> str:
+    """The cause of a loss difference whose formula conforms while every check upstream of the
+    loss passes: which of the candidate's logits / targets, each within its own tolerance,
+    carry it (the reference's formula on the reference's tensors with the candidate's logits,
+    else its targets, swapped in reproduces the candidate's loss; else both together). Small
+    differences of one sign add up in a loss of near-equal distributions (a KL near 0): a
+    forward that rounds what the reference keeps (weights, norm gains or activations held in a
+    lower precision) does this."""
+    cl, tol = float(ev.cand.tensors["loss"]), ev.tol
+    carried = "the candidate's logits and targets together"
+    for key in ("logits", "targets"):
+        if key not in ev.cand.tensors or key not in ev.ref.tensors or \
+                ev.cand.tensors[key].shape != ev.ref.tensors[key].shape:
+            continue
+        mixed = dataclasses.replace(ev.ref, tensors={**ev.ref.tensors, key: ev.cand.tensors[key]})
+        value = own_loss(ev.case, mixed)
+        if value is not None and abs(value - cl) <= tol["atol"] + tol["rtol"] * abs(cl):
+            carried = (f"the candidate's {key} (the reference's formula on the reference's "
+                       f"tensors with the candidate's {key} reproduces its loss)")
+            break
+    return (f"the loss difference comes from {carried}: each value within its tolerance, "
+            "their differences add up in the loss, as when a forward rounds what the reference "
+            "keeps (weights, norm gains or activations in a lower precision); not the loss "
+            f"formula: {FORMULA_CONFORMS}")
+
+
 def diagnose_loss_total(ev: Evidence, masks: Iterable[tuple[str, torch.Tensor]] = ()
                         ) -> list[str]:
     """The loss formulas (:func:`loss_formula_hypotheses`) that reproduce the candidate's total
@@ -271,10 +303,9 @@ def diagnose_loss_total(ev: Evidence, masks: Iterable[tuple[str, torch.Tensor]] 
                             "'ce' against the argmax of the verifier's logits instead (the "
                             "candidate's loss follows from its logits and the data tokens)"]
                 upstream = follows_from("loss", ev)
-                why = f"; the difference {upstream}" if upstream else ""
-                return ["the candidate's loss formula conforms (the reference's formula on "
-                        "the candidate's own logits, targets, mask and weights reproduces its "
-                        "loss)" + why]
+                if not upstream:  # conforming is no cause: say what the difference comes from
+                    return [loss_inputs_cause(ev)]
+                return [f"{FORMULA_CONFORMS}; the difference {upstream}"]
             found.append((formula_causes(ev, name, denom), denom))
     if not found:
         for label, mask in masks:
