@@ -6,6 +6,7 @@ Usage::
 
     python scripts/conformance_matrix.py [--cases N] [--rows R] [--profile P] [--seed S]
         [--offline] [--framework KEY ...] [--out matrix.md] [--reports DIR]
+        [--readme README.md [--check]]
 
 Each framework is one ``dflash-audit compare --candidate framework:KEY==VERSION`` (the
 speculators adapter: ``framework:speculators==<the lock's version>``, its self-test) with the
@@ -15,8 +16,10 @@ line each under the table; adapters that land in ``dflash_audit/audit/frameworks
 picked up
 (:func:`dflash_audit.audit.frameworks.registry.available_adapters`), and known frameworks whose
 adapter is not in this build get a row saying so. A framework that cannot be set up (exit 2)
-gets a row with the setup error. Exit code 0 when every row was produced (whatever the
-verdicts), 2 on bad usage.
+gets a row with the setup error. ``--readme`` puts the table between the README's
+``<!-- conformance-matrix:begin/end -->`` markers; ``--readme --check`` (CI) writes nothing and
+fails when a verdict or status differs from the committed one. Exit code 0 when every row was
+produced (whatever the verdicts), 1 on a stale README matrix under ``--check``, 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -110,6 +113,50 @@ def render(rows: list[dict[str, Any]], check_names: list[str]) -> str:
     return "\n".join(lines + latent + ([""] + notes if notes else [])) + "\n"
 
 
+BEGIN, END = "<!-- conformance-matrix:begin -->", "<!-- conformance-matrix:end -->"
+
+
+def _statuses(table: str) -> list[list[str]]:
+    """Each row's label and cell statuses (the words before a cell's ':'), causes left out."""
+    rows = []
+    for line in table.splitlines():
+        if line.startswith("|") and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            rows.append([cells[0]] + [c.split(":")[0] for c in cells[1:]])
+    return rows
+
+
+def update_readme(readme: Path, table: str, check: bool) -> int:
+    """Put ``table`` between the README's matrix markers. ``check``: write nothing; 1 when a
+    verdict, a status or a framework differs from the README's (the causes' wording may
+    change without failing: it is printed), 0 otherwise. 2 when the markers are missing."""
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        print(f"{readme}: no {BEGIN} ... {END} markers", file=sys.stderr)
+        return 2
+    head, rest = text.split(BEGIN, 1)
+    old, tail = rest.split(END, 1)
+    if not check:
+        readme.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
+        return 0
+    if old.strip() == table.strip():
+        print(f"conformance_matrix: {readme}'s matrix is current", file=sys.stderr)
+        return 0
+    import difflib
+
+    sys.stderr.writelines(difflib.unified_diff(old.strip().splitlines(True),
+                                               table.strip().splitlines(True),
+                                               f"{readme} (committed)", "regenerated"))
+    if _statuses(old) != _statuses(table):
+        print(f"\nconformance_matrix: {readme}'s matrix is stale (a verdict, status or "
+              "framework differs): run python scripts/conformance_matrix.py --readme "
+              f"{readme} and commit it", file=sys.stderr)
+        return 1
+    print(f"\nconformance_matrix: only the causes' wording differs from {readme}'s matrix",
+          file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conformance_matrix.py", description=__doc__.split(
         "\n\n")[0])
@@ -121,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--framework", action="append", default=None,
                         help="only this framework key (repeatable)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
+    parser.add_argument("--readme", type=Path, default=None,
+                        help="replace the table between the matrix markers of this file")
+    parser.add_argument("--check", action="store_true",
+                        help="with --readme: write nothing, exit 1 when its matrix is stale")
     parser.add_argument("--reports", type=Path, default=None,
                         help="keep each framework's report folder here (default: discarded)")
     args = parser.parse_args(argv)
@@ -145,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(text)
     if args.out is not None:
         args.out.write_text(text)
-    return 0
+    return update_readme(args.readme, text, args.check) if args.readme else 0
 
 
 if __name__ == "__main__":
