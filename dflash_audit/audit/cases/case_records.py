@@ -13,8 +13,9 @@ that shape them, the real batches' cache key and the verifier's folder and ``con
 a framework's capabilities, dflash-audit's source, the interpreter and library versions, the
 device and thread count. A record that is not trusted is removed and the cases built again;
 without a sandbox one that changed after this audit started (:class:`~dflash_audit.audit.sides.
-signed_records.RecordsWatch`, taken before any candidate code ran) is not read either. A read record builds the very cases a fresh build
-gives: the same files are written for both sides.
+signed_records.RecordsWatch`, taken before any candidate code ran) is not read either. A
+read record builds the very cases a fresh build gives: the same files are written for both
+sides.
 """
 
 from __future__ import annotations
