@@ -204,3 +204,26 @@ def test_the_batch_key_covers_the_verifiers_tokenizer_and_chat_template(tmp_path
     base = key()
     (folder / "chat_template.jinja").write_text("{{ c }}")
     assert key() != base
+
+
+def test_a_case_record_changed_as_it_is_stored_is_not_kept(planned, tmp_path, monkeypatch):
+    # without a sandbox the candidate's process runs while the cases are stored: a record it
+    # re-signs between the write and the watch taking it as this audit's own is removed
+    cases, frozen = planned
+    key = os.urandom(32)
+    cache = cache_at(tmp_path, key)
+    cache.watch = sr.RecordsWatch([cache.root])
+    cache.lookup({"seed": 5}, ENV, frozen)
+    real_write = cr.write_signed
+
+    def racing(folder, name, files, extra, report_key, kind):
+        real_write(folder, name, files, extra, report_key, kind)
+        forged = {**files, cr.META_FILE: files[cr.META_FILE].replace(b'"g0"', b'"g0"', 1)
+                  + b" "}
+        real_write(folder, name, forged, extra, report_key, kind)  # "the candidate"
+
+    monkeypatch.setattr(cr, "write_signed", racing)
+    cache.store(cases, {}, frozen)
+    assert not (cache.root / cache.key).exists()
+    again = cache_at(tmp_path, key)
+    assert again.lookup({"seed": 5}, ENV, frozen) is None and again.ignored == ""

@@ -30,8 +30,10 @@ from typing import Any
 from dflash_audit.audit.sides.signed_records import (
     RecordsWatch,
     canonical,
+    drop,
     prune,
     read_or_drop,
+    read_signed,
     sha,
     write_signed,
 )
@@ -199,13 +201,18 @@ class CaseCache:
         written), then keep the records within :data:`MAX_BYTES`."""
         if self.report_key is None or self.root is None or self.key is None:
             return
+        folder, files = self.root / self.key, encode(planned, info, frozen)
         try:
-            write_signed(self.root / self.key, self.key, encode(planned, info, frozen), {},
-                         self.report_key, KIND)
+            write_signed(folder, self.key, files, {}, self.report_key, KIND)
         except OSError:
             return
-        if self.watch is not None:
-            self.watch.own(self.root / self.key)
+        if self.watch is not None:  # the candidate's process runs meanwhile: kept only as
+            self.watch.own(folder)  # written (a later change is discarded after its run)
+            found, _ = read_signed(folder, self.key, self.report_key, set(files), KIND,
+                                   self.watch)
+            if found is None or found[0] != files:
+                drop(folder)
+                return
         prune(self.root, MAX_BYTES)
 
     def summary(self) -> dict[str, Any]:
