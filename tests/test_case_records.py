@@ -132,7 +132,7 @@ def test_a_case_record_written_after_an_unsandboxed_audit_started_is_not_read(pl
     cases, frozen = planned
     key = os.urandom(32)
     cache = cache_at(tmp_path, key)
-    cache._before = sr.stat_signature(cache.root)  # taken before the candidate's code ran
+    cache.watch = sr.RecordsWatch([cache.root])  # taken before the candidate's code ran
     cache.lookup({"seed": 5}, ENV, frozen)
     planted = cache_at(tmp_path, key)
     planted.lookup({"seed": 5}, ENV, frozen)
@@ -177,3 +177,53 @@ def test_an_import_check_record_is_trusted_only_signed_for_its_tree(tmp_path, mo
     shutil.copytree(other, marker)
     moved = ic.ImportCheck(None, marker)
     assert not moved.cached and "another case" in moved.ignored
+
+
+def test_the_batch_key_covers_the_verifiers_tokenizer_and_chat_template(tmp_path):
+    # the real cases come from cached batches (and the case record's key names the batches'
+    # key): a verifier folder whose chat template or tokenizer changed, its config.json and
+    # weights the same, tokenizes the conversations differently
+    from dflash_audit.audit.cases.real_inputs import cache_key
+
+    folder = tmp_path / "verifier"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"num_hidden_layers": 2}')
+    (folder / "tokenizer_config.json").write_text('{"chat_template": "{{ a }}"}')
+    (folder / "model.safetensors").write_bytes(b"weights")
+
+    def key() -> str:
+        return cache_key(folder, "w", {"sha256": "d"}, 64, 1, "speculators", 0)
+
+    base = key()
+    (folder / "model.safetensors").write_bytes(b"other")  # weights: weights_sha256's part
+    (folder / ".git").mkdir()
+    (folder / ".git" / "index").write_bytes(b"x")  # nothing a tokenizer reads
+    assert key() == base
+    (folder / "tokenizer_config.json").write_text('{"chat_template": "{{ b }}"}')
+    assert key() != base
+    base = key()
+    (folder / "chat_template.jinja").write_text("{{ c }}")
+    assert key() != base
+
+
+def test_a_case_record_changed_as_it_is_stored_is_not_kept(planned, tmp_path, monkeypatch):
+    # without a sandbox the candidate's process runs while the cases are stored: a record it
+    # re-signs between the write and the watch taking it as this audit's own is removed
+    cases, frozen = planned
+    key = os.urandom(32)
+    cache = cache_at(tmp_path, key)
+    cache.watch = sr.RecordsWatch([cache.root])
+    cache.lookup({"seed": 5}, ENV, frozen)
+    real_write = cr.write_signed
+
+    def racing(folder, name, files, extra, report_key, kind):
+        real_write(folder, name, files, extra, report_key, kind)
+        forged = {**files, cr.META_FILE: files[cr.META_FILE].replace(b'"g0"', b'"g0"', 1)
+                  + b" "}
+        real_write(folder, name, forged, extra, report_key, kind)  # "the candidate"
+
+    monkeypatch.setattr(cr, "write_signed", racing)
+    cache.store(cases, {}, frozen)
+    assert not (cache.root / cache.key).exists()
+    again = cache_at(tmp_path, key)
+    assert again.lookup({"seed": 5}, ENV, frozen) is None and again.ignored == ""

@@ -19,7 +19,7 @@ from cache_support import copy_of_cache
 from cli_zygote import run_cli
 
 from dflash_audit.audit.sides import reference_records as rc
-from dflash_audit.audit.sides.reference_cache import ReferenceCache
+from dflash_audit.audit.sides.reference_cache import ReferenceCache, watch_records
 
 pytestmark = pytest.mark.reference
 
@@ -193,7 +193,7 @@ def test_records_written_while_an_unsandboxed_candidate_ran_are_discarded(tmp_pa
     cache = ReferenceCache.open(read=True)
     for key in ("a" * 64, "b" * 64, "c" * 64):
         rc.write_record(cache.root / key, key, case, {}, cache.report_key)
-    cache.watch()
+    cache.watch = watch_records(False)
     (case / "outputs.safetensors").write_bytes(b"forged")
     rc.write_record(cache.root / ("a" * 64), "a" * 64, case, {}, cache.report_key)  # replaced
     rc.write_record(cache.root / ("d" * 64), "d" * 64, case, {}, cache.report_key)  # new
@@ -220,8 +220,7 @@ def test_records_an_unsandboxed_candidate_plants_in_another_cache_are_discarded(
     case.mkdir()
     (case / "outputs.json").write_text("{}")
     (case / "outputs.safetensors").write_bytes(b"forged")
-    cache = ReferenceCache.open(read=True)
-    cache.watch()
+    cache = ReferenceCache.open(read=True, watch=watch_records(False))
     rc.write_record(default / ("a" * 64), "a" * 64, case, {}, cache.report_key)
     rc.write_record(other.root / ("b" * 64), "b" * 64, case, {}, other.report_key)
     assert cache.discard_changed() == ["a" * 64, "b" * 64]

@@ -63,7 +63,7 @@ from dflash_audit.audit.sides.canary import publish_canary, stage_canary
 from dflash_audit.audit.sides.code_changes import refuse_code_changes, with_code_changes
 from dflash_audit.audit.sides.import_check import ImportCheck, import_ok_marker
 from dflash_audit.audit.sides.integrity import reference_code_digest
-from dflash_audit.audit.sides.reference_cache import CACHE_SUMMARY
+from dflash_audit.audit.sides.reference_cache import CACHE_SUMMARY, watch_records
 from dflash_audit.audit.sides.reference_records import record_dirs
 from dflash_audit.audit.sides.sandbox import work_root
 from dflash_audit.audit.sides.run_sides import (
@@ -216,15 +216,17 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
         with st.stage("resolve_candidate", "resolving the candidate"):
             launch = candidate_launch(opts.candidate, python=opts.candidate_python,
                                       offline=opts.offline, url=opts.ref_url)
-        import_check = ImportCheck(identity, import_ok_marker(identity, opts.cache_dir),
-                                   read=opts.reference_cache)
+        marker = import_ok_marker(identity, opts.cache_dir)
+        import_check = ImportCheck(identity, marker, read=opts.reference_cache)
         if not sandbox["sandboxed"]:  # its bytecode is written before the candidate's window
             import_check.wait()
         reference_code = reference_code_digest(  # before any candidate code runs
             identity, whole_prefix=not sandbox["sandboxed"])
         guard = InstallGuard([identity.source_dir, *tool_roots().values(), pycache_prefix()],
                              import_check.files)
-        case_cache = CaseCache.open(opts.reference_cache, reference_code)  # before any candidate
+        # without a sandbox only records unchanged since now are trusted (before any candidate)
+        watch = watch_records(sandbox["sandboxed"], [marker.parent])
+        case_cache = CaseCache.open(opts.reference_cache, reference_code, watch)
         st.timing["install_baseline"] = guard.seconds
         try:  # every refusal after candidate code ran also names (and records) changes
             with tempfile.TemporaryDirectory(prefix="dflash-audit-cases-",
@@ -248,7 +250,7 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
                     case_cache=case_cache)
                 outputs = run_both_sides(opts, identity, planned, Path(tmp), st, import_check,
                                          reference_code, launch=launch, guard=guard,
-                                         waiting=waiting)
+                                         waiting=waiting, watch=watch)
                 reference_ran = candidate_ran(outputs)
                 tolerance = measured_tolerances(planned, Path(tmp))
                 records, pictures = check_all(planned, outputs, Path(tmp), st, framework)

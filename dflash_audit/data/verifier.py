@@ -163,6 +163,26 @@ def weights_hash(folder: str) -> str:
     return h.hexdigest()
 
 
+#: Suffixes of a verifier folder's weight files (:func:`weights_hash` hashes the loader's).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
+
+
+def config_files(folder: str | Path) -> dict[str, str]:
+    """``{relative path: sha256}`` of every file of a verifier folder but its weights
+    (:data:`WEIGHT_SUFFIXES`) and hidden ones (``.git``, ``.cache``): the config, tokenizer
+    and chat template a capture or a derivation reads. Empty when it is not a folder."""
+    from dflash_audit.atomic import file_sha256
+
+    root, out = Path(folder), {}
+    if root.is_dir():
+        for path in sorted(root.rglob("*")):
+            rel = path.relative_to(root)
+            if (path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES)
+                    and not any(part.startswith(".") for part in rel.parts)):
+                out[rel.as_posix()] = file_sha256(path)
+    return out
+
+
 @dataclass(frozen=True)
 class VerifierIdentity:
     """Who the verifier is: ``name`` (built-in name or folder name), absolute ``path``,

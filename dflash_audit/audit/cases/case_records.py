@@ -12,9 +12,10 @@ kind and layout facts, and the report's ``inputs`` entries the cases stage adds)
 that shape them, the real batches' cache key and the verifier's folder and ``config.json``,
 a framework's capabilities, dflash-audit's source, the interpreter and library versions, the
 device and thread count. A record that is not trusted is removed and the cases built again;
-without a sandbox one that changed after this audit started (:meth:`CaseCache.open`: before
-any candidate code ran) is not read either. A read record builds the very cases a fresh build
-gives: the same files are written for both sides.
+without a sandbox one that changed after this audit started (:class:`~dflash_audit.audit.sides.
+signed_records.RecordsWatch`, taken before any candidate code ran) is not read either. A
+read record builds the very cases a fresh build gives: the same files are written for both
+sides.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from types import SimpleNamespace
 from typing import Any
 
 from dflash_audit.audit.sides.signed_records import (
+    RecordsWatch,
     canonical,
+    drop,
     prune,
     read_or_drop,
+    read_signed,
     sha,
-    stat_signature,
     write_signed,
 )
 
@@ -141,7 +144,8 @@ class CaseCache:
     """The case records of one audit. ``read``: use a trusted record (``--no-reference-cache``:
     False; the cases are built and their record replaced). ``key``: the record's key once
     computed; ``hit``: the cases came from it; ``ignored``: why a record found was not
-    trusted; ``note``: why the cache is off."""
+    trusted; ``note``: why the cache is off; ``watch``: without a sandbox, the records as
+    they were before any candidate code ran (only those are trusted)."""
 
     read: bool
     report_key: bytes | None = None
@@ -151,24 +155,24 @@ class CaseCache:
     hit: bool = False
     ignored: str = ""
     note: str = ""
-    _before: dict[str, str] | None = None
+    watch: RecordsWatch | None = None
 
     @classmethod
-    def open(cls, read: bool, code: dict[str, str]) -> CaseCache:
+    def open(cls, read: bool, code: dict[str, str], watch: RecordsWatch | None = None
+             ) -> CaseCache:
         """This run's case records (``code``: the tool's digest taken before any candidate
-        code ran), with the report key read now; without a sandbox, the records' stat
-        signature is taken now too (one that changes before it is read is not trusted)."""
+        code ran), with the report key read now; ``watch``: without a sandbox, taken before
+        any candidate code ran (:func:`dflash_audit.audit.sides.reference_cache.
+        watch_records`): a record that changed since is not trusted."""
         from dflash_audit.audit.sides.reference_records import CASES_DIR, records_root
-        from dflash_audit.audit.sides.sandbox import sandbox_status
         from dflash_audit.report.fingerprint import report_key
 
         try:
             key = report_key(create=True)
         except OSError as exc:
             return cls(read=False, note=f"the case records are off: {exc}")
-        root = records_root(CASES_DIR)
-        before = None if sandbox_status().available else stat_signature(root)
-        return cls(read=read, report_key=key, root=root, code=code, _before=before)
+        return cls(read=read, report_key=key, root=records_root(CASES_DIR), code=code,
+                   watch=watch)
 
     def lookup(self, fields: dict[str, Any], environment: dict[str, Any],
                frozen: dict[str, Any]) -> tuple[list[Any], dict[str, Any]] | None:
@@ -180,13 +184,8 @@ class CaseCache:
         folder = self.root / self.key
         if not self.read:
             return None
-        if self._before is not None and any(
-                path.split("/", 1)[0] == self.key and self._before.get(path) != info
-                for path, info in stat_signature(self.root).items()):
-            self.ignored = "it changed after this audit started (no sandbox)"
-            return None
         files, self.ignored = read_or_drop(folder, self.key, self.report_key,
-                                           {TENSORS_FILE, META_FILE}, KIND)
+                                           {TENSORS_FILE, META_FILE}, KIND, self.watch)
         if files is None:
             return None
         try:
@@ -202,11 +201,18 @@ class CaseCache:
         written), then keep the records within :data:`MAX_BYTES`."""
         if self.report_key is None or self.root is None or self.key is None:
             return
+        folder, files = self.root / self.key, encode(planned, info, frozen)
         try:
-            write_signed(self.root / self.key, self.key, encode(planned, info, frozen), {},
-                         self.report_key, KIND)
+            write_signed(folder, self.key, files, {}, self.report_key, KIND)
         except OSError:
             return
+        if self.watch is not None:  # the candidate's process runs meanwhile: kept only as
+            self.watch.own(folder)  # written (a later change is discarded after its run)
+            found, _ = read_signed(folder, self.key, self.report_key, set(files), KIND,
+                                   self.watch)
+            if found is None or found[0] != files:
+                drop(folder)
+                return
         prune(self.root, MAX_BYTES)
 
     def summary(self) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """Real audit inputs: captured verifier batches + the verifier's frozen weights, cached on disk.
 
 Capturing hidden states needs the verifier forward (seconds); an audit with warm caches
-skips it. One cache entry per key = sha256 of (verifier config.json + weight files, data
-source bytes, seq_len, rows, target layers, seed, format version), under
+skips it. One cache entry per key = sha256 of (verifier config.json, tokenizer and chat
+template + weight files, data source bytes, seq_len, rows, target layers, seed, format
+version), under
 ``<cache>/compare/batches/<key>/`` (``<cache>`` = ``$DFLASH_AUDIT_CACHE`` or
 ``~/.cache/dflash-audit``)::
 
@@ -79,9 +80,14 @@ def data_identity(data: str) -> dict[str, Any]:
 
 def cache_key(verifier_folder: Path, weights_sha256: str, data: dict[str, Any], seq_len: int,
               rows: int, target_layers: Any, seed: int) -> str:
-    """sha256 hex of everything that determines the captured batches."""
+    """sha256 hex of everything that determines the captured batches: the verifier's weights
+    and every other file of its folder (config, tokenizer, chat template:
+    :func:`dflash_audit.data.verifier.config_files`), the data, the options."""
+    from dflash_audit.data.verifier import config_files
+
     config_sha = file_sha256(Path(verifier_folder) / "config.json")
     fields = {"format": FORMAT_VERSION, "verifier_config": config_sha,
+              "verifier_files": config_files(verifier_folder),
               "verifier_weights": weights_sha256, "data": data["sha256"],
               "seq_len": seq_len, "rows": rows, "target_layers": target_layers, "seed": seed}
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()

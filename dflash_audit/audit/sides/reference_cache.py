@@ -2,9 +2,10 @@
 tool's cache as signed records (:mod:`.reference_records`), so a warm audit of the same
 reference on the same cases runs only the candidate and the checks.
 
-Records are read and verified into memory before any candidate code runs (a candidate
-without a sandbox that writes one then affects no verdict of its own audit, and what it
-changed in the cache meanwhile is discarded: :meth:`ReferenceCache.watch`); a record that is
+Records are read and verified into memory before the candidate runs a case; an audit without
+a sandbox, whose candidate's process (started before the cases are built) can read the report
+key and sign records, trusts only records unchanged since before any candidate code ran, and
+discards what changed meanwhile (:class:`.signed_records.RecordsWatch`); a record that is
 not trusted (a changed byte, signed elsewhere or by hand, another case's record moved into
 place, a missing file) is ignored, removed and recomputed, so a record never decides a
 verdict that the reference's own run would not have given. The restored files go through the
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,15 +31,16 @@ from dflash_audit.audit.sides.reference_records import (
     case_fields,
     code_fields,
     environment_fields,
+    RecordsWatch,
     prune,
     read_record,
     record_dirs,
     record_key,
     records_root,
-    stat_signature,
     touch,
     write_record,
 )
+from dflash_audit.audit.sides.signed_records import CHANGED, drop
 
 if TYPE_CHECKING:
     from dflash_audit.audit.options import CompareOptions
@@ -59,6 +60,8 @@ class ReferenceCache:
     on every case and its verified outputs replace the records). ``keys``: each case's
     record key; ``hits``: the records read for cases; ``ignored``: ``{case: why}`` for
     records found and not trusted (removed); ``note``: why the cache was not used at all.
+    ``watch``: without a sandbox, the records as they were before any candidate code ran
+    (only those are trusted; what changed is discarded after the candidate's run).
     """
 
     read: bool
@@ -69,21 +72,22 @@ class ReferenceCache:
     ignored: dict[str, str] = field(default_factory=dict)
     stored: list[str] = field(default_factory=list)
     note: str = ""
-    _watched: dict[Path, dict[str, str]] | None = None
+    watch: RecordsWatch | None = None
 
     @classmethod
-    def open(cls, read: bool) -> ReferenceCache:
+    def open(cls, read: bool, watch: RecordsWatch | None = None) -> ReferenceCache:
         """The cache of this run (:func:`records_root`, registered in
-        :func:`.reference_records.record_dirs`), with the report key read now (before any
-        candidate code runs); unusable (with a ``note``) when the key cannot be read."""
+        :func:`.reference_records.record_dirs`), with the report key read now;
+        unusable (with a ``note``) when the key cannot be read. ``watch``: taken before
+        any candidate code ran, in an audit without a sandbox (:func:`watch_records`)."""
         from dflash_audit.report.fingerprint import report_key
 
         try:
             key = report_key(create=True)
         except OSError as exc:
-            return cls(read=False, note=f"the reference cache is off: {exc}")
+            return cls(read=False, note=f"the reference cache is off: {exc}", watch=watch)
         record_dirs()  # this cache's folder registered: watched by later audits too
-        return cls(read=read, report_key=key, root=records_root())
+        return cls(read=read, report_key=key, root=records_root(), watch=watch)
 
     def lookup(self, cases_dir: Path, names: list[str], digests: dict[str, str],
                identity: Any, reference_code: dict[str, str], device: str,
@@ -104,44 +108,20 @@ class ReferenceCache:
             if not self.read:
                 continue
             record, why = read_record(self.root / key, key, self.report_key,
-                                      "derive" in fields)
+                                      "derive" in fields, self.watch)
             if record is not None:
                 self.hits[name] = record
                 touch(self.root / key)
             elif why:
                 self.ignored[name] = why
-                shutil.rmtree(self.root / key, ignore_errors=True)
-
-    def watch(self) -> None:
-        """Take a stat signature of the records of every records folder the sandbox hides
-        (:func:`.reference_records.record_dirs`: this cache's, the default cache's, those of
-        earlier audits with other caches), before a candidate without a sandbox runs, which
-        can sign records with any of their keys; :meth:`discard_changed` removes what
-        changed meanwhile."""
-        if self.root is not None:
-            self._watched = {root: stat_signature(root)
-                             for root in dict.fromkeys([self.root, *record_dirs()])}
+                if why != CHANGED:  # a changed one: removed after the candidate's run
+                    drop(self.root / key)
 
     def discard_changed(self) -> list[str]:
-        """Remove every record whose files changed, appeared or vanished since :meth:`watch`
-        in any of the watched folders (written by the candidate, or by another audit at the
-        same time: recomputed when next needed); returns their keys. This audit's own hits
-        were read before."""
-        if self.root is None or self._watched is None:
-            return []
-        changed = set()
-        for root, before in self._watched.items():
-            now = stat_signature(root)
-            for key in {k.split("/", 1)[0] for k in before.keys() | now.keys()
-                        if before.get(k) != now.get(k)}:
-                changed.add(key)
-                target = root / key
-                if target.is_symlink() or target.is_file():
-                    target.unlink(missing_ok=True)
-                else:
-                    shutil.rmtree(target, ignore_errors=True)
-        self._watched = None
-        return sorted(changed)
+        """Without a sandbox: remove every record that changed, appeared or vanished while
+        the candidate could run (:meth:`.signed_records.RecordsWatch.discard_changed`);
+        returns their keys."""
+        return self.watch.discard_changed() if self.watch is not None else []
 
     def restore(self, cases_dir: Path) -> str:
         """Write the hits' files into their case folders; returns the lines the adapter
@@ -181,6 +161,8 @@ class ReferenceCache:
                 write_record(self.root / key, key, cases_dir / name, facts, self.report_key)
             except OSError:
                 continue
+            if self.watch is not None:
+                self.watch.own(self.root / key)
             self.stored.append(name)
         prune(self.root, MAX_BYTES)
 
@@ -197,17 +179,31 @@ class ReferenceCache:
                 "cases": cases, "ignored": dict(self.ignored), "note": self.note}
 
 
+def watch_records(sandboxed: bool, extra: list[Path] | None = None) -> RecordsWatch | None:
+    """Without a sandbox (``sandboxed`` False): every folder of records the sandbox would hide
+    (:func:`.reference_records.record_dirs`: this cache's, the default cache's, those of
+    earlier audits with other caches) and the folders ``extra`` (``--cache-dir``'s import
+    checks) as they are now, to be taken before any candidate code runs (the candidate can
+    then sign records with any of their keys)."""
+    return None if sandboxed else RecordsWatch([*record_dirs(), *(extra or [])])
+
+
 def open_reference_cache(opts: CompareOptions, identity: Any, cases_dir: Path,
                          names: list[str], digests: dict[str, str], threads: int,
-                         reference_code: dict[str, str] | None, st: Stages) -> ReferenceCache:
-    """The audit's :class:`ReferenceCache`, its records of the cases
-    ``names`` read and verified now (before any candidate code runs; not with
-    ``--no-reference-cache``), watched while a candidate without a sandbox runs."""
+                         reference_code: dict[str, str] | None, st: Stages,
+                         watch: RecordsWatch | None = None) -> ReferenceCache:
+    """The audit's :class:`ReferenceCache`, its records of the cases ``names`` read and
+    verified now, before the candidate runs a case (not with ``--no-reference-cache``).
+    ``watch`` (:func:`watch_records`, taken before any candidate code ran): without a
+    sandbox, only records unchanged since are trusted; None and no sandbox (a caller that
+    started no candidate yet): taken now."""
     from dflash_audit.audit.sides.integrity import reference_code_digest
     from dflash_audit.audit.sides.sandbox import sandbox_status
 
     start = time.perf_counter()
-    cache = ReferenceCache.open(read=opts.reference_cache)
+    if watch is None and not sandbox_status().available:
+        watch = watch_records(False)
+    cache = ReferenceCache.open(read=opts.reference_cache, watch=watch)
     code = reference_code if reference_code is not None else reference_code_digest(identity)
     cache.lookup(cases_dir, names, digests, identity, code, opts.device, threads)
     for name, why in cache.ignored.items():
@@ -215,8 +211,6 @@ def open_reference_cache(opts: CompareOptions, identity: Any, cases_dir: Path,
     if cache.hits:
         st.say(f"the reference's outputs of {len(cache.hits)} of {len(names)} cases are in "
                "the cache (verified records; --no-reference-cache recomputes them)")
-    if not sandbox_status().available:
-        cache.watch()
     st.timing["reference_cache"] = time.perf_counter() - start
     return cache
 

@@ -35,6 +35,7 @@ from typing import Any
 from dflash_audit.audit.sides.signed_records import (  # noqa: F401 - this module's API too
     RECORD_FILE,
     RECORD_FORMAT,
+    RecordsWatch,
     canonical,
     prune,
     read_regular,
@@ -66,8 +67,6 @@ LIBRARIES = ("torch", "transformers", "safetensors", "numpy", "tokenizers", "hug
 LAUNCH_SOURCES = ("dflash_audit/reference_source/", "dflash_audit/audit/sides/run_sides.py",
                   "dflash_audit/audit/sides/reference_cache.py",
                   "dflash_audit/audit/sides/reference_records.py")
-#: Files of a verifier folder the derivation never reads (weights): left out of the key.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx")
 #: The most the records may hold; the least recently used are removed past it (:func:`prune`).
 MAX_BYTES = 2 << 30
 
@@ -165,25 +164,18 @@ def environment_fields(device: str, threads: int) -> dict[str, Any]:
     return out
 
 
-def _verifier_files(folder: Path) -> dict[str, str]:
-    """sha256 of every file of a verifier folder the derivation may read (not its weights)."""
-    out = {}
-    if folder.is_dir():
-        for path in sorted(folder.rglob("*")):
-            if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES):
-                out[path.relative_to(folder).as_posix()] = _sha(path.read_bytes())
-    return out
-
-
 def case_fields(cases_dir: Path, name: str, digests: dict[str, str]) -> dict[str, Any]:
     """The case ``name``'s inputs by content: ``digests`` (:func:`dflash_audit.audit.sides.
     integrity.case_digests`, ``"<name>/<file>"`` keys) without the case's name, and its
     ``derive.json`` with the verifier folder it names replaced by that folder's files
-    (:func:`_verifier_files`: a proxy's folder lies in this audit's temporary folder).
+    (:func:`dflash_audit.data.verifier.config_files`, not its weights: a proxy's folder lies
+    in this audit's temporary folder).
 
     Raises:
         OSError, ValueError: ``derive.json`` is unreadable (the case is then not cached).
     """
+    from dflash_audit.data.verifier import config_files
+
     prefix = f"{name}/"
     files = {k[len(prefix):]: v for k, v in digests.items()
              if k.startswith(prefix) and k[len(prefix):] not in OUTPUT_FILES}
@@ -195,7 +187,7 @@ def case_fields(cases_dir: Path, name: str, digests: dict[str, str]) -> dict[str
             raise ValueError("derive.json is not an object")
         folder = Path(str(derive.pop("verifier_dir", "")))
         out["derive"] = derive
-        out["verifier_files"] = _verifier_files(folder)
+        out["verifier_files"] = config_files(folder)
         files.pop("derive.json")
     return out
 
@@ -226,13 +218,15 @@ class Record:
         return {name: _sha(data) for name, data in self.files.items()}
 
 
-def read_record(folder: Path, key: str, report_key: bytes, derives: bool
-                ) -> tuple[Record | None, str]:
+def read_record(folder: Path, key: str, report_key: bytes, derives: bool,
+                watch: RecordsWatch | None = None) -> tuple[Record | None, str]:
     """The record in ``folder`` if it is trusted for the case whose key is ``key``, else
     ``(None, why)``; ``(None, "")`` when there is none. ``derives``: the case has a
-    ``derive.json`` (its record must then hold ``derivation.json``, else must not)."""
+    ``derive.json`` (its record must then hold ``derivation.json``, else must not).
+    ``watch``: an audit without a sandbox trusts only a record unchanged since it was taken
+    (:class:`.signed_records.RecordsWatch`)."""
     want = {"outputs.safetensors", "outputs.json", *(["derivation.json"] if derives else [])}
-    found, why = read_signed(folder, key, report_key, want)
+    found, why = read_signed(folder, key, report_key, want, watch=watch)
     if found is None:
         return None, why
     files, body = found

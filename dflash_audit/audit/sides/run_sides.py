@@ -203,7 +203,8 @@ def private_copy(cases_dir: Path, names: list[str], dest: Path) -> Path:
 def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], cases_dir: Path,
                    st: Stages, import_check: ImportCheck,
                    reference_code: dict[str, str] | None = None, launch: Any = None,
-                   guard: Any = None, waiting: Any = None) -> dict[str, Any]:
+                   guard: Any = None, waiting: Any = None, watch: Any = None
+                   ) -> dict[str, Any]:
     """Write the cases, run the candidate on each (in its own process, all cores,
     ``opts.candidate_timeout_s`` per case, None: scaled with the load), then -- once the
     candidate's process is gone -- the reference on all of them (not at all when the candidate
@@ -222,7 +223,9 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
     entry is written into ``cases_dir/`` :data:`.reference_cache.CACHE_SUMMARY`.
     ``launch``: how the candidate process starts
     (:class:`dflash_audit.audit.sides.launch.CandidateLaunch`; None: ``opts.candidate`` under
-    this interpreter). ``waiting``: the audit's candidate process, started on
+    this interpreter). ``watch`` (:func:`.reference_cache.watch_records`, taken before any
+    candidate code ran; None: now): without a sandbox, the records it trusts. ``waiting``:
+    the audit's candidate process, started on
     ``cases_dir/`` :data:`CANDIDATE_CASES` (still empty) before the cases were planned
     (:class:`.candidate_load.WaitingCandidate`): it runs them once they are written and
     their digests taken (None: a process started here). Returns ``{case name: (SideOutputs | None, failing "run" result |
@@ -247,7 +250,7 @@ def run_both_sides(opts: CompareOptions, identity: Any, planned: list[Any], case
         digests = case_digests(cases_dir, names)
     threads = usable_cores()
     cache = open_reference_cache(opts, identity, cases_dir, names, digests, threads,
-                                 reference_code, st)
+                                 reference_code, st, watch)
     with st.stage("import_check", "checking that the reference imports"):
         import_check.wait()
     if guard is not None:  # a sandboxed audit's check may end after the baseline
