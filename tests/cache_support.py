@@ -3,11 +3,48 @@ that need a cache of their own, and a git repository of the cached reference rel
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import git
+
+
+#: The suite's lock between unsandboxed audits and the tests that count on cached records.
+RECORDS_LOCK = Path(os.environ.get("DFLASH_AUDIT_TEST_CACHE", Path.home() / ".cache" /
+                                   "dflash-audit-tests")).expanduser() / ".records.lock"
+_held: list[int] = []  # this process's depth (a nested request is the outer one's)
+
+
+@contextlib.contextmanager
+def records_lock(exclusive: bool) -> Iterator[None]:
+    """Between the suite's processes: an audit without a sandbox (its candidate could sign
+    records) removes every record written anywhere while its candidate ran
+    (:class:`dflash_audit.audit.sides.signed_records.RecordsWatch`, a product rule), so a test
+    whose assertions need records kept (a warm audit's hits) holds this ``exclusive`` and the
+    unsandboxed audits hold it shared: they never overlap, and unsandboxed audits still run
+    side by side. Re-entrant in one process (a nested request is covered by the outer one)."""
+    if _held:
+        _held.append(0)
+        try:
+            yield
+        finally:
+            _held.pop()
+        return
+    RECORDS_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(RECORDS_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        _held.append(fd)
+        try:
+            yield
+        finally:
+            _held.pop()
+    finally:
+        os.close(fd)
 
 
 def copy_of_cache(dest: Path, releases: bool = True, private_bytecode: bool = False) -> Path:

@@ -7,11 +7,13 @@ started on first use).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from cache_support import records_lock
 from zygote import Zygote
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,4 +46,7 @@ def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None,
         # without threads); the children's own children get the caller's environment
         _ZYGOTE = Zygote(lambda code, fd: [sys.executable, "-c", code, fd], _PRELOAD, _RUN,
                          {"OMP_NUM_THREADS": "1", **os.environ, **FIXED_ENV}, ROOT)
-    return _ZYGOTE.run(args, cwd, {**os.environ, **FIXED_ENV, **(env or {})}, prelude, timeout)
+    merged = {**os.environ, **FIXED_ENV, **(env or {})}
+    unsandboxed = merged.get("DFLASH_AUDIT_SANDBOX") == "off" and "compare" in args[:1]
+    with records_lock(exclusive=False) if unsandboxed else contextlib.nullcontext():
+        return _ZYGOTE.run(args, cwd, merged, prelude, timeout)

@@ -13,6 +13,7 @@ real ones.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HOSTILE = ROOT / "tests" / "hostile"
 sys.path.insert(0, str(HOSTILE))
 import tamper  # noqa: E402
-from cache_support import copy_of_cache  # noqa: E402
+from cache_support import copy_of_cache, records_lock  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -68,11 +69,13 @@ class World:
                "DFLASH_AUDIT_SANDBOX": "" if sandbox else "off", "CI": "",
                "DFLASH_AUDIT_PROGRESS_INTERVAL": "0", "OMP_NUM_THREADS": "1", **env_extra}
         out = self.tmp / f"reports-{route}"
-        return subprocess.run(
-            [python, "-m", "dflash_audit.cli", "compare", "--candidate",
-             f"{HOSTILE / route}.py:candidate", "--cases", str(cases), "--rows", "0", "--offline",
-             "--out", str(out), *extra], cwd=self.tmp, env=env, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=limit_s(600), check=False)
+        with records_lock(exclusive=False) if not sandbox else contextlib.nullcontext():
+            return subprocess.run(
+                [python, "-m", "dflash_audit.cli", "compare", "--candidate",
+                 f"{HOSTILE / route}.py:candidate", "--cases", str(cases), "--rows", "0",
+                 "--offline", "--out", str(out), *extra], cwd=self.tmp, env=env, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=limit_s(600),
+                check=False)
 
     def reports(self, route: str) -> list[dict]:
         return [json.loads(p.read_text()) for p in

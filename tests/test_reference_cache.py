@@ -15,11 +15,20 @@ import sys
 from pathlib import Path
 
 import pytest
-from cache_support import copy_of_cache
+from cache_support import copy_of_cache, records_lock
 from cli_zygote import run_cli
 
 from dflash_audit.audit.sides import reference_records as rc
 from dflash_audit.audit.sides.reference_cache import ReferenceCache, watch_records
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _records_kept():
+    """The module's records are not removed under it by another worker's unsandboxed audit
+    (:func:`cache_support.records_lock`)."""
+    with records_lock(exclusive=True):
+        yield
+
 
 pytestmark = pytest.mark.reference
 
