@@ -939,8 +939,8 @@ def test_an_acceptance_run_past_an_unsupervised_slot_is_named_only_where_it_coun
     assert r.status == "warn" and r.details["eal"]["candidate_definition"] == [
         "run-past-unsupervised"], r.summary
     assert r.diagnosis == [
-        "acceptance length: an unsupervised slot does not end the accepted run (the candidate "
-        "counts hits past it); the reference stops at the first slot that is not a supervised "
+        "acceptance length: an unsupervised slot does not end the accepted run: the candidate "
+        "counts hits past it; the reference stops at the first slot that is not a supervised "
         f"hit (on the candidate's own logits: 'run-past-unsupervised' {past:.4g}, the "
         f"reference's 'leading-run' {lead:.4g})"]
     case = _gap_case(gap=False)

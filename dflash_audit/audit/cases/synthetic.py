@@ -116,10 +116,10 @@ def plant_hits(case: Case) -> int:
     the data token ``input_ids[a+s]`` on odd j (never at an anchor position: the drafter's
     own inputs stay as they were). Where that run meets an unsupervised slot u inside the
     block (slots 1..u-1 supervised, u <= ceil((B-1)/2) + 1: a user turn, or the next
-    document's prompt after a document's end), the first supervised slot after u becomes a hit
-    too (after every block's run is set): hits on both sides of an unsupervised slot, so an
-    acceptance length that lets an unsupervised slot not end the accepted run reads a
-    different number. A position that another block already set keeps its first value. Not
+    document's prompt after a document's end; u = 1 too: no hit before it), the first
+    supervised slot after u becomes a hit too, against both labels (after every block's run
+    is set; not at an anchor position): so an acceptance length that lets an unsupervised slot
+    not end the accepted run reads a different number whichever label it takes. A position that another block already set keeps its first value. Not
     applied with ``sample_from_anchor`` (slot 0 is trained there).
 
     Returns:
@@ -145,15 +145,15 @@ def plant_hits(case: Case) -> int:
     taken: set[int] = set()
     planted = 0
 
-    def plant(j: int, s: int) -> None:
+    def plant(j: int, s: int, both: bool = False) -> None:
         nonlocal planted
         q, t = j * B + s, anchors[j] + s
-        if not trained[q] or t in taken or (j % 2 and t in anchors):
+        if not trained[q] or t in taken or ((j % 2 or both) and t in anchors):
             return
         taken.add(t)
-        if j % 2:
+        if j % 2 or both:
             ids[0, t] = token[q]
-        else:
+        if not j % 2 or both:
             states[0, t - 1] = head[draft[q]] / gain
         planted += 1
 
@@ -166,6 +166,6 @@ def plant_hits(case: Case) -> int:
         u = block.index(False) + 1 if False in block else B
         after = [s for s in range(u + 1, B) if block[s - 1]]
         if u <= B // 2 + 1 and after and not any(block[s - 1] for s in range(u + 1, 1 + B // 2)):
-            plant(j, after[0])
+            plant(j, after[0], both=True)
     inputs["verifier_last_hidden_states"], inputs["input_ids"] = states, ids
     return planted

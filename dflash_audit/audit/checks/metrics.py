@@ -50,10 +50,10 @@ def eal_value(metrics: dict[str, float]) -> float | None:
 #: What a candidate's EAL definition does where the reference's differs, in the audit's words
 #: (said with the definitions' numbers; the leading-run / product pair is the reference's own
 #: change between versions).
+RUN_PAST_UNSUPERVISED = "an unsupervised slot does not end the accepted run"
 EAL_DIFFERENCES = {
-    "run-past-unsupervised": "an unsupervised slot does not end the accepted run (the candidate "
-                             "counts hits past it); the reference stops at the first slot that "
-                             "is not a supervised hit"}
+    "run-past-unsupervised": f"{RUN_PAST_UNSUPERVISED}: the candidate counts hits past it; the "
+                             "reference stops at the first slot that is not a supervised hit"}
 
 
 def own_eals(side: SideOutputs, case: Case) -> dict[str, float | None]:
