@@ -24,9 +24,11 @@ import torch
 
 EAL_DEFINITIONS = {
     "leading-run": "1 + leading run of correct slots per block, mean over blocks",
-    "product-of-marginals": "sum_k prod_{i<=k} per-slot accuracy, no bonus token",
+    # a one-rule variant of leading-run: named before a whole other formula that happens to
+    # give the same number on a case
     "run-past-unsupervised": "1 + supervised hits before the first supervised miss per block "
                              "(an unsupervised slot does not end the run), mean over blocks",
+    "product-of-marginals": "sum_k prod_{i<=k} per-slot accuracy, no bonus token",
 }
 #: The definitions the reference has had (0.9.0, main@c05b95b); the others are candidates' own.
 REFERENCE_EAL_DEFINITIONS = ("leading-run", "product-of-marginals")
@@ -92,8 +94,8 @@ def eal_by_definition(logits: torch.Tensor, targets: torch.Tensor,
     has = valid.any(-1)
     n = m["eal_total"]
     return {"leading-run": m["eal_sum"] / n if n else None,
-            "product-of-marginals": m["eal_product"],
-            "run-past-unsupervised": float(past[has].sum()) / n if n else None}
+            "run-past-unsupervised": float(past[has].sum()) / n if n else None,
+            "product-of-marginals": m["eal_product"]}
 
 
 def ratio(metrics: dict[str, float], name: str) -> float:

@@ -229,9 +229,10 @@ def diagnose_metrics(ev: Evidence, result: CheckResult) -> list[str]:
     if cd and rd and not set(cd) & set(rd):
         own = own_eals(ev.cand, ev.case)
         if cd[0] in EAL_DIFFERENCES:
+            also = f"; also equal to {comma_list([repr(d) for d in cd[1:]])}" if cd[1:] else ""
             out.append(f"acceptance length: {EAL_DIFFERENCES[cd[0]]} (on the candidate's own "
                        f"logits: {cd[0]!r} {own[cd[0]]:.4g}, the reference's {rd[0]!r} "
-                       f"{own[rd[0]]:.4g})")
+                       f"{own[rd[0]]:.4g}{also})")
         else:
             out.append(f"acceptance-length definitions differ: the candidate's EAL is {cd[0]!r} "
                        f"({EAL_DEFINITIONS[cd[0]]}), the reference's {rd[0]!r} "
