@@ -18,7 +18,7 @@ import torch
 import dflash_audit.candidate as candidate_module
 import dflash_audit.model.loss as loss_module
 from dflash_audit.audit.case import SideOutputs
-from dflash_audit.audit.cases.synthetic import synthetic_case
+from dflash_audit.audit.cases.synthetic import plant_hits, synthetic_case
 from dflash_audit.audit.cases.weights import fit_to_targets
 from dflash_audit.audit.checks import run_checks
 from dflash_audit.audit.checks.mask import (
@@ -893,6 +893,61 @@ def test_eal_off_by_one_named_in_metrics_diagnosis(ours):
     assert r.status == "warn" and r.diagnosis == [
         f"acceptance length off by +1: the candidate's EAL {eal + 1:.4g} is the 'leading-run' "
         f"definition on its own logits ({eal:.4g}) +1 (the bonus token counted twice)"]
+
+
+class RunPastUnsupervised(DrafterCandidate):
+    """Our drafter with NeMo Automodel 0.7.0's acceptance length (compute_accept_len,
+    speculative/dflash/core.py:139-141): an unsupervised slot does not end the accepted run."""
+
+    def run_case(self, cfg, spec, weights, inputs):
+        out = super().run_case(cfg, spec, weights, inputs)
+        t, B = out.tensors, cfg.block_size
+        pred = t["logits"].argmax(-1).reshape(-1, B)[:, 1:]
+        label = t["targets"].argmax(-1).reshape(-1, B)[:, 1:]
+        valid = t["aligned_loss_mask"].bool().reshape(-1, B)[:, 1:]
+        run = (((pred == label) | ~valid).long().cumprod(-1) * valid.long()).sum(-1) + 1.0
+        out.metrics["eal_sum"] = float(run[valid.any(-1)].sum())
+        return out
+
+
+def _gap_case(gap: bool):
+    """A synthetic case whose first valid block (slot 2 unsupervised when ``gap``) gets the
+    planted hits of :func:`plant_hits`: slot 1 and, past the gap, slot 3."""
+    case = synthetic_case("gap", CONFIG, LossSpec(), seed=5, seq_len=48, num_documents=1,
+                          pad=0, max_anchors=3)
+    a = case.inputs["anchor_positions"]
+    m = case.inputs["loss_mask"]
+    m[0, int(a[0]):int(a[0]) + BLOCK] = 1
+    if gap:
+        m[0, int(a[0]) + 2] = 0
+    assert int(a[0]) + 2 not in a.tolist() and bool(case.inputs["anchor_valid"][0])
+    assert plant_hits(case) > 0
+    return case
+
+
+def test_an_acceptance_run_past_an_unsupervised_slot_is_named_only_where_it_counts():
+    """Issue 30: hits on both sides of an unsupervised slot in a block: NeMo's acceptance length
+    runs past it (1 + 2 for that block), the reference's stops there (1 + 1). Where no block
+    tells the two apart, the same candidate's metrics agree (never cry wolf)."""
+    case = _gap_case(gap=True)
+    ref = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
+    cand = RunPastUnsupervised().run_case(case.config, case.loss, case.weights, case.inputs)
+    lead, past = (v / ref.metrics["eal_total"] for v in (ref.metrics["eal_sum"],
+                                                         cand.metrics["eal_sum"]))
+    assert past > lead
+    r = audit(cand, ref, case)["metrics"]
+    assert r.status == "warn" and r.details["eal"]["candidate_definition"] == [
+        "run-past-unsupervised"], r.summary
+    assert r.diagnosis == [
+        "acceptance length: an unsupervised slot does not end the accepted run: the candidate "
+        "counts hits past it; the reference stops at the first slot that is not a supervised "
+        f"hit (on the candidate's own logits: 'run-past-unsupervised' {past:.4g}, the "
+        f"reference's 'leading-run' {lead:.4g})"]
+    case = _gap_case(gap=False)
+    ref = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
+    cand = RunPastUnsupervised().run_case(case.config, case.loss, case.weights, case.inputs)
+    r = audit(cand, ref, case)["metrics"]
+    assert r.status == "pass" and cand.metrics == ref.metrics, r.summary
 
 
 def test_predict_targets_reference_hypothesis_is_our_drafter(ours):

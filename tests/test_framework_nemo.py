@@ -13,7 +13,8 @@ query, a + s - kv < W (attention/dflash_mask.py:123, 136-141), one trainer windo
 layer (core.py:212, 442, 504-528: the structure names it); its draft config builder keeps
 every layer full attention and copies the verifier's tying and partial rotary factor
 (speculative/dflash/draft_qwen3.py build_qwen3_dflash_draft_config); default ids from
-``build_target_layer_ids``; no decay by default; accuracy against its labels. Packed rows,
+``build_target_layer_ids``; no decay by default; accuracy against its labels; an acceptance
+length that an unsupervised slot does not end (core.py:139-141). Packed rows,
 full-attention masks, context, full-attention logits and the aligned mask (also for an anchor
 near a document's end: its DFlash trainer's labels cross the boundary, core.py:572) agree (no
 false alarm).
@@ -111,6 +112,30 @@ def test_metrics_differ_and_follow_from_its_data_token_labels(report):
         assert any(k.startswith("position_") for k in m["details"]["differences"]), m["summary"]
         assert any(d.startswith("follows from the targets difference (targets are the data "
                                 "tokens") for d in m["diagnosis"]), m["diagnosis"]
+
+
+def test_names_its_acceptance_length_that_runs_past_an_unsupervised_slot(report):
+    """compute_accept_len (core.py:139-141) lets an unsupervised slot not end the accepted run;
+    speculators 0.9.0 (models/metrics.py compute_accepted_length_counts) stops there. The
+    planter puts a hit past the unsupervised slots 1-2 of the full case's first block, against
+    both labels (the reference's own EAL tells the readings apart too); on the other cases both
+    readings agree on NeMo's numbers and nothing is said."""
+    m = first(report, FULL, "metrics")
+    eal = m["details"]["eal"]
+    assert eal["candidate_definition"][0] == "run-past-unsupervised" and (
+        "leading-run" not in eal["candidate_definition"]), m["summary"]
+    assert eal["reference_definition"] == ["leading-run"], m["summary"]
+    # 2 blocks: 1 + 1 (a hit past slots 1-2) and 1 + 2 (the data-token run) on NeMo's numbers
+    assert ("acceptance length: an unsupervised slot does not end the accepted run (NeMo "
+            "Automodel 0.7.0's acceptance length): the candidate counts hits past it; the "
+            "reference stops at the first slot that is not a supervised hit (on the candidate's "
+            "own logits: 'run-past-unsupervised' 2.5, the reference's 'leading-run' 2; also "
+            "equal to 'product-of-marginals')") in m["diagnosis"], m["diagnosis"]
+    for case in (SLIDING, Q35_SLIDING, Q35_FULL):
+        m = first(report, case, "metrics")
+        assert not any("unsupervised slot" in d for d in m["diagnosis"]), (case, m["diagnosis"])
+        assert "run-past-unsupervised" in m["details"]["eal"]["candidate_definition"], (
+            case, m["details"]["eal"])
 
 
 def test_names_its_draft_config_builder(report):

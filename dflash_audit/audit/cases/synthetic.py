@@ -114,8 +114,13 @@ def plant_hits(case: Case) -> int:
     verifier's argmax target on even j (``verifier_last_hidden_states`` at a+s-1 set to the
     draft's argmax row of ``verifier_lm_head``, divided by the ``verifier_norm`` gain), against
     the data token ``input_ids[a+s]`` on odd j (never at an anchor position: the drafter's
-    own inputs stay as they were). A position that another block already set keeps its first
-    value. Not applied with ``sample_from_anchor`` (slot 0 is trained there).
+    own inputs stay as they were). Where that run meets an unsupervised slot u inside the
+    block (slots 1..u-1 supervised, u <= ceil((B-1)/2) + 1: a user turn, or the next
+    document's prompt after a document's end; u = 1 too: no hit before it), the first
+    supervised slot after u becomes a hit too, against both labels (after every block's run
+    is set; not at an anchor position): so an acceptance length that lets an unsupervised slot
+    not end the accepted run reads a different number whichever label it takes. A position that another block already set keeps its first value. Not
+    applied with ``sample_from_anchor`` (slot 0 is trained there).
 
     Returns:
         The number of supervised slots whose label was set (0: nothing changed).
@@ -139,16 +144,28 @@ def plant_hits(case: Case) -> int:
     ids = inputs["input_ids"].clone()
     taken: set[int] = set()
     planted = 0
-    for j, (a, ok) in enumerate(zip(anchors, inputs["anchor_valid"].tolist())):
-        for s in range(1, 1 + B // 2 if ok else 1):
-            q, t = j * B + s, a + s
-            if not trained[q] or t in taken or (j % 2 and t in anchors):
-                continue
-            taken.add(t)
-            if j % 2:
-                ids[0, t] = token[q]
-            else:
-                states[0, t - 1] = head[draft[q]] / gain
-            planted += 1
+
+    def plant(j: int, s: int, both: bool = False) -> None:
+        nonlocal planted
+        q, t = j * B + s, anchors[j] + s
+        if not trained[q] or t in taken or ((j % 2 or both) and t in anchors):
+            return
+        taken.add(t)
+        if j % 2 or both:
+            ids[0, t] = token[q]
+        if not j % 2 or both:
+            states[0, t - 1] = head[draft[q]] / gain
+        planted += 1
+
+    valid = inputs["anchor_valid"].tolist()
+    for j in (j for j, ok in enumerate(valid) if ok):
+        for s in range(1, 1 + B // 2):
+            plant(j, s)
+    for j in (j for j, ok in enumerate(valid) if ok):  # a hit past the run's unsupervised slot
+        block = trained[j * B + 1:(j + 1) * B].tolist()
+        u = block.index(False) + 1 if False in block else B
+        after = [s for s in range(u + 1, B) if block[s - 1]]
+        if u <= B // 2 + 1 and after and not any(block[s - 1] for s in range(u + 1, 1 + B // 2)):
+            plant(j, after[0], both=True)
     inputs["verifier_last_hidden_states"], inputs["input_ids"] = states, ids
     return planted

@@ -9,8 +9,9 @@ versions), accuracy over the other slot range (slot 0 counted or skipped against
 ``sample_from_anchor``), accuracy measured against the data tokens (SpecForge / ModelOpt),
 a metric the candidate computes differently from the reference's definition on its own
 logits, an acceptance length off by one (the bonus token counted twice or left out; only where
-the case tells the readings apart), and metric values that follow from an upstream
-difference.
+the case tells the readings apart), an acceptance length whose run an unsupervised slot does
+not end (NeMo Automodel's; only where a block holds a hit past one), and metric values that
+follow from an upstream difference.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ from dflash_audit.audit.replay.evidence import Evidence, comma_list, follows_fro
 from dflash_audit.audit.result import FAIL, PASS, WARN, CheckResult
 from dflash_audit.audit.slots import supervised_slots
 from dflash_audit.audit.tolerance import closeness, tolerance
-from dflash_audit.model.metrics import EAL_DEFINITIONS, dflash_metrics
+from dflash_audit.model.metrics import (
+    EAL_DEFINITIONS,
+    REFERENCE_EAL_DEFINITIONS,
+    dflash_metrics,
+    eal_by_definition,
+)
 
 
 #: One accuracy definition, in neutral words (SpecForge's and ModelOpt's ``train_acc``; said
@@ -41,18 +47,34 @@ def eal_value(metrics: dict[str, float]) -> float | None:
     return metrics.get("eal")
 
 
+#: What a candidate's EAL definition does where the reference's differs, in the audit's words
+#: (said with the definitions' numbers; the leading-run / product pair is the reference's own
+#: change between versions).
+RUN_PAST_UNSUPERVISED = "an unsupervised slot does not end the accepted run"
+EAL_DIFFERENCES = {
+    "run-past-unsupervised": f"{RUN_PAST_UNSUPERVISED}: the candidate counts hits past it; the "
+                             "reference stops at the first slot that is not a supervised hit"}
+
+
+def own_eals(side: SideOutputs, case: Case) -> dict[str, float | None]:
+    """A side's EAL under every definition (:func:`eal_by_definition`) on its own logits,
+    labels (``targets``' argmax, else its ``target_ids``) and aligned loss mask (empty when
+    one of them is missing)."""
+    t = side.tensors
+    labels = t.get("targets", t.get("target_ids"))
+    if labels is None or not {"logits", "aligned_loss_mask"} <= set(t):
+        return {}
+    return eal_by_definition(t["logits"], labels, t["aligned_loss_mask"],
+                             case.config.block_size, case.config.sample_from_anchor)
+
+
 def eal_definitions(side: SideOutputs, case: Case, value: float | None = None) -> list[str]:
     """Which EAL definitions (:data:`EAL_DEFINITIONS`) reproduce a side's reported EAL from
-    its own logits, targets and aligned loss mask (empty when none does or data is missing)."""
+    its own logits, labels and aligned loss mask (empty when none does or data is missing)."""
     value = eal_value(side.metrics) if value is None else value
-    t = side.tensors
-    if value is None or not {"logits", "targets", "aligned_loss_mask"} <= set(t):
+    if value is None:
         return []
-    m = dflash_metrics(t["logits"], t["targets"], t["aligned_loss_mask"],
-                       case.config.block_size, case.config.sample_from_anchor)
-    computed = {"leading-run": m["eal_sum"] / m["eal_total"] if m["eal_total"] else None,
-                "product-of-marginals": m["eal_product"]}
-    return [name for name, v in computed.items()
+    return [name for name, v in own_eals(side, case).items()
             if v is not None and abs(v - value) <= 1e-5 * max(1.0, abs(value))]
 
 
@@ -82,7 +104,8 @@ def check_metrics(case: Case, cand: SideOutputs, ref: SideOutputs) -> CheckResul
         elif not abs(c - r) <= 1e-5 * max(1.0, abs(r)):  # NaN: differs
             diffs[k] = {"candidate": c, "reference": r}
     ce, re_ = eal_value(cand.metrics), eal_value(ref.metrics)
-    c_defs, r_defs = eal_definitions(cand, case, ce), eal_definitions(ref, case, re_)
+    c_defs = eal_definitions(cand, case, ce)
+    r_defs = [d for d in eal_definitions(ref, case, re_) if d in REFERENCE_EAL_DEFINITIONS]
     details = {"eal": {"candidate": ce, "reference": re_, "candidate_definition": c_defs,
                        "reference_definition": r_defs, "definitions": EAL_DEFINITIONS},
                "differences": diffs}
@@ -161,18 +184,17 @@ def eal_offset_causes(ev: Evidence, result: CheckResult) -> list[str]:
     case tells the readings apart: never when the candidate's number equals a definition on its
     own tensors (the reference's among them), and only when exactly one definition +-1 fits."""
     diff = result.details.get("differences", {}).get("eal")
-    t = ev.cand.tensors
-    if not diff or not {"logits", "targets", "aligned_loss_mask"} <= set(t):
+    if not diff or "targets" not in ev.cand.tensors:
         return []
-    m = dflash_metrics(t["logits"], t["targets"], t["aligned_loss_mask"], ev.config.block_size,
-                       ev.config.sample_from_anchor)
-    own = {"leading-run": m["eal_sum"] / m["eal_total"] if m["eal_total"] else None,
-           "product-of-marginals": m["eal_product"]}
     ce = diff["candidate"]
 
     def same(a: float, b: float) -> bool:
         return abs(a - b) <= 1e-5 * max(1.0, abs(a))
 
+    own: dict[str, float] = {}
+    for name, value in own_eals(ev.cand, ev.case).items():  # equal readings: the first name
+        if value is not None and not any(same(value, v) for v in own.values()):
+            own[name] = value
     if any(v is not None and same(ce, v) for v in own.values()):
         return []  # the number is a definition itself: no offset to name
     fits = [(name, value, d, why) for name, value in own.items() if value is not None
@@ -205,10 +227,17 @@ def diagnose_metrics(ev: Evidence, result: CheckResult) -> list[str]:
     out = []
     cd, rd = eal.get("candidate_definition") or [], eal.get("reference_definition") or []
     if cd and rd and not set(cd) & set(rd):
-        out.append(f"acceptance-length definitions differ: the candidate's EAL is {cd[0]!r} "
-                   f"({EAL_DEFINITIONS[cd[0]]}), the reference's {rd[0]!r} "
-                   f"({EAL_DEFINITIONS[rd[0]]}); the reference changed definitions between "
-                   "versions (0.9.0: leading-run, main@c05b95b: product-of-marginals)")
+        own = own_eals(ev.cand, ev.case)
+        if cd[0] in EAL_DIFFERENCES:
+            also = f"; also equal to {comma_list([repr(d) for d in cd[1:]])}" if cd[1:] else ""
+            out.append(f"acceptance length: {EAL_DIFFERENCES[cd[0]]} (on the candidate's own "
+                       f"logits: {cd[0]!r} {own[cd[0]]:.4g}, the reference's {rd[0]!r} "
+                       f"{own[rd[0]]:.4g}{also})")
+        else:
+            out.append(f"acceptance-length definitions differ: the candidate's EAL is {cd[0]!r} "
+                       f"({EAL_DEFINITIONS[cd[0]]}), the reference's {rd[0]!r} "
+                       f"({EAL_DEFINITIONS[rd[0]]}); the reference changed definitions between "
+                       "versions (0.9.0: leading-run, main@c05b95b: product-of-marginals)")
     t = ev.cand.tensors
     if {"logits", "targets", "aligned_loss_mask"} <= set(t):
         own = dflash_metrics(t["logits"], t["targets"], t["aligned_loss_mask"],

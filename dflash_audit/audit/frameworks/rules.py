@@ -16,7 +16,7 @@ from dflash_audit.audit.checks.anchors import (
     NEEDS_OWN_DOCUMENT,
     ONE_FEWER,
 )
-from dflash_audit.audit.checks.metrics import DATA_TOKEN_ACCURACY
+from dflash_audit.audit.checks.metrics import DATA_TOKEN_ACCURACY, RUN_PAST_UNSUPERVISED
 from dflash_audit.audit.checks.structure import DECODER_LAYER_IDS
 
 #: A rule's neutral name -> (what it is, the framework keys whose own code has it).
@@ -33,6 +33,9 @@ OWNED_RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     NEEDS_OWN_DOCUMENT: ("rule", ("nemo",)),
     # their train_acc against input_ids[a+s]
     DATA_TOKEN_ACCURACY: ("accuracy", ("specforge", "modelopt", "nemo")),
+    # nemo 0.7.0 speculative/dflash/core.py:139-141 (compute_accept_len: invalid slots count
+    # as correct in the cumprod)
+    RUN_PAST_UNSUPERVISED: ("acceptance length", ("nemo",)),
     # z-lab dflash/model.py:37-43, SpecForge and ModelOpt read hidden_states[id + 1]
     # NeMo's target.py:175 hooks decoder layer i (= HF hidden_states[i + 1])
     DECODER_LAYER_IDS: ("convention", ("zlab", "specforge", "modelopt", "nemo")),
