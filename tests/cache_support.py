@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,8 +53,9 @@ def copy_of_cache(dest: Path, releases: bool = True, private_bytecode: bool = Fa
     the reference releases when ``releases`` (without bytecode next to the sources or staging
     folders), the reference processes' warm bytecode (``pycache``; a cold one costs each
     reference process ~5 s of compiling torch and transformers) and a link to the converted
-    verifiers (read only). The bytecode is linked to the suite's, or copied when
-    ``private_bytecode`` (a test whose candidate writes there, or whose audit discards it).
+    verifiers (read only). The bytecode is linked to the suite's, or, when
+    ``private_bytecode`` (a test whose candidate writes there, or whose audit discards it),
+    this interpreter's part of it is copied (:func:`_copy_interpreter_bytecode`).
     With the releases come the records of their passed import checks (``import-checks``,
     keyed by the release's digest, not its folder: a copy imports as the original does),
     signed again with the copy's own report key. Never the reference cache's records, the
@@ -67,7 +69,7 @@ def copy_of_cache(dest: Path, releases: bool = True, private_bytecode: bool = Fa
         _resign_import_checks(src, dest)
     (src / "pycache").mkdir(exist_ok=True)
     if private_bytecode:
-        shutil.copytree(src / "pycache", dest / "pycache")
+        _copy_interpreter_bytecode(src / "pycache", dest / "pycache")
     else:
         (dest / "pycache").symlink_to(src / "pycache")
     if (src / "verifiers").is_dir():
@@ -97,6 +99,30 @@ def _resign_import_checks(src: Path, dest: Path) -> None:
         if found is not None:
             sr.write_signed(dest / IMPORT_CHECKS_DIR / folder.name, folder.name, found[0], {},
                             new, KIND)
+
+
+def _interpreter_roots() -> list[str]:
+    """This interpreter's installation folders (its prefix and base prefix, as given and
+    resolved), outermost first and none inside another."""
+    roots = sorted({os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                                 sys.base_exec_prefix)}
+                   | {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)})
+    return [r for r in roots if not any(r != o and r.startswith(o.rstrip(os.sep) + os.sep)
+                                        for o in roots)]
+
+
+def _copy_interpreter_bytecode(src: Path, dest: Path) -> None:
+    """Copy the bytecode of the suite's interpreter (stdlib and site-packages: what a reference
+    process imports besides the reference tree and the adapter, whose copies lie elsewhere and
+    are compiled by the audit) from the bytecode prefix ``src`` to ``dest``; not that of other
+    interpreters, venvs or earlier test folders that share the suite's cache (hundreds of MB
+    that no audit on the copy reads)."""
+    dest.mkdir(parents=True)
+    for tag in (p for p in src.iterdir() if p.is_dir()):
+        for root in _interpreter_roots():
+            mirrored = tag / root.lstrip(os.sep)
+            if mirrored.is_dir():
+                shutil.copytree(mirrored, dest / tag.name / root.lstrip(os.sep))
 
 
 def release_repo(source_dir: Path, path: Path) -> git.Repo:

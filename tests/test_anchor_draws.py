@@ -7,6 +7,7 @@ reference side is our sampler (hand-perturbed section) or the real reference's (
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -29,10 +30,17 @@ CONFIG = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=
                       num_key_value_heads=2, head_dim=8, num_hidden_layers=1, vocab_size=96,
                       num_verifier_layers=6, target_layer_ids=(1, 3, 4), mask_token_id=95,
                       block_size=B)
-CASE = synthetic_case("anchors", CONFIG, LossSpec(), seed=5, seq_len=64, num_documents=2,
-                      pad=0, max_anchors=6)
-LM = CASE.inputs["loss_mask"]
-T = LM.shape[-1]
+T = 64  # the case's row length
+
+
+@functools.cache
+def case():
+    """The shared case, built on first use (not at collection: its drafter imports
+    transformers)."""
+    built = synthetic_case("anchors", CONFIG, LossSpec(), seed=5, seq_len=T, num_documents=2,
+                           pad=0, max_anchors=6)
+    assert built.inputs["loss_mask"].shape[-1] == T
+    return built
 
 
 def _pad(chosen: torch.Tensor, max_anchors: int, fill: int = 0):
@@ -148,11 +156,12 @@ def paired(loss_mask, max_anchors, block_size, g):
 
 @pytest.fixture(scope="module")
 def ours():
-    return SideOutputs(draw_anchors(DrafterCandidate().select_anchors, CASE), {}, {})
+    return SideOutputs(draw_anchors(DrafterCandidate().select_anchors, case()), {}, {})
 
 
 def check(select, ref):
-    return check_anchor_draws(CASE, SideOutputs(draw_anchors(select, CASE, seed=7), {}, {}), ref)
+    drawn = SideOutputs(draw_anchors(select, case(), seed=7), {}, {})
+    return check_anchor_draws(case(), drawn, ref)
 
 
 @pytest.mark.parametrize("select", [
@@ -247,9 +256,10 @@ def with_slots(case, max_anchors):
 
 def test_a_window_is_a_stride_of_one():
     """20 anchors among 29 valid positions: the strided sampler takes a contiguous window."""
-    case = with_slots(CASE, 20)
-    ref = SideOutputs(draw_anchors(DrafterCandidate().select_anchors, case), {}, {})
-    r = check_anchor_draws(case, SideOutputs(draw_anchors(strided(), case, seed=7), {}, {}), ref)
+    slotted = with_slots(case(), 20)
+    ref = SideOutputs(draw_anchors(DrafterCandidate().select_anchors, slotted), {}, {})
+    r = check_anchor_draws(slotted, SideOutputs(draw_anchors(strided(), slotted, seed=7), {}, {}),
+                           ref)
     assert r.status == "fail" and r.details["causes"] == [
         "anchors drawn at a fixed stride over the valid positions: a contiguous window of 20 "
         "valid positions from a random start, its start drawn within the slack the stride "
@@ -264,15 +274,16 @@ def test_a_window_is_a_stride_of_one():
         "here, not a rule that ties a draw's anchors together (a stride)"),
 ], ids=["all-positions", "one-anchor"])
 def test_a_case_that_cannot_show_a_stride_says_so(slots, note):
-    case = with_slots(CASE, slots)
-    ref = SideOutputs(draw_anchors(DrafterCandidate().select_anchors, case), {}, {})
+    slotted = with_slots(case(), slots)
+    ref = SideOutputs(draw_anchors(DrafterCandidate().select_anchors, slotted), {}, {})
     for select in (strided(), strided(wrap=True)):
-        r = check_anchor_draws(case, SideOutputs(draw_anchors(select, case, seed=7), {}, {}), ref)
+        r = check_anchor_draws(slotted, SideOutputs(draw_anchors(select, slotted, seed=7), {}, {}),
+                               ref)
         assert r.status == "pass" and r.details["cannot_show"] == note and r.summary.endswith(
             f"; {note}"), r.summary
     if slots == 1:  # per-position frequencies still show a skewed single anchor
-        r = check_anchor_draws(case, SideOutputs(draw_anchors(sorted_truncated, case, seed=7),
-                                                 {}, {}), ref)
+        r = check_anchor_draws(slotted, SideOutputs(draw_anchors(sorted_truncated, slotted,
+                                                                 seed=7), {}, {}), ref)
         assert r.status == "fail" and r.details["causes"][0].startswith(
             "anchors not drawn uniformly over the valid positions: the first third")
 
@@ -315,20 +326,21 @@ def test_sampler_with_the_reference_signature_uses_the_global_rng(ours):
         return uniform()(loss_mask, n, block_size, None)
 
     assert check(reference_style, ours).status == "pass"
-    again = draw_anchors(reference_style, CASE)["anchor_draws"]
-    assert torch.equal(again, draw_anchors(reference_style, CASE)["anchor_draws"])  # seeded
+    again = draw_anchors(reference_style, case())["anchor_draws"]
+    assert torch.equal(again, draw_anchors(reference_style, case())["anchor_draws"])  # seeded
 
 
 def test_missing_sampler_warns_and_shape_mismatch_fails(ours):
-    assert check_anchor_draws(CASE, SideOutputs({}, {}, {}), ours).status == "warn"
+    assert check_anchor_draws(case(), SideOutputs({}, {}, {}), ours).status == "warn"
     short = {k: v[:10] for k, v in ours.tensors.items()}
-    assert check_anchor_draws(CASE, SideOutputs(short, {}, {}), ours).status == "fail"
+    assert check_anchor_draws(case(), SideOutputs(short, {}, {}), ours).status == "fail"
 
 
 @pytest.mark.reference
 def test_against_the_reference_sampler(run_reference_cases):
     """Our sampler matches the real reference's; one without the tail exclusion fails with a
     diagnosis through the full check run."""
+    CASE = case()
     ref = run_reference_cases([CASE])[CASE.name]
     assert ref.tensors["anchor_draws"].shape == (512, 6)
     cand = DrafterCandidate()

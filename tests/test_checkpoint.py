@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash_audit.audit.cases.synthetic import synthetic_batch
 from dflash_audit.model.anchors import select_anchors
@@ -28,6 +27,8 @@ SCRIPT = Path(__file__).parent / "reference_scripts" / "checkpoint_roundtrip.py"
 @pytest.fixture(scope="module")
 def verifier(tmp_path_factory):
     """A tiny random Llama verifier saved as a local HF folder (untied head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # not at collection: ~3 s
+
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -49,8 +50,10 @@ CONFIG = DFlashConfig(hidden_size=32, intermediate_size=64, num_attention_heads=
                       sliding_window=6)
 
 
+@functools.cache
 def _case():
-    """3 documents, padding, and one padding anchor (anchor_valid False) appended."""
+    """3 documents, padding, and one padding anchor (anchor_valid False) appended; built once,
+    on first use (not at collection: its drafter imports transformers)."""
     case = synthetic_case("unit", CONFIG, LossSpec(), seed=11, seq_len=48, num_documents=3, pad=4,
                           max_anchors=5)
     case.inputs["anchor_positions"] = torch.cat([case.inputs["anchor_positions"],
@@ -59,8 +62,6 @@ def _case():
                                              torch.zeros(1, dtype=torch.bool)])
     return case
 
-
-CASE = _case()
 B = CONFIG.block_size
 
 
@@ -68,10 +69,10 @@ B = CONFIG.block_size
 def ours():
     """Our drafter's outputs: the "reference" of the unit tests (conformant, see below)."""
     cand = DrafterCandidate()
-    out = cand.run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    out = cand.run_case(_case().config, _case().loss, _case().weights, _case().inputs)
     out.structure.update(verifier_norm="Qwen3RMSNorm", load_missing_keys=[],
                          load_unexpected_keys=[])
-    out.tensors.update(draw_anchors(cand.select_anchors, CASE))  # as the harness adds them
+    out.tensors.update(draw_anchors(cand.select_anchors, _case()))  # as the harness adds them
     return out
 
 
@@ -93,7 +94,7 @@ def test_tolerance_table_is_keyed_by_dtype():
     assert TOLERANCES[torch.float32] == {"atol": 1e-5, "rtol": 1e-5}
     assert TOLERANCES[torch.bfloat16]["rtol"] > TOLERANCES[torch.float16]["rtol"] > \
         TOLERANCES[torch.float32]["rtol"]
-    assert tolerance(CASE) == {"atol": 1e-5, "rtol": 1e-5}
+    assert tolerance(_case()) == {"atol": 1e-5, "rtol": 1e-5}
 
 
 def test_closeness_reports_max_diffs_and_first_index():
@@ -120,7 +121,7 @@ def test_fit_decay_recovers_gamma_and_formula(gamma):
 
 # --------------------------------------------------------------------------- identical
 def test_identical_outputs_pass_every_check(ours):
-    results = run_checks(CASE, ours, ours)
+    results = run_checks(_case(), ours, ours)
     assert [r.name for r in results] == ["protocol", "structure", "defaults", "mask", "mask",
                                          "context", "targets", "logits", "loss", "gradients",
                                          "metrics", "anchors"]
@@ -134,11 +135,11 @@ def test_mask_difference_on_a_trained_row_fails_with_coordinates(ours):
     m = ours.tensors["mask.full_attention"].clone()
     q = int(supervised(ours).nonzero()[0])  # a supervised slot
     j, s = divmod(q, B)
-    kv = int(CASE.inputs["anchor_positions"][j])  # its anchor position: `<=` rule
+    kv = int(_case().inputs["anchor_positions"][j])  # its anchor position: `<=` rule
     m[q, kv] = True
-    full, sliding = check_masks(CASE, edited(ours, **{"mask.full_attention": m}), ours)
+    full, sliding = check_masks(_case(), edited(ours, **{"mask.full_attention": m}), ours)
     assert full.status == "fail" and sliding.status == "pass"
-    doc = int(CASE.inputs["document_ids"][0, kv])
+    doc = int(_case().inputs["document_ids"][0, kv])
     assert full.first_diff == {"anchor": j, "anchor_position": kv, "slot": s, "position": kv + s,
                                "document": doc, "kv_position": kv, "kv_document": doc,
                                "layer_type": FULL_ATTENTION}
@@ -148,9 +149,9 @@ def test_mask_difference_on_a_trained_row_fails_with_coordinates(ours):
 
 def test_mask_difference_on_an_untrained_block_passes(ours):
     m = ours.tensors["mask.sliding_attention"].clone()
-    pad_block = CASE.inputs["anchor_valid"].numel() - 1  # the padding anchor's block
+    pad_block = _case().inputs["anchor_valid"].numel() - 1  # the padding anchor's block
     m[pad_block * B:, :] = ~m[pad_block * B:, :]
-    _, sliding = check_masks(CASE, edited(ours, **{"mask.sliding_attention": m}), ours)
+    _, sliding = check_masks(_case(), edited(ours, **{"mask.sliding_attention": m}), ours)
     assert sliding.status == "pass" and "cannot change training" in sliding.summary
     assert sliding.details["differing"] > 0 and sliding.details["differing_on_supervised_rows"] == 0
 
@@ -176,23 +177,23 @@ def test_mask_leaks_are_named(ours, change, cause):
     from dflash_audit.audit.checks.mask import build_mask, expected_mask_hypothesis
     from dflash_audit.audit.diagnose import diagnose
 
-    h = dataclasses.replace(expected_mask_hypothesis(CASE, FULL_ATTENTION), **change)
-    cand = edited(ours, **{"mask.full_attention": build_mask(CASE, h)})
-    results = check_masks(CASE, cand, ours)
-    diagnose(CASE, cand, ours, results)
+    h = dataclasses.replace(expected_mask_hypothesis(_case(), FULL_ATTENTION), **change)
+    cand = edited(ours, **{"mask.full_attention": build_mask(_case(), h)})
+    results = check_masks(_case(), cand, ours)
+    diagnose(_case(), cand, ours, results)
     assert [r.status for r in results] == ["fail", "pass"]
     assert results[0].diagnosis == [cause]
-    expected = build_mask(CASE, expected_mask_hypothesis(CASE, FULL_ATTENTION))
+    expected = build_mask(_case(), expected_mask_hypothesis(_case(), FULL_ATTENTION))
     assert torch.equal(expected, ours.tensors["mask.full_attention"])  # the rebuild is exact
 
 
 def test_missing_or_float_masks(ours):
-    missing = check_masks(CASE, edited(ours, drop=("mask.full_attention",)), ours)
+    missing = check_masks(_case(), edited(ours, drop=("mask.full_attention",)), ours)
     assert [r.status for r in missing] == ["warn", "pass"]
     assert missing[0].summary.startswith("not provided")
     additive = torch.zeros_like(ours.tensors["mask.full_attention"], dtype=torch.float32)
     additive[~ours.tensors["mask.full_attention"]] = float("-inf")
-    float_mask = check_masks(CASE, edited(ours, **{"mask.full_attention": additive[None, None]}),
+    float_mask = check_masks(_case(), edited(ours, **{"mask.full_attention": additive[None, None]}),
                              ours)
     assert [r.status for r in float_mask] == ["pass", "pass"]
 
@@ -202,10 +203,10 @@ def test_logits_compared_only_on_supervised_slots(ours):
     sup = supervised(ours)
     logits = ours.tensors["logits"].clone()
     logits[0, ~sup] += 5.0
-    assert check_logits(CASE, edited(ours, logits=logits), ours).status == "pass"
+    assert check_logits(_case(), edited(ours, logits=logits), ours).status == "pass"
     q = int(sup.nonzero()[2])
     logits[0, q, 7] += 1e-3
-    res = check_logits(CASE, edited(ours, logits=logits), ours)
+    res = check_logits(_case(), edited(ours, logits=logits), ours)
     assert res.status == "fail" and res.max_abs_diff == pytest.approx(1e-3, rel=1e-3)
     j, s = divmod(q, B)
     assert res.first_diff["anchor"] == j and res.first_diff["slot"] == s
@@ -216,28 +217,28 @@ def test_logits_compared_only_on_supervised_slots(ours):
 def test_tiny_noise_within_tolerance_passes(ours):
     noise = 1 + 1e-7 * torch.randn(ours.tensors["targets"].shape,
                                    generator=torch.Generator().manual_seed(0))
-    res = check_targets(CASE, edited(ours, targets=ours.tensors["targets"] * noise), ours)
+    res = check_targets(_case(), edited(ours, targets=ours.tensors["targets"] * noise), ours)
     assert res.status == "pass" and 0 < res.max_abs_diff < 1e-5
 
 
 def test_shape_mismatch_and_missing_tensors(ours):
     short = ours.tensors["targets"][..., :50]
-    res = check_targets(CASE, edited(ours, targets=short), ours)
+    res = check_targets(_case(), edited(ours, targets=short), ours)
     assert res.status == "fail" and res.candidate == [1, 24, 50] and res.reference == [1, 24, 96]
-    res = check_logits(CASE, edited(ours, drop=("logits",)), ours)
+    res = check_logits(_case(), edited(ours, drop=("logits",)), ours)
     assert res.status == "warn" and res.summary.startswith("not provided")
 
 
 def test_context_compared_on_attended_positions_only(ours):
     ctx = ours.tensors["context"].clone()
-    pad = (CASE.inputs["document_ids"][0] == -1).nonzero().squeeze(-1)
+    pad = (_case().inputs["document_ids"][0] == -1).nonzero().squeeze(-1)
     ctx[0, pad] = float("nan")  # padding is never attended
-    assert check_context(CASE, edited(ours, context=ctx), ours).status == "pass"
-    doc = CASE.inputs["document_ids"][0]
-    seen = attended_positions(CASE, ours)
+    assert check_context(_case(), edited(ours, context=ctx), ours).status == "pass"
+    doc = _case().inputs["document_ids"][0]
+    seen = attended_positions(_case(), ours)
     p = int(seen.nonzero()[0])
     ctx[0, p, 3] += 0.1
-    res = check_context(CASE, edited(ours, context=ctx), ours)
+    res = check_context(_case(), edited(ours, context=ctx), ours)
     assert res.status == "fail"
     assert res.first_diff == {"position": p, "document": int(doc[p]), "feature": 3}
 
@@ -245,7 +246,7 @@ def test_context_compared_on_attended_positions_only(ours):
 # --------------------------------------------------------------------------------- loss
 def test_loss_weights_report_implied_gamma(ours):
     w7 = exp_decay_weights(B, 7.0).repeat(ours.tensors["loss_weights.kl_div"].numel() // B)[None]
-    res = check_loss(CASE, edited(ours, **{"loss_weights.kl_div": w7}), ours)
+    res = check_loss(_case(), edited(ours, **{"loss_weights.kl_div": w7}), ours)
     assert res.status == "fail"
     assert res.details["implied_gamma"]["kl_div"]["candidate"] == pytest.approx(7.0, rel=1e-5)
     assert res.details["implied_gamma"]["kl_div"]["reference"] == pytest.approx(4.0, rel=1e-5)
@@ -253,13 +254,13 @@ def test_loss_weights_report_implied_gamma(ours):
 
 
 def test_loss_total_and_aligned_mask(ours):
-    res = check_loss(CASE, edited(ours, loss=ours.tensors["loss"] * 1.01), ours)
+    res = check_loss(_case(), edited(ours, loss=ours.tensors["loss"] * 1.01), ours)
     assert res.status == "fail" and res.max_rel_diff == pytest.approx(0.01, rel=1e-3)
     m = ours.tensors["aligned_loss_mask"].clone()
     m[0, 0] = 1.0  # slot 0 of anchor 0 trained
-    res = check_loss(CASE, edited(ours, aligned_loss_mask=m), ours)
+    res = check_loss(_case(), edited(ours, aligned_loss_mask=m), ours)
     assert res.status == "fail" and res.first_diff["slot"] == 0 and res.first_diff["anchor"] == 0
-    res = check_loss(CASE, edited(ours, drop=("loss_weights.kl_div",)), ours)
+    res = check_loss(_case(), edited(ours, drop=("loss_weights.kl_div",)), ours)
     assert res.status == "warn"
 
 
@@ -268,10 +269,10 @@ def test_gradients_relative_tolerance_and_named_parameter(ours):
     g = ours.tensors["grad.layers.1.mlp.up_proj.weight"]
     scale = float(g.abs().max())
     tiny = edited(ours, **{"grad.layers.1.mlp.up_proj.weight": g + 1e-6 * scale})
-    assert check_gradients(CASE, tiny, ours).status == "pass"
+    assert check_gradients(_case(), tiny, ours).status == "pass"
     big = g.clone()
     big[2, 3] += 0.5 * scale
-    res = check_gradients(CASE, edited(ours, **{"grad.layers.1.mlp.up_proj.weight": big}), ours)
+    res = check_gradients(_case(), edited(ours, **{"grad.layers.1.mlp.up_proj.weight": big}), ours)
     assert res.status == "fail"
     assert res.first_diff["parameter"] == "layers.1.mlp.up_proj.weight"
     assert res.first_diff["index"] == [2, 3]
@@ -279,14 +280,14 @@ def test_gradients_relative_tolerance_and_named_parameter(ours):
 
 
 def test_missing_and_frozen_gradients(ours):
-    res = check_gradients(CASE, edited(ours, drop=("grad.fc.weight",)), ours)
+    res = check_gradients(_case(), edited(ours, drop=("grad.fc.weight",)), ours)
     assert res.status == "fail" and "fc.weight: no gradient on the candidate side" in res.summary
     frozen = edited(ours, **{"grad.embed_tokens.weight": torch.ones(96, 32)})
-    res = check_gradients(CASE, frozen, ours)
+    res = check_gradients(_case(), frozen, ours)
     assert res.status == "fail" and res.details["failing"] == ["embed_tokens.weight"]
     none = edited(ours, drop=[k for k in ours.tensors if k.startswith("grad.")])
     none.trainable = []
-    assert check_gradients(CASE, none, ours).status == "warn"
+    assert check_gradients(_case(), none, ours).status == "warn"
 
 
 # ---------------------------------------------------------------------------- structure
@@ -294,10 +295,10 @@ def test_structure_one_sided_fields_ignored_and_profile_checked(ours):
     cand = edited(ours)
     for key in ("verifier_norm", "load_missing_keys", "load_unexpected_keys"):
         cand.structure.pop(key)
-    assert check_structure(CASE, cand, ours).status == "pass"
+    assert check_structure(_case(), cand, ours).status == "pass"
     cand.structure["fc_in_features"] = 64
     cand.structure["state_dict"]["fc.weight"]["shape"] = [32, 64]
-    res = check_structure(CASE, cand, ours)
+    res = check_structure(_case(), cand, ours)
     assert res.status == "fail"
     fields = {f["field"] for f in res.details["findings"]}
     assert {"fc_in_features", "state_dict.fc.weight.shape"} <= fields
@@ -308,35 +309,36 @@ def test_structure_one_sided_fields_ignored_and_profile_checked(ours):
 def test_structure_warnings_and_failures(ours):
     cand = edited(ours)
     cand.structure["state_dict"]["embed_tokens.weight"]["dtype"] = "bfloat16"  # frozen
-    assert check_structure(CASE, cand, ours).status == "warn"
+    assert check_structure(_case(), cand, ours).status == "warn"
     cand.structure["state_dict"]["norm.weight"]["dtype"] = "bfloat16"  # trained, no master copy
-    res = check_structure(CASE, cand, ours)
+    res = check_structure(_case(), cand, ours)
     assert res.status == "fail" and res.summary == (
         "1 fail: 'norm.weight' is trained in bfloat16 with no float32 master copy reported (the "
         "reference trains float32 weights)")
     cand.structure["master_weights"] = {"norm.weight": "float32"}  # its optimizer keeps one
-    assert check_structure(CASE, cand, ours).status == "warn"
+    assert check_structure(_case(), cand, ours).status == "warn"
     cand = edited(ours)
     cand.structure["state_dict"]["embed_tokens.weight"]["trainable"] = True
-    res = check_structure(CASE, cand, ours)
+    res = check_structure(_case(), cand, ours)
     assert res.status == "fail" and "trained on the candidate side" in res.summary
     ref = edited(ours)
     ref.structure["load_missing_keys"] = ["hidden_norm.weight"]
-    res = check_structure(CASE, edited(ours), ref)
+    res = check_structure(_case(), edited(ours), ref)
     assert res.status == "fail" and "did not fill reference parameter" in res.summary
     empty = edited(ours)
     empty.structure = {}
-    assert check_structure(CASE, empty, ours).status == "warn"
+    assert check_structure(_case(), empty, ours).status == "warn"
     extra = edited(ours)  # a field the reference does not report: nothing to compare it with
     extra.structure["implementation"] = "my-dflash 0.1"
-    res = check_structure(CASE, extra, ours)
+    res = check_structure(_case(), extra, ours)
     assert res.status == "warn" and res.details["findings"] == [
         {"field": "implementation", "candidate": "my-dflash 0.1", "reference": None,
          "status": "warn", "reason": "implementation reported only by the candidate"}]
 
 
 def test_structure_window_ignored_without_sliding_layers(ours):
-    full = dataclasses.replace(CASE, config=CONFIG.replace(layer_types=None, sliding_window=None))
+    full = dataclasses.replace(_case(),
+                               config=CONFIG.replace(layer_types=None, sliding_window=None))
     cand, ref = edited(ours), edited(ours)
     for side, w in ((cand, 5), (ref, None)):
         side.structure.update(layer_types=[FULL_ATTENTION] * 2, sliding_window=w,
@@ -350,18 +352,18 @@ def test_defaults_report_each_side_and_never_fail(ours):
     ref.defaults = {"gamma": 4.0, "block_size": 8, "max_anchors": 512,
                     "per_position_loss_weight": "fixed-exp-decay",
                     "loss_when_unset": "kl_div (fused)"}
-    res = check_defaults(CASE, ours, ref)
+    res = check_defaults(_case(), ours, ref)
     assert res.status == "pass"
     assert res.details["fields"]["block_size"] == {"profile": 4, "candidate_default": 8,
                                                    "reference_default": 8}
     cand = edited(ours)
     cand.defaults = {"gamma": 7.0, "loss": "kl_div"}
-    res = check_defaults(CASE, cand, ref)
+    res = check_defaults(_case(), cand, ref)
     assert res.status == "warn" and "gamma: candidate 7.0, reference 4.0" in res.summary
     # 4 and 4.0 are one default: the diagnosis names only the gamma that differs in value
     cand.defaults = {"gamma": 7.0, "block_size": 8.0, "max_anchors": 512}
-    res = check_defaults(CASE, cand, ref)
-    assert diagnose_defaults(Evidence(CASE, cand, ref), res) == [
+    res = check_defaults(_case(), cand, ref)
+    assert diagnose_defaults(Evidence(_case(), cand, ref), res) == [
         "the candidate's default gamma 7.0 differs from the reference's 4.0: a run without an "
         "explicit profile would train differently"]
 
@@ -369,23 +371,23 @@ def test_defaults_report_each_side_and_never_fail(ours):
 def test_metrics_eal_definition_difference_warns_naming_both(ours):
     cand = edited(ours)
     cand.metrics.update(eal_sum=ours.metrics["eal_product"], eal_total=1.0)
-    res = check_metrics(CASE, cand, ours)
+    res = check_metrics(_case(), cand, ours)
     assert res.status == "warn"
     assert res.details["eal"]["reference_definition"] == ["leading-run"]
     assert res.details["eal"]["candidate_definition"] == ["product-of-marginals"]
     assert "'product-of-marginals'" in res.summary and "'leading-run'" in res.summary
-    res = check_metrics(CASE, ours, ours)
+    res = check_metrics(_case(), ours, ours)
     assert res.status == "pass" and "leading-run" in res.summary
 
 
 def test_metric_value_difference_warns_and_missing_metrics(ours):
     cand = edited(ours)
     cand.metrics["position_2_acc_sum"] += 1
-    res = check_metrics(CASE, cand, ours)
+    res = check_metrics(_case(), cand, ours)
     assert res.status == "warn" and res.first_diff["metric"] == "position_2_acc_sum"
     none = edited(ours)
     none.metrics = {}
-    assert check_metrics(CASE, none, ours).summary.startswith("not provided")
+    assert check_metrics(_case(), none, ours).summary.startswith("not provided")
 
 
 @pytest.mark.parametrize("sample_from_anchor", [True, False])
@@ -394,7 +396,8 @@ def test_metrics_over_the_other_slot_range_are_named(ours, sample_from_anchor):
     count it without) warn, naming the slot range, not "computed differently"."""
     from dflash_audit.audit.diagnose import diagnose
 
-    case = dataclasses.replace(CASE, config=CONFIG.replace(sample_from_anchor=sample_from_anchor))
+    case = dataclasses.replace(
+        _case(), config=CONFIG.replace(sample_from_anchor=sample_from_anchor))
     mask = ours.tensors["aligned_loss_mask"].clone()
     mask.view(-1, B)[:, 0] = 1.0  # slot 0 supervised, as the anchor slot under sample_from_anchor
     ref, cand = edited(ours, aligned_loss_mask=mask), edited(ours, aligned_loss_mask=mask)
@@ -418,8 +421,8 @@ def test_a_candidate_with_almost_no_outputs_fails_the_protocol_not_crashes(ours)
 
     cand = SideOutputs({"logits": ours.tensors["logits"]}, {"eal": 1.0},
                        {"fc_in_features": 96})
-    results = run_checks(CASE, cand, ours)
-    diagnose(CASE, cand, ours, results)
+    results = run_checks(_case(), cand, ours)
+    diagnose(_case(), cand, ours, results)
     status = {(r.name, r.details.get("layer_type")): r.status for r in results}
     # the outputs it left out cannot be compared: that fails the gate (protocol), once
     protocol = next(r for r in results if r.name == "protocol")
@@ -439,7 +442,7 @@ def test_a_crashing_check_becomes_a_failure(ours, monkeypatch):
         raise RuntimeError("bad output")
 
     monkeypatch.setattr(checks, "CHECKS", (("logits", boom),) + checks.CHECKS[-1:])
-    res = run_checks(CASE, ours, ours)
+    res = run_checks(_case(), ours, ours)
     assert (res[0].name, res[0].status) == ("logits", "fail")
     assert "RuntimeError: bad output" in res[0].summary and res[1].status == "pass"
 
@@ -524,7 +527,7 @@ def test_metric_helper_matches_dflash_metrics(ours):
     t = ours.tensors
     m = dflash_metrics(t["logits"], t["targets"], t["aligned_loss_mask"], B)
     assert eal_value(ours.metrics) == pytest.approx(m["eal_sum"] / m["eal_total"])
-    assert "leading-run" in eal_definitions(ours, CASE)
+    assert "leading-run" in eal_definitions(ours, _case())
 
 
 def test_all_finite_is_the_elementwise_test_in_one_sum():

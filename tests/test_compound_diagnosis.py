@@ -8,6 +8,7 @@ conformant twin of every example (it passes).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import pytest
@@ -56,20 +57,29 @@ def _anchor_case():
     return dataclasses.replace(case, inputs={**case.inputs, "loss_mask": lm})
 
 
-CASES = {c.name: c for c in [
-    synthetic_case("mixed", MIXED, LossSpec(), seed=7, seq_len=64, num_documents=3, pad=4,
-                   max_anchors=6),
-    synthetic_case("dpace-ce", MIXED, LossSpec("ce", "dpace"), seed=11, seq_len=64,
-                   num_documents=2, pad=2, max_anchors=6),
-    synthetic_case("dpace-kl", MIXED, LossSpec("kl_div", "dpace"), seed=12, seq_len=64,
-                   num_documents=2, pad=2, max_anchors=6),
-    _anchor_case(),
-]}
+#: The cases' names, in order (the cases are built on first use, not at collection).
+CASE_NAMES = ("mixed", "dpace-ce", "dpace-kl", "anchors")
+
+
+@functools.cache
+def cases() -> dict:
+    """``{name: case}`` of :data:`CASE_NAMES`, built once."""
+    built = {c.name: c for c in [
+        synthetic_case("mixed", MIXED, LossSpec(), seed=7, seq_len=64, num_documents=3, pad=4,
+                       max_anchors=6),
+        synthetic_case("dpace-ce", MIXED, LossSpec("ce", "dpace"), seed=11, seq_len=64,
+                       num_documents=2, pad=2, max_anchors=6),
+        synthetic_case("dpace-kl", MIXED, LossSpec("kl_div", "dpace"), seed=12, seq_len=64,
+                       num_documents=2, pad=2, max_anchors=6),
+        _anchor_case(),
+    ]}
+    assert tuple(built) == CASE_NAMES
+    return built
 
 
 @pytest.fixture(scope="module")
 def reference(run_reference_cases):
-    return run_reference_cases(list(CASES.values()))
+    return run_reference_cases(list(cases().values()))
 
 
 def audit(candidate, case, reference, memo=None):
@@ -197,7 +207,7 @@ def no_unexplained(results):
 @pytest.mark.parametrize("example", sorted(EXPECTED))
 def test_example_names_every_cause_and_each_cause_replays(example, reference):
     case_name, expected, replays = EXPECTED[example]
-    case = CASES[case_name]
+    case = cases()[case_name]
     file = "soft_ce" if example == "soft_ce_dpace" else example
     cand, results = audit(load_candidate(f"{EXAMPLES / file}.py:candidate"), case, reference)
     for key, starts in expected.items():
@@ -211,8 +221,9 @@ def test_example_names_every_cause_and_each_cause_replays(example, reference):
     assert replays(case, cand, reference[case.name]), "a named cause does not replay"
 
 
-@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
-def test_our_drafter_is_the_conformant_twin(case, reference):
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_our_drafter_is_the_conformant_twin(name, reference):
+    case = cases()[name]
     _, results = audit(DrafterCandidate(), case, reference)
     assert {r.status for r in results.values()} <= {"pass", "warn"}, \
         [(k, r.summary) for k, r in results.items() if r.status == "fail"]
@@ -233,7 +244,7 @@ ANCHORS = {
 
 @pytest.mark.parametrize("example", sorted(ANCHORS))
 def test_anchor_rule_is_named_and_its_rule_replays(example, reference):
-    case = CASES["anchors"]
+    case = cases()["anchors"]
     cause, rule = ANCHORS[example]
     cand, results = audit(load_candidate(f"{EXAMPLES / example}.py:candidate"), case, reference)
     r = results["anchors"]
@@ -290,16 +301,16 @@ def test_derivation_classes_are_named(example, family, cause, family_cases):
 def test_a_cause_found_on_one_case_is_tried_first_on_the_next(reference):
     memo = SearchMemo()
     example = load_candidate(f"{EXAMPLES / 'packed_positions'}.py:candidate")
-    audit(example, CASES["mixed"], reference, memo)
+    audit(example, cases()["mixed"], reference, memo)
     assert any(label.startswith(PACKED) for label in memo.found["logits"])
-    _, results = audit(example, CASES["dpace-kl"], reference, memo)
+    _, results = audit(example, cases()["dpace-kl"], reference, memo)
     assert results["logits"].diagnosis[0].startswith(PACKED)
 
 
 # ------------------------------------------------ wording that is true (no reference needed)
 @pytest.fixture(scope="module")
 def ours():
-    case = CASES["mixed"]
+    case = cases()["mixed"]
     return DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
 
 
@@ -316,7 +327,7 @@ def test_eal_offset_named_only_where_the_case_tells_the_readings_apart(ours):
     from dflash_audit.audit.checks.metrics import eal_offset_causes
     from dflash_audit.audit.result import CheckResult
 
-    ev = Evidence(CASES["mixed"], ours, ours)
+    ev = Evidence(cases()["mixed"], ours, ours)
     eal = ours.metrics["eal_sum"] / ours.metrics["eal_total"]
 
     def named(value):
@@ -333,7 +344,7 @@ def test_eal_offset_named_only_where_the_case_tells_the_readings_apart(ours):
 def test_dpace_weights_imply_no_gamma(reference):
     from dflash_audit.audit.checks.loss import check_loss
 
-    case = CASES["dpace-kl"]
+    case = cases()["dpace-kl"]
     out = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
     key = "loss_weights.kl_div"
     r = check_loss(case, _edited(out, **{key: out.tensors[key] * 1.5}), reference[case.name])
@@ -354,7 +365,7 @@ def test_a_warning_only_field_is_never_part_of_a_failure(ours, family_cases):
 def test_fp32_tolerance_scales_with_the_magnitude():
     from dflash_audit.audit.tolerance import magnitude_tolerance
 
-    case = CASES["mixed"]
+    case = cases()["mixed"]
     big = torch.full((4,), 6500.0)
     tol = {"atol": 1e-5, "rtol": 1e-5}
     scaled = magnitude_tolerance(case, "targets", big, tol)
@@ -371,7 +382,7 @@ def test_unexplained_logits_say_where_they_start(ours):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_diagnose import attention_with, candidate, drafter
 
-    case = CASES["mixed"]
+    case = cases()["mixed"]
     out = candidate(drafter(attention_with(scale=1.3 * case.config.head_dim ** -0.5))).run_case(
         case.config, case.loss, case.weights, case.inputs)
     results = run_checks(case, out, ours)

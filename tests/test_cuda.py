@@ -3,6 +3,7 @@ FSDP2. Every test is skipped on a machine where torch sees no GPU."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -29,14 +30,18 @@ CONFIG = DFlashConfig(hidden_size=64, intermediate_size=128, num_attention_heads
                       block_size=8, sliding_window=24,
                       layer_types=(FULL_ATTENTION, SLIDING_ATTENTION))
 # Q = 19 * 8 = 152 queries and T + Q = 357 keys: both padded by flex attention (block 128)
-PADDED = synthetic_case("flexpad", CONFIG, LossSpec(), seed=3, seq_len=205, num_documents=3,
-                        pad=5, max_anchors=19)
+@functools.cache
+def padded():
+    """The padded case, built on first use (not at collection, where every test here may be
+    skipped: its drafter imports transformers)."""
+    return synthetic_case("flexpad", CONFIG, LossSpec(), seed=3, seq_len=205, num_documents=3,
+                          pad=5, max_anchors=19)
 
 
 @pytest.mark.parametrize("window,non_causal", [(None, False), (24, False), (24, True)])
 def test_flex_block_mask_on_cuda_is_the_dense_rule(window, non_causal):
-    doc = PADDED.inputs["document_ids"].cuda()
-    anchors = PADDED.inputs["anchor_positions"].cuda()
+    doc = padded().inputs["document_ids"].cuda()
+    anchors = padded().inputs["anchor_positions"].cuda()
     bm = flex_block_mask(doc, anchors, 8, window, non_causal)
     assert torch.equal(materialise_block_mask(bm).cpu(),
                        dense_mask(doc.cpu(), anchors.cpu(), 8, window, non_causal))
@@ -60,7 +65,7 @@ def _run_on(case, device: str):
 
 
 def test_our_drafter_flex_on_cuda_matches_dense_on_cpu():
-    cpu, gpu = _run_on(PADDED, "cpu"), _run_on(PADDED, "cuda")
+    cpu, gpu = _run_on(padded(), "cpu"), _run_on(padded(), "cuda")
     for kind in (FULL_ATTENTION, SLIDING_ATTENTION):
         assert torch.equal(gpu[f"mask.{kind}"], cpu[f"mask.{kind}"]), kind
     for key in ("context", "logits", "loss"):
@@ -86,11 +91,11 @@ def test_bf16_autocast_training_step_on_cuda():
     from dflash_audit.train.step import drafter_forward, train_step
 
     model = DFlashDrafter(CONFIG).cuda().train()
-    model.load_state_dict({k: v.cuda() for k, v in PADDED.weights.items()})
+    model.load_state_dict({k: v.cuda() for k, v in padded().weights.items()})
     params = [p for p in model.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
     opt = torch.optim.AdamW(params, lr=1e-3)
-    inputs = {k: v.cuda() for k, v in PADDED.inputs.items()}
+    inputs = {k: v.cuda() for k, v in padded().inputs.items()}
     forward = drafter_forward(model, LossSpec(), CONFIG.block_size)
     result = train_step(forward, [inputs], params, [opt], device="cuda")
     assert torch.isfinite(torch.tensor(result.loss)) and result.grad_norm > 0
@@ -101,7 +106,7 @@ def test_bf16_autocast_training_step_on_cuda():
 FSDP_SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     sys.path.insert(0, {tests!r})
-    from test_cuda import CONFIG, PADDED
+    from test_cuda import CONFIG, padded
     from dflash_audit.model.drafter import DFlashDrafter
     from dflash_audit.model.loss import LossSpec
     from dflash_audit.train.fsdp import (full_model_state, full_optimizer_state,
@@ -111,6 +116,7 @@ FSDP_SCRIPT = textwrap.dedent("""
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(rank)
+    PADDED = padded()
     inputs = {{k: v.cuda() for k, v in PADDED.inputs.items()}}
 
     def build():

@@ -3,6 +3,8 @@ dropped rows, template errors, and the mask_token_id choice."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from data_support import SAMPLE_CONVERSATIONS, byte_tokenizer, smollm2
 from hypothesis import given, settings
@@ -18,7 +20,14 @@ from dflash_audit.data.tokenize import (
     tokenize_conversation,
 )
 
-TOK = byte_tokenizer()
+
+@functools.cache
+def tok():
+    """The byte tokenizer, built once on first use (not at collection: it imports
+    transformers)."""
+    return byte_tokenizer()
+
+
 MESSAGES = SAMPLE_CONVERSATIONS[0]["messages"]
 
 
@@ -39,40 +48,40 @@ def expected_replies(messages, eot="<|im_end|>") -> list[str]:
 
 
 def test_loss_mask_is_exactly_the_assistant_replies():
-    doc = tokenize_conversation(TOK, MESSAGES, 1024, source="s")
-    text = TOK.decode(doc.input_ids)
-    assert text == TOK.apply_chat_template(MESSAGES, tokenize=False)
+    doc = tokenize_conversation(tok(), MESSAGES, 1024, source="s")
+    text = tok().decode(doc.input_ids)
+    assert text == tok().apply_chat_template(MESSAGES, tokenize=False)
     runs = mask_runs(doc.input_ids, doc.loss_mask)
     assert runs == doc.spans
-    assert [TOK.decode(doc.input_ids[a:b]) for a, b in runs] == expected_replies(MESSAGES)
+    assert [tok().decode(doc.input_ids[a:b]) for a, b in runs] == expected_replies(MESSAGES)
     # the end-of-turn token is supervised, the template's "\n" after it and the
     # "<|im_start|>assistant\n" header are not
     for a, b in runs:
-        assert doc.input_ids[b - 1] == TOK.convert_tokens_to_ids("<|im_end|>")
-        assert doc.loss_mask[b] == 0 and TOK.decode(doc.input_ids[b:b + 1]) == "\n"
-        assert TOK.decode(doc.input_ids[a - 22:a]).endswith("<|im_start|>assistant\n")
+        assert doc.input_ids[b - 1] == tok().convert_tokens_to_ids("<|im_end|>")
+        assert doc.loss_mask[b] == 0 and tok().decode(doc.input_ids[b:b + 1]) == "\n"
+        assert tok().decode(doc.input_ids[a - 22:a]).endswith("<|im_start|>assistant\n")
     assert not doc.truncated and doc.num_supervised == sum(b - a for a, b in runs)
 
 
 def test_truncation_keeps_the_first_seq_len_tokens():
-    full = tokenize_conversation(TOK, MESSAGES, 1024)
+    full = tokenize_conversation(tok(), MESSAGES, 1024)
     cut = full.spans[1][0] + 5  # inside the second reply
-    doc = tokenize_conversation(TOK, MESSAGES, cut)
+    doc = tokenize_conversation(tok(), MESSAGES, cut)
     assert doc.truncated and len(doc) == cut
     assert doc.input_ids == full.input_ids[:cut] and doc.loss_mask == full.loss_mask[:cut]
     assert doc.spans == [full.spans[0], (full.spans[1][0], cut)]
     # the second reply starts at T: the row ends after the first reply, still "truncated"
-    short = tokenize_conversation(TOK, MESSAGES, full.spans[1][0])
+    short = tokenize_conversation(tok(), MESSAGES, full.spans[1][0])
     assert short.spans == [full.spans[0]] and short.truncated
     assert short.input_ids == full.input_ids[:len(short)] and len(short) < full.spans[1][0]
 
 
 def test_rows_without_supervised_tokens_are_dropped():
-    doc = tokenize_conversation(TOK, MESSAGES, 1024)
-    assert tokenize_conversation(TOK, MESSAGES, doc.spans[0][0]) is None  # reply starts at T
+    doc = tokenize_conversation(tok(), MESSAGES, 1024)
+    assert tokenize_conversation(tok(), MESSAGES, doc.spans[0][0]) is None  # reply starts at T
     leading = [{"role": "assistant", "content": "I speak first"},
                {"role": "user", "content": "ok"}]
-    assert tokenize_conversation(TOK, leading, 1024) is None  # no context before it
+    assert tokenize_conversation(tok(), leading, 1024) is None  # no context before it
 
 
 def test_template_errors():
@@ -95,16 +104,16 @@ safe_text = st.text(st.characters(blacklist_categories=("Cs", "Cc"), blacklist_c
                 max_size=8), st.integers(8, 400))
 def test_loss_mask_property(turns, seq_len):
     messages = [{"role": r, "content": c} for r, c in turns]
-    eot = end_of_turn_ids(TOK)
-    fast = _spans_by_text(TOK, messages, seq_len, eot)
-    assert fast == _spans_by_tokens(TOK, messages, seq_len, eot, "")  # both ways agree
-    doc = tokenize_conversation(TOK, messages, seq_len)
-    full = tokenize_conversation(TOK, messages, 10_000)
+    eot = end_of_turn_ids(tok())
+    fast = _spans_by_text(tok(), messages, seq_len, eot)
+    assert fast == _spans_by_tokens(tok(), messages, seq_len, eot, "")  # both ways agree
+    doc = tokenize_conversation(tok(), messages, seq_len)
+    full = tokenize_conversation(tok(), messages, 10_000)
     if full is None:
         assert doc is None
         return
     runs = mask_runs(full.input_ids, full.loss_mask)
-    assert [TOK.decode(full.input_ids[a:b]) for a, b in runs] == expected_replies(messages)
+    assert [tok().decode(full.input_ids[a:b]) for a, b in runs] == expected_replies(messages)
     if doc is not None:
         assert len(doc) <= seq_len
         assert doc.input_ids == full.input_ids[:len(doc)]
@@ -130,12 +139,12 @@ def test_mask_token_prefers_the_tokenizers_mask_token():
 
 
 def test_mask_token_spare_embedding_row():
-    choice = choose_mask_token_id(TOK, 300)
-    assert choice.id == len(TOK) == 260 and "spare embedding row" in choice.reason
+    choice = choose_mask_token_id(tok(), 300)
+    assert choice.id == len(tok()) == 260 and "spare embedding row" in choice.reason
 
 
 def test_mask_token_reserved_special_when_no_spare_row():
-    choice = choose_mask_token_id(TOK, len(TOK))
+    choice = choose_mask_token_id(tok(), len(tok()))
     assert choice.id == 3 and "<reserved_0>" in choice.reason
 
 
@@ -150,14 +159,14 @@ def test_smollm2_mask_token_is_never_pad_or_eos():
 
 
 def test_explicit_mask_token():
-    assert choose_mask_token_id(TOK, 300, explicit=299).id == 299
-    assert "explicit" in choose_mask_token_id(TOK, 300, explicit=299).reason
+    assert choose_mask_token_id(tok(), 300, explicit=299).id == 299
+    assert "explicit" in choose_mask_token_id(tok(), 300, explicit=299).reason
     with_mask = byte_tokenizer(mask_token="<reserved_0>")
     assert "overrides" in choose_mask_token_id(with_mask, 300, explicit=299).reason
     with pytest.raises(MaskTokenError, match="pad"):
-        choose_mask_token_id(TOK, 300, explicit=2)  # eos = pad
+        choose_mask_token_id(tok(), 300, explicit=2)  # eos = pad
     with pytest.raises(MaskTokenError, match="out of range"):
-        choose_mask_token_id(TOK, 300, explicit=300)
+        choose_mask_token_id(tok(), 300, explicit=300)
 
 
 def test_no_mask_token_option_asks_for_the_flag():

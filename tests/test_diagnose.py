@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -54,8 +55,10 @@ CONFIG = DFlashConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4
                       sliding_window=W, pad_token_id=0)
 
 
+@functools.cache
 def _case():
-    """3 documents + padding; a padding anchor at 0 whose block has supervised positions."""
+    """3 documents + padding; a padding anchor at 0 whose block has supervised positions.
+    Built once, on first use (not at collection: its drafter imports transformers)."""
     case = synthetic_case("diag", CONFIG, LossSpec(), seed=21, seq_len=48, num_documents=3,
                           pad=4, max_anchors=5)
     inputs = case.inputs
@@ -64,8 +67,6 @@ def _case():
     inputs["anchor_valid"] = torch.cat([inputs["anchor_valid"], torch.zeros(1).bool()])
     return case
 
-
-CASE = _case()
 
 
 # ----------------------------------------------------------------------- bug candidates
@@ -415,7 +416,7 @@ BUGS = [
 
 @pytest.fixture(scope="module")
 def reference(run_reference_cases):
-    return run_reference_cases([CASE])[CASE.name]
+    return run_reference_cases([_case()])[_case().name]
 
 
 def results_by_key(results):
@@ -423,7 +424,8 @@ def results_by_key(results):
             for r in results}
 
 
-def audit(cand: SideOutputs, ref: SideOutputs, case=CASE):
+def audit(cand: SideOutputs, ref: SideOutputs, case=None):
+    case = _case() if case is None else case
     results = run_checks(case, cand, ref)
     diagnose(case, cand, ref, results)
     return results_by_key(results)
@@ -433,7 +435,7 @@ def audit(cand: SideOutputs, ref: SideOutputs, case=CASE):
 @pytest.mark.parametrize("bug,cand,expected,passing", BUGS, ids=[b[0] for b in BUGS])
 def test_bug_fails_on_the_right_check_with_the_right_diagnosis(bug, cand, expected, passing,
                                                                reference):
-    out = cand.run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    out = cand.run_case(_case().config, _case().loss, _case().weights, _case().inputs)
     results = audit(out, reference)
     for key, cause in expected.items():
         r = results[key]
@@ -448,13 +450,13 @@ def test_bug_fails_on_the_right_check_with_the_right_diagnosis(bug, cand, expect
 @pytest.mark.reference
 def test_positions_not_restarting_cannot_change_training_and_pass(reference):
     """Uniformly absolute positions keep every in-document RoPE distance: no finding."""
-    out, _ = run_candidate(candidate(NoRestart), CASE)  # the harness's path, anchors too
+    out, _ = run_candidate(candidate(NoRestart), _case())  # the harness's path, anchors too
     assert {r.status for r in audit(out, reference).values()} == {"pass"}
 
 
 @pytest.mark.reference
 def test_unexplained_difference_reports_numbers(reference):
-    out = DrafterCandidate().run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    out = DrafterCandidate().run_case(_case().config, _case().loss, _case().weights, _case().inputs)
     noise = torch.randn(out.tensors["logits"].shape, generator=torch.Generator().manual_seed(1))
     out.tensors["logits"] = out.tensors["logits"] + 1e-2 * noise
     r = audit(out, reference)["logits"]
@@ -472,19 +474,19 @@ def test_a_fruitless_search_does_not_stop_the_next_cases_search(reference):
     """Issue 20 (replaces the old "one fruitless full search per audit" expectation): every
     case gets the full search while the audit's replay budget lasts; once it is spent, later
     cases try only what reproduced elsewhere, and say so."""
-    out = DrafterCandidate().run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    out = DrafterCandidate().run_case(_case().config, _case().loss, _case().weights, _case().inputs)
     noise = torch.randn(out.tensors["logits"].shape, generator=torch.Generator().manual_seed(1))
     out.tensors["logits"] = out.tensors["logits"] + 1e-2 * noise
     memo = SearchMemo()
-    first, second, third = (run_checks(CASE, out, reference) for _ in range(3))
-    diagnose(CASE, out, reference, first, memo)
+    first, second, third = (run_checks(_case(), out, reference) for _ in range(3))
+    diagnose(_case(), out, reference, first, memo)
     spent = memo.replays
-    diagnose(CASE, out, reference, second, memo)
+    diagnose(_case(), out, reference, second, memo)
     a, b = (results_by_key(r)["logits"] for r in (first, second))
     assert a.diagnosis == b.diagnosis and a.diagnosis[0].startswith("unexplained difference")
     assert memo.replays == 2 * spent > 0  # the second case searched in full too
     memo.budget = memo.replays
-    diagnose(CASE, out, reference, third, memo)
+    diagnose(_case(), out, reference, third, memo)
     c = results_by_key(third)["logits"]
     assert c.diagnosis[1] == ("the full hypothesis search was not repeated on this case: the "
                               "audit's replay budget is spent (it reproduced nothing on diag and "
@@ -505,14 +507,14 @@ def test_search_memo_tries_what_reproduced_first():
 
 
 def masks_by_rule(**rules):
-    """A drafter whose masks of the given layer types are ``build_mask(CASE, rule)`` (the
-    audit's own rule builder on CASE's anchors), used by its attention as by ours."""
+    """A drafter whose masks of the given layer types are ``build_mask(_case(), rule)`` (the
+    audit's own rule builder on the case's anchors), used by its attention as by ours."""
 
     class Masks(DFlashDrafter):
         def attention_masks(self, document_ids, anchor_positions):
             masks = super().attention_masks(document_ids, anchor_positions)
             for layer_type, rule in rules.items():
-                masks[layer_type] = build_mask(CASE, MaskHypothesis(**rule))
+                masks[layer_type] = build_mask(_case(), MaskHypothesis(**rule))
             return masks
 
     return Masks
@@ -541,7 +543,7 @@ def test_window_rules_named_alone_and_with_the_block_rule(rule, causes, referenc
     """A window measured from the query's own position (any size, from either side of W) is
     named, alone and together with a bidirectional block; the logits follow from the mask."""
     bug = candidate(masks_by_rule(sliding_attention=rule))
-    results = audit(bug.run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs), reference)
+    results = audit(bug.run_case(_case().config, _case().loss, _case().weights, _case().inputs), reference)
     mask = results["mask.sliding_attention"]
     assert mask.status == "fail" and mask.diagnosis == causes, mask.diagnosis
     assert results["mask.full_attention"].status == "pass"
@@ -552,7 +554,8 @@ def test_window_rules_named_alone_and_with_the_block_rule(rule, causes, referenc
 # ------------------------------------------------------------ hand-perturbed (no reference)
 @pytest.fixture(scope="module")
 def ours():
-    return DrafterCandidate().run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    case = _case()
+    return DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
 
 
 def edited(side: SideOutputs, **tensors) -> SideOutputs:
@@ -577,7 +580,7 @@ def test_structure_target_layer_ids(ours, ids, cause):
 
 def test_structure_fc_sized_by_depth(ours):
     """n = 2 target layers, 3 draft layers: fc built as Linear(3*H, H)."""
-    deep = dataclasses.replace(CASE, config=CONFIG.replace(
+    deep = dataclasses.replace(_case(), config=CONFIG.replace(
         target_layer_ids=(1, 4), num_hidden_layers=3, layer_types=(FULL_ATTENTION,) * 3))
     cand, ref = edited(ours), edited(ours)
     cand.structure["fc_in_features"], ref.structure["fc_in_features"] = 3 * H, 2 * H
@@ -641,7 +644,7 @@ def test_loss_normaliser_named_under_every_weighting(weighting, count, cause):
     """Issue 30: a loss divided by a count of anchors / blocks is one class under every
     weighting (today's "loss scaled by k" gave another k per case); counts equal on the case
     are named together."""
-    case = dataclasses.replace(CASE, loss=LossSpec("kl_div", weighting))
+    case = dataclasses.replace(_case(), loss=LossSpec("kl_div", weighting))
     ref = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
     out = normalised_by(count).run_case(case.config, case.loss, case.weights, case.inputs)
     r = audit(out, ref, case)
@@ -653,11 +656,11 @@ def test_loss_normaliser_named_under_every_weighting(weighting, count, cause):
 def test_a_case_where_tied_counts_differ_names_one():
     """A valid anchor whose block has no supervised slot: valid anchors (5) and supervised
     blocks (4) differ, so only the count the candidate divides by is named."""
-    inputs = dict(CASE.inputs)
+    inputs = dict(_case().inputs)
     a = int(inputs["anchor_positions"][inputs["anchor_valid"].bool()][0])
     inputs["loss_mask"] = inputs["loss_mask"].clone()
     inputs["loss_mask"][0, a + 1:a + BLOCK] = 0
-    case = dataclasses.replace(CASE, inputs=inputs)
+    case = dataclasses.replace(_case(), inputs=inputs)
     ref = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
     out = normalised_by(over_valid_anchors).run_case(case.config, case.loss, case.weights,
                                                      case.inputs)
@@ -729,7 +732,7 @@ class AllOnesSupervision(DFlashDrafter):
 def test_supervision_taken_from_another_mask_is_named(model, cause, weighting):
     """Issue 30: today "the candidate's loss formula conforms" while the mask differs; under
     D-PACE the weights differ too, as a consequence of the mask."""
-    case = dataclasses.replace(CASE, loss=LossSpec("kl_div", weighting))
+    case = dataclasses.replace(_case(), loss=LossSpec("kl_div", weighting))
     ref = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
     out = candidate(model).run_case(case.config, case.loss, case.weights, case.inputs)
     diagnosis = audit(out, ref, case)["loss"].diagnosis
@@ -789,8 +792,8 @@ def test_gradients_of_a_loss_the_value_cannot_tell_apart(ours):
     from dflash_audit.audit.replay.replay import drafter_with_weights
     from dflash_audit.model.loss import dflash_loss
 
-    model = drafter_with_weights(CASE.config, CASE.weights)
-    out = model(**CASE.inputs)
+    model = drafter_with_weights(_case().config, _case().weights)
+    out = model(**_case().inputs)
     rkl = dflash_loss(out.logits, out.targets, out.aligned_loss_mask, BLOCK, LossSpec("rkl")).loss
     names = [n[5:] for n in ours.tensors if n.startswith("grad.")]
     grads = torch.autograd.grad(rkl, [dict(model.named_parameters())[n] for n in names])
@@ -808,9 +811,9 @@ def test_gradients_of_a_loss_the_value_cannot_tell_apart(ours):
 def test_loss_under_another_mask_than_the_one_reported(ours):
     """The reported aligned_loss_mask is right, but the loss counts slot 0 in its denominator
     (w_0 = 0, so only the token count changes): the loss is smaller."""
-    idx = block_indices(CASE.inputs["anchor_positions"], BLOCK)
-    kept = CASE.inputs["loss_mask"][0, idx].bool() & CASE.inputs["anchor_valid"].repeat_interleave(
-        BLOCK)
+    idx = block_indices(_case().inputs["anchor_positions"], BLOCK)
+    inputs = _case().inputs
+    kept = inputs["loss_mask"][0, idx].bool() & inputs["anchor_valid"].repeat_interleave(BLOCK)
     value = recompute_loss(_ev(ours), {"kl_div": 1.0}, "tokens", mask=kept)
     assert value < float(ours.tensors["loss"])
     r = audit(edited(ours, loss=torch.tensor(value)), ours)["loss"]
@@ -823,7 +826,7 @@ def test_dpace_weights_not_detached():
     """D-PACE weights computed with the gradient attached: the same loss value, other
     gradients (on a case with one supervised slot they are even a uniform scale of the
     reference's: named as D-PACE, not as "gradients scaled")."""
-    case = dataclasses.replace(CASE, loss=LossSpec("kl_div", "dpace"))
+    case = dataclasses.replace(_case(), loss=LossSpec("kl_div", "dpace"))
     ours = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
 
     def attach():
@@ -848,8 +851,8 @@ class EmbeddingsScaled(DFlashDrafter):
 
 
 def test_noise_embeddings_scaled_like_gemma(ours):
-    cand = candidate(EmbeddingsScaled).run_case(CASE.config, CASE.loss, CASE.weights,
-                                                 CASE.inputs)
+    cand = candidate(EmbeddingsScaled).run_case(_case().config, _case().loss, _case().weights,
+                                                 _case().inputs)
     r = audit(cand, ours)
     assert r["context"].status == "pass" and r["logits"].status == "fail"
     assert r["logits"].diagnosis == [
@@ -952,12 +955,12 @@ def test_an_acceptance_run_past_an_unsupervised_slot_is_named_only_where_it_coun
 
 def test_predict_targets_reference_hypothesis_is_our_drafter(ours):
     sup = ours.tensors["aligned_loss_mask"][0].bool().nonzero().squeeze(-1)
-    predicted = predict_targets(CASE, TargetHypothesis(None, 1, 1), sup)
+    predicted = predict_targets(_case(), TargetHypothesis(None, 1, 1), sup)
     torch.testing.assert_close(predicted, ours.tensors["targets"][:, sup], atol=0, rtol=0)
 
 
 def _ev(side):
-    return Evidence(CASE, side, side)
+    return Evidence(_case(), side, side)
 
 
 # ------------------------------------------------- draft-layer internals (no reference)
@@ -1086,7 +1089,7 @@ INTERNALS = [
 def test_draft_layer_slip_is_named(bug, model, expected, ours):
     """Each slip is written out independently above; the diagnosis finds it by replaying our
     drafter with the matching edit (dflash_audit.audit.replay.architecture)."""
-    out = candidate(model).run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    out = candidate(model).run_case(_case().config, _case().loss, _case().weights, _case().inputs)
     results = audit(out, ours)
     for key, cause in expected.items():
         r = results[key]
@@ -1098,8 +1101,8 @@ def test_draft_layer_slip_is_named(bug, model, expected, ours):
 def test_verifier_norm_eps_named_where_it_changes_the_targets():
     """Unit-scale verifier states hide an eps slip (the targets pass above); states of rms
     0.01 show it."""
-    case = dataclasses.replace(CASE, inputs={**CASE.inputs, "verifier_last_hidden_states":
-                                             CASE.inputs["verifier_last_hidden_states"] * 1e-2})
+    case = dataclasses.replace(_case(), inputs={**_case().inputs, "verifier_last_hidden_states":
+                                             _case().inputs["verifier_last_hidden_states"] * 1e-2})
     ref = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
     out = candidate(drafter(eps=1e-5)).run_case(case.config, case.loss, case.weights,
                                                 case.inputs)
@@ -1110,16 +1113,17 @@ def test_verifier_norm_eps_named_where_it_changes_the_targets():
 
 def test_explicit_attention_without_slips_passes(ours):
     """The written-out attention computes what SDPA computes: no check may cry wolf."""
-    out = candidate(drafter(ExplicitAttention)).run_case(CASE.config, CASE.loss, CASE.weights,
-                                                         CASE.inputs)
+    case = _case()
+    out = candidate(drafter(ExplicitAttention)).run_case(case.config, case.loss, case.weights,
+                                                         case.inputs)
     assert {r.status for r in audit(out, ours).values()} == {"pass"}
 
 
 def test_unexplained_logits_behind_a_real_context_difference_are_not_blamed_on_it(ours):
     """eps 1e-2 (no hypothesis) changes the context a little and the layers a lot: the
     diagnosis must not claim the logits follow from the context."""
-    out = candidate(drafter(eps=1e-2)).run_case(CASE.config, CASE.loss, CASE.weights,
-                                                CASE.inputs)
+    out = candidate(drafter(eps=1e-2)).run_case(_case().config, _case().loss, _case().weights,
+                                                _case().inputs)
     r = audit(out, ours)["logits"]
     assert r.diagnosis[0].startswith("unexplained difference in logits")
     assert r.diagnosis[1].startswith("not only the context difference: our drafter fed the "
@@ -1169,7 +1173,7 @@ def test_raise_without_feature_counts_names_nothing():
 
 def test_losses_that_coincide_are_one_cause_not_several(ours):
     """Issue 11 item 9: identical logits and targets make every divergence 0."""
-    case = dataclasses.replace(CASE, loss=LossSpec("ce"))
+    case = dataclasses.replace(_case(), loss=LossSpec("ce"))
     cand = edited(ours, logits=ours.tensors["targets"].clone(), loss=torch.tensor(0.0))
     (cause,) = diagnose_loss_total(Evidence(case, cand, ours))
     assert cause.startswith("loss computed as 'kl_div' where the profile says 'ce' or loss "
@@ -1179,14 +1183,14 @@ def test_losses_that_coincide_are_one_cause_not_several(ours):
 
 def test_fit_to_targets_moves_only_trainable_weights_and_is_seeded():
     """Issue 11 kind 6: real cases use briefly fitted weights (seeded, frozen part kept)."""
-    a = fit_to_targets(CASE.config, CASE.weights, CASE.inputs, steps=2, seed=3)
-    b = fit_to_targets(CASE.config, CASE.weights, CASE.inputs, steps=2, seed=3)
-    assert a.keys() == CASE.weights.keys()
+    a = fit_to_targets(_case().config, _case().weights, _case().inputs, steps=2, seed=3)
+    b = fit_to_targets(_case().config, _case().weights, _case().inputs, steps=2, seed=3)
+    assert a.keys() == _case().weights.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert a["embed_tokens.weight"] is CASE.weights["embed_tokens.weight"]
-    assert torch.equal(a["lm_head.weight"], CASE.weights["lm_head.weight"])
-    assert not torch.equal(a["fc.weight"], CASE.weights["fc.weight"])
-    assert not torch.equal(a["norm.weight"], CASE.weights["norm.weight"])
+    assert a["embed_tokens.weight"] is _case().weights["embed_tokens.weight"]
+    assert torch.equal(a["lm_head.weight"], _case().weights["lm_head.weight"])
+    assert not torch.equal(a["fc.weight"], _case().weights["fc.weight"])
+    assert not torch.equal(a["norm.weight"], _case().weights["norm.weight"])
 
 
 # --------------------------------------- issue 30: fully masked rows, context keyed by block
@@ -1248,7 +1252,7 @@ def keyed_by_block(case, faithful=False):
 
 class KeyedByBlock(DFlashDrafter):
     def forward(self, *args, **kw):
-        case = dataclasses.replace(CASE, inputs=kw)
+        case = dataclasses.replace(_case(), inputs=kw)
         self.attention_masks = lambda d, a: {k[5:]: m for k, m in keyed_by_block(case).items()}
         try:
             return super().forward(*args, **kw)
@@ -1273,7 +1277,7 @@ MASK_CLASSES = [
 @pytest.mark.reference
 @pytest.mark.parametrize("bug,cand,expected", MASK_CLASSES, ids=[b[0] for b in MASK_CLASSES])
 def test_mask_class_is_named_against_the_reference(bug, cand, expected, reference):
-    out = cand.run_case(CASE.config, CASE.loss, CASE.weights, CASE.inputs)
+    out = cand.run_case(_case().config, _case().loss, _case().weights, _case().inputs)
     results = audit(out, reference)
     for key, cause in expected.items():
         r = results[key]
@@ -1295,8 +1299,8 @@ def test_fully_masked_rows_fail_only_where_they_reach_training(softmax, outcome,
     """Padding rows masked whole pass where the softmax keeps them finite (SDPA's 0, a finite
     fill, NaN weights zeroed), and fail where NaN reaches the gradients although the forward
     zeroed it (the attention output zeroed: the NaN weights still multiply dv)."""
-    out = padding_rows_hidden(**softmax).run_case(CASE.config, CASE.loss, CASE.weights,
-                                                   CASE.inputs)
+    out = padding_rows_hidden(**softmax).run_case(_case().config, _case().loss, _case().weights,
+                                                   _case().inputs)
     results = audit(out, ours)
     mask = results["mask.full_attention"]
     assert FULLY_MASKED_PADDING + outcome in mask.summary + " ".join(mask.diagnosis), mask.summary
@@ -1381,9 +1385,9 @@ def test_a_loss_moved_by_tensors_within_their_tolerance_names_them_not_the_formu
     toward = (t["targets"] - t["logits"]) if key == "logits" else (t["logits"] - t["targets"])
     moved = t[key] + 0.01 * toward / toward.abs().max()  # every value within 0.01, one sign
     cand = edited(ours, **{key: moved})
-    cand.tensors["loss"] = torch.tensor(own_loss(CASE, cand))
+    cand.tensors["loss"] = torch.tensor(own_loss(_case(), cand))
     shift = abs(float(cand.tensors["loss"] - t["loss"]))
-    case = dataclasses.replace(CASE, tolerances={q: {"atol": 0.02, "rtol": 0.0} for q in (
+    case = dataclasses.replace(_case(), tolerances={q: {"atol": 0.02, "rtol": 0.0} for q in (
         "context", "targets", "logits", "grad", "loss_from_logits")} | {
         "loss": {"atol": shift / 4, "rtol": 0.0}})
     r = audit(cand, ours, case)

@@ -7,6 +7,8 @@ gradient of every trainable parameter.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -37,7 +39,13 @@ LOSSES = [("kl_div", "fixed-exp-decay"), ("ce", "dpace"), ('{"ce": 0.1, "tv": 0.
           ("lk_hybrid", "fixed-exp-decay")]
 
 
-def _cases():
+#: The cases' names, in the order :func:`cases` builds them.
+CASE_NAMES = [f"{layout}-{j}" for layout in LAYOUTS for j in range(len(LOSSES))]
+
+
+@functools.cache
+def cases() -> list:
+    """The cases, built once on first use (not at collection: ~40 drafters)."""
     cases = []
     for i, (layout, extra) in enumerate(LAYOUTS.items()):
         config = DFlashConfig(**{**BASE, **extra})
@@ -46,22 +54,21 @@ def _cases():
             cases.append(synthetic_case(f"{layout}-{j}", config, spec, seed=100 * i + j,
                                         seq_len=48, num_documents=1 + (i + j) % 3, pad=3,
                                         max_anchors=5))
+    assert [c.name for c in cases] == CASE_NAMES
     return cases
-
-
-CASES = _cases()
 
 
 @pytest.fixture(scope="module")
 def both_sides(run_reference_cases):
-    ref = run_reference_cases(CASES)
+    ref = run_reference_cases(cases())
     ours = {c.name: DrafterCandidate().run_case(c.config, c.loss, c.weights, c.inputs)
-            for c in CASES}
+            for c in cases()}
     return ours, ref
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_every_training_quantity_matches_reference(case, both_sides):
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_every_training_quantity_matches_reference(name, both_sides):
+    (case,) = [c for c in cases() if c.name == name]
     ours, ref = both_sides[0][case.name], both_sides[1][case.name]
     o, r = ours.tensors, ref.tensors
     supervised = r["aligned_loss_mask"][0].bool()
@@ -93,7 +100,7 @@ def test_every_training_quantity_matches_reference(case, both_sides):
 
 def test_structure_and_state_dict_keys_match_reference(both_sides):
     ours, ref = both_sides
-    for case in CASES:
+    for case in cases():
         o, r = ours[case.name].structure, ref[case.name].structure
         assert ref[case.name].structure["load_missing_keys"] == []
         assert ref[case.name].structure["load_unexpected_keys"] == []

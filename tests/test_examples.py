@@ -4,6 +4,8 @@ drafter and the minimal user model pass every check."""
 
 from __future__ import annotations
 
+import functools
+
 from pathlib import Path
 
 import pytest
@@ -29,13 +31,21 @@ IDS = default_target_layer_ids(N)
 BASE = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, num_hidden_layers=2, vocab_size=96, num_verifier_layers=N,
             target_layer_ids=IDS, mask_token_id=95)
-CASES = [
-    synthetic_case("mixed", DFlashConfig(**BASE, block_size=4, sliding_window=8,
-                                         layer_types=(FULL_ATTENTION, SLIDING_ATTENTION)),
-                   LossSpec(), seed=7, seq_len=64, num_documents=3, pad=4, max_anchors=6),
-    synthetic_case("zlab-full", DFlashConfig(**BASE, block_size=5), LossSpec(), seed=8,
-                   seq_len=64, num_documents=2, pad=2, max_anchors=5),
-]
+#: The cases of each group, by name; built once on first use (:func:`named`), not at collection.
+CASES = ("mixed", "zlab-full")
+USER_CASES = ("gemma3-ce-mixed", "llama-sliding-from-anchor")
+SPECIAL = ("sample-from-anchor", "dpace-one-block", "dpace")
+
+
+def _cases():
+    return [
+        synthetic_case("mixed", DFlashConfig(**BASE, block_size=4, sliding_window=8,
+                                             layer_types=(FULL_ATTENTION, SLIDING_ATTENTION)),
+                       LossSpec(), seed=7, seq_len=64, num_documents=3, pad=4, max_anchors=6),
+        synthetic_case("zlab-full", DFlashConfig(**BASE, block_size=5), LossSpec(), seed=8,
+                       seq_len=64, num_documents=2, pad=2, max_anchors=5),
+    ]
+
 
 # example -> ({check[.layer type]: start of its first diagnosis}, checks that must pass)
 EXPECTED = {
@@ -89,7 +99,7 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def reference(run_reference_cases):
-    return run_reference_cases(CASES)
+    return run_reference_cases(cases(CASES))
 
 
 def audit(candidate, case, reference):
@@ -103,7 +113,7 @@ def audit(candidate, case, reference):
             for r in results}
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("example", sorted(EXPECTED))
 def test_example_fails_on_the_right_check_with_the_right_diagnosis(example, case, reference):
     results = audit(load_candidate(f"{EXAMPLES / 'candidates' / example}.py:candidate"), case,
@@ -120,7 +130,7 @@ def test_example_fails_on_the_right_check_with_the_right_diagnosis(example, case
     assert {r.status for r in results.values()} >= {"fail"}
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("name", CASES)
 def test_every_layer_type_shows_the_context_rule_bug(case, reference):
     results = audit(load_candidate(f"{EXAMPLES}/candidates/context_rule_le.py:candidate"), case,
                     reference)
@@ -132,18 +142,18 @@ def test_every_layer_type_shows_the_context_rule_bug(case, reference):
 
 def test_causal_block_leaves_the_sliding_layer_passing(reference):
     results = audit(load_candidate(f"{EXAMPLES}/candidates/causal_block.py:candidate"),
-                    CASES[0], reference)
+                    named("mixed"), reference)
     assert results["mask.sliding_attention"].status == "pass"
 
 
 def test_gamma7_defaults_warn_with_both_values(reference):
-    r = audit(load_candidate(f"{EXAMPLES}/candidates/gamma7.py:candidate"), CASES[0],
+    r = audit(load_candidate(f"{EXAMPLES}/candidates/gamma7.py:candidate"), named("mixed"),
               reference)["defaults"]
     assert r.status == "warn" and r.details["fields"]["gamma"] == {
         "profile": 4.0, "candidate_default": 7.0, "reference_default": 4.0}
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("name", CASES)
 def test_our_drafter_passes_every_check(case, reference):
     results = audit(DrafterCandidate(), case, reference)
     assert {r.status for r in results.values()} == {"pass"}, \
@@ -161,22 +171,23 @@ def _family_case(name, family, loss, seed, **drafter):
 
 # gemma3_text: gelu_pytorch_tanh, x*(1+w) verifier norm, head_dim 16 != H/heads, nested rope;
 # llama: llama3 rope scaling, eps 1e-5, a draft vocabulary; both with sliding layers (W=6)
-USER_CASES = [
-    _family_case("gemma3-ce-mixed", "gemma3_text", LossSpec("ce", gamma=7.0), seed=12,
-                 num_hidden_layers=2, block_size=4, sliding_window=6,
-                 layer_types=(SLIDING_ATTENTION, FULL_ATTENTION)),
-    _family_case("llama-sliding-from-anchor", "llama", LossSpec(), seed=13, block_size=3,
-                 sliding_window=6, layer_types=(SLIDING_ATTENTION,), sample_from_anchor=True,
-                 draft_vocab_size=64),
-]
+def _user_cases():
+    return [
+        _family_case("gemma3-ce-mixed", "gemma3_text", LossSpec("ce", gamma=7.0), seed=12,
+                     num_hidden_layers=2, block_size=4, sliding_window=6,
+                     layer_types=(SLIDING_ATTENTION, FULL_ATTENTION)),
+        _family_case("llama-sliding-from-anchor", "llama", LossSpec(), seed=13, block_size=3,
+                     sliding_window=6, layer_types=(SLIDING_ATTENTION,), sample_from_anchor=True,
+                     draft_vocab_size=64),
+    ]
 
 
 @pytest.fixture(scope="module")
 def user_reference(run_reference_cases):
-    return run_reference_cases(USER_CASES)
+    return run_reference_cases(cases(USER_CASES))
 
 
-@pytest.mark.parametrize("case", CASES + USER_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("name", CASES + USER_CASES)
 def test_minimal_user_model_passes_every_check(case, reference, user_reference):
     user = load_candidate(f"{EXAMPLES}/minimal_user_model.py:TinyDFlashCandidate")
     results = audit(user, case, {**reference, **user_reference})
@@ -187,7 +198,7 @@ def test_minimal_user_model_passes_every_check(case, reference, user_reference):
 
 
 def test_minimal_user_model_names_what_it_does_not_implement():
-    case = SPECIAL_BY_NAME["dpace"]
+    case = named("dpace")
     cand, failed = run_candidate(
         load_candidate(f"{EXAMPLES}/minimal_user_model.py:TinyDFlashCandidate"), case)
     assert cand is None and failed.summary.startswith(
@@ -196,27 +207,51 @@ def test_minimal_user_model_names_what_it_does_not_implement():
 
 
 # ------------------------------------------------ cases that need another profile or config
-SPECIAL = [
-    synthetic_case("sample-from-anchor", DFlashConfig(**BASE, block_size=4,
-                                                      sample_from_anchor=True),
-                   LossSpec(), seed=9, seq_len=48, num_documents=2, pad=2, max_anchors=4),
-    # reference-train-cli's weighting: ce with D-PACE; one supervised block (B=2, one anchor)
-    synthetic_case("dpace-one-block", DFlashConfig(**BASE, block_size=2), LossSpec("ce", "dpace"),
-                   seed=10, seq_len=32, num_documents=1, pad=0, max_anchors=1),
-    synthetic_case("dpace", DFlashConfig(**BASE, block_size=4), LossSpec("ce", "dpace"),
-                   seed=11, seq_len=64, num_documents=2, pad=2, max_anchors=6),
-]
-SPECIAL_BY_NAME = {c.name: c for c in SPECIAL}
+def _special():
+    return [
+        synthetic_case("sample-from-anchor", DFlashConfig(**BASE, block_size=4,
+                                                          sample_from_anchor=True),
+                       LossSpec(), seed=9, seq_len=48, num_documents=2, pad=2, max_anchors=4),
+        # reference-train-cli's weighting: ce with D-PACE; one supervised block (B=2, one anchor)
+        synthetic_case("dpace-one-block", DFlashConfig(**BASE, block_size=2),
+                       LossSpec("ce", "dpace"),
+                       seed=10, seq_len=32, num_documents=1, pad=0, max_anchors=1),
+        synthetic_case("dpace", DFlashConfig(**BASE, block_size=4), LossSpec("ce", "dpace"),
+                       seed=11, seq_len=64, num_documents=2, pad=2, max_anchors=6),
+    ]
+
+
+@functools.cache
+def _all_cases() -> dict:
+    built = {c.name: c for c in [*_cases(), *_user_cases(), *_special()]}
+    assert tuple(built) == CASES + USER_CASES + SPECIAL
+    return built
+
+
+def named(name: str):
+    """The case ``name`` (of :data:`CASES`, :data:`USER_CASES` or :data:`SPECIAL`)."""
+    return _all_cases()[name]
+
+
+def cases(names: tuple[str, ...]) -> list:
+    return [named(n) for n in names]
+
+
+@pytest.fixture(name="case")
+def _case(name: str):
+    """The case of the test's ``name`` parameter."""
+    return named(name)
 
 
 @pytest.fixture(scope="module")
 def special(run_reference_cases):
-    return run_reference_cases(SPECIAL)
+    return run_reference_cases(cases(SPECIAL))
 
 
 def test_raising_candidate_is_a_failure_that_names_the_dropped_slice():
     cand, failed = run_candidate(
-        load_candidate(f"{EXAMPLES}/candidates/fc_drops_last_slice.py:candidate"), CASES[1])
+        load_candidate(f"{EXAMPLES}/candidates/fc_drops_last_slice.py:candidate"),
+        named("zlab-full"))
     assert cand is None and failed.status == "fail"
     assert failed.summary.startswith("the candidate's run_case raised RuntimeError: mat1 and "
                                      "mat2 shapes")
@@ -226,14 +261,14 @@ def test_raising_candidate_is_a_failure_that_names_the_dropped_slice():
 
 
 def test_no_decay_defaults_warn_on_gamma_none(reference):
-    r = audit(load_candidate(f"{EXAMPLES}/candidates/no_decay.py:candidate"), CASES[1],
+    r = audit(load_candidate(f"{EXAMPLES}/candidates/no_decay.py:candidate"), named("zlab-full"),
               reference)["defaults"]
     assert r.status == "warn" and r.details["fields"]["gamma"]["candidate_reports_none"]
     assert r.diagnosis[0].startswith("the candidate's default gamma is None (no position decay")
 
 
 def test_sample_from_anchor_slot_zero_weight_is_named(special):
-    case = SPECIAL_BY_NAME["sample-from-anchor"]
+    case = named("sample-from-anchor")
     r = audit(load_candidate(f"{EXAMPLES}/candidates/anchor_slot_zero.py:candidate"), case,
               special)["loss"]
     assert r.status == "fail"
@@ -245,7 +280,7 @@ def test_sample_from_anchor_slot_zero_weight_is_named(special):
 def test_dpace_on_one_block_names_no_fixed_weights_and_follows_the_mask(special):
     """Issue 11 items 7/8: one supervised block makes "constant weight per slot" trivially
     true; the D-PACE weight shift follows from the mask difference."""
-    case = SPECIAL_BY_NAME["dpace-one-block"]
+    case = named("dpace-one-block")
     results = audit(load_candidate(f"{EXAMPLES}/candidates/context_rule_le.py:candidate"), case,
                     special)
     loss = results["loss"]
@@ -262,15 +297,15 @@ def test_fixed_weights_under_dpace_named_where_the_case_separates_them(special):
             fixed = LossSpec(loss.loss, "fixed-exp-decay", loss.gamma, loss.dpace_alpha)
             return super().run_case(config, fixed, weights, inputs)
 
-    case = SPECIAL_BY_NAME["dpace"]
+    case = named("dpace")
     assert audit(FixedDecay(), case, special)["loss"].diagnosis[0] == \
         "fixed per-slot weights where the profile says D-PACE"
-    one = SPECIAL_BY_NAME["dpace-one-block"]
+    one = named("dpace-one-block")
     assert not any("fixed per-slot" in d for d in audit(FixedDecay(), one, special)[
         "loss"].diagnosis)
 
 
-@pytest.mark.parametrize("case", SPECIAL, ids=lambda c: c.name)
+@pytest.mark.parametrize("name", SPECIAL)
 def test_our_drafter_passes_the_special_cases(case, special):
     results = audit(DrafterCandidate(), case, special)
     assert {r.status for r in results.values()} == {"pass"}, \

@@ -4,9 +4,9 @@ and loss specs, fingerprint their semantics, and bad files fail naming the field
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import pytest
-from transformers import LlamaConfig
 
 from dflash_audit.model.config import (
     FULL_ATTENTION,
@@ -15,6 +15,9 @@ from dflash_audit.model.config import (
 )
 from dflash_audit.model.loss import LossSpec
 from dflash_audit.profile import Profile, ProfileError, builtin_profiles
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 VALID = """
 name = "mine"
@@ -34,6 +37,8 @@ sample_from_anchor = false
 
 
 def verifier(layers: int = 30) -> LlamaConfig:
+    from transformers import LlamaConfig  # not at collection: ~3 s
+
     return LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                        num_key_value_heads=2, num_hidden_layers=layers, vocab_size=300)
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 import train_tiny as tt
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from dflash_audit.candidate import load_candidate
 from dflash_audit.limits import limit_s
@@ -67,6 +66,8 @@ def test_torchrun_two_ranks_agree_on_weights(tmp_path):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2] and lines[0]["supervised"] > 0
     # training moved the weights away from the seeded initialization
+    from transformers import AutoModelForCausalLM  # not at collection: ~3 s
+
     verifier = AutoModelForCausalLM.from_pretrained(paths["verifier"])
     config = config_from_reference(json.loads((checkpoint / "config.json").read_text()), 4)
     init = build_drafter(load_candidate(None), config, verifier, seed=0)
