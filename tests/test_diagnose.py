@@ -543,7 +543,8 @@ def test_window_rules_named_alone_and_with_the_block_rule(rule, causes, referenc
     """A window measured from the query's own position (any size, from either side of W) is
     named, alone and together with a bidirectional block; the logits follow from the mask."""
     bug = candidate(masks_by_rule(sliding_attention=rule))
-    results = audit(bug.run_case(_case().config, _case().loss, _case().weights, _case().inputs), reference)
+    c = _case()
+    results = audit(bug.run_case(c.config, c.loss, c.weights, c.inputs), reference)
     mask = results["mask.sliding_attention"]
     assert mask.status == "fail" and mask.diagnosis == causes, mask.diagnosis
     assert results["mask.full_attention"].status == "pass"
