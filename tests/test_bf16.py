@@ -360,3 +360,29 @@ def test_a_dtype_not_reported_says_what_to_report():
         "its updates keep a float32 master copy cannot be checked (report state_dict" \
         "['fc.weight']['dtype'], and structure['master_weights'] when the optimizer keeps its " \
         "own copy)" in r.summary
+
+
+def test_a_loss_moved_only_by_logits_that_pass_is_bf16_rounding_not_a_failure():
+    """The hostile review's false alarm (our own drafter, a Gemma 3 bf16 case): its logits pass,
+    yet their bf16 rounding, carried through the loss of near-equal distributions, moved the
+    loss past the loss's own tolerance. A difference carried by passing logits through the
+    reference's formula passes (said in the summary); the same loss difference with logits
+    that do not carry it (a loss computed otherwise) still fails."""
+    from dflash_audit.audit.checks.loss import check_loss
+    from dflash_audit.audit.replay.loss_formulas import own_loss
+    from dflash_audit.audit.sides.run_sides import run_candidate
+
+    case = in_dtype(synthetic_case("low", CONFIG, LossSpec(), seed=5, seq_len=32), "bf16")
+    ref, _ = run_candidate(DrafterCandidate(), case)
+    case.tolerances = {"loss": {"atol": 1e-6, "rtol": 0.0}}  # tight: any carried change fails
+    logits = ref.tensors["logits"]
+    shifted = logits + 1e-3 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(0))
+    carried = own_loss(case, dataclasses.replace(ref, tensors={**ref.tensors, "logits": shifted}))
+    assert abs(carried - float(ref.tensors["loss"])) > 1e-6  # past the loss tolerance
+    cand = dataclasses.replace(ref, tensors={**ref.tensors, "logits": shifted,
+                                             "loss": torch.tensor(carried)})
+    res = check_loss(case, cand, ref)
+    assert res.status == "pass", res.summary
+    assert "its logits' bf16 rounding, which passes the logits check" in res.summary
+    other = dataclasses.replace(ref, tensors={**ref.tensors, "loss": torch.tensor(carried)})
+    assert check_loss(case, other, ref).status == "fail"  # the loss alone moved: not carried
