@@ -67,13 +67,10 @@ from dflash_audit.audit.case import Case, SideOutputs
 
 @pytest.hookimpl(trylast=True)  # after the terminal reporter is registered
 def pytest_configure(config):
-    """A progress line every 30 s for a person watching the run (tests/suite_progress.py);
-    xdist's units of work, slowest first (tests/suite_order.py)."""
-    import suite_order
-    import suite_progress
+    """A progress line every 30 s for a person watching the run (tests/suite_progress.py)."""
+    from suite_progress import register
 
-    suite_progress.register(config)
-    suite_order.register(config)
+    register(config)
 
 
 @pytest.fixture(scope="session")
