@@ -38,24 +38,23 @@ VERSION = "0.7.0"
 #: transformers, datasets): its own pins (transformers==5.18.0, ...) are not installed.
 REQUIREMENTS = ["nemo-automodel==0.7.0"]
 _PKG = "nemo_automodel.components."
-FRAMEWORK_MODULES = [_PKG + "speculative.dflash.core", _PKG + "speculative.dflash.draft_qwen3"]
+#: imported before any case (a missing dependency is a setup error); core imports draft_qwen3
+FRAMEWORK_MODULES = ["nemo_automodel.components.speculative.dflash.core"]
 #: its package inits import every drafter family, models, distributed code and datasets
 skip_package_inits(_PKG + "speculative.dflash", _PKG + "datasets", _PKG + "datasets.llm")
 CAPABILITIES: dict[str, Any] = {
     # the trainer's one `sliding_window` masks every layer (core.py:212, 504-528): no mixed
     # layout; its block is always bidirectional (dflash_mask.py:136-141, causal=False from
-    # DFlash's forward, core.py:442): a causal-block profile runs as its own variant
-    "layouts": ["full", "sliding"],
+    # DFlash's forward, core.py:442): a causal-block profile runs as its own variant. Its one
+    # loss, CE on the data tokens (core.py:575-587), runs for every profile loss; loss_type
+    # "dflash" with / without loss_decay_gamma, no D-PACE (core.py:168)
+    "layouts": ["full", "sliding"], "weightings": ["none", "fixed-exp-decay"],
     # Qwen3-shaped targets only (speculative/dflash/registry.py:94-136); packed rows with
     # per-document positions and context (core.py:490-500)
     "verifier_families": ["qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
                           "qwen3_5_moe_text"],
-    # its one loss, CE on the data tokens (core.py:575-587), runs for every profile loss;
-    # loss_type "dflash" with / without loss_decay_gamma, no D-PACE (core.py:168)
-    "weightings": ["none", "fixed-exp-decay"],
-    "draft_vocab": False, "sample_from_anchor": False, "dtypes": ["fp32"],
     # a decoder-layer hook cannot capture the embedding output (target.py:74-175)
-    "embedding_layer": False}
+    "draft_vocab": False, "sample_from_anchor": False, "dtypes": ["fp32"], "embedding_layer": False}
 PROVENANCE: dict[str, str] = {"structure.target_layer_ids": "adapter"}
 
 
@@ -152,13 +151,12 @@ class NeMoCandidate:
         gives it; None: an unpacked row), torch's global RNG seeded from ``generator``:
         (anchor_positions [A] long, anchor_valid [A] bool), padded; a row without a valid
         anchor gives none."""
-        core = nemo("core")
         remaining = None if document_ids is None else kit.packing_metadata(
             document_ids.reshape(1, -1))["doc_remaining"]
-        return kit.sampled_anchors(lambda: core.DFlashTrainerModule._sample_anchor_positions(
+        return kit.sampled_anchors(lambda: nemo("core").DFlashTrainerModule._sample_anchor_positions(
             SimpleNamespace(block_size=block_size, num_anchors=max_anchors), loss_mask.shape[-1],
             loss_mask.reshape(1, -1).float(), "cpu", doc_remaining=remaining), max_anchors,
-            generator, core.NoValidAnchorsError)
+            generator, nemo("core").NoValidAnchorsError)
 
     def derive_config(self, verifier_config: Any, config: Any) -> dict[str, Any]:
         """NeMo's own draft config for the verifier (``build_qwen3_dflash_draft_config``, the
