@@ -183,6 +183,7 @@ def test_setup_errors_exit_2_with_one_line(tiny_dir, good, tmp_path):
     (truncated / "batch_00000.safetensors").write_bytes(data[: len(data) // 2])
     for args, words in [
         ([str(tmp_path / "nope")], "batch folder not found"),
+        ([str(good / "batch_00000.safetensors")], "is a file, not a batch folder"),
         ([str(tmp_path)], "not a dflash-audit or reference offline batch folder"),
         ([str(truncated)], "not a readable safetensors"),
         ([str(good), "--verifier", str(shallow)], "has 4 layers"),

@@ -210,7 +210,9 @@ def open_batch_folder(directory: str | Path) -> BatchFolder:
     """
     d = Path(directory)
     if not d.is_dir():
-        raise BatchFileError(f"{d}: batch folder not found; pass a folder written by "
+        what = ("is a file, not a batch folder; pass the folder that holds it"
+                if d.exists() else "batch folder not found")
+        raise BatchFileError(f"{d}: {what}; pass a folder written by "
                              "`dflash-audit data --out DIR` (or `--reference-format`), or the "
                              "reference's offline data folder")
     files = sorted(d.glob(BATCH_GLOB))
