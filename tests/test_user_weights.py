@@ -58,8 +58,11 @@ def test_keys_map_from_a_prefixed_layout_and_mismatches_are_named(checkpoint, tm
     assert "keys the reference's drafter does not have: layers.1.mlp.up_proj.weight" in msg
     assert "trained weights missing: norm.weight" in msg
     assert "shapes differ: fc.weight [576, 10] (reference [576, 1728])" in msg
-    with pytest.raises(UserWeightsError, match="no \\*.safetensors file"):
+    with pytest.raises(UserWeightsError, match="does not exist"):
         load_user_weights(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserWeightsError, match="no \\*.safetensors file"):
+        load_user_weights(tmp_path / "empty")
 
 
 def test_compare_with_the_checkpoint_config_and_weights(checkpoint, tmp_path):

@@ -48,7 +48,9 @@ def load_user_weights(folder: str | Path) -> dict[str, torch.Tensor]:
         pickles = sorted(p.name for p in folder.glob("*.bin")) if folder.is_dir() else []
         hint = (f"; {', '.join(pickles)} is a pickle file, which is never loaded (it can run "
                 "code): save the state dict with safetensors.torch.save_file") if pickles else ""
-        raise UserWeightsError(f"--weights {folder}: no *.safetensors file there (give the "
+        where = ("no *.safetensors file there" if folder.is_dir() else "not a folder"
+                 if folder.exists() else "does not exist")
+        raise UserWeightsError(f"--weights {folder}: {where} (give the "
                                f"folder of a speculators or z-lab DFlash checkpoint){hint}")
     _check_index(folder)
     out: dict[str, torch.Tensor] = {}
