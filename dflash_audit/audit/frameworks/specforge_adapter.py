@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from dflash_audit.audit.case import SideOutputs
-from dflash_audit.audit.frameworks.kit import state_dict_entries
+from dflash_audit.audit.frameworks.kit import qwen3_draft_config, state_dict_entries
 from dflash_audit.audit.frameworks.specforge_capture import (
     recorded_masks,
     recorded_objective,
@@ -126,26 +126,10 @@ def draft_config(config: DFlashConfig, ids: list[int], backend: str) -> Any:
     """The ``Qwen3Config`` SpecForge's ``DFlashDraftModel`` is built from (``dflash.py:
     338-372``: ``layer_types``, ``num_target_layers``, ``block_size``, ``dflash_config``), with
     the case's geometry and RoPE and SpecForge's z-lab ``ids``."""
-    from transformers import Qwen3Config
-
-    types = list(config.effective_layer_types)
-    rope = {"rope_type": "default", **(config.rope_parameters or {}),
-            "rope_theta": config.rope_theta}
-    cfg = Qwen3Config(
-        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
-        vocab_size=config.vocab_size, rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
-        attention_bias=config.attention_bias, hidden_act=config.hidden_act,
-        rope_parameters=rope, layer_types=types, sliding_window=config.sliding_window,
-        use_sliding_window="sliding_attention" in types)
-    cfg.num_target_layers = config.num_verifier_layers
-    cfg.block_size = config.block_size
-    cfg.dflash_config = {"target_layer_ids": list(ids), "mask_token_id": config.mask_token_id}
-    cfg._attn_implementation = backend
-    return cfg
+    return qwen3_draft_config(  # Qwen3Config drops the window when no layer slides
+        config, num_target_layers=config.num_verifier_layers, block_size=config.block_size,
+        dflash_config={"target_layer_ids": list(ids), "mask_token_id": config.mask_token_id},
+        _attn_implementation=backend)
 
 
 def loss_arguments(loss: Any) -> dict[str, Any]:
