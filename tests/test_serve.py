@@ -319,7 +319,10 @@ def test_a_bad_probe_timeout_is_one_line_and_exit_2(value, tmp_path):
 
 
 def test_a_reference_past_the_probe_timeout_names_the_variable(tmp_path):
-    folder = make_checkpoint(tmp_path / "c")
+    from dflash_audit.serve.engines import ENGINES, install_engine
+
+    install_engine(ENGINES["zlab"])  # --offline below needs the install; in random order no
+    folder = make_checkpoint(tmp_path / "c")  # other test need have made it yet
     result = run_cli(["serve-check", str(folder), "--engine", "zlab", "--offline",
                       "--out", str(tmp_path)], tmp_path,
                      env={"DFLASH_AUDIT_PROBE_TIMEOUT": "0.5"})
