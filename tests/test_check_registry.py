@@ -5,6 +5,7 @@ wording some check can actually produce (so the README and the checks cannot dri
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import re
 from pathlib import Path
@@ -78,13 +79,24 @@ def _pattern(template: str) -> str:
 def can_word(piece: str) -> bool:
     """Whether some template, started at one of its words, renders text that begins with
     ``piece`` (a cause is quoted from the start of a phrase; it may stop mid-sentence)."""
-    for t in TEMPLATES:
-        starts = [0] + [m.end() for m in re.finditer(r"[\s(]", t)]
-        for s in starts:
-            if t[s:s + 1] and t[s] == piece[0] or t[s:s + 1] == HOLE:
-                if regex.fullmatch(_pattern(t[s:]), piece, partial=True):
-                    return True
-    return False
+    return any(_renders(t[s:], piece) for t in TEMPLATES
+               for s in [0] + [m.end() for m in re.finditer(r"[\s(]", t)] if t[s:])
+
+
+def _renders(suffix: str, piece: str) -> bool:
+    """Whether the template text ``suffix`` renders text that begins with ``piece``: ``piece``
+    ends inside its literal head, or goes on past it into a placeholder (then the regex of
+    :func:`_pattern`, compiled once)."""
+    head = suffix.split(HOLE, 1)[0]
+    if head.startswith(piece):
+        return True
+    return HOLE in suffix and piece.startswith(head) and bool(
+        _compiled(suffix).fullmatch(piece, partial=True))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(suffix: str) -> regex.Pattern:
+    return regex.compile(_pattern(suffix))
 
 
 def readme_causes() -> list[str]:
