@@ -84,19 +84,11 @@ def framework_compare(key: str, tmp_path_factory, *args: str, timeout: int = 600
     that check (a list: mask has one per layer type)."""
     import json
 
-    from filelock import FileLock
+    from session_share import once_per_run, shared_folder
 
-    import os
-
-    base = tmp_path_factory.getbasetemp()  # an xdist worker's: popen-gwN in the session's
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / (
-        f"framework-compare-{key}")
-    shared.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(shared) + ".lock"):
-        if not (shared / "done.json").is_file():
-            done = _run_compare(key, shared / "reports", args, timeout)
-            (shared / "done.json").write_text(json.dumps(done))
-    done = json.loads((shared / "done.json").read_text())
+    shared = shared_folder(tmp_path_factory, f"framework-compare-{key}")
+    done = once_per_run(tmp_path_factory, f"framework-compare-{key}",
+                        lambda folder: _run_compare(key, folder / "reports", args, timeout))
     folders = sorted(p for p in (shared / "reports").iterdir() if (p / "report.json").is_file())
     assert folders, f"exit {done['rc']}: {done['stdout'][-4000:]}"
     data = json.loads((folders[-1] / "report.json").read_text())

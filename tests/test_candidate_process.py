@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from session_share import once_per_run
 
 from dflash_audit.audit.case import Case, SideOutputs
 from dflash_audit.audit.options import CANDIDATE_TIMEOUT_ENV
@@ -37,7 +38,10 @@ def tiny_cases(lengths):
 
 @pytest.fixture(scope="module")
 def chaos_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("chaos")
+    return once_per_run(tmp_path_factory, "chaos", _chaos_run)
+
+
+def _chaos_run(tmp: Path):
     cases = tiny_cases(range(40, 49))
     write_cases(cases, tmp / "cases")
     seen = []

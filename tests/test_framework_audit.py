@@ -23,6 +23,7 @@ import torch
 from cache_support import copy_of_cache, release_repo
 from data_support import SAMPLE_CONVERSATIONS, make_tiny_verifier, write_jsonl
 from framework_support import build_wheel, write_adapter
+from session_share import once_per_run
 from typer.testing import CliRunner
 
 from dflash_audit.audit.cases.plan import plan_synthetic_cases
@@ -50,7 +51,10 @@ def _statuses(report) -> set[tuple[str, str]]:
 def self_test(tmp_path_factory):
     """framework:speculators==0.9.0 vs --ref speculators==0.9.0 on a real row of a tiny
     verifier (its tokenizer resolves the mask token on both sides) + 2 synthetic cases."""
-    tmp = tmp_path_factory.mktemp("self-test")
+    return once_per_run(tmp_path_factory, "self-test", _self_test)
+
+
+def _self_test(tmp: Path):
     verifier = make_tiny_verifier(tmp / "verifier", layers=8)
     data = write_jsonl(tmp / "chats.jsonl", SAMPLE_CONVERSATIONS)
     return run_compare(CompareOptions(

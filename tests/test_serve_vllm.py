@@ -1,7 +1,7 @@
 """The vLLM 0.33.0 probe of serve-check, run on the real installed wheel (no mocks of vLLM):
 what vLLM's own code decides for drafter checkpoints made by tests/serve_support.py.
 
-The probes run once per module, side by side (each imports torch, transformers and vLLM's config stack, ~8 s)."""
+The probes run once per test run (whichever worker asks first), side by side (each imports torch, transformers and vLLM's config stack, ~8 s)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from session_share import once_per_run
 
 from dflash_audit.serve.engines import ENGINES, PROBES, install_engine, run_probe
 from tests.serve_support import TINY, edit_config, make_checkpoint
@@ -41,8 +42,11 @@ def _zlab(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
+    return once_per_run(tmp_path_factory, "vllm-probe", _probe_all)
+
+
+def _probe_all(base: Path) -> dict:
     site = install_engine(ENGINES["vllm"])
-    base = tmp_path_factory.mktemp("vllm-probe")
     ckpts = {
         "default": make_checkpoint(base / "default"),
         # every layer sliding, non-causal block, a draft vocabulary, no RoPE parameters at all
