@@ -1,7 +1,8 @@
 """The vLLM 0.33.0 probe of serve-check, run on the real installed wheel (no mocks of vLLM):
 what vLLM's own code decides for drafter checkpoints made by tests/serve_support.py.
 
-The probes run once per test run (whichever worker asks first), side by side (each imports torch, transformers and vLLM's config stack, ~8 s)."""
+The probes run once per test run (whichever worker asks first), side by side (each imports
+torch, transformers and vLLM's config stack, ~8 s)."""
 
 from __future__ import annotations
 

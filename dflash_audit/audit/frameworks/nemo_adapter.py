@@ -151,12 +151,12 @@ class NeMoCandidate:
         gives it; None: an unpacked row), torch's global RNG seeded from ``generator``:
         (anchor_positions [A] long, anchor_valid [A] bool), padded; a row without a valid
         anchor gives none."""
-        remaining = None if document_ids is None else kit.packing_metadata(
+        core, remaining = nemo("core"), None if document_ids is None else kit.packing_metadata(
             document_ids.reshape(1, -1))["doc_remaining"]
-        return kit.sampled_anchors(lambda: nemo("core").DFlashTrainerModule._sample_anchor_positions(
+        return kit.sampled_anchors(lambda: core.DFlashTrainerModule._sample_anchor_positions(
             SimpleNamespace(block_size=block_size, num_anchors=max_anchors), loss_mask.shape[-1],
             loss_mask.reshape(1, -1).float(), "cpu", doc_remaining=remaining), max_anchors,
-            generator, nemo("core").NoValidAnchorsError)
+            generator, core.NoValidAnchorsError)
 
     def derive_config(self, verifier_config: Any, config: Any) -> dict[str, Any]:
         """NeMo's own draft config for the verifier (``build_qwen3_dflash_draft_config``, the
