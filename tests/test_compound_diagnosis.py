@@ -307,6 +307,29 @@ def test_a_cause_found_on_one_case_is_tried_first_on_the_next(reference):
     assert results["logits"].diagnosis[0].startswith(PACKED)
 
 
+def test_causes_found_before_are_tried_together_first_and_the_fewest_still_win():
+    """``compound_search`` with ``known`` (the labels earlier cases reproduced with): a pair of
+    them is confirmed in a few replays instead of a full pass; one of them that reproduces
+    alone is reported alone; a known label this case has no hypothesis for is skipped; with
+    nothing known the full search finds the same pair."""
+    from dflash_audit.audit.replay.compound import compound_search
+
+    hyps = [(name, {name: True}) for name in "ABCDEFGH"]
+    labels = lambda kw: frozenset(k for k in kw if kw[k] is True)  # noqa: E731
+
+    def search(truth: set[str], known: list[str]):
+        probe = lambda kw: (labels(kw) == truth, len(labels(kw) ^ truth) / 8)  # noqa: E731
+        return compound_search(hyps, {}, None, probe, lambda kw: labels(kw) == truth,
+                               baseline=1.0, known=known)
+
+    full = search({"C", "F"}, [])
+    assert full.labels == ["C", "F"] and full.replays > len(hyps)
+    seeded = search({"C", "F"}, ["F", "Z", "C"])  # Z: a cause of another case's kind
+    assert sorted(seeded.labels) == ["C", "F"] and seeded.replays == 3  # F, C, then both
+    assert search({"C"}, ["F", "C"]).labels == ["C"]  # alone, before the pair
+    assert search({"B", "G"}, ["F", "C"]).labels == ["B", "G"]  # a new cause: full search
+
+
 # ------------------------------------------------ wording that is true (no reference needed)
 @pytest.fixture(scope="module")
 def ours():

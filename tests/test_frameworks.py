@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import py_compile
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +26,7 @@ from dflash_audit.audit.frameworks.capabilities import (
     CapabilitiesError,
     single_document,
 )
+from dflash_audit.atomic import file_sha256
 from dflash_audit.audit.frameworks.install import (
     FrameworkInstallError,
     install_framework,
@@ -121,6 +125,54 @@ def test_install_caches_verifies_and_repairs(tmp_path, wheel, capsys):
     install_framework("testfw", "1.0", [str(wheel)], cache_dir=tmp_path)  # rebuilt
     assert (site / "demo_fw_pkg" / "__init__.py").read_text() == "VERSION = '1.0'\n"
     assert "is changed demo_fw_pkg/__init__.py; installing it again" in capsys.readouterr().err
+
+
+def _import_version(site: Path) -> str:
+    """``demo_fw_pkg.VERSION`` imported from ``site`` by a fresh interpreter that writes no
+    bytecode (as the candidate's process: it only reads what the install compiled)."""
+    env = {**os.environ, "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1"}
+    code = "import demo_fw_pkg; print(demo_fw_pkg.VERSION)"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
+def test_an_install_is_compiled_and_its_bytecode_verified(tmp_path, wheel):
+    """The install writes checked-hash bytecode (PEP 552) for every module and lists it in the
+    manifest, so the candidate's process, which cannot write bytecode, never compiles the
+    framework again; a pyc replaced since (code of another source, carrying this source's
+    hash: Python alone would run it) is damage, installed again; an entry installed before
+    entries were compiled is compiled on its next use, once."""
+    import importlib.util
+
+    source = tmp_path / "frameworks" / "testfw-1.0" / "site" / "demo_fw_pkg" / "__init__.py"
+    pyc = Path(importlib.util.cache_from_source(str(source)))
+    site = install_framework("testfw", "1.0", [str(wheel)], cache_dir=tmp_path)
+    manifest = json.loads((site.parent / "manifest.json").read_text())
+    assert int.from_bytes(pyc.read_bytes()[4:8], "little") == 0b11  # hash-based, checked
+    assert manifest["bytecode"][pyc.relative_to(site).as_posix()] == file_sha256(pyc)
+    assert _import_version(site) == "1.0"
+    planted = tmp_path / "planted.pyc"
+    (tmp_path / "planted.py").write_text("VERSION = 'planted'\n")
+    py_compile.compile(str(tmp_path / "planted.py"), str(planted),
+                       invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+    data = planted.read_bytes()
+    pyc.write_bytes(data[:8] + importlib.util.source_hash(source.read_bytes()) + data[16:])
+    assert _import_version(site) == "planted"  # what the manifest's digest is there for
+    with pytest.raises(FrameworkInstallError, match=r"changed demo_fw_pkg/__pycache__/"):
+        install_framework("testfw", "1.0", [str(wheel)], offline=True, cache_dir=tmp_path)
+    install_framework("testfw", "1.0", [str(wheel)], cache_dir=tmp_path)  # installed again
+    assert _import_version(site) == "1.0"
+    # an entry made before installs were compiled: compiled by its next use, and only then
+    shutil.rmtree(pyc.parent)
+    manifest = json.loads((site.parent / "manifest.json").read_text())
+    del manifest["bytecode"]
+    (site.parent / "manifest.json").write_text(json.dumps(manifest))
+    install_framework("testfw", "1.0", [str(wheel)], offline=True, cache_dir=tmp_path)
+    assert pyc.is_file() and pyc.relative_to(site).as_posix() in json.loads(
+        (site.parent / "manifest.json").read_text())["bytecode"]
+    stamp = (site.parent / "manifest.json").stat().st_mtime_ns
+    install_framework("testfw", "1.0", [str(wheel)], offline=True, cache_dir=tmp_path)
+    assert (site.parent / "manifest.json").stat().st_mtime_ns == stamp
 
 
 def test_pip_failure_is_a_setup_error(tmp_path):

@@ -228,7 +228,8 @@ def diagnose_logits(ev: Evidence, result: CheckResult) -> list[str]:
     skipped = ev.memo.exhausted(key) if ev.memo else []
     if ev.memo:
         hypotheses = ev.memo.order(key, hypotheses)
-    outcome = compound_search(hypotheses, given, ev.config, probe, confirm, baseline=baseline)
+    outcome = compound_search(hypotheses, given, ev.config, probe, confirm, baseline=baseline,
+                              known=ev.memo.known(key) if ev.memo else ())
     if ev.memo:
         ev.memo.record(key, ev.case.name, outcome.labels or None, full=not skipped)
     if outcome.labels:

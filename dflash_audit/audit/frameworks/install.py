@@ -5,13 +5,15 @@ the user's environment -- for the candidate process to import (like the referenc
 Cache entry ``<cache>/frameworks/<name>-<version>/`` (``<cache>`` = ``$DFLASH_AUDIT_CACHE``
 or ``~/.cache/dflash-audit``)::
 
-    site/            pip install --no-deps --target of the adapter's REQUIREMENTS
+    site/            pip install --no-deps --target of the adapter's REQUIREMENTS, compiled
+                     (:func:`compile_site`)
     manifest.json    {"requirements", "local_files": {wheel path: sha256}, "python",
-                     "installed_at", "files": {path: sha256}}
+                     "installed_at", "files": {path: sha256}, "bytecode": {pyc path: sha256}}
 
 The entry is built in a temporary sibling and renamed (a crash never leaves half of one).
-Each use checks ``site/`` against the manifest (``__pycache__`` aside: importing writes it); a
-damaged entry, or one made for other requirements, is installed again -- offline it is an
+Each use checks ``site/`` against the manifest (its sources, and the bytecode the install
+compiled where it is still there; other bytecode aside: importing may write it); a damaged
+entry, or one made for other requirements, is installed again -- offline it is an
 error that names the folder and the command to run.
 """
 
@@ -50,6 +52,16 @@ def site_manifest(site: Path) -> dict[str, str]:
     """``{relative path: sha256}`` of every file under ``site`` except bytecode caches."""
     return {p.relative_to(site).as_posix(): file_sha256(p) for p in sorted(site.rglob("*"))
             if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}
+
+
+def site_bytecode(site: Path, names: Sequence[str] | None = None) -> dict[str, str]:
+    """``{relative path: sha256}`` of the bytecode files under ``site`` (``__pycache__/*.pyc``),
+    or of those of ``names`` that exist."""
+    if names is None:
+        found = (p for p in sorted(site.rglob("*.pyc")) if "__pycache__" in p.parts)
+    else:
+        found = (site / n for n in names if (site / n).is_file())
+    return {p.relative_to(site).as_posix(): file_sha256(p) for p in found if p.is_file()}
 
 
 def is_local(requirement: str) -> bool:
@@ -109,6 +121,9 @@ def entry_problems(entry: Path, requirements: Sequence[str]) -> list[str]:
     problems = [f"missing {k}" for k in expected if k not in found]
     problems += [f"changed {k}" for k in expected if k in found and found[k] != expected[k]]
     problems += [f"extra {k}" for k in found if k not in expected and k.endswith(".py")]
+    compiled = dict(manifest.get("bytecode") or {})
+    problems += [f"changed {k}" for k, digest in
+                 site_bytecode(entry / SITE, list(compiled)).items() if digest != compiled[k]]
     return problems
 
 
@@ -127,6 +142,45 @@ def pip_command(requirements: Sequence[str], target: Path,
     return [sys.executable, "-m", "pip", "install", "--no-deps", "--no-input",
             "--disable-pip-version-check", "--no-compile", "--target", str(target),
             *pip_args, *requirements]
+
+
+def compile_site(site: Path) -> dict[str, str]:
+    """Bytecode for every module under ``site``, written once here: the candidate's process
+    never writes it (its sandbox binds the cache read-only, and ``PYTHONDONTWRITEBYTECODE``
+    may be set), so without it each audit compiles the framework again (ModelOpt 0.47.0 and
+    its requirements: ~1,700 modules, ~3 s of every audit's load). ``checked-hash`` pycs
+    (PEP 552): Python checks each against its source's hash at import, so one left from
+    another source is never run; the manifest lists their sha256 (:func:`site_bytecode`), so
+    one replaced since is found (:func:`entry_problems`). Best effort: returns the bytecode's
+    digests, {} when ``compileall`` failed."""
+    from dflash_audit.limits import LimitError, limit_s
+
+    cmd = [sys.executable, "-m", "compileall", "-q", "-j", "0", "--invalidation-mode",
+           "checked-hash", str(site)]
+    try:
+        ok = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL,
+                            timeout=limit_s(PIP_TIMEOUT_S, PIP_TIMEOUT_ENV)).returncode == 0
+    except (OSError, LimitError, subprocess.TimeoutExpired):
+        ok = False
+    return site_bytecode(site) if ok else {}
+
+
+def _compile_once(entry: Path) -> None:
+    """An intact entry installed before entries were compiled: compiled now, once (the
+    manifest records it; replaced atomically)."""
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return
+    if "bytecode" in manifest or not os.access(entry, os.W_OK):
+        return  # compiled, or a cache this user cannot write (the audit compiles as before)
+    tmp = entry / f".{MANIFEST}.{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps({**manifest, "bytecode": compile_site(entry / SITE)},
+                                  indent=1, sort_keys=True))
+        os.replace(tmp, entry / MANIFEST)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def install_framework(name: str, version: str, requirements: Sequence[str], *,
@@ -163,6 +217,7 @@ def _install(name: str, version: str, requirements: Sequence[str], entry: Path,
     digests = local_digests(requirements)  # before anything: a FIFO must not reach pip
     problems = entry_problems(entry, requirements) if entry.exists() else ["not installed"]
     if not problems:
+        _compile_once(entry)
         return entry / SITE
     command = shlex.join(pip_command(requirements, entry / SITE, pip_args))
     if offline:
@@ -199,9 +254,10 @@ def _install(name: str, version: str, requirements: Sequence[str], entry: Path,
                 f"{proc.returncode}):\n{tail}\nCheck that the package "
                 "index is reachable, or install the framework into an environment of yours "
                 "and pass --candidate-python PATH")
+        files = site_manifest(tmp / SITE)
         (tmp / MANIFEST).write_text(json.dumps({
             "requirements": list(requirements), "local_files": digests,
             "python": sys.version.split()[0],
             "installed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "files": site_manifest(tmp / SITE)}, indent=1, sort_keys=True))
+            "files": files, "bytecode": compile_site(tmp / SITE)}, indent=1, sort_keys=True))
     return entry / SITE

@@ -7,7 +7,9 @@ what is already established upstream (the candidate's own masks / context); wher
 reproduces the candidate, it keeps the hypotheses that bring the replay closest (mean |diff|
 at most :data:`IMPROVE` x the baseline's) and tries each of them together with every other
 hypothesis: greedy, capped at :data:`MAX_CAUSES` causes and :data:`SEEDS` seeds per level, so
-its cost is at most ``1 + SEEDS`` passes over the hypotheses.
+its cost is at most ``1 + SEEDS`` passes over the hypotheses. The causes found on the audit's
+earlier cases (``known``) are tried first, alone and then together (:data:`KNOWN` of them at
+most): a bug that shows on every case is confirmed in a few replays, not a full pass on each.
 
 Hypotheses are ``(label, kwargs)`` with the kwargs of
 :func:`dflash_audit.audit.replay.replay.replay`; :func:`combine` merges two of them.
@@ -16,6 +18,7 @@ Hypotheses are ``(label, kwargs)`` with the kwargs of
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,6 +27,8 @@ from typing import Any
 IMPROVE = 0.5
 #: Seeds tried per level, and the most causes one compound hypothesis holds.
 SEEDS, MAX_CAUSES = 2, 2
+#: The most causes found on earlier cases that are combined before the search.
+KNOWN = 6
 
 Hypothesis = tuple[str, dict[str, Any]]
 
@@ -74,7 +79,8 @@ def compound_search(hypotheses: Iterable[Hypothesis], base: dict[str, Any], base
                     probe: Callable[[dict[str, Any]], tuple[bool, float]],
                     confirm: Callable[[dict[str, Any]], bool],
                     max_causes: int = MAX_CAUSES, seeds: int = SEEDS,
-                    baseline: float | None = None) -> CompoundOutcome:
+                    baseline: float | None = None,
+                    known: Iterable[str] = ()) -> CompoundOutcome:
     """The fewest hypotheses that, on top of ``base``, reproduce the candidate.
 
     Args:
@@ -85,12 +91,25 @@ def compound_search(hypotheses: Iterable[Hypothesis], base: dict[str, Any], base
         confirm: ``kwargs -> matches on the confirmation sample``.
         max_causes: the most hypotheses combined; seeds: partial hypotheses extended per level.
         baseline: ``probe(base)``'s mean |diff| when the caller has it (saves a replay).
+        known: labels that reproduced earlier cases (likeliest first); the first
+            :data:`KNOWN` of them among ``hypotheses`` are tried before the search, alone, then
+            in combinations of up to ``max_causes`` (the fewest causes first).
 
     Returns:
         :class:`CompoundOutcome` (``labels`` [] when nothing reproduced).
     """
     hyps = list(hypotheses)
-    replays = 0
+    replays, kwargs_of = 0, dict(hyps)
+    for labels in _known_subsets(known, kwargs_of, max_causes):
+        merged: dict[str, Any] | None = base
+        for label in labels:
+            merged = None if merged is None else combine(merged, kwargs_of[label], base_config)
+        if merged is None:
+            continue
+        ok, _err = probe(merged)
+        replays += 1
+        if ok and confirm(merged):
+            return CompoundOutcome(list(labels), merged, [h[0] for h in hyps], replays)
     if baseline is None:
         _, baseline = probe(base)
         replays += 1
@@ -115,6 +134,14 @@ def compound_search(hypotheses: Iterable[Hypothesis], base: dict[str, Any], base
         if not level:
             break
     return CompoundOutcome([], None, [h[0] for h in hyps], replays)
+
+
+def _known_subsets(known: Iterable[str], hyps: dict[str, Any], max_causes: int
+                   ) -> list[tuple[str, ...]]:
+    """The combinations of 1 to ``max_causes`` of the first :data:`KNOWN` labels of
+    ``known`` that are in ``hyps``, fewer first."""
+    usable = [label for label in dict.fromkeys(known) if label in hyps][:KNOWN]
+    return [s for n in range(1, max_causes + 1) for s in itertools.combinations(usable, n)]
 
 
 #: Families of logit hypotheses by a word their labels start with (for "tried and ruled out").

@@ -51,7 +51,7 @@ class SearchMemo:
     earlier cases, so that a failing audit stays within a small factor of a passing one.
 
     Labels that reproduced a case are tried first on every later case (a cause found on one
-    case is tried on all); a search that found nothing does not stop the full search on the
+    case is tried on all), alone and in pairs before any search (:meth:`known`); a search that found nothing does not stop the full search on the
     next case. Only once the audit has spent MAX_REPLAYS replays do later searches try just
     the labels that reproduced somewhere (deterministic: it depends on the case order only).
     Keys are ``(check, ...)``.
@@ -68,6 +68,12 @@ class SearchMemo:
         seen = self.found.get(key[0], {})
         ranked = sorted(hypotheses, key=lambda h: -seen.get(h[0], 0))
         return [h for h in ranked if h[0] in seen] if self.exhausted(key) else ranked
+
+    def known(self, key: tuple) -> list[str]:
+        """The labels that reproduced earlier cases, alone or with others (most often first),
+        for :func:`dflash_audit.audit.replay.compound.compound_search` to try first."""
+        seen = self.found.get(key[0], {})
+        return sorted(seen, key=lambda label: -seen[label])
 
     def exhausted(self, key: tuple) -> list[str]:
         """The cases whose full search found nothing, once the replay budget is spent (then
