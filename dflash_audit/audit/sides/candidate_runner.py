@@ -261,6 +261,18 @@ def await_cases() -> list[str] | None:
     return names
 
 
+def prefetch() -> None:
+    """Import what reading the first case imports (transformers' ``AutoConfig`` and the
+    modules every config class pulls in: ~2 s, :meth:`dflash_audit.audit.case.CaseVerifier.
+    read`) while the parent is still building and writing the cases, so the candidate's
+    clock starts on work. Best effort: a failure here is met again, and reported, where the
+    case needs it."""
+    try:
+        from transformers import AutoConfig, LlamaConfig  # noqa: F401
+    except Exception:  # noqa: BLE001 - raised again by the case that needs it
+        pass
+
+
 def die_with_parent() -> None:
     """On Linux, ask the kernel to SIGKILL this process when the compare that started it dies
     (``prctl(PR_SET_PDEATHSIG)``): a ``kill -9`` of compare leaves no candidate running."""
@@ -323,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.load_only:
         return 0
     if args.wait:
+        prefetch()
         args.case = await_cases()
         if args.case is None:
             return 0
