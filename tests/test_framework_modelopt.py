@@ -275,6 +275,39 @@ def _config(**kw) -> DFlashConfig:
                                                            vocab_size=128), **args)
 
 
+def test_the_derivation_built_on_the_meta_device_is_the_cpu_builds(modelopt_site):
+    """ModelOpt's derivation reads configs and the rotary module's shape, never a weight: the
+    meta-device build (no random initialisation of its default 22016-wide draft) derives every
+    field a CPU build does, or refuses alike, for each family of the default spread."""
+    script = """
+import json, warnings; warnings.filterwarnings("ignore")
+from dflash_audit.audit.cases.plan import plan_synthetic_cases
+from dflash_audit.audit.frameworks import modelopt_config as mc
+from dflash_audit.profile import Profile
+
+def derive(verifier, config, **kw):
+    try:
+        return mc.derive(verifier, config, **kw)
+    except mc.NotSupported as exc:
+        return str(exc)
+
+out = []
+for p in plan_synthetic_cases(Profile.load("reference-model"), 12, seed=0):
+    v, c = p.case.verifier, p.case.config
+    if v is not None:
+        out.append([c.verifier_model_type, derive(v.config, c, device="cpu"),
+                    derive(v.config, c)])
+print(json.dumps(out, default=str))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], env=_env(modelopt_site),
+                          capture_output=True, text=True, timeout=limit_s(600), check=False)
+    assert proc.returncode == 0, proc.stderr[-1500:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len([r for r in rows if isinstance(r[1], dict)]) >= 6
+    for family, cpu, meta in rows:
+        assert meta == cpu, family
+
+
 def test_dflash_settings_of_a_case():
     s = dflash_settings(_config(), LossSpec(loss="kl_div", gamma=7.0), 5)
     assert s["dflash_architecture_config"]["target_layer_ids"] == [2, 6]  # z-lab ids

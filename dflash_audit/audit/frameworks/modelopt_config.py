@@ -228,7 +228,7 @@ def _fake_base_from_verifier(verifier_config: Any) -> Any:
             return FakeBaseModel.from_source(str(Path(tmp)))
 
 
-def derive(verifier_config: Any, config: DFlashConfig) -> dict[str, Any]:
+def derive(verifier_config: Any, config: DFlashConfig, device: str = "meta") -> dict[str, Any]:
     """ModelOpt's own drafter-config derivation for ``verifier_config``: its ``modify``
     (hf_dflash.py:387-446) on the recipe's architecture config (only ``num_hidden_layers``,
     dflash.yaml:60-61) plus the case's block size, mask token and layout, read back from the
@@ -236,15 +236,24 @@ def derive(verifier_config: Any, config: DFlashConfig) -> dict[str, Any]:
     exporter's ``config.json`` (``DFlashExporter._export_config``, hf_spec_export.py:351-449),
     flattened like :func:`dflash_audit.model.derivation.derivation_fields`.
 
+    The base and the draft are built on ``device``, the meta device by default: the
+    derivation reads their configs and the rotary module's shape and scaling, never a weight,
+    and ModelOpt's default draft (32 heads of 128, MLP width 22016) costs ~0.4 s of random
+    initialisation a case on the CPU; the fields are those of a CPU build
+    (tests/test_framework_modelopt.py).
+
     Raises:
         NotSupported: a mixed layout, or a verifier config transformers cannot load.
     """
-    base = _fake_base_from_verifier(verifier_config)
+    import torch
+
     settings = {"dflash_offline": True, "dflash_block_size": config.block_size,
                 "dflash_mask_token_id": config.mask_token_id, "dflash_use_torch_compile": False,
                 "dflash_architecture_config": {"num_hidden_layers": config.num_hidden_layers},
                 **attention_settings(config)}
-    model = convert(base, settings)
+    with torch.device(device):
+        base = _fake_base_from_verifier(verifier_config)
+        model = convert(base, settings)
     draft, rotary = model.dflash_config, model.dflash_module.rotary_emb
     rope = dict(draft.rope_parameters or {})
     saved = model.get_exporter()._export_config()
