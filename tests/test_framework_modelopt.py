@@ -178,24 +178,59 @@ def test_capabilities_are_what_modelopt_refuses():
 
 
 # ------------------------------------------------------------------ ModelOpt's own defaults
-def test_recipe_defaults_are_modelopts(modelopt_site):
-    """The reader's pinned defaults equal ModelOpt's own (its DFlashConfig, default_config,
-    TrainingArguments), and ModelOpt's own ``load_recipe`` reads its recipe as the reader does."""
+@pytest.fixture(scope="module")
+def modelopt_own(modelopt_site) -> dict:
+    """One subprocess with ModelOpt imported (~8 s of its imports, paid once): its own
+    defaults (its DFlashConfig, default_config, TrainingArguments), its ``load_recipe`` of its
+    recipe, and its derivation for each case of the default spread built on the CPU and on
+    the meta device (``[model_type, cpu, meta]``; a refusal as its message)."""
     script = f"""
 import json, warnings; warnings.filterwarnings("ignore")
 from modelopt.torch.speculative.config import DFlashConfig
 from modelopt.torch.speculative.dflash.default_config import default_dflash_config
 from modelopt.torch.speculative.plugins.hf_training_args import TrainingArguments
 from modelopt.recipe import load_recipe
+from dflash_audit.audit.cases.plan import plan_synthetic_cases
+from dflash_audit.audit.frameworks import modelopt_config as mc
+from dflash_audit.profile import Profile
+
+def derive(verifier, config, **kw):
+    try:
+        return mc.derive(verifier, config, **kw)
+    except mc.NotSupported as exc:
+        return str(exc)
+
+derived = [[p.case.config.verifier_model_type,
+            derive(p.case.verifier.config, p.case.config, device="cpu"),
+            derive(p.case.verifier.config, p.case.config)]
+           for p in plan_synthetic_cases(Profile.load("reference-model"), 12, seed=0)
+           if p.case.verifier is not None]
 recipe = load_recipe({str(modelopt_site / RECIPE)!r})
 print(json.dumps({{"dflash": {{k: f.default for k, f in DFlashConfig.model_fields.items()}},
     "arch": default_dflash_config, "training": TrainingArguments().model_dump(),
-    "recipe": recipe.dflash.model_dump(), "recipe_training": recipe.training.model_dump()}}))
+    "recipe": recipe.dflash.model_dump(), "recipe_training": recipe.training.model_dump(),
+    "derived": derived}}, default=str))
 """
     proc = subprocess.run([sys.executable, "-c", script], env=_env(modelopt_site),
                           capture_output=True, text=True, timeout=limit_s(600), check=False)
     assert proc.returncode == 0, proc.stderr[-1500:]
-    own = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_derivation_built_on_the_meta_device_is_the_cpu_builds(modelopt_own):
+    """ModelOpt's derivation reads configs and the rotary module's shape, never a weight: the
+    meta-device build (no random initialisation of its default 22016-wide draft) derives every
+    field a CPU build does, or refuses alike, for each family of the default spread."""
+    rows = modelopt_own["derived"]
+    assert len([r for r in rows if isinstance(r[1], dict)]) >= 6
+    for family, cpu, meta in rows:
+        assert meta == cpu, family
+
+
+def test_recipe_defaults_are_modelopts(modelopt_own, modelopt_site):
+    """The reader's pinned defaults equal ModelOpt's own (its DFlashConfig, default_config,
+    TrainingArguments), and ModelOpt's own ``load_recipe`` reads its recipe as the reader does."""
+    own = modelopt_own
     assert own["dflash"] == DFLASH_DEFAULTS
     assert own["arch"] == ARCHITECTURE_DEFAULTS
     assert {k: own["training"][k] for k in TRAINING_DEFAULTS} == TRAINING_DEFAULTS
@@ -273,39 +308,6 @@ def _config(**kw) -> DFlashConfig:
             "block_size": 4, **kw}
     return DFlashConfig.from_verifier_config(family_config("llama", num_hidden_layers=12,
                                                            vocab_size=128), **args)
-
-
-def test_the_derivation_built_on_the_meta_device_is_the_cpu_builds(modelopt_site):
-    """ModelOpt's derivation reads configs and the rotary module's shape, never a weight: the
-    meta-device build (no random initialisation of its default 22016-wide draft) derives every
-    field a CPU build does, or refuses alike, for each family of the default spread."""
-    script = """
-import json, warnings; warnings.filterwarnings("ignore")
-from dflash_audit.audit.cases.plan import plan_synthetic_cases
-from dflash_audit.audit.frameworks import modelopt_config as mc
-from dflash_audit.profile import Profile
-
-def derive(verifier, config, **kw):
-    try:
-        return mc.derive(verifier, config, **kw)
-    except mc.NotSupported as exc:
-        return str(exc)
-
-out = []
-for p in plan_synthetic_cases(Profile.load("reference-model"), 12, seed=0):
-    v, c = p.case.verifier, p.case.config
-    if v is not None:
-        out.append([c.verifier_model_type, derive(v.config, c, device="cpu"),
-                    derive(v.config, c)])
-print(json.dumps(out, default=str))
-"""
-    proc = subprocess.run([sys.executable, "-c", script], env=_env(modelopt_site),
-                          capture_output=True, text=True, timeout=limit_s(600), check=False)
-    assert proc.returncode == 0, proc.stderr[-1500:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len([r for r in rows if isinstance(r[1], dict)]) >= 6
-    for family, cpu, meta in rows:
-        assert meta == cpu, family
 
 
 def test_dflash_settings_of_a_case():
