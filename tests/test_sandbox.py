@@ -6,6 +6,7 @@ host."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -192,3 +193,35 @@ def test_an_interpreter_in_a_venv_under_tmp_runs_in_the_sandbox(tmp_path_factory
         assert prefix == str(base / "venv") and Path(site_dir).is_relative_to(base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_cache_under_tmp_gives_the_waiting_process_the_sandbox_its_cases_need(
+        tmp_path, monkeypatch):
+    """The waiting candidate process starts before any case is written; a case's derivation
+    reads its verifier from ``<cache>/verifiers``. That folder is bound from the start, so a
+    cache under /tmp (as tmp_path is) gives the same sandbox once the cases name it (no second
+    candidate process); a verifier elsewhere under /tmp is still bound when a case names it."""
+    from dflash_audit.audit.sides.sandbox import candidate_sandbox_command
+
+    cache = tmp_path / "cache"
+    verifier = cache / "verifiers" / "tiny"
+    verifier.mkdir(parents=True)
+    (verifier / "config.json").write_text('{"model_type": "llama"}')
+    monkeypatch.setenv("DFLASH_AUDIT_CACHE", str(cache))
+    cases, out = tmp_path / "cases", tmp_path / "out"
+    (cases / "c0").mkdir(parents=True)
+    out.mkdir()
+    read = [sys.executable, "-I", "-c", f"print(open({str(verifier / 'config.json')!r}).read())"]
+
+    def command() -> list[str]:
+        return candidate_sandbox_command(read, None, cases, out, {}, sandbox_status().bwrap)
+
+    before = command()
+    (cases / "c0" / "derive.json").write_text(json.dumps({"verifier_dir": str(verifier)}))
+    assert command() == before
+    proc = subprocess.run(before, capture_output=True, text=True, timeout=limit_s(60))
+    assert proc.returncode == 0 and "llama" in proc.stdout, proc.stderr
+    elsewhere = tmp_path / "user-verifier"
+    elsewhere.mkdir()
+    (cases / "c0" / "derive.json").write_text(json.dumps({"verifier_dir": str(elsewhere)}))
+    assert str(elsewhere) in command() and str(elsewhere) not in before

@@ -55,6 +55,7 @@ from typing import Any
 
 from dflash_audit.audit.setup_error import CompareSetupError
 from dflash_audit.audit.sides.reference_records import record_dirs
+from dflash_audit.data.builtin_verifier import cache_dir
 from dflash_audit.folder_registry import mount_aliases, record_folder, recorded_folders
 from dflash_audit.report.fingerprint import key_dirs
 
@@ -373,27 +374,26 @@ def candidate_sandbox_command(cmd: list[str], spec: str | None, cases_dir: Path,
                               out_dir: Path, env: dict[str, str], bwrap: str,
                               hidden: list[Path] = ()) -> list[str]:
     """``bwrap ... -- cmd``: the candidate's sandbox (:func:`sandbox_command`, the module
-    docstring): read-only everything, ``out_dir`` writable, ``cases_dir`` (its private copy of
-    the cases), the folder of a ``file.py`` ``spec``, the working directory, the
-    ``PYTHONPATH`` entries of ``env`` and the interpreter's environment readable, every report
-    key's folder and ``hidden`` hidden, every audit's work root private. The same flags the
-    proof runs in."""
+    docstring): all read-only, ``out_dir`` writable, ``cases_dir``, a ``file.py`` ``spec``'s
+    folder, the working directory, ``env``'s ``PYTHONPATH``, the interpreter's environment and
+    ``<cache>/verifiers`` (from the start: a waiting process under /tmp has the sandbox its
+    cases need) readable, report keys' folders and ``hidden`` hidden, work roots private."""
     target = (spec or "").rpartition(":")[0]
     readable = [Path(cases_dir), Path.cwd(), *(Path(p) for p in
                                                env.get("PYTHONPATH", "").split(os.pathsep) if p),
                 Path(cmd[0]).parent.parent]  # the interpreter's environment (--candidate-python)
-    if target.endswith(".py"):
-        readable.append(Path(target).resolve().parent)
+    verifiers = [cache_dir() / "verifiers"] if (cache_dir() / "verifiers").is_dir() else []
+    readable += [*verifiers, *([Path(target).resolve().parent] if target.endswith(".py") else [])]
     private = [work_root(), *known_work_roots()]
-    roots = [Path(p).resolve() for p in private]
     for derive in Path(cases_dir).glob("*/derive.json"):  # the verifier a case derives from
         try:
             folder = Path(json.loads(derive.read_text())["verifier_dir"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        # one in an audit's work folder (a proxy verifier's config, in the reference's copy
-        # of the case) stays covered: the candidate's copy of the case holds its own
-        if not any(r == folder.resolve() or r in folder.resolve().parents for r in roots):
+        # one in an audit's work folder (a proxy verifier's config, in the reference's copy of
+        # the case) stays covered: the candidate's copy of the case holds its own
+        if not any(r == folder.resolve() or r in folder.resolve().parents for r in
+                   [*(Path(p).resolve() for p in private), *(v.resolve() for v in verifiers)]):
             readable.append(folder)
     return sandbox_command(cmd, bwrap=bwrap, writable=[Path(out_dir)], readable=readable,
                            hidden=with_aliases([*key_dirs(), *record_dirs(), *hidden]),
