@@ -254,10 +254,10 @@ def _install(name: str, version: str, requirements: Sequence[str], entry: Path,
                 f"{proc.returncode}):\n{tail}\nCheck that the package "
                 "index is reachable, or install the framework into an environment of yours "
                 "and pass --candidate-python PATH")
-        files = site_manifest(tmp / SITE)
         (tmp / MANIFEST).write_text(json.dumps({
             "requirements": list(requirements), "local_files": digests,
             "python": sys.version.split()[0],
             "installed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "files": files, "bytecode": compile_site(tmp / SITE)}, indent=1, sort_keys=True))
+            "files": site_manifest(tmp / SITE), "bytecode": compile_site(tmp / SITE)},
+            indent=1, sort_keys=True))
     return entry / SITE
