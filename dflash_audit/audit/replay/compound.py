@@ -6,10 +6,11 @@ explains none of them. :func:`compound_search` first tries every hypothesis alon
 what is already established upstream (the candidate's own masks / context); where none
 reproduces the candidate, it keeps the hypotheses that bring the replay closest (mean |diff|
 at most :data:`IMPROVE` x the baseline's) and tries each of them together with every other
-hypothesis: greedy, capped at :data:`MAX_CAUSES` causes and :data:`SEEDS` seeds per level, so
-its cost is at most ``1 + SEEDS`` passes over the hypotheses. The causes found on the audit's
-earlier cases (``known``) are tried first, alone and then together (:data:`KNOWN` of them at
-most): a bug that shows on every case is confirmed in a few replays, not a full pass on each.
+hypothesis (the closest alone first): greedy, capped at :data:`MAX_CAUSES` causes and
+:data:`SEEDS` seeds per level, so its cost is at most ``1 + SEEDS`` passes over the
+hypotheses. The causes found on the audit's earlier cases (``known``) are tried first, alone
+and then together (:data:`KNOWN` of them at most): a bug that shows on every case is confirmed
+in a few replays, not a full pass on each.
 
 Hypotheses are ``(label, kwargs)`` with the kwargs of
 :func:`dflash_audit.audit.replay.replay.replay`; :func:`combine` merges two of them.
@@ -99,7 +100,7 @@ def compound_search(hypotheses: Iterable[Hypothesis], base: dict[str, Any], base
         :class:`CompoundOutcome` (``labels`` [] when nothing reproduced).
     """
     hyps = list(hypotheses)
-    replays, kwargs_of = 0, dict(hyps)
+    replays, kwargs_of, tried = 0, dict(hyps), [h[0] for h in hyps]
     for labels in _known_subsets(known, kwargs_of, max_causes):
         merged: dict[str, Any] | None = base
         for label in labels:
@@ -109,7 +110,7 @@ def compound_search(hypotheses: Iterable[Hypothesis], base: dict[str, Any], base
         ok, _err = probe(merged)
         replays += 1
         if ok and confirm(merged):
-            return CompoundOutcome(list(labels), merged, [h[0] for h in hyps], replays)
+            return CompoundOutcome(list(labels), merged, tried, replays)
     if baseline is None:
         _, baseline = probe(base)
         replays += 1
@@ -126,14 +127,16 @@ def compound_search(hypotheses: Iterable[Hypothesis], base: dict[str, Any], base
                 ok, err = probe(merged)
                 replays += 1
                 if ok and confirm(merged):
-                    return CompoundOutcome(chosen + [label], merged, [h[0] for h in hyps],
-                                           replays)
+                    return CompoundOutcome(chosen + [label], merged, tried, replays)
                 scored.append((err, chosen + [label], merged))
         best = sorted((s for s in scored if s[0] <= IMPROVE * baseline), key=lambda s: s[0])
         level = [(labels, kw, err) for err, labels, kw in best[:seeds]]
+        if not _depth:  # partners closest alone first: two real causes each bring it closer
+            alone = {labels[-1]: err for err, labels, _kw in scored}
+            hyps = sorted(hyps, key=lambda h: alone.get(h[0], float("inf")))
         if not level:
             break
-    return CompoundOutcome([], None, [h[0] for h in hyps], replays)
+    return CompoundOutcome([], None, tried, replays)
 
 
 def _known_subsets(known: Iterable[str], hyps: dict[str, Any], max_causes: int
