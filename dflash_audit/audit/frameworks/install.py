@@ -60,7 +60,7 @@ def site_bytecode(site: Path, names: Sequence[str] | None = None) -> dict[str, s
     if names is None:
         found = (p for p in sorted(site.rglob("*.pyc")) if "__pycache__" in p.parts)
     else:
-        found = (site / n for n in names if (site / n).is_file())
+        found = (site / n for n in names)
     return {p.relative_to(site).as_posix(): file_sha256(p) for p in found if p.is_file()}
 
 

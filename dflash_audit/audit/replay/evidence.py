@@ -51,9 +51,10 @@ class SearchMemo:
     earlier cases, so that a failing audit stays within a small factor of a passing one.
 
     Labels that reproduced a case are tried first on every later case (a cause found on one
-    case is tried on all), alone and in pairs before any search (:meth:`known`); a search that found nothing does not stop the full search on the
-    next case. Only once the audit has spent MAX_REPLAYS replays do later searches try just
-    the labels that reproduced somewhere (deterministic: it depends on the case order only).
+    case is tried on all), alone and in pairs before any search (:meth:`known`); a search
+    that found nothing does not stop the full search on the next case. Only once the audit
+    has spent MAX_REPLAYS replays do later searches try just the labels that reproduced
+    somewhere (deterministic: it depends on the case order only).
     Keys are ``(check, ...)``.
     """
 

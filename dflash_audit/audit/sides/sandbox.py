@@ -382,18 +382,18 @@ def candidate_sandbox_command(cmd: list[str], spec: str | None, cases_dir: Path,
     readable = [Path(cases_dir), Path.cwd(), *(Path(p) for p in
                                                env.get("PYTHONPATH", "").split(os.pathsep) if p),
                 Path(cmd[0]).parent.parent]  # the interpreter's environment (--candidate-python)
-    verifiers = [cache_dir() / "verifiers"] if (cache_dir() / "verifiers").is_dir() else []
+    verifiers = [p for p in [cache_dir() / "verifiers"] if p.is_dir()]
     readable += [*verifiers, *([Path(target).resolve().parent] if target.endswith(".py") else [])]
     private = [work_root(), *known_work_roots()]
+    covered = [Path(p).resolve() for p in [*private, *verifiers]]
     for derive in Path(cases_dir).glob("*/derive.json"):  # the verifier a case derives from
         try:
             folder = Path(json.loads(derive.read_text())["verifier_dir"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        # one in an audit's work folder (a proxy verifier's config, in the reference's copy of
-        # the case) stays covered: the candidate's copy of the case holds its own
-        if not any(r == folder.resolve() or r in folder.resolve().parents for r in
-                   [*(Path(p).resolve() for p in private), *(v.resolve() for v in verifiers)]):
+        # one in a work folder (a proxy verifier's config, in the reference's copy of the case)
+        # stays covered, the candidate's copy holding its own; <cache>/verifiers is bound
+        if not any(r == folder.resolve() or r in folder.resolve().parents for r in covered):
             readable.append(folder)
     return sandbox_command(cmd, bwrap=bwrap, writable=[Path(out_dir)], readable=readable,
                            hidden=with_aliases([*key_dirs(), *record_dirs(), *hidden]),
