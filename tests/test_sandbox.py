@@ -200,7 +200,8 @@ def test_a_cache_under_tmp_gives_the_waiting_process_the_sandbox_its_cases_need(
     """The waiting candidate process starts before any case is written; a case's derivation
     reads its verifier from ``<cache>/verifiers``. That folder is bound from the start, so a
     cache under /tmp (as tmp_path is) gives the same sandbox once the cases name it (no second
-    candidate process); a verifier elsewhere under /tmp is still bound when a case names it."""
+    candidate process); a verifier elsewhere under /tmp is still bound when a case names it,
+    and one named from the start (compare's ``--verifier`` folder) gives the same sandbox."""
     from dflash_audit.audit.sides.sandbox import candidate_sandbox_command
 
     cache = tmp_path / "cache"
@@ -213,8 +214,9 @@ def test_a_cache_under_tmp_gives_the_waiting_process_the_sandbox_its_cases_need(
     out.mkdir()
     read = [sys.executable, "-I", "-c", f"print(open({str(verifier / 'config.json')!r}).read())"]
 
-    def command() -> list[str]:
-        return candidate_sandbox_command(read, None, cases, out, {}, sandbox_status().bwrap)
+    def command(readable=()) -> list[str]:
+        return candidate_sandbox_command(read, None, cases, out, {}, sandbox_status().bwrap,
+                                         readable=list(readable))
 
     before = command()
     (cases / "c0" / "derive.json").write_text(json.dumps({"verifier_dir": str(verifier)}))
@@ -223,5 +225,8 @@ def test_a_cache_under_tmp_gives_the_waiting_process_the_sandbox_its_cases_need(
     assert proc.returncode == 0 and "llama" in proc.stdout, proc.stderr
     elsewhere = tmp_path / "user-verifier"
     elsewhere.mkdir()
+    (cases / "c0" / "derive.json").unlink()
+    named = command([elsewhere])
     (cases / "c0" / "derive.json").write_text(json.dumps({"verifier_dir": str(elsewhere)}))
     assert str(elsewhere) in command() and str(elsewhere) not in before
+    assert command([elsewhere]) == named and str(elsewhere) in named

@@ -188,6 +188,7 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
     from dflash_audit.audit.sides.install_guard import InstallGuard
     from dflash_audit.audit.sides.integrity import enable_subreaper, tool_roots
     from dflash_audit.audit.sides.tamper_record import refuse_recorded_tampering
+    from dflash_audit.data.verifier import local_verifier_folder
     from dflash_audit.profile import Profile, ProfileError
     from dflash_audit.reference_source.runner import compile_reference_bytecode, pycache_prefix
     from dflash_audit.report import write_report
@@ -238,7 +239,8 @@ def run_compare(opts: CompareOptions) -> CompareOutcome:
                     try:  # never imported here: its import may exit, crash or print
                         waiting = live.enter_context(WaitingCandidate(
                             launch, Path(tmp) / CANDIDATE_CASES, Path(tmp) / CANDIDATE_OUTPUTS,
-                            threads=usable_cores()))
+                            threads=usable_cores(), readable=[
+                                p for p in [local_verifier_folder(opts.verifier)] if p]))
                     except CandidateLoadError as exc:
                         raise CompareSetupError(f"candidate: {exc}") from None
                 candidate = waiting.identity

@@ -50,6 +50,16 @@ def flush_denormal() -> Iterator[None]:
             torch.set_flush_denormal(False)
 
 
+def local_verifier_folder(spec: str) -> Path | None:
+    """The folder a ``--verifier`` spec names when it is an existing local folder (resolved;
+    what :func:`resolve_verifier_path` returns for it), else None (a built-in, a proxy spec,
+    a missing path: nothing is converted, built or checked here)."""
+    if is_proxy_spec(spec) or spec in BUILTIN_VERIFIERS:
+        return None
+    folder = Path(spec).expanduser()
+    return folder.resolve() if folder.is_dir() else None
+
+
 def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = stderr_progress
                           ) -> tuple[str, Path]:
     """Map a verifier spec to ``(name, folder)``; converts the built-in on first use, builds

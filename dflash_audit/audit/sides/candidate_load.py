@@ -135,7 +135,9 @@ class WaitingCandidate:
     the cases written and their digests taken meanwhile are out of its reach. Without a
     sandbox it ends once its identity is read (it could change the cases before their
     digests), and the cases run in a fresh process, as does a restart after a crash or a
-    timeout. A context manager: leaving it kills the process group.
+    timeout. A context manager: leaving it kills the process group. ``readable``: folders
+    its cases will need besides ``<cache>/verifiers`` (the ``--verifier`` folder), bound from
+    the start, so its sandbox is still a fresh one's once the cases name them.
 
     Raises (from the constructor):
         CandidateLoadError: as :func:`load_candidate_identity` (the candidate cannot be
@@ -145,10 +147,11 @@ class WaitingCandidate:
     """
 
     def __init__(self, spec: str | CandidateLaunch | None, cases_dir: Path, out_dir: Path, *,
-                 threads: int | None = None, timeout_s: float | None = None) -> None:
+                 threads: int | None = None, timeout_s: float | None = None,
+                 readable: list[Path] = ()) -> None:
         from dflash_audit.audit.sides.sandbox import sandbox_status
 
-        self.launch = as_launch(spec)
+        self.launch, self.readable = as_launch(spec), list(readable)
         self.cases_dir, self.out_dir, self.threads = Path(cases_dir), Path(out_dir), threads
         for folder in (self.cases_dir, self.out_dir):  # bound into the sandbox: they must exist
             folder.mkdir(parents=True, exist_ok=True)
@@ -175,7 +178,8 @@ class WaitingCandidate:
         """The sandboxed ``--wait`` command as the folders are now."""
         return sandboxed(runner_command(self.launch, self.cases_dir, self.out_dir, self.threads,
                                         None, "--wait"),
-                         self.launch.spec, self.cases_dir, self.out_dir, self.env)
+                         self.launch.spec, self.cases_dir, self.out_dir, self.env,
+                         readable=self.readable)
 
     def _await_identity(self, timeout_s: float | None) -> dict[str, Any]:
         limit = (limit_s(CANDIDATE_START_TIMEOUT_S, CANDIDATE_START_TIMEOUT_ENV)

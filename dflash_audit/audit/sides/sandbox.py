@@ -97,8 +97,7 @@ class SandboxStatus:
         return self.state == PROVEN
 
     def to_dict(self) -> dict[str, object]:
-        """The report's ``candidate.sandbox`` entry: ``sandboxed``, ``tool``, ``bwrap`` (path),
-        ``version``, ``proof`` (each property, whether it holds and its evidence), ``note``."""
+        """The report's ``candidate.sandbox`` entry (``proof``: as :attr:`proof`)."""
         return {"sandboxed": self.available, "tool": "bubblewrap" if self.available else None,
                 "bwrap": self.bwrap, "version": self.version, "proof": self.proof,
                 "note": "" if self.available else f"{UNAVAILABLE}: {self.reason}"}
@@ -345,10 +344,11 @@ def links_in(folder: Path) -> list[str]:
 
 
 def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
-              env: dict[str, str], hidden: list[Path] = ()) -> list[str]:
+              env: dict[str, str], hidden: list[Path] = (), readable: list[Path] = ()
+              ) -> list[str]:
     """``cmd`` inside the candidate's sandbox (:func:`candidate_sandbox_command`; ``hidden``:
-    further folders covered by an empty tmpfs, such as the report's recorded canary) when the
-    sandbox proved itself here, else ``cmd`` itself when none can start (the report says so).
+    more folders covered, e.g. the recorded canary; ``readable``: more folders bound, e.g. the
+    ``--verifier`` folder) when the sandbox proved itself here, else ``cmd`` itself.
 
     Raises:
         SandboxError: the sandbox starts but did not prove its isolation (never run then).
@@ -356,9 +356,8 @@ def sandboxed(cmd: list[str], spec: str | None, cases_dir: Path, out_dir: Path,
     status = sandbox_status()
     if status.state == UNPROVEN:
         raise SandboxError(unproven_message(status))
-    if not status.available:
-        return cmd
-    return candidate_sandbox_command(cmd, spec, cases_dir, out_dir, env, status.bwrap, hidden)
+    return candidate_sandbox_command(cmd, spec, cases_dir, out_dir, env, status.bwrap, hidden,
+                                     readable) if status.available else cmd
 
 
 def unproven_message(status: SandboxStatus) -> str:
@@ -372,17 +371,17 @@ def unproven_message(status: SandboxStatus) -> str:
 
 def candidate_sandbox_command(cmd: list[str], spec: str | None, cases_dir: Path,
                               out_dir: Path, env: dict[str, str], bwrap: str,
-                              hidden: list[Path] = ()) -> list[str]:
+                              hidden: list[Path] = (), readable: list[Path] = ()) -> list[str]:
     """``bwrap ... -- cmd``: the candidate's sandbox (:func:`sandbox_command`, the module
-    docstring): all read-only, ``out_dir`` writable, ``cases_dir``, a ``file.py`` ``spec``'s
-    folder, the working directory, ``env``'s ``PYTHONPATH``, the interpreter's environment and
-    ``<cache>/verifiers`` (from the start: a waiting process under /tmp has the sandbox its
-    cases need) readable, report keys' folders and ``hidden`` hidden, work roots private."""
+    docstring): ``out_dir`` writable; ``cases_dir``, a ``file.py`` ``spec``'s folder, the
+    working directory, ``PYTHONPATH``, the interpreter's environment, ``<cache>/verifiers`` and
+    ``readable`` (bound from the start: a waiting process has the sandbox its cases need)
+    readable; report keys' folders and ``hidden`` hidden; work roots private."""
     target = (spec or "").rpartition(":")[0]
+    verifiers = [p for p in [cache_dir() / "verifiers", *readable] if p.is_dir()]
     readable = [Path(cases_dir), Path.cwd(), *(Path(p) for p in
                                                env.get("PYTHONPATH", "").split(os.pathsep) if p),
                 Path(cmd[0]).parent.parent]  # the interpreter's environment (--candidate-python)
-    verifiers = [p for p in [cache_dir() / "verifiers"] if p.is_dir()]
     readable += [*verifiers, *([Path(target).resolve().parent] if target.endswith(".py") else [])]
     private = [work_root(), *known_work_roots()]
     covered = [Path(p).resolve() for p in [*private, *verifiers]]
@@ -391,8 +390,8 @@ def candidate_sandbox_command(cmd: list[str], spec: str | None, cases_dir: Path,
             folder = Path(json.loads(derive.read_text())["verifier_dir"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        # one in a work folder (a proxy verifier's config, in the reference's copy of the case)
-        # stays covered, the candidate's copy holding its own; <cache>/verifiers is bound
+        # one in a work folder (a proxy verifier's config, in the reference's copy of the
+        # case) stays covered, the candidate's copy holding its own; bound ones stay as they are
         if not any(r == folder.resolve() or r in folder.resolve().parents for r in covered):
             readable.append(folder)
     return sandbox_command(cmd, bwrap=bwrap, writable=[Path(out_dir)], readable=readable,
