@@ -72,6 +72,51 @@ def make_tiny_verifier(folder: Path, family: str = "llama", layers: int = 6, see
     return folder
 
 
+def shared_tiny_verifier(family: str = "llama", layers: int = 8) -> Path:
+    """:func:`make_tiny_verifier` (seed 0) made once into the suite's persistent cache (the
+    ``tiny-verifiers`` folder beside ``.records.lock``, one folder per torch and transformers
+    version) and shared, read only, by every test and run: the same path and bytes each time,
+    so the real cases built on it have the same digests and their reference outputs come from
+    the suite's reference cache (a verifier made in a fresh ``tmp_path`` misses it every run).
+    A test that changes a verifier makes its own with :func:`make_tiny_verifier`."""
+    import shutil
+
+    import transformers
+    from filelock import FileLock
+
+    from cache_support import RECORDS_LOCK
+
+    root = RECORDS_LOCK.parent / "tiny-verifiers"
+    folder = root / f"{family}-{layers}-torch{torch.__version__}-tf{transformers.__version__}"
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / "config.json").is_file():
+            staging = root / f".staging-{folder.name}"
+            shutil.rmtree(staging, ignore_errors=True)
+            make_tiny_verifier(staging, family=family, layers=layers)
+            shutil.rmtree(folder, ignore_errors=True)
+            staging.rename(folder)
+    return folder
+
+
+def shared_conversations() -> Path:
+    """:data:`SAMPLE_CONVERSATIONS` as a JSONL file at a fixed path of the suite's persistent
+    cache (a real case's description names its data file, and the case's digest with it: a
+    file in a fresh ``tmp_path`` would miss the suite's reference cache every run)."""
+    import os
+
+    from cache_support import RECORDS_LOCK
+
+    path = RECORDS_LOCK.parent / "test-data" / "chats.jsonl"
+    text = "".join(json.dumps(r) + "\n" for r in SAMPLE_CONVERSATIONS)
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(f".chats-{os.getpid()}.jsonl")
+        staging.write_text(text, encoding="utf-8")
+        staging.replace(path)
+    return path
+
+
 @functools.lru_cache(maxsize=1)
 def smollm2():
     """The real SmolLM2-135M-Instruct verifier (converted into the user cache on first use,

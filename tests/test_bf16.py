@@ -220,7 +220,7 @@ def test_flex_attention_on_cpu_matches_dense_sdpa():
 def test_compare_bf16(tmp_path, reference_identity, candidate, exit_code):
     outcome = run_compare(CompareOptions(ref="speculators==0.9.0", candidate=candidate,
                                          rows=0, cases=3, dtype="bf16", out=tmp_path,
-                                         cache_dir=tmp_path / "cache", progress=False))
+                                         progress=False))  # the suite's cache: its records
     assert outcome.exit_code == exit_code
     tol = outcome.report.tolerance
     assert tol["dtype"] == "bf16"

@@ -6,6 +6,7 @@ built from the release source (branch main, tag v0.9.0)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from cache_support import copy_of_cache, release_repo
-from data_support import SAMPLE_CONVERSATIONS, make_tiny_verifier, write_jsonl
+from data_support import shared_conversations, shared_tiny_verifier
 from torch import nn
 from typer.testing import CliRunner
 
@@ -56,13 +57,13 @@ class FcNMinusOne(DrafterCandidate):
 
 # ---------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def tiny_verifier(tmp_path_factory) -> Path:
-    return make_tiny_verifier(tmp_path_factory.mktemp("tiny-verifier"), layers=8)
+def tiny_verifier() -> Path:
+    return shared_tiny_verifier(layers=8)
 
 
 @pytest.fixture(scope="module")
-def conversations(tmp_path_factory) -> Path:
-    return write_jsonl(tmp_path_factory.mktemp("data") / "chats.jsonl", SAMPLE_CONVERSATIONS)
+def conversations() -> Path:
+    return shared_conversations()
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +79,10 @@ def origin(reference_identity, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def shared_cache(tmp_path_factory) -> Path:
-    """Batch cache + import-check marker shared by the tests that do not test caching."""
-    return tmp_path_factory.mktemp("compare-cache")
+def shared_cache() -> Path:
+    """Batch cache + import-check marker shared by the tests that do not test caching: the
+    suite's cache (its import check passed: no import check process of their own)."""
+    return Path(os.environ["DFLASH_AUDIT_CACHE"])
 
 
 def options(tmp_path, tiny_verifier, conversations, **kw) -> CompareOptions:

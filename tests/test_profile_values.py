@@ -10,7 +10,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from data_support import SAMPLE_CONVERSATIONS, make_tiny_verifier, write_jsonl
+from data_support import (
+    SAMPLE_CONVERSATIONS,
+    shared_conversations,
+    shared_tiny_verifier,
+    write_jsonl,
+)
 
 from dflash_audit.audit.case import Case
 from dflash_audit.audit.cases.plan import plan_synthetic_cases
@@ -133,8 +138,8 @@ def test_target_id_n_is_accepted_by_profile_and_layer_ids():
 
 
 @pytest.fixture(scope="module")
-def tiny_verifier(tmp_path_factory):
-    return make_tiny_verifier(tmp_path_factory.mktemp("tiny-verifier"), layers=6)
+def tiny_verifier():
+    return shared_tiny_verifier(layers=6)
 
 
 def test_data_captures_id_n_as_the_pre_norm_last_layer(tiny_verifier, tmp_path):
@@ -176,7 +181,7 @@ def test_compare_with_id_n_against_the_reference(tiny_verifier, tmp_path, refere
     from dflash_audit.audit.compare import run_compare
     from dflash_audit.audit.options import CompareOptions
 
-    chats = write_jsonl(tmp_path / "chats.jsonl", SAMPLE_CONVERSATIONS)
+    chats = shared_conversations()  # fixed paths and the suite's cache: its reference records
     text = (Profile.load("reference-model").to_dict())
     text.update(target_layers=[1, 3, 6], name="id-n")
     text = {k: v for k, v in text.items() if v is not None and k != "source"}
@@ -184,8 +189,7 @@ def test_compare_with_id_n_against_the_reference(tiny_verifier, tmp_path, refere
     toml.write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in text.items()) + "\n")
     outcome = run_compare(CompareOptions(
         verifier=str(tiny_verifier), data=str(chats), seq_len=96, rows=1, anchors=6, cases=0,
-        seed=0, out=tmp_path / "reports", cache_dir=tmp_path / "cache", progress=False,
-        profile=str(toml)))
+        seed=0, out=tmp_path / "reports", progress=False, profile=str(toml)))
     assert outcome.exit_code == 0, [(r.case, r.name, r.summary) for r in
                                     outcome.report.results if r.status == "fail"]
     data = json.loads((outcome.folder / "report.json").read_text())

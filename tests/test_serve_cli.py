@@ -15,10 +15,10 @@ from serve_support import make_checkpoint
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """TINY (layer 0 full, layer 1 sliding W=8, causal block) over a tiny verifier."""
-    from data_support import make_tiny_verifier
+    from data_support import shared_tiny_verifier
 
     base = tmp_path_factory.mktemp("serve-cli")
-    verifier = make_tiny_verifier(base / "verifier")
+    verifier = shared_tiny_verifier(layers=6)
     return make_checkpoint(base / "ckpt", verifier=str(verifier))
 
 
