@@ -56,17 +56,17 @@ def copy_of_cache(dest: Path, releases: bool = True, private_bytecode: bool = Fa
     verifiers (read only). The bytecode is linked to the suite's, or, when
     ``private_bytecode`` (a test whose candidate writes there, or whose audit discards it),
     this interpreter's part of it is copied (:func:`_copy_interpreter_bytecode`).
-    With the releases come the records of their passed import checks (``import-checks``,
-    keyed by the release's digest, not its folder: a copy imports as the original does),
-    signed again with the copy's own report key. Never the reference cache's records, the
-    case records nor the report key: an audit on the copy runs the reference. Returns
-    ``dest``."""
+    The records of the passed import checks come too (``import-checks``, keyed by a tree's
+    content, not its folder: a copy, a clone or a ``path:`` ref of the release imports as the
+    original does), signed again with the copy's own report key. Never the reference cache's
+    records, the case records nor the report key: an audit on the copy runs the reference.
+    Returns ``dest``."""
     src = Path(os.environ["DFLASH_AUDIT_CACHE"])
     dest.mkdir(parents=True, exist_ok=True)
     if releases:
         shutil.copytree(src / "reference" / "sdist", dest / "reference" / "sdist",
                         ignore=shutil.ignore_patterns("__pycache__", "tmp"))
-        _resign_import_checks(src, dest)
+    _resign_import_checks(src, dest)
     (src / "pycache").mkdir(exist_ok=True)
     if private_bytecode:
         _copy_interpreter_bytecode(src / "pycache", dest / "pycache")

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from cache_support import copy_of_cache, release_repo
-from data_support import SAMPLE_CONVERSATIONS, make_tiny_verifier, write_jsonl
+from data_support import make_tiny_verifier, shared_conversations
 from framework_support import build_wheel, write_adapter
 from session_share import once_per_run
 from typer.testing import CliRunner
@@ -55,12 +55,13 @@ def self_test(tmp_path_factory):
 
 
 def _self_test(tmp: Path):
+    # a verifier under /tmp (bound into the candidate's sandbox); the suite's conversations and
+    # cache: the reference's outputs come from its records on a warm run
     verifier = make_tiny_verifier(tmp / "verifier", layers=8)
-    data = write_jsonl(tmp / "chats.jsonl", SAMPLE_CONVERSATIONS)
     return run_compare(CompareOptions(
         candidate="framework:speculators==0.9.0", ref="speculators==0.9.0",
-        verifier=str(verifier), data=str(data), seq_len=96, rows=1, anchors=6, cases=2,
-        seed=0, out=tmp / "reports", cache_dir=tmp / "cache", progress=False, offline=True))
+        verifier=str(verifier), data=str(shared_conversations()), seq_len=96, rows=1,
+        anchors=6, cases=2, seed=0, out=tmp / "reports", progress=False, offline=True))
 
 
 def test_speculators_self_test_passes_with_nothing_but_passes(self_test):
