@@ -337,3 +337,19 @@ def test_bad_verifier_folders(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(VerifierError, match="no config.json"):
         load_verifier(str(tmp_path / "empty"))
+
+
+def test_the_local_verifier_folder_is_named_before_anything_is_built(tmp_path):
+    """compare binds a local ``--verifier`` folder into the waiting candidate's sandbox from
+    the start: the folder resolve_verifier_path gives for it (links resolved), and nothing for
+    a built-in, a config.json (a proxy), a folder without a config.json or a missing path."""
+    from dflash_audit.data.verifier import local_verifier_folder
+
+    folder = tmp_path / "verifier"
+    folder.mkdir()
+    assert local_verifier_folder(str(folder)) is None  # no config.json: compare refuses it
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "link").symlink_to(folder)
+    assert local_verifier_folder(str(tmp_path / "link")) == folder.resolve()
+    for spec in ("smollm2-135m", str(folder / "config.json"), str(tmp_path / "missing")):
+        assert local_verifier_folder(spec) is None, spec

@@ -51,13 +51,13 @@ def flush_denormal() -> Iterator[None]:
 
 
 def local_verifier_folder(spec: str) -> Path | None:
-    """The folder a ``--verifier`` spec names when it is an existing local folder (resolved;
-    what :func:`resolve_verifier_path` returns for it), else None (a built-in, a proxy spec,
-    a missing path: nothing is converted, built or checked here)."""
+    """The folder a ``--verifier`` spec names when it is a local folder holding a
+    ``config.json`` (resolved: what :func:`resolve_verifier_path` returns for it), else None
+    (a built-in, a proxy spec, anything else: nothing is converted or built here)."""
     if is_proxy_spec(spec) or spec in BUILTIN_VERIFIERS:
         return None
     folder = Path(spec).expanduser()
-    return folder.resolve() if folder.is_dir() else None
+    return folder.resolve() if (folder / "config.json").is_file() else None
 
 
 def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = stderr_progress
