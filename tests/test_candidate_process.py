@@ -272,6 +272,30 @@ def test_one_process_loads_the_candidate_then_runs_cases_written_after(tmp_path)
         assert _starts(out) == 2
 
 
+def test_a_bound_folder_replaced_meanwhile_gets_a_fresh_process(tmp_path):
+    """A folder bound from the start (compare's ``--verifier``) holds what was there then: one
+    replaced by a rename before the cases are handed over is another folder, so a fresh
+    process (with the folder as it is now) runs them (found by the hostile review: the old
+    folder's config made a correct candidate FAIL its derivation)."""
+    from dflash_audit.audit.sides.candidate_load import WaitingCandidate
+    from dflash_audit.audit.sides.reference_records import record_dirs
+    from dflash_audit.audit.sides.sandbox import sandbox_status
+
+    folder, other = tmp_path / "verifier", tmp_path / "other"
+    folder.mkdir()
+    other.mkdir()
+    record_dirs()  # as compare does: the folders every sandbox hides exist before it starts
+    mine, out = tmp_path / "mine", tmp_path / "out"
+    with WaitingCandidate(None, mine, out, threads=1, readable=[folder]) as waiting:
+        folder.rename(tmp_path / "old")
+        other.rename(folder)
+        write_cases(tiny_cases([40]), mine)
+        runs = run_candidate_process(None, mine, ["c40"], out, threads=1, waiting=waiting)
+    assert runs["c40"].ok and _starts(out) == 2
+    if sandbox_status().available:  # without one a fresh process runs the cases anyway
+        assert waiting.fallback == "sandbox changed"
+
+
 def test_a_waiting_process_that_died_is_replaced_by_a_fresh_one(tmp_path):
     from dflash_audit.audit.sides.candidate_load import WaitingCandidate
 

@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -230,3 +231,11 @@ def test_a_cache_under_tmp_gives_the_waiting_process_the_sandbox_its_cases_need(
     (cases / "c0" / "derive.json").write_text(json.dumps({"verifier_dir": str(elsewhere)}))
     assert str(elsewhere) in command() and str(elsewhere) not in before
     assert command([elsewhere]) == named and str(elsewhere) in named
+    # one in a work root (another audit's files) is never bound back, named or not
+    inside = Path(tempfile.mkdtemp(dir=work_root()))
+    try:
+        (inside / "config.json").write_text("{}")
+        (cases / "c0" / "derive.json").write_text(json.dumps({"verifier_dir": str(inside)}))
+        assert command([inside]) == command() and str(inside) not in command([inside])
+    finally:
+        shutil.rmtree(inside)

@@ -11,6 +11,7 @@ loaded.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -123,6 +124,19 @@ def _ended_identity(returncode: int, cmd: list[str], out_dir: Path, launch: Cand
     return _checked_identity(data, launch.spec)
 
 
+def _identities(folders: list[Path]) -> list[tuple[int, int] | None]:
+    """``(st_dev, st_ino)`` of each folder (None: gone): a bind holds the folder that was
+    there when the sandbox started, so one replaced by a rename since is another folder."""
+    out: list[tuple[int, int] | None] = []
+    for folder in folders:
+        try:
+            info = os.stat(folder)
+            out.append((info.st_dev, info.st_ino))
+        except OSError:
+            out.append(None)
+    return out
+
+
 class WaitingCandidate:
     """The audit's one candidate process: started before its cases exist, it loads the
     candidate, reports its identity (:attr:`identity`, as :func:`load_candidate_identity`
@@ -152,6 +166,7 @@ class WaitingCandidate:
         from dflash_audit.audit.sides.sandbox import sandbox_status
 
         self.launch, self.readable = as_launch(spec), list(readable)
+        self._bound = _identities(self.readable)  # a folder replaced later: a fresh process
         self.cases_dir, self.out_dir, self.threads = Path(cases_dir), Path(out_dir), threads
         for folder in (self.cases_dir, self.out_dir):  # bound into the sandbox: they must exist
             folder.mkdir(parents=True, exist_ok=True)
@@ -206,11 +221,13 @@ class WaitingCandidate:
         ``(process, command, stdout log, stderr log)``; None (the process ended or killed)
         when a fresh process must run them as before: it ended meanwhile, no sandbox, or
         its sandbox would differ from a fresh one's now (a case needs a folder bound that
-        did not exist or was not named when it started)."""
+        did not exist or was not named when it started, or a ``readable`` folder was
+        replaced)."""
         proc, self.proc = self.proc, None
         if proc is None:
             return None
-        if proc.poll() is not None or self._sandboxed() != self.cmd:
+        if (proc.poll() is not None or self._sandboxed() != self.cmd
+                or _identities(self.readable) != self._bound):
             # another audit may have registered a folder every sandbox hides meanwhile
             self.fallback = "ended" if proc.poll() is not None else "sandbox changed"
             kill_group(proc)

@@ -186,8 +186,7 @@ def _read_only_probes() -> list[Path]:
 
 @contextlib.contextmanager
 def _proof_folder() -> Iterator[Path]:
-    """A fresh folder in the work root (where a candidate's cases and outputs live), removed
-    after the proof.
+    """A fresh folder in the work root (where the cases and outputs live), removed after.
 
     Raises:
         CompareSetupError: the work root cannot be used (:func:`work_root`).
@@ -207,7 +206,6 @@ WORK_ROOT_NAME = "dflash-audit-work"
 #: The work root of the default temporary directory: hidden from every candidate, whatever
 #: ``$TMPDIR`` its own audit has.
 DEFAULT_WORK_ROOT = Path("/tmp") / WORK_ROOT_NAME
-
 
 #: The registry (:mod:`dflash_audit.folder_registry`) of every work root :func:`work_root`
 #: made, whatever the ``$TMPDIR`` or ``$DFLASH_AUDIT_CACHE`` of its audit.
@@ -260,8 +258,7 @@ def interpreter_folders(executable: str) -> list[Path]:
     project). Bound back read-only by :func:`sandbox_command`."""
     if not executable:
         return []
-    exe = Path(executable)
-    real = exe.resolve()
+    exe, real = Path(executable), Path(executable).resolve()
     out = [exe.parent.parent, real.parent, real.parent.parent]
     if exe.absolute() == Path(sys.executable).absolute():
         out += [Path(sys.prefix), Path(sys.base_prefix)]
@@ -377,14 +374,18 @@ def candidate_sandbox_command(cmd: list[str], spec: str | None, cases_dir: Path,
     working directory, ``PYTHONPATH``, the interpreter's environment, ``<cache>/verifiers`` and
     ``readable`` (bound from the start: a waiting process has the sandbox its cases need)
     readable; report keys' folders and ``hidden`` hidden; work roots private."""
+    def within(path: Path, roots: list[Path]) -> bool:
+        return any(r == path.resolve() or r in path.resolve().parents for r in roots)
+
     target = (spec or "").rpartition(":")[0]
-    verifiers = [p for p in [cache_dir() / "verifiers", *readable] if p.is_dir()]
+    private = [work_root(), *known_work_roots()]
+    roots = [Path(p).resolve() for p in private]  # no extra folder in one: another audit's
+    verifiers = [p for p in [cache_dir() / "verifiers", *readable]
+                 if p.is_dir() and not within(p, roots)]
     readable = [Path(cases_dir), Path.cwd(), *(Path(p) for p in
                                                env.get("PYTHONPATH", "").split(os.pathsep) if p),
                 Path(cmd[0]).parent.parent]  # the interpreter's environment (--candidate-python)
     readable += [*verifiers, *([Path(target).resolve().parent] if target.endswith(".py") else [])]
-    private = [work_root(), *known_work_roots()]
-    covered = [Path(p).resolve() for p in [*private, *verifiers]]
     for derive in Path(cases_dir).glob("*/derive.json"):  # the verifier a case derives from
         try:
             folder = Path(json.loads(derive.read_text())["verifier_dir"])
@@ -392,7 +393,7 @@ def candidate_sandbox_command(cmd: list[str], spec: str | None, cases_dir: Path,
             continue
         # one in a work folder (a proxy verifier's config, in the reference's copy of the
         # case) stays covered, the candidate's copy holding its own; bound ones stay as they are
-        if not any(r == folder.resolve() or r in folder.resolve().parents for r in covered):
+        if not within(folder, [*roots, *(p.resolve() for p in verifiers)]):
             readable.append(folder)
     return sandbox_command(cmd, bwrap=bwrap, writable=[Path(out_dir)], readable=readable,
                            hidden=with_aliases([*key_dirs(), *record_dirs(), *hidden]),
