@@ -337,6 +337,9 @@ def test_bad_verifier_folders(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(VerifierError, match="no config.json"):
         load_verifier(str(tmp_path / "empty"))
+    for name in ("a" * 300, "a" * 300 + ".json"):  # the OS refuses the name: a named error
+        with pytest.raises(VerifierError, match=r"not a usable path \(File name too long\)"):
+            load_verifier(str(tmp_path / name))
 
 
 def test_the_local_verifier_folder_is_named_before_anything_is_built(tmp_path):
@@ -351,5 +354,6 @@ def test_the_local_verifier_folder_is_named_before_anything_is_built(tmp_path):
     (folder / "config.json").write_text('{"model_type": "llama"}')
     (tmp_path / "link").symlink_to(folder)
     assert local_verifier_folder(str(tmp_path / "link")) == folder.resolve()
-    for spec in ("smollm2-135m", str(folder / "config.json"), str(tmp_path / "missing")):
+    for spec in ("smollm2-135m", str(folder / "config.json"), str(tmp_path / "missing"),
+                 str(tmp_path / ("a" * 300))):
         assert local_verifier_folder(spec) is None, spec

@@ -32,8 +32,12 @@ FAMILY_LAYERS = 12
 
 
 def is_proxy_spec(spec: str) -> bool:
-    """Whether a ``--verifier`` spec names a proxy: ``family:NAME`` or a ``.json`` file."""
-    return spec.startswith("family:") or (spec.endswith(".json") and Path(spec).is_file())
+    """Whether a ``--verifier`` spec names a proxy: ``family:NAME`` or a ``.json`` file (a
+    path the OS refuses, e.g. too long, is none)."""
+    try:
+        return spec.startswith("family:") or (spec.endswith(".json") and Path(spec).is_file())
+    except OSError:
+        return False
 
 
 def proxy_name(spec: str) -> str:

@@ -57,7 +57,10 @@ def local_verifier_folder(spec: str) -> Path | None:
     if is_proxy_spec(spec) or spec in BUILTIN_VERIFIERS:
         return None
     folder = Path(spec).expanduser()
-    return folder.resolve() if (folder / "config.json").is_file() else None
+    try:
+        return folder.resolve() if (folder / "config.json").is_file() else None
+    except OSError:  # a path the OS refuses (too long): resolve_verifier_path names it
+        return None
 
 
 def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = stderr_progress
@@ -74,6 +77,12 @@ def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = st
     if spec in BUILTIN_VERIFIERS:
         return spec, builtin_folder(spec, progress=progress)
     folder = Path(spec).expanduser()
+    try:
+        folder.exists()
+    except OSError as exc:  # e.g. a name too long for the file system
+        raise VerifierError(f"verifier {spec[:80]!r}...: not a usable path ({exc.strerror}); "
+                            "pass a local Hugging Face causal-LM folder, 'smollm2-135m', "
+                            "family:NAME or a config.json file") from None
     if not folder.exists():
         raise VerifierError(
             f"verifier {spec!r} is neither a built-in ({', '.join(BUILTIN_VERIFIERS)}) nor an "
