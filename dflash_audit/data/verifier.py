@@ -78,12 +78,12 @@ def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = st
         return spec, builtin_folder(spec, progress=progress)
     folder = Path(spec).expanduser()
     try:
-        folder.exists()
+        exists = folder.exists()
     except OSError as exc:  # e.g. a name too long for the file system
         raise VerifierError(f"verifier {spec[:80]!r}...: not a usable path ({exc.strerror}); "
                             "pass a local Hugging Face causal-LM folder, 'smollm2-135m', "
                             "family:NAME or a config.json file") from None
-    if not folder.exists():
+    if not exists:
         raise VerifierError(
             f"verifier {spec!r} is neither a built-in ({', '.join(BUILTIN_VERIFIERS)}) nor an "
             "existing folder; pass a local Hugging Face causal-LM folder, 'smollm2-135m', "

@@ -369,13 +369,12 @@ def unproven_message(status: SandboxStatus) -> str:
 def candidate_sandbox_command(cmd: list[str], spec: str | None, cases_dir: Path,
                               out_dir: Path, env: dict[str, str], bwrap: str,
                               hidden: list[Path] = (), readable: list[Path] = ()) -> list[str]:
-    """``bwrap ... -- cmd``: the candidate's sandbox (:func:`sandbox_command`, the module
-    docstring): ``out_dir`` writable; ``cases_dir``, a ``file.py`` ``spec``'s folder, the
-    working directory, ``PYTHONPATH``, the interpreter's environment, ``<cache>/verifiers`` and
-    ``readable`` (bound from the start: a waiting process has the sandbox its cases need)
-    readable; report keys' folders and ``hidden`` hidden; work roots private."""
-    def within(path: Path, roots: list[Path]) -> bool:
-        return any(r == path.resolve() or r in path.resolve().parents for r in roots)
+    """``bwrap ... -- cmd``, the candidate's sandbox (:func:`sandbox_command`): ``out_dir``
+    writable; ``cases_dir``, a ``.py`` spec's folder, the cwd, ``PYTHONPATH``, the interpreter's
+    environment, ``<cache>/verifiers`` and ``readable`` (from the start: a waiting process has
+    its cases' sandbox) readable; keys' folders and ``hidden`` hidden; work roots private."""
+    def within(path: Path, roots: list[Path]) -> bool:  # the path or a parent is a root
+        return not {path.resolve(), *path.resolve().parents}.isdisjoint(roots)
 
     target = (spec or "").rpartition(":")[0]
     private = [work_root(), *known_work_roots()]
@@ -386,6 +385,7 @@ def candidate_sandbox_command(cmd: list[str], spec: str | None, cases_dir: Path,
                                                env.get("PYTHONPATH", "").split(os.pathsep) if p),
                 Path(cmd[0]).parent.parent]  # the interpreter's environment (--candidate-python)
     readable += [*verifiers, *([Path(target).resolve().parent] if target.endswith(".py") else [])]
+    covered = [*roots, *(p.resolve() for p in verifiers)]  # once per command, not per case
     for derive in Path(cases_dir).glob("*/derive.json"):  # the verifier a case derives from
         try:
             folder = Path(json.loads(derive.read_text())["verifier_dir"])
@@ -393,7 +393,7 @@ def candidate_sandbox_command(cmd: list[str], spec: str | None, cases_dir: Path,
             continue
         # one in a work folder (a proxy verifier's config, in the reference's copy of the
         # case) stays covered, the candidate's copy holding its own; bound ones stay as they are
-        if not within(folder, [*roots, *(p.resolve() for p in verifiers)]):
+        if not within(folder, covered):
             readable.append(folder)
     return sandbox_command(cmd, bwrap=bwrap, writable=[Path(out_dir)], readable=readable,
                            hidden=with_aliases([*key_dirs(), *record_dirs(), *hidden]),
