@@ -320,3 +320,54 @@ def test_a_load_error_of_the_waiting_process_is_the_load_error(tmp_path):
                                                  r"was loaded"):
         WaitingCandidate(f"{HERE / 'isolation_candidates.py'}:ExitAtImport", tmp_path / "m2",
                          tmp_path / "o2")
+
+
+FRAMEWORK_ADAPTER = """\
+NAME, VERSION = "GateFW", "1.0"
+FRAMEWORK_MODULES = ["gate_fw_core"]
+from dflash_audit.candidate import DrafterCandidate
+candidate = DrafterCandidate()
+"""
+GATED_MODULE = """\
+import os, time
+from pathlib import Path
+gate = Path(__file__).with_name("gate")
+while not gate.exists():  # the framework's import goes on until the test opens the gate
+    time.sleep(0.05)
+if gate.read_text() == "crash":
+    os._exit(7)
+"""
+
+
+@pytest.mark.parametrize("outcome", ["imports", "crashes"])
+def test_a_framework_imports_its_modules_while_the_cases_are_built(outcome, tmp_path):
+    """A framework's waiting process reports its identity before it imports FRAMEWORK_MODULES
+    (the parent builds the cases meanwhile: a ModelOpt audit 1.9x -> 1.6x the default one);
+    the cases are handed over once they are imported, to the same process; a process that
+    dies importing them is the load error it was before the reordering, never a case's
+    failure."""
+    from dflash_audit.audit.sides.candidate_load import WaitingCandidate
+    from dflash_audit.audit.sides.launch import CandidateLaunch
+    from dflash_audit.audit.sides.sandbox import sandbox_status
+
+    folder = tmp_path / "fw"
+    folder.mkdir()
+    (folder / "gate_fw_adapter.py").write_text(FRAMEWORK_ADAPTER)
+    (folder / "gate_fw_core.py").write_text(GATED_MODULE)
+    launch = CandidateLaunch(spec="gate_fw_adapter:candidate", pythonpath=[str(folder)],
+                             framework={"key": "gatefw", "name": "GateFW", "version": "1.0"})
+    mine, out = tmp_path / "mine", tmp_path / "out"
+    # the identity comes while the gate is shut: before the fix, a load timeout here
+    with WaitingCandidate(launch, mine, out, threads=1, timeout_s=limit_s(30.0)) as waiting:
+        assert waiting.identity["adapter"]["NAME"] == "GateFW"  # while the import waits
+        write_cases(tiny_cases([40]), mine)
+        (folder / "gate").write_text("crash" if outcome == "crashes" else "go")
+        if outcome == "crashes":
+            with pytest.raises(CandidateLoadError, match=r"ended \(exit code 7\) before the "
+                                                         r"candidate was loaded"):
+                run_candidate_process(launch, mine, ["c40"], out, threads=1, waiting=waiting)
+            return
+        runs = run_candidate_process(launch, mine, ["c40"], out, threads=1, waiting=waiting)
+    assert runs["c40"].ok
+    if sandbox_status().available:  # without one a fresh process runs the cases anyway
+        assert _starts(out) == 1 or waiting.fallback == "sandbox changed"

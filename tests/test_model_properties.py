@@ -194,3 +194,28 @@ def test_frozen_and_trainable_parameters():
                       "verifier_norm.weight"]
     assert model.lm_head.weight.shape == (20, 16) and model.t2d.shape == (50,)
     assert model.d2t.shape == (20,)
+
+
+def test_a_replayed_drafter_is_the_drafter_holding_the_same_weights():
+    """The diagnosis's replays build our drafter on the meta device without its random
+    initialisation (``initialize=False``), then take the case's weights: the same logits and
+    the same trainable parameters as the drafter that holds those weights."""
+    from dflash_audit.audit.replay.replay import drafter_with_weights
+
+    config = DFlashConfig(**TINY, block_size=4)
+    torch.manual_seed(0)
+    model = DFlashDrafter(config)
+    replayed = drafter_with_weights(config, model.state_dict())
+    assert set(replayed.trainable_parameters()) == set(model.trainable_parameters())
+    assert not replayed.embed_tokens.weight.requires_grad
+    torch.manual_seed(1)
+    T = 12
+    inputs = dict(hidden_states=torch.randn(1, T, 2 * 16), input_ids=torch.randint(0, 49, (1, T)),
+                  loss_mask=torch.ones(1, T, dtype=torch.long),
+                  verifier_last_hidden_states=torch.randn(1, T, 16),
+                  document_ids=torch.zeros(1, T, dtype=torch.long),
+                  position_ids=torch.arange(T)[None], anchor_positions=torch.tensor([2, 6]),
+                  anchor_valid=torch.tensor([True, True]))
+    with torch.no_grad():
+        torch.testing.assert_close(replayed(**inputs).logits, model(**inputs).logits,
+                                   rtol=0, atol=0)

@@ -91,7 +91,10 @@ class DFlashDrafter(nn.Module):
     (which verifier ids are in the draft vocab), ``d2t`` int64 [V_d] (verifier id = i + d2t[i]).
     """
 
-    def __init__(self, config: DFlashConfig):
+    def __init__(self, config: DFlashConfig, initialize: bool = True):
+        """``initialize`` False skips the random initialisation of :meth:`reset_parameters`
+        (weights loaded right after, e.g. a drafter built on the meta device for a replay);
+        which parameters train is set either way."""
         super().__init__()
         self.config = config
         H, V, Vd = config.hidden_size, config.vocab_size, config.effective_draft_vocab_size
@@ -111,7 +114,10 @@ class DFlashDrafter(nn.Module):
         else:
             self.t2d = None
             self.d2t = None
-        self.reset_parameters()
+        if initialize:
+            self.reset_parameters()
+        else:
+            self._freeze()
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Trainable linears ~ N(0, std), norms to their identity gain (as HF post_init)."""
@@ -124,6 +130,10 @@ class DFlashDrafter(nn.Module):
                 nn.init.normal_(module.weight, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.constant_(module.weight, 0.0 if module.one_plus_weight else 1.0)
+        self._freeze()
+
+    def _freeze(self) -> None:
+        """Every parameter trains except :data:`FROZEN_PARAMETERS`."""
         for name, p in self.named_parameters():
             p.requires_grad_(name not in FROZEN_PARAMETERS)
 

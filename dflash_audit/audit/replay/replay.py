@@ -17,9 +17,10 @@ from dflash_audit.model.layers import RotaryEmbedding
 
 def drafter_with_weights(config, weights: dict[str, torch.Tensor]) -> DFlashDrafter:
     """Our drafter holding the case's weights (shared, not copied: forward-only use), built
-    on the meta device so a real vocabulary costs no random initialisation."""
+    on the meta device and not initialised: a real vocabulary and the diagnosis's hundreds of
+    replays cost no random initialisation."""
     with torch.device("meta"):
-        model = DFlashDrafter(config)
+        model = DFlashDrafter(config, initialize=False)
     model.load_state_dict(weights, strict=True, assign=True)
     model.rotary_emb = RotaryEmbedding(config)  # its inv_freq buffer is not in the state dict
     return model

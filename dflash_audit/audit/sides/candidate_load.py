@@ -36,6 +36,7 @@ from dflash_audit.audit.sides.candidate_runner import (
     HEARTBEAT,
     IDENTITY,
     LOAD_ERROR,
+    READY,
 )
 from dflash_audit.audit.sides.launch import CandidateLaunch, run_with_tails
 from dflash_audit.audit.sides.sandbox import sandboxed
@@ -170,7 +171,8 @@ class WaitingCandidate:
         self.cases_dir, self.out_dir, self.threads = Path(cases_dir), Path(out_dir), threads
         for folder in (self.cases_dir, self.out_dir):  # bound into the sandbox: they must exist
             folder.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / IDENTITY).unlink(missing_ok=True)
+        for stale in (IDENTITY, READY):
+            (self.out_dir / stale).unlink(missing_ok=True)
         logs = self.out_dir.parent / f".{self.out_dir.name}.logs"
         logs.mkdir(parents=True, exist_ok=True)
         self.stdout, self.stderr = logs / "stdout-load.txt", logs / "stderr-load.txt"
@@ -215,6 +217,29 @@ class WaitingCandidate:
                 raise _load_timeout(self.launch.spec, limit, timeout_s)
             time.sleep(POLL_S)
 
+    def _await_ready(self) -> None:
+        """Wait until a framework's process has imported its ``FRAMEWORK_MODULES`` (after
+        its identity, while the cases were built: ``ready.json``); one that ended first failed
+        to load, as before its identity.
+
+        Raises:
+            CandidateLoadError: it ended first (its load error, or how it ended with the tail
+                of its stderr) or took longer than the start limit.
+        """
+        limit = limit_s(CANDIDATE_START_TIMEOUT_S, CANDIDATE_START_TIMEOUT_ENV)
+        deadline = time.monotonic() + limit
+        while not (self.out_dir / READY).is_file():
+            returncode = self.proc.poll()
+            if returncode is not None:
+                self.close()
+                (self.out_dir / IDENTITY).unlink(missing_ok=True)  # it did not load after all
+                _ended_identity(returncode, self.cmd, self.out_dir, self.launch,
+                                log_tail(self.stderr))
+            if time.monotonic() > deadline:
+                self.close()
+                raise _load_timeout(self.launch.spec, limit, None)
+            time.sleep(POLL_S)
+
     def hand_over(self, names: list[str]
                   ) -> tuple[subprocess.Popen, list[str], Path, Path] | None:
         """Tell the waiting process to run ``names`` (of ``cases_dir``, written by now):
@@ -222,7 +247,14 @@ class WaitingCandidate:
         when a fresh process must run them as before: it ended meanwhile, no sandbox, or
         its sandbox would differ from a fresh one's now (a case needs a folder bound that
         did not exist or was not named when it started, or a ``readable`` folder was
-        replaced)."""
+        replaced).
+
+        Raises:
+            CandidateLoadError: a framework's process ended or hung before it had imported
+                its ``FRAMEWORK_MODULES`` (:meth:`_await_ready`).
+        """
+        if self.proc is not None and self.launch.framework is not None:
+            self._await_ready()
         proc, self.proc = self.proc, None
         if proc is None:
             return None

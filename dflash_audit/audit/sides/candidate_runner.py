@@ -22,6 +22,8 @@ Files written into OUT_DIR (the only channel to the parent, :mod:`.candidate_pro
 - ``candidate.json`` = ``{"name", "class", "source_files", "has_select_anchors"}`` once it is
   loaded (so the parent never imports the candidate: its name and the files its fingerprint
   hashes come from here). ``--load-only`` stops there (a cheap setup check). ``--wait`` then
+  imports a framework's ``FRAMEWORK_MODULES`` (after the identity, while the parent builds the
+  cases; without ``--wait`` they are imported before it), writes ``ready.json`` and
   blocks on its stdin until the parent writes one line, the JSON list of the cases to run (once
   they are written: one process per audit loads the candidate and runs its cases,
   :class:`.candidate_load.WaitingCandidate`); an empty line or end of input ends it.
@@ -47,6 +49,7 @@ HEARTBEAT = "started.json"
 STATUS = "status.json"
 LOAD_ERROR = "load_error.json"
 IDENTITY = "candidate.json"
+READY = "ready.json"
 
 
 def import_failure(exc: BaseException) -> dict[str, str] | None:
@@ -80,6 +83,14 @@ def import_framework_modules(spec: str | None) -> None:
     module = sys.modules.get((spec or "").rpartition(":")[0])
     for name in getattr(module, "FRAMEWORK_MODULES", None) or ():
         importlib.import_module(name)
+
+
+def framework_import_error(out_dir: Path, exc: ImportError) -> int:
+    """Write ``load_error.json`` for a module of ``FRAMEWORK_MODULES`` that cannot be imported
+    (the module and its importer, :func:`import_failure`); returns :data:`EXIT_LOAD_ERROR`."""
+    write_json_atomic(out_dir / LOAD_ERROR, {
+        "message": f"{type(exc).__name__}: {exc}", **(import_failure(exc) or {})})
+    return EXIT_LOAD_ERROR
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -319,23 +330,29 @@ def main(argv: list[str] | None = None) -> int:
     target = (args.candidate or "").rpartition(":")[0]
     if target.endswith(".py"):  # its sibling modules import, as when run as a script
         sys.path.insert(0, str(Path(target).resolve().parent))
+    # waiting: the identity first, so the parent builds the cases while the framework imports
+    frameworks_first = args.framework and not args.wait
     try:
         candidate = load_candidate(args.candidate)
-        if args.framework:
+        if frameworks_first:
             import_framework_modules(args.candidate)
     except CandidateError as exc:
         failure = import_failure(exc) if args.framework else None
         write_json_atomic(args.out_dir / LOAD_ERROR, {"message": str(exc), **(failure or {})})
         return EXIT_LOAD_ERROR
     except ImportError as exc:  # FRAMEWORK_MODULES (only with --framework)
-        write_json_atomic(args.out_dir / LOAD_ERROR, {
-            "message": f"{type(exc).__name__}: {exc}", **(import_failure(exc) or {})})
-        return EXIT_LOAD_ERROR
+        return framework_import_error(args.out_dir, exc)
     write_json_atomic(args.out_dir / IDENTITY, identity(candidate, args.candidate))
     if args.load_only:
         return 0
     if args.wait:
+        if args.framework:
+            try:
+                import_framework_modules(args.candidate)
+            except ImportError as exc:
+                return framework_import_error(args.out_dir, exc)
         prefetch()
+        write_json_atomic(args.out_dir / READY, {})
         args.case = await_cases()
         if args.case is None:
             return 0
