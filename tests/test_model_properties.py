@@ -219,3 +219,15 @@ def test_a_replayed_drafter_is_the_drafter_holding_the_same_weights():
     with torch.no_grad():
         torch.testing.assert_close(replayed(**inputs).logits, model(**inputs).logits,
                                    rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["silu", "swish", "gelu_pytorch_tanh", "relu"])
+def test_the_activation_is_transformers_one(name):
+    """``silu`` / ``swish`` are built without importing transformers.activations, every other
+    name through its ACT2FN: the same values as ACT2FN gives for each."""
+    from transformers.activations import ACT2FN
+
+    from dflash_audit.model.layers import activation
+
+    x = torch.randn(64, dtype=torch.float64) * 4
+    torch.testing.assert_close(activation(name)(x), ACT2FN[name](x), rtol=0, atol=0)

@@ -6,6 +6,8 @@ and values also cover the verifier context; speculators ``models/dflash/model_de
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,8 +68,13 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
-        inv_freq, self.attention_scaling = rope_inverse_frequencies(config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # on the meta device (a replay's drafter) computed on the CPU: meta tensors hold no
+        # values, and meta arithmetic runs torch's Python reference ops (and imports dynamo)
+        meta = torch.get_default_device().type == "meta"
+        with torch.device("cpu") if meta else contextlib.nullcontext():
+            inv_freq, self.attention_scaling = rope_inverse_frequencies(config)
+        self.register_buffer("inv_freq", inv_freq.to("meta") if meta else inv_freq,
+                             persistent=False)
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
@@ -136,18 +143,28 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(1, Q, -1))
 
 
+def activation(name: str) -> nn.Module:
+    """The activation ``hidden_act`` names, as transformers' ``ACT2FN`` builds it; ``silu`` /
+    ``swish`` (every Llama, Qwen and Mistral verifier) as ``nn.SiLU``, the same
+    ``F.silu`` without importing ``transformers.activations`` (~2 s: it pulls in
+    ``torch._dynamo``), which a diagnosis's replays would otherwise pay for."""
+    if name in ("silu", "swish"):
+        return nn.SiLU()
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
 class MLP(nn.Module):
     """Gated MLP: ``down(act(gate(x)) * up(x))``."""
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
-        from transformers.activations import ACT2FN
-
         H, I = config.hidden_size, config.intermediate_size
         self.gate_proj = nn.Linear(H, I, bias=False)
         self.up_proj = nn.Linear(H, I, bias=False)
         self.down_proj = nn.Linear(I, H, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_fn = activation(config.hidden_act)
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
