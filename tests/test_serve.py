@@ -269,9 +269,18 @@ def test_a_report_that_cannot_be_written_leaves_no_half_folder(reference_reading
     assert not folder.name.startswith(".") and (folder / "junit.xml").is_file()
 
 
-def _children(pid: int) -> list[int]:
+def _children(pid: int, running: str = "") -> list[int]:
+    """The child processes of ``pid`` whose command line holds ``running``."""
     path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(x) for x in path.read_text().split()] if path.is_file() else []
+    kids = [int(x) for x in path.read_text().split()] if path.is_file() else []
+    out = []
+    for kid in kids:
+        try:
+            if running.encode() in Path(f"/proc/{kid}/cmdline").read_bytes():
+                out.append(kid)
+        except OSError:
+            continue
+    return out
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -283,12 +292,13 @@ def test_a_killed_serve_check_leaves_no_probe_running(tmp_path):
 
     folder = make_checkpoint(tmp_path / "c")
     proc = subprocess.Popen([sys.executable, "-m", "dflash_audit.cli", "serve-check", str(folder),
-                             "--engine", "zlab", "--no-drafting", "--out", str(tmp_path / "out")],
+                             "--engine", "zlab", "--no-drafting", "--no-reference-cache",
+                             "--out", str(tmp_path / "out")],
                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
-    while not (kids := _children(proc.pid)) and time.monotonic() < deadline:
-        assert proc.poll() is None, "serve-check ended before starting a probe"
+    while not (kids := _children(proc.pid, "serve_probe")) and time.monotonic() < deadline:
+        assert proc.poll() is None, "serve-check ended before starting the reference's probe"
         time.sleep(0.05)
     assert kids, "no probe started"
     time.sleep(1.0)  # the probe is past its start-up
@@ -324,7 +334,7 @@ def test_a_reference_past_the_probe_timeout_names_the_variable(tmp_path):
     install_engine(ENGINES["zlab"])  # --offline below needs the install; in random order no
     folder = make_checkpoint(tmp_path / "c")  # other test need have made it yet
     result = run_cli(["serve-check", str(folder), "--engine", "zlab", "--offline",
-                      "--out", str(tmp_path)], tmp_path,
+                      "--no-reference-cache", "--out", str(tmp_path)], tmp_path,
                      env={"DFLASH_AUDIT_PROBE_TIMEOUT": "0.5"})
     assert result.returncode == 2, result.stdout
     assert "raise the limit with DFLASH_AUDIT_PROBE_TIMEOUT=1" in result.stdout
@@ -338,3 +348,41 @@ def test_an_out_that_is_a_file_is_one_line_and_exit_2_before_any_work(tmp_path):
                       str(tmp_path / "afile")], tmp_path)
     assert result.returncode == 2 and "is a file" in result.stdout, result.stdout
     assert "reading it" not in result.stdout
+
+
+# ------------------------------------------------- the reference's reading, cached
+def test_the_references_reading_is_kept_and_never_trusted_when_changed(tmp_path, monkeypatch):
+    """A second reading of the same config.json comes from the signed record the first run
+    kept (the same fields and masks, a note naming the record), without the reference's
+    process; a record with a changed byte, or another config's record moved into place, is
+    not trusted and removed (the next reading runs the probe)."""
+    from dflash_audit.reference_source.spec import resolve_reference
+    from dflash_audit.report.fingerprint import report_key
+    from dflash_audit.serve import reference_record as rr
+    from dflash_audit.serve import trained
+
+    monkeypatch.setattr(rr, "records_root", lambda kind: tmp_path / "records" / kind)
+    folder = read_checkpoint(make_checkpoint(tmp_path / "c"))
+    first = trained.reference(folder)
+    (stored,) = (tmp_path / "records" / rr.KIND).iterdir()
+    assert not [n for n in first.notes if "from the cache" in n]
+    second = trained.reference(folder)
+    assert [n for n in second.notes if "from the cache" in n] == [
+        f"its reading of this config.json came from the cache (record {stored.name[:12]}, "
+        "verified; --no-reference-cache runs it again)"]
+    assert (second.fields, second.masks, second.side) == (first.fields, first.masks, first.side)
+
+    key, signing = stored.name, report_key()
+    data = json.loads((stored / rr.PROBE_FILE).read_text())
+    data["fields"]["block_size"] = 99  # a changed byte: its sha256 is not the signed one
+    (stored / rr.PROBE_FILE).write_text(json.dumps(data))
+    assert rr.read_probe(key, signing)[0] is None and not stored.exists()  # removed
+    other = read_checkpoint(edit_config(make_checkpoint(tmp_path / "d"),
+                                        lambda d: d.update(block_size=8)))
+    other_key = rr.probe_key(resolve_reference(None), other.path)
+    assert other_key != key
+    rr.store_probe(key, data, signing)
+    stored.rename(stored.with_name(other_key))  # another config's record moved into place
+    found, why = rr.read_probe(other_key, signing)
+    assert found is None and "its key differs" in why, why
+    assert rr.read_probe(key, signing) == (None, "")  # gone from its own place

@@ -122,7 +122,7 @@ def _served(eng: Engine, folder: Any, site: Path, notes: list[str]) -> Any:
 def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | None = None,
                     verifier: str | None = None, offline: bool = False,
                     drafting: bool = True, prompts: int = 8, max_new_tokens: int = 32,
-                    data: str = "chitchat") -> Any:
+                    data: str = "chitchat", reference_cache: bool = True) -> Any:
     """Audit ``checkpoint`` as ``engine`` will serve it.
 
     Args:
@@ -136,6 +136,8 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
             against the training forward and measure acceptance (needs the verifier).
         prompts, max_new_tokens: the acceptance measurement's size.
         data: the conversations its held-out prompts come from (as ``eval --data``).
+        reference_cache: take the reference's reading of the same config from its verified
+            cache record (:mod:`dflash_audit.serve.reference_record`); False runs it again.
 
     Returns:
         The :class:`~dflash_audit.serve.report.ServeReport`.
@@ -169,7 +171,7 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
     site = install_engine(eng, offline=offline)
     if folder.format == SPECULATORS:
         _say("reading it as the reference trains it (the reference's process) ...")
-        trained = trained_sides.reference(folder, ref, offline=offline)
+        trained = trained_sides.reference(folder, ref, offline=offline, cache=reference_cache)
         ours = trained_sides.ours(folder)
     else:
         _say("reading it with z-lab's own model (the format's trainer) ...")
@@ -277,6 +279,11 @@ def serve_check_command(
              "served drafter must cover; default: the one the checkpoint names.")] = None,
     offline: Annotated[bool, typer.Option(
         help="Use only the tool's cache for the engine and the reference.")] = False,
+    reference_cache: Annotated[bool, typer.Option(
+        "--reference-cache/--no-reference-cache",
+        help="Reuse the reference's reading of the same config.json from the cache (a "
+             "signed, verified record; ~/.cache/dflash-audit/serve-probes). "
+             "--no-reference-cache runs the reference again and replaces the record.")] = True,
     drafting: Annotated[bool, typer.Option(
         help="zlab: also draft with the engine (one step vs the training forward, and "
              "acceptance on held-out prompts).")] = True,
@@ -298,7 +305,7 @@ def serve_check_command(
                               "made in")
     report = run_serve_check(checkpoint, engine, ref=ref, verifier=verifier, offline=offline,
                              drafting=drafting, prompts=prompts, max_new_tokens=max_new_tokens,
-                             data=data)
+                             data=data, reference_cache=reference_cache)
     folder = write_report(report, out)
     for line in report.summary_lines():
         print(line, file=sys.stderr)

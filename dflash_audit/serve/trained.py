@@ -5,8 +5,11 @@ per layer."""
 
 from __future__ import annotations
 
+import json
+import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -96,15 +99,18 @@ def ours(folder: CheckpointFolder) -> SideRecord:
 
 
 def reference(folder: CheckpointFolder, ref: str | None = None, offline: bool = False,
-              timeout_s: float | None = None) -> SideRecord:
+              timeout_s: float | None = None, cache: bool = True) -> SideRecord:
     """The reference's reading of the checkpoint: ``reference/serve_probe.py`` run in the
-    reference's process (the pinned release unless ``ref``).
+    reference's process (the pinned release unless ``ref``), or, with ``cache``, its
+    verified record of an earlier run on the same config and reference
+    (:mod:`dflash_audit.serve.reference_record`; then a note says so); ``cache`` False
+    runs the probe and replaces the record.
 
     Raises:
         ServeCheckError: the reference cannot be resolved or its process failed.
     """
-    from dflash_audit.reference_source.identity import ReferenceSourceError, reference_dir
-    from dflash_audit.reference_source.runner import ReferenceTimeoutError, run_reference
+    from dflash_audit.reference_source.identity import ReferenceSourceError
+    from dflash_audit.reference_source.runner import ReferenceTimeoutError
     from dflash_audit.reference_source.spec import resolve_reference
 
     if folder.format != SPECULATORS:
@@ -113,13 +119,7 @@ def reference(folder: CheckpointFolder, ref: str | None = None, offline: bool = 
     timeout_s = probe_timeout() if timeout_s is None else timeout_s
     try:
         identity = resolve_reference(ref, offline=offline)
-        with tempfile.TemporaryDirectory(prefix="dflash-serve-ref-") as tmp:
-            out = Path(tmp) / "probe.json"
-            run_reference(identity, [str(folder.path.resolve()), str(out)], Path(tmp),
-                          timeout_s, adapter=reference_dir() / "serve_probe.py")
-            import json
-
-            record = SideRecord.from_dict(json.loads(out.read_text()))
+        record = _cached_or_run(identity, folder.path, timeout_s, cache)
     except ReferenceTimeoutError:
         from dflash_audit.limits import exceeded
 
@@ -131,4 +131,42 @@ def reference(folder: CheckpointFolder, ref: str | None = None, offline: bool = 
         raise ServeCheckError(f"the reference's serve probe wrote no readable record "
                               f"({type(exc).__name__}: {exc})") from None
     record.side = identity.spec
+    return record
+
+
+def _cached_or_run(identity: Any, path: Path, timeout_s: float, cache: bool) -> SideRecord:
+    """The probe's record of ``path``: from its trusted cache record (``cache``), else from a
+    run of the probe, stored when the config did not change meanwhile (the key is read
+    again after the run)."""
+    from dflash_audit.reference_source.identity import reference_dir
+    from dflash_audit.reference_source.runner import run_reference
+    from dflash_audit.report.fingerprint import report_key
+    from dflash_audit.serve import reference_record as rr
+
+    key, signing = rr.probe_key(identity, path), None
+    try:
+        signing = report_key(create=True)
+    except OSError:
+        key = None  # no key to sign or check records with: no cache
+    if key is not None and cache:
+        data, why = rr.read_probe(key, signing)
+        try:
+            record = SideRecord.from_dict(data) if data is not None else None
+        except (KeyError, TypeError, ValueError) as exc:  # signed, of an older format
+            record, why = None, f"not a record of this version ({type(exc).__name__})"
+        if record is not None:
+            record.notes.append(f"its reading of this config.json came from the cache (record "
+                                f"{key[:12]}, verified; --no-reference-cache runs it again)")
+            return record
+        if why:
+            print(f"dflash-audit: the cached reading of the reference was ignored ({why}); "
+                  "running it again", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="dflash-serve-ref-") as tmp:
+        out = Path(tmp) / "probe.json"
+        run_reference(identity, [str(path.resolve()), str(out)], Path(tmp), timeout_s,
+                      adapter=reference_dir() / "serve_probe.py")
+        data = json.loads(out.read_text())
+    record = SideRecord.from_dict(data)
+    if key is not None and key == rr.probe_key(identity, path):
+        rr.store_probe(key, data, signing)
     return record

@@ -51,10 +51,13 @@ from dflash_audit.audit.sides.signed_records import (  # noqa: F401 - this modul
 RECORDS_DIR = "reference-outputs"
 #: The other kinds of signed records (:mod:`.signed_records`), in folders beside
 #: :data:`RECORDS_DIR` in every cache: the built cases
-#: (:mod:`dflash_audit.audit.cases.case_records`) and the import checks (:mod:`.import_check`).
+#: (:mod:`dflash_audit.audit.cases.case_records`), the import checks (:mod:`.import_check`)
+#: and serve-check's readings of checkpoints by the reference
+#: (:mod:`dflash_audit.serve.reference_record`).
 CASES_DIR = "case-records"
 IMPORT_CHECKS_DIR = "import-checks"
-RECORD_KINDS = (RECORDS_DIR, CASES_DIR, IMPORT_CHECKS_DIR)
+SERVE_PROBES_DIR = "serve-probes"
+RECORD_KINDS = (RECORDS_DIR, CASES_DIR, IMPORT_CHECKS_DIR, SERVE_PROBES_DIR)
 #: What the adapter writes for a case (:data:`dflash_audit.audit.sides.integrity.
 #: REFERENCE_OUTPUT_FILES`): the files a record holds.
 OUTPUT_FILES = ("outputs.safetensors", "outputs.json", "derivation.json")
