@@ -339,16 +339,35 @@ if gate.read_text() == "crash":
 """
 
 
+@pytest.fixture(params=["sandbox", "no sandbox"])
+def sandbox_mode(request, monkeypatch):
+    """Each mode the candidate runs in: the sandbox where this machine has one (skipped where
+    not), and none (``DFLASH_AUDIT_SANDBOX=off``)."""
+    from dflash_audit.audit.sides import sandbox as sb
+
+    if request.param == "no sandbox":
+        monkeypatch.setenv(sb.SANDBOX_ENV, "off")
+    sb.sandbox_status.cache_clear()
+    if request.param == "sandbox" and not sb.sandbox_status().available:
+        pytest.skip("no bubblewrap sandbox on this machine")
+    yield request.param
+    monkeypatch.undo()
+    sb.sandbox_status.cache_clear()
+
+
 @pytest.mark.parametrize("outcome", ["imports", "crashes"])
-def test_a_framework_imports_its_modules_while_the_cases_are_built(outcome, tmp_path):
+def test_a_framework_imports_its_modules_while_the_cases_are_built(outcome, sandbox_mode,
+                                                                     tmp_path):
     """A framework's waiting process reports its identity before it imports FRAMEWORK_MODULES
     (the parent builds the cases meanwhile: a ModelOpt audit 1.9x -> 1.6x the default one);
     the cases are handed over once they are imported, to the same process; a process that
     dies importing them is the load error it was before the reordering, never a case's
-    failure."""
+    failure. Without a sandbox the process is ended only once the import is done (it was
+    killed half way, and a crash there became every case's failure, exit 1)."""
+    import threading
+
     from dflash_audit.audit.sides.candidate_load import WaitingCandidate
     from dflash_audit.audit.sides.launch import CandidateLaunch
-    from dflash_audit.audit.sides.sandbox import sandbox_status
 
     folder = tmp_path / "fw"
     folder.mkdir()
@@ -357,11 +376,31 @@ def test_a_framework_imports_its_modules_while_the_cases_are_built(outcome, tmp_
     launch = CandidateLaunch(spec="gate_fw_adapter:candidate", pythonpath=[str(folder)],
                              framework={"key": "gatefw", "name": "GateFW", "version": "1.0"})
     mine, out = tmp_path / "mine", tmp_path / "out"
+    gate = "crash" if outcome == "crashes" else "go"
+    if sandbox_mode == "no sandbox":  # the constructor waits for the import: opened meanwhile
+        opener = threading.Timer(1.0, (folder / "gate").write_text, [gate])
+        opener.start()
+        try:
+            if outcome == "crashes":
+                with pytest.raises(CandidateLoadError, match=r"ended \(exit code 7\) before "
+                                                             r"the candidate was loaded"):
+                    WaitingCandidate(launch, mine, out, threads=1, timeout_s=limit_s(30.0))
+                return
+            with WaitingCandidate(launch, mine, out, threads=1,
+                                  timeout_s=limit_s(30.0)) as waiting:
+                assert waiting.proc is None  # ended, after its import
+                write_cases(tiny_cases([40]), mine)
+                runs = run_candidate_process(launch, mine, ["c40"], out, threads=1,
+                                             waiting=waiting)
+        finally:
+            opener.join()
+        assert runs["c40"].ok and _starts(out) == 2
+        return
     # the identity comes while the gate is shut: before the fix, a load timeout here
     with WaitingCandidate(launch, mine, out, threads=1, timeout_s=limit_s(30.0)) as waiting:
         assert waiting.identity["adapter"]["NAME"] == "GateFW"  # while the import waits
         write_cases(tiny_cases([40]), mine)
-        (folder / "gate").write_text("crash" if outcome == "crashes" else "go")
+        (folder / "gate").write_text(gate)
         if outcome == "crashes":
             with pytest.raises(CandidateLoadError, match=r"ended \(exit code 7\) before the "
                                                          r"candidate was loaded"):
@@ -369,5 +408,4 @@ def test_a_framework_imports_its_modules_while_the_cases_are_built(outcome, tmp_
             return
         runs = run_candidate_process(launch, mine, ["c40"], out, threads=1, waiting=waiting)
     assert runs["c40"].ok
-    if sandbox_status().available:  # without one a fresh process runs the cases anyway
-        assert _starts(out) == 1 or waiting.fallback == "sandbox changed"
+    assert _starts(out) == 1 or waiting.fallback == "sandbox changed"

@@ -68,3 +68,12 @@ def test_every_setup_error_is_named_by_its_defining_module():
     for module, name in SETUP_ERRORS:
         cls = getattr(importlib.import_module(module), name)
         assert cls.__module__ == module and issubclass(cls, Exception), (module, name)
+
+
+def test_compare_help_names_every_built_in_framework(tmp_path):
+    """``--candidate``'s help lists every built-in framework key (NeMo was missing)."""
+    from dflash_audit.audit.frameworks.registry import builtin_frameworks
+
+    output = _probe(["compare", "--help"], tmp_path)["output"]
+    words = set(output.replace(",", " ").replace(";", " ").replace("(", " ").split())
+    assert builtin_frameworks()[0] - words == set(), output

@@ -4,12 +4,18 @@ target shift, loss weights, config validation."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dflash_audit.limits import limit_s
 from dflash_audit.model.anchors import check_anchors, select_anchors
 from dflash_audit.model.config import (
     ConfigError,
@@ -25,6 +31,7 @@ from dflash_audit.model.loss import (
 )
 from dflash_audit.model.mask import dense_mask
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
             head_dim=8, num_hidden_layers=1, vocab_size=50, num_verifier_layers=4,
             target_layer_ids=(1, 3), mask_token_id=49)
@@ -196,15 +203,21 @@ def test_frozen_and_trainable_parameters():
     assert model.d2t.shape == (20,)
 
 
-def test_a_replayed_drafter_is_the_drafter_holding_the_same_weights():
+def test_a_replayed_drafter_is_the_drafter_holding_the_same_weights(monkeypatch):
     """The diagnosis's replays build our drafter on the meta device without its random
-    initialisation (``initialize=False``), then take the case's weights: the same logits and
-    the same trainable parameters as the drafter that holds those weights."""
+    initialisation (``initialize=False``: reset_parameters is never called), then take the
+    case's weights: the same logits and the same trainable parameters as the drafter that
+    holds those weights."""
     from dflash_audit.audit.replay.replay import drafter_with_weights
 
     config = DFlashConfig(**TINY, block_size=4)
     torch.manual_seed(0)
     model = DFlashDrafter(config)
+
+    def initialised(*args, **kwargs):
+        raise AssertionError("a replay's drafter was randomly initialised")
+
+    monkeypatch.setattr(DFlashDrafter, "reset_parameters", initialised)
     replayed = drafter_with_weights(config, model.state_dict())
     assert set(replayed.trainable_parameters()) == set(model.trainable_parameters())
     assert not replayed.embed_tokens.weight.requires_grad
@@ -219,6 +232,36 @@ def test_a_replayed_drafter_is_the_drafter_holding_the_same_weights():
     with torch.no_grad():
         torch.testing.assert_close(replayed(**inputs).logits, model(**inputs).logits,
                                    rtol=0, atol=0)
+
+
+def test_a_replays_drafter_imports_neither_transformers_activations_nor_dynamo(tmp_path):
+    """A silu drafter built on the meta device (as every replay is) imports neither
+    transformers.activations nor torch._dynamo (~2 s of a failing audit's checks), and its
+    RoPE frequencies, computed on the CPU, are the CPU-built drafter's (a fresh process: the
+    suite has imported both long before)."""
+    script = tmp_path / "build.py"
+    script.write_text(textwrap.dedent(f"""\
+        import sys, torch
+        from dflash_audit.model.config import DFlashConfig
+        from dflash_audit.model.drafter import DFlashDrafter
+        from dflash_audit.model.layers import RotaryEmbedding
+        config = DFlashConfig(**{TINY!r}, block_size=4, hidden_act="silu")
+        with torch.device("meta"):
+            meta = DFlashDrafter(config, initialize=False)
+        assert meta.rotary_emb.inv_freq.device.type == "meta"
+        cpu = RotaryEmbedding(config).inv_freq
+        assert meta.rotary_emb.inv_freq.shape == cpu.shape
+        with torch.device("meta"):
+            again = RotaryEmbedding(config)
+        assert again.attention_scaling == RotaryEmbedding(config).attention_scaling
+        print(sorted(m for m in ("transformers.activations", "torch._dynamo")
+                     if m in sys.modules))
+        """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=limit_s(120), cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("name", ["silu", "swish", "gelu_pytorch_tanh", "relu"])

@@ -41,7 +41,7 @@ def compare_command(
     candidate: Annotated[Optional[str], typer.Option(  # noqa: UP007
         help="module:attr or path/to/file.py:attr (an object with run_case, or a factory), "
              "or framework:NAME[==VERSION] to audit a training framework's own DFlash code "
-             "(specforge, modelopt, zlab; installed by the tool into its cache) or "
+             "(specforge, modelopt, nemo, zlab; installed by the tool into its cache) or "
              "framework:speculators@REF|==X.Y.Z|:path:DIR (the reference at another ref or "
              "release). Default: dflash-audit's own drafter.")] = None,
     candidate_python: Annotated[Optional[str], typer.Option(  # noqa: UP007

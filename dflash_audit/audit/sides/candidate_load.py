@@ -149,8 +149,9 @@ class WaitingCandidate:
     own, read-only ``cases_dir`` (the private copy, still empty) and writable ``out_dir``:
     the cases written and their digests taken meanwhile are out of its reach. Without a
     sandbox it ends once its identity is read (it could change the cases before their
-    digests), and the cases run in a fresh process, as does a restart after a crash or a
-    timeout. A context manager: leaving it kills the process group. ``readable``: folders
+    digests), a framework's once it has imported its modules too (so a failure there is the
+    load error it is in a sandbox, and no import is killed half way), and the cases run in a
+    fresh process, as does a restart after a crash or a timeout. A context manager: leaving it kills the process group. ``readable``: folders
     its cases will need besides ``<cache>/verifiers`` (the ``--verifier`` folder), bound from
     the start, so its sandbox is still a fresh one's once the cases name them.
 
@@ -189,6 +190,8 @@ class WaitingCandidate:
             self.close()
             raise
         if not sandbox_status().available:
+            if self.launch.framework is not None:
+                self._await_ready()  # its load error is the load error, not a case's (exit 2)
             self.close()
 
     def _sandboxed(self) -> list[str]:
