@@ -144,7 +144,11 @@ class DrafterCandidate:
         return derivation_fields(rederive(verifier_config, config))
 
     def run_case(self, config, loss, weights, inputs) -> SideOutputs:
-        model = self.build(config).float().to(inputs["input_ids"].device)
+        if type(self).build is DrafterCandidate.build:  # every weight is loaded next, strictly:
+            model = DFlashDrafter(config, initialize=False)  # no random draw (~0.1 s a case)
+        else:  # a subclass's own model, as it builds it
+            model = self.build(config)
+        model = model.float().to(inputs["input_ids"].device)
         model.load_state_dict(weights, strict=True)
         model.train()
         out = model(**{k: inputs[k] for k in (

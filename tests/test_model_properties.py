@@ -234,6 +234,37 @@ def test_a_replayed_drafter_is_the_drafter_holding_the_same_weights(monkeypatch)
                                    rtol=0, atol=0)
 
 
+def test_our_candidate_loads_the_case_weights_into_an_uninitialised_drafter(monkeypatch):
+    """DrafterCandidate.run_case builds our drafter without its random draw (every weight is
+    loaded next): the same outputs as a drafter built, initialised, then loaded; a subclass's
+    own ``build`` is still what runs (the examples' bugs live there)."""
+    from dflash_audit.audit.cases.synthetic import synthetic_case
+    from dflash_audit.candidate import DrafterCandidate
+    from dflash_audit.model.loss import LossSpec
+
+    config = DFlashConfig(**TINY, block_size=4)
+    case = synthetic_case("c", config, LossSpec(), seed=3, seq_len=24, max_anchors=3)
+    built = []
+
+    class Subclass(DrafterCandidate):
+        def build(self, config):
+            built.append(config)
+            return super().build(config)
+
+    def draw(*args, **kwargs):
+        raise AssertionError("our candidate's drafter was randomly initialised")
+
+    with monkeypatch.context() as m:
+        m.setattr(DFlashDrafter, "reset_parameters", draw)
+        ours = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
+    theirs = Subclass().run_case(case.config, case.loss, case.weights, case.inputs)
+    assert built == [case.config]
+    assert ours.tensors.keys() == theirs.tensors.keys()
+    for name, tensor in ours.tensors.items():
+        torch.testing.assert_close(tensor, theirs.tensors[name], rtol=0, atol=0, msg=name)
+    assert ours.metrics == theirs.metrics
+
+
 def test_a_replays_drafter_imports_neither_transformers_activations_nor_dynamo(tmp_path):
     """A silu drafter built on the meta device (as every replay is) imports neither
     transformers.activations nor torch._dynamo (~2 s of a failing audit's checks), and its
