@@ -151,9 +151,10 @@ class WaitingCandidate:
     sandbox it ends once its identity is read (it could change the cases before their
     digests), a framework's once it has imported its modules too (so a failure there is the
     load error it is in a sandbox, and no import is killed half way), and the cases run in a
-    fresh process, as does a restart after a crash or a timeout. A context manager: leaving it kills the process group. ``readable``: folders
-    its cases will need besides ``<cache>/verifiers`` (the ``--verifier`` folder), bound from
-    the start, so its sandbox is still a fresh one's once the cases name them.
+    fresh process, as does a restart after a crash or a timeout. A context manager: leaving
+    it kills the process group. ``readable``: folders its cases will need besides
+    ``<cache>/verifiers`` (the ``--verifier`` folder), bound from the start, so its sandbox
+    is still a fresh one's once the cases name them.
 
     Raises (from the constructor):
         CandidateLoadError: as :func:`load_candidate_identity` (the candidate cannot be
