@@ -144,9 +144,10 @@ class DrafterCandidate:
         return derivation_fields(rederive(verifier_config, config))
 
     def run_case(self, config, loss, weights, inputs) -> SideOutputs:
-        if type(self).build is DrafterCandidate.build:  # every weight is loaded next, strictly:
-            model = DFlashDrafter(config, initialize=False)  # no random draw (~0.1 s a case)
-        else:  # a subclass's own model, as it builds it
+        # the bound method, not the class's: a build set on the instance is the candidate's too
+        if getattr(self.build, "__func__", None) is DrafterCandidate.build:  # ours: every
+            model = DFlashDrafter(config, initialize=False)  # weight is loaded next, strictly
+        else:  # the candidate's own model, as it builds it
             model = self.build(config)
         model = model.float().to(inputs["input_ids"].device)
         model.load_state_dict(weights, strict=True)

@@ -336,6 +336,8 @@ while not gate.exists():  # the framework's import goes on until the test opens 
     time.sleep(0.05)
 if gate.read_text() == "crash":
     os._exit(7)
+if gate.read_text() == "raise":
+    raise RuntimeError("no GPU found")
 """
 
 
@@ -355,7 +357,14 @@ def sandbox_mode(request, monkeypatch):
     sb.sandbox_status.cache_clear()
 
 
-@pytest.mark.parametrize("outcome", ["imports", "crashes"])
+#: what the gated framework module does once opened, and the load error that follows (None: none)
+GATE_OUTCOMES = {"imports": ("go", None),
+                 "crashes": ("crash", r"ended \(exit code 7\) before the candidate was loaded"),
+                 "raises": ("raise", r"RuntimeError while importing FRAMEWORK_MODULES: no GPU "
+                                     r"found")}
+
+
+@pytest.mark.parametrize("outcome", list(GATE_OUTCOMES))
 def test_a_framework_imports_its_modules_while_the_cases_are_built(outcome, sandbox_mode,
                                                                      tmp_path):
     """A framework's waiting process reports its identity before it imports FRAMEWORK_MODULES
@@ -376,14 +385,13 @@ def test_a_framework_imports_its_modules_while_the_cases_are_built(outcome, sand
     launch = CandidateLaunch(spec="gate_fw_adapter:candidate", pythonpath=[str(folder)],
                              framework={"key": "gatefw", "name": "GateFW", "version": "1.0"})
     mine, out = tmp_path / "mine", tmp_path / "out"
-    gate = "crash" if outcome == "crashes" else "go"
+    gate, failure = GATE_OUTCOMES[outcome]
     if sandbox_mode == "no sandbox":  # the constructor waits for the import: opened meanwhile
         opener = threading.Timer(1.0, (folder / "gate").write_text, [gate])
         opener.start()
         try:
-            if outcome == "crashes":
-                with pytest.raises(CandidateLoadError, match=r"ended \(exit code 7\) before "
-                                                             r"the candidate was loaded"):
+            if failure:
+                with pytest.raises(CandidateLoadError, match=failure):
                     WaitingCandidate(launch, mine, out, threads=1, timeout_s=limit_s(30.0))
                 return
             with WaitingCandidate(launch, mine, out, threads=1,
@@ -401,9 +409,8 @@ def test_a_framework_imports_its_modules_while_the_cases_are_built(outcome, sand
         assert waiting.identity["adapter"]["NAME"] == "GateFW"  # while the import waits
         write_cases(tiny_cases([40]), mine)
         (folder / "gate").write_text(gate)
-        if outcome == "crashes":
-            with pytest.raises(CandidateLoadError, match=r"ended \(exit code 7\) before the "
-                                                         r"candidate was loaded"):
+        if failure:
+            with pytest.raises(CandidateLoadError, match=failure):
                 run_candidate_process(launch, mine, ["c40"], out, threads=1, waiting=waiting)
             return
         runs = run_candidate_process(launch, mine, ["c40"], out, threads=1, waiting=waiting)

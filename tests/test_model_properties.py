@@ -259,6 +259,10 @@ def test_our_candidate_loads_the_case_weights_into_an_uninitialised_drafter(monk
         ours = DrafterCandidate().run_case(case.config, case.loss, case.weights, case.inputs)
     theirs = Subclass().run_case(case.config, case.loss, case.weights, case.inputs)
     assert built == [case.config]
+    instance = DrafterCandidate()  # a build set on the object (a factory's candidate) runs too
+    instance.build = lambda config: built.append(config) or DFlashDrafter(config)
+    instance.run_case(case.config, case.loss, case.weights, case.inputs)
+    assert built == [case.config] * 2
     assert ours.tensors.keys() == theirs.tensors.keys()
     for name, tensor in ours.tensors.items():
         torch.testing.assert_close(tensor, theirs.tensors[name], rtol=0, atol=0, msg=name)

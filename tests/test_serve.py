@@ -15,7 +15,7 @@ import torch
 from cli_zygote import run_cli
 from serve_support import edit_config, make_checkpoint
 
-from dflash_audit.serve.attention import rule_of, serving_mask, window_origin
+from dflash_audit.serve.attention import rule_differences, rule_of, serving_mask, window_origin
 from dflash_audit.serve.checkpoint import read_checkpoint
 from dflash_audit.serve.differences import (
     DIFFERS,
@@ -48,6 +48,13 @@ def test_serving_mask_counts_the_window_from_the_anchor_or_from_each_query():
     assert full["context"] == [["start", -1]] * 4 and full["block_causal"] is False
     with pytest.raises(ValueError, match="window_origin"):
         serving_mask(row, at, B, W, True, "middle")
+    # a block of 6 trained, 4 served (the reference read another config file): the slots both
+    # have are compared, the block size is its field's row (it crashed, zip strict)
+    anchor6, T6 = probe_block(6, W)
+    six = rule_of(serving_mask(torch.zeros(T6, dtype=torch.long), torch.tensor([anchor6]), 6, W,
+                               True, "query"), anchor6, T6)
+    assert len(six["context"]) == 6 and rule_differences(six, by_query) == []
+    assert rule_differences(six, by_anchor) == rule_differences(by_query, by_anchor) != []
 
 
 # ------------------------------------------------- the reference's reading vs ours
@@ -386,3 +393,13 @@ def test_the_references_reading_is_kept_and_never_trusted_when_changed(tmp_path,
     found, why = rr.read_probe(other_key, signing)
     assert found is None and "its key differs" in why, why
     assert rr.read_probe(key, signing) == (None, "")  # gone from its own place
+
+    # a linked config.json (a Hugging Face snapshot) is keyed by what it links to; one that
+    # names configuration_files (transformers then reads another config.*.json) is not cached
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "config.json").symlink_to(folder.path / "config.json")
+    assert rr.probe_key(resolve_reference(None), linked) == key
+    versioned = edit_config(make_checkpoint(tmp_path / "e"),
+                            lambda d: d.update(configuration_files=["config.4.0.0.json"]))
+    assert rr.probe_key(resolve_reference(None), versioned) is None

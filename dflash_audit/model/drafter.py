@@ -103,9 +103,11 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
-        # from an uninitialised tensor: reset_parameters draws it, or weights are loaded (its
-        # own N(0, 1) draw was overwritten; on the meta device it imported torch._dynamo, ~1 s)
-        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(V, H), freeze=False)
+        # not initialised: from an uninitialised tensor, as the weights are loaded next (its own
+        # N(0, 1) draw on the meta device imported torch._dynamo, ~1 s); initialised: drawn
+        # as before, so a seed gives the weights it gave
+        self.embed_tokens = (nn.Embedding(V, H) if initialize else
+                             nn.Embedding.from_pretrained(torch.empty(V, H), freeze=False))
         self.lm_head = nn.Linear(H, Vd, bias=False)
         self.verifier_lm_head = nn.Linear(H, Vd, bias=False)
         self.verifier_norm = RMSNorm(H, config.rms_norm_eps,

@@ -115,12 +115,14 @@ def window_origin(rule: dict[str, Any], window: int | None) -> str | None:
 
 
 def rule_differences(trained: dict[str, Any], served: dict[str, Any]) -> list[str]:
-    """One line per slot whose visible context or slots differ (empty when equal)."""
+    """One line per slot whose visible context or slots differ (empty when equal), over the
+    slots both have: a block size that differs is the block-size field's row (a warn where the
+    engine drafts fewer slots than were trained), not each missing slot's."""
     out = []
-    for s, (tc, sc) in enumerate(zip(trained["context"], served["context"], strict=True)):
+    for s, (tc, sc) in enumerate(zip(trained["context"], served["context"])):
         if tc != sc:
             out.append(f"slot {s} sees context {_span(sc)} at serving, {_span(tc)} in training")
-    for s, (tb, sb) in enumerate(zip(trained["slots"], served["slots"], strict=True)):
+    for s, (tb, sb) in enumerate(zip(trained["slots"], served["slots"])):
         if tb != sb:
             out.append(f"slot {s} sees block slots {sb} at serving, {tb} in training")
     return out

@@ -282,7 +282,7 @@ def serve_check_command(
     reference_cache: Annotated[bool, typer.Option(
         "--reference-cache/--no-reference-cache",
         help="Reuse the reference's reading of the same config.json from the cache (a "
-             "signed, verified record; ~/.cache/dflash-audit/serve-probes). "
+             "signed, verified record in the tool's cache, <cache>/serve-probes). "
              "--no-reference-cache runs the reference again and replaces the record.")] = True,
     drafting: Annotated[bool, typer.Option(
         help="zlab: also draft with the engine (one step vs the training forward, and "

@@ -6,7 +6,8 @@ A signed record (:mod:`dflash_audit.audit.sides.signed_records`, kind :data:`KIN
 ``probe.json`` that ``reference/serve_probe.py`` wrote) keyed by everything that determines
 it: the checkpoint's ``config.json`` bytes (the only file the probe reads: speculators'
 ``DFlashSpeculatorConfig.from_pretrained`` -> ``get_config_dict``; the probe builds the model
-from the config, never loads weights), the reference's code, the probe and the tool's code
+from the config, never loads weights; a config naming ``configuration_files``, from which
+transformers reads another ``config.*.json``, is not cached), the reference's code, the probe and the tool's code
 that starts it (:func:`~dflash_audit.audit.sides.reference_records.code_fields`, after the
 reference's bytecode is compiled) and the interpreter and libraries
 (:func:`~dflash_audit.audit.sides.reference_records.environment_fields`). Its folder lies
@@ -43,8 +44,9 @@ MAX_CONFIG_BYTES = 16 << 20
 
 
 def probe_key(identity: Any, checkpoint: Path) -> str | None:
-    """sha256 (hex) of what determines the reference's reading of ``checkpoint``; None when
-    its ``config.json`` cannot be read as a regular file (nothing is then cached).
+    """sha256 (hex) of what determines the reference's reading of ``checkpoint``; None (nothing
+    is then cached) when its ``config.json`` (or the file a link there names, as in a Hugging
+    Face snapshot) is no regular JSON object, or names ``configuration_files``.
 
     ``identity``: the resolved reference (its bytecode is compiled here first, so the key is
     the same before and after the probe's process runs)."""
@@ -52,8 +54,11 @@ def probe_key(identity: Any, checkpoint: Path) -> str | None:
     from dflash_audit.reference_source.runner import compile_reference_bytecode
 
     try:
-        config = read_regular(Path(checkpoint) / "config.json", MAX_CONFIG_BYTES)
+        config = read_regular((Path(checkpoint) / "config.json").resolve(), MAX_CONFIG_BYTES)
+        fields = json.loads(config)
     except (OSError, ValueError):
+        return None
+    if not isinstance(fields, dict) or "configuration_files" in fields:
         return None
     compile_reference_bytecode(identity)
     return sha(canonical({"kind": KIND, "config": sha(config),

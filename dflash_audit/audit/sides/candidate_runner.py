@@ -85,12 +85,19 @@ def import_framework_modules(spec: str | None) -> None:
         importlib.import_module(name)
 
 
-def framework_import_error(out_dir: Path, exc: ImportError) -> int:
-    """Write ``load_error.json`` for a module of ``FRAMEWORK_MODULES`` that cannot be imported
-    (the module and its importer, :func:`import_failure`); returns :data:`EXIT_LOAD_ERROR`."""
-    write_json_atomic(out_dir / LOAD_ERROR, {
-        "message": f"{type(exc).__name__}: {exc}", **(import_failure(exc) or {})})
-    return EXIT_LOAD_ERROR
+def framework_load_error(spec: str | None, out_dir: Path) -> int | None:
+    """Import the ``FRAMEWORK_MODULES`` of ``spec`` (:func:`import_framework_modules`): None
+    when they import; else ``load_error.json`` written (a module that cannot be imported: it
+    and its importer, :func:`import_failure`; one that raised something else while it was
+    imported: that exception, one line) and :data:`EXIT_LOAD_ERROR` returned."""
+    try:
+        import_framework_modules(spec)
+    except Exception as exc:  # noqa: BLE001 - a framework's module failing at its import
+        what = "" if isinstance(exc, ImportError) else " while importing FRAMEWORK_MODULES"
+        write_json_atomic(out_dir / LOAD_ERROR, {
+            "message": f"{type(exc).__name__}{what}: {exc}", **(import_failure(exc) or {})})
+        return EXIT_LOAD_ERROR
+    return None
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -330,27 +337,21 @@ def main(argv: list[str] | None = None) -> int:
     target = (args.candidate or "").rpartition(":")[0]
     if target.endswith(".py"):  # its sibling modules import, as when run as a script
         sys.path.insert(0, str(Path(target).resolve().parent))
-    # waiting: the identity first, so the parent builds the cases while the framework imports
-    frameworks_first = args.framework and not args.wait
     try:
         candidate = load_candidate(args.candidate)
-        if frameworks_first:
-            import_framework_modules(args.candidate)
     except CandidateError as exc:
         failure = import_failure(exc) if args.framework else None
         write_json_atomic(args.out_dir / LOAD_ERROR, {"message": str(exc), **(failure or {})})
         return EXIT_LOAD_ERROR
-    except ImportError as exc:  # FRAMEWORK_MODULES (only with --framework)
-        return framework_import_error(args.out_dir, exc)
+    # waiting: the identity first, so the parent builds the cases while the framework imports
+    if args.framework and not args.wait and framework_load_error(args.candidate, args.out_dir):
+        return EXIT_LOAD_ERROR
     write_json_atomic(args.out_dir / IDENTITY, identity(candidate, args.candidate))
     if args.load_only:
         return 0
     if args.wait:
-        if args.framework:
-            try:
-                import_framework_modules(args.candidate)
-            except ImportError as exc:
-                return framework_import_error(args.out_dir, exc)
+        if args.framework and framework_load_error(args.candidate, args.out_dir):
+            return EXIT_LOAD_ERROR
         prefetch()
         write_json_atomic(args.out_dir / READY, {})
         args.case = await_cases()
