@@ -6,6 +6,7 @@ the bad inputs of the command (one line, exit 2)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -403,3 +404,11 @@ def test_the_references_reading_is_kept_and_never_trusted_when_changed(tmp_path,
     versioned = edit_config(make_checkpoint(tmp_path / "e"),
                             lambda d: d.update(configuration_files=["config.4.0.0.json"]))
     assert rr.probe_key(resolve_reference(None), versioned) is None
+
+    # past MAX_BYTES the least recently used records go: room for one, the newer one stays
+    rr.store_probe(key, data, signing)
+    (older,) = (tmp_path / "records" / rr.KIND).iterdir()
+    monkeypatch.setattr(rr, "MAX_BYTES", sum(p.stat().st_size for p in older.iterdir()) + 64)
+    os.utime(older / "record.json", (1, 1))  # used long ago
+    rr.store_probe(other_key, data, signing)
+    assert [p.name for p in (tmp_path / "records" / rr.KIND).iterdir()] == [other_key]

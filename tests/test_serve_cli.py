@@ -5,6 +5,7 @@ and the four report files. The engines' field values are in ``test_serve_<engine
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,10 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def _serve_check(checkpoint: Path, engine: str, tmp: Path, *extra: str):
-    result = run_cli(["serve-check", str(checkpoint), "--engine", engine, "--out", str(tmp),
-                      *extra], tmp)
+    """serve-check run in ``tmp`` on ``checkpoint`` named relative to it, as a user names
+    ``runs/...`` (the engines' probes run in folders of their own: it once failed there)."""
+    result = run_cli(["serve-check", os.path.relpath(checkpoint, tmp), "--engine", engine,
+                      "--out", str(tmp), *extra], tmp)
     folders = sorted(tmp.glob(f"*-serve-check-{engine}"))
     report = json.loads((folders[-1] / "report.json").read_text()) if folders else None
     return result, report, folders[-1] if folders else None

@@ -44,8 +44,9 @@ def read_checkpoint(path: str | Path) -> CheckpointFolder:
 
     from dflash_audit.model.checkpoint import follow_latest
 
-    # a run folder or its checkpoints/latest pointer, as `eval --checkpoint` takes them
-    path = follow_latest(Path(path).expanduser())
+    # a run folder or its checkpoints/latest pointer, as `eval --checkpoint` takes them;
+    # absolute, as the engines' probes and the reference run in folders of their own
+    path = follow_latest(Path(path).expanduser().absolute())
     if not path.is_dir():
         what = "is not a folder" if path.exists() else "does not exist"
         raise ServeCheckError(f"{path} {what}: give a drafter checkpoint folder (its "

@@ -170,7 +170,7 @@ def run_serve_check(checkpoint: str | Path, engine: str | Engine, *, ref: str | 
     _say(f"checkpoint {folder.path} ({folder.format} format); engine {eng.label}")
     site = install_engine(eng, offline=offline)
     if folder.format == SPECULATORS:
-        _say("reading it as the reference trains it (the reference's process) ...")
+        _say("reading it as the reference trains it ...")
         trained = trained_sides.reference(folder, ref, offline=offline, cache=reference_cache)
         ours = trained_sides.ours(folder)
     else:

@@ -31,6 +31,7 @@ from dflash_audit.audit.sides.reference_records import (
 )
 from dflash_audit.audit.sides.signed_records import (
     canonical,
+    prune,
     read_or_drop,
     read_regular,
     sha,
@@ -41,6 +42,9 @@ KIND = SERVE_PROBES_DIR
 PROBE_FILE = "probe.json"
 #: The largest config.json the key reads (a larger one is not cached).
 MAX_CONFIG_BYTES = 16 << 20
+#: The records kept: past this, the least recently used are removed (a record is ~16 KiB; a
+#: wide sliding window's mask rows make it larger).
+MAX_BYTES = 256 << 20
 
 
 def probe_key(identity: Any, checkpoint: Path) -> str | None:
@@ -81,9 +85,10 @@ def read_probe(key: str, report_key: bytes) -> tuple[dict[str, Any] | None, str]
 
 def store_probe(key: str, record: dict[str, Any], report_key: bytes) -> None:
     """Keep the probe's ``record`` as the record ``key`` (best effort: a cache that cannot be
-    written keeps nothing)."""
+    written keeps nothing), then the records within :data:`MAX_BYTES`."""
     try:
         write_signed(records_root(KIND) / key, key, {PROBE_FILE: json.dumps(record).encode()},
                      {}, report_key, kind=KIND)
     except OSError:
-        pass
+        return
+    prune(records_root(KIND), MAX_BYTES)

@@ -155,8 +155,10 @@ def _cached_or_run(identity: Any, path: Path, timeout_s: float, cache: bool) -> 
         except (KeyError, TypeError, ValueError) as exc:  # signed, of an older format
             record, why = None, f"not a record of this version ({type(exc).__name__})"
         if record is not None:
-            record.notes.append(f"its reading of this config.json came from the cache (record "
-                                f"{key[:12]}, verified; --no-reference-cache runs it again)")
+            note = (f"its reading of this config.json came from the cache (record {key[:12]}, "
+                    "verified; --no-reference-cache runs it again)")
+            print(f"dflash-audit: {note}", file=sys.stderr, flush=True)
+            record.notes.append(note)
             return record
         if why:
             print(f"dflash-audit: the cached reading of the reference was ignored ({why}); "
