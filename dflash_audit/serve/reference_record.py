@@ -7,9 +7,10 @@ A signed record (:mod:`dflash_audit.audit.sides.signed_records`, kind :data:`KIN
 it: the checkpoint's ``config.json`` bytes (the only file the probe reads: speculators'
 ``DFlashSpeculatorConfig.from_pretrained`` -> ``get_config_dict``; the probe builds the model
 from the config, never loads weights; a config naming ``configuration_files``, from which
-transformers reads another ``config.*.json``, is not cached), the reference's code, the probe and the tool's code
-that starts it (:func:`~dflash_audit.audit.sides.reference_records.code_fields`, after the
-reference's bytecode is compiled) and the interpreter and libraries
+transformers reads another ``config.*.json``, is not cached), the reference's code, the probe
+and the tool's code that starts it
+(:func:`~dflash_audit.audit.sides.reference_records.code_fields`, after the reference's
+bytecode is compiled) and the interpreter and libraries
 (:func:`~dflash_audit.audit.sides.reference_records.environment_fields`). Its folder lies
 beside the audit's records and is hidden from every candidate's sandbox like them
 (:data:`~dflash_audit.audit.sides.reference_records.RECORD_KINDS`); a record that is not

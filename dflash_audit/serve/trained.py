@@ -143,11 +143,11 @@ def _cached_or_run(identity: Any, path: Path, timeout_s: float, cache: bool) -> 
     from dflash_audit.report.fingerprint import report_key
     from dflash_audit.serve import reference_record as rr
 
-    key, signing = rr.probe_key(identity, path), None
     try:
         signing = report_key(create=True)
     except OSError:
-        key = None  # no key to sign or check records with: no cache
+        signing = None  # no key to sign or check records with: no cache
+    key = rr.probe_key(identity, path) if signing is not None else None
     if key is not None and cache:
         data, why = rr.read_probe(key, signing)
         try:
