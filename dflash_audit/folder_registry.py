@@ -14,8 +14,8 @@ as root must not read another user's report key either). The candidate cannot ed
 registry (the sandbox binds it read-only).
 
 A folder covered by path can still be reached by another one: a bind mount of it (or of a
-folder above it) elsewhere, as a container volume mounted twice. :func:`mount_aliases` finds
-those paths in ``/proc/self/mountinfo``, so they are covered too.
+folder above it) elsewhere, as a container volume mounted twice. :func:`folders_with_aliases`
+finds those paths in ``/proc/self/mountinfo``, so they are covered too.
 """
 
 from __future__ import annotations
@@ -115,34 +115,55 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
-def mount_aliases(folder: Path, mountinfo: str = "/proc/self/mountinfo") -> list[Path]:
-    """Other paths of the existing folder ``folder`` through bind mounts: for every mount of
-    the same file system whose root holds ``folder``, the path of ``folder`` under its mount
-    point, when that is the same folder (device and inode); [] when there is none or the mount
-    table cannot be read."""
+def _mounts(mountinfo: str) -> list[tuple[str, str, str]]:
+    """``(major:minor, root in its file system, mount point)`` of every row of the mount
+    table ``mountinfo``; [] when it cannot be read."""
     try:
-        folder = Path(folder).resolve()
-        info = folder.stat()
         with open(mountinfo, encoding="utf-8", errors="surrogateescape") as f:
             rows = [line.split() for line in f]
     except OSError:
         return []
     # fields: id, parent id, major:minor, root in its file system, mount point, ...
-    mounts = [(r[2], Path(_unescape(r[3])), Path(_unescape(r[4]))) for r in rows if len(r) > 4]
-    holders = [m for m in mounts if m[2] == folder or m[2] in folder.parents]
-    if not holders:
-        return []
-    device, root, point = max(reversed(holders), key=lambda m: len(m[2].parts))  # the top one
-    inner = root / folder.relative_to(point)  # its path inside its file system
-    out = []
-    for dev, root, point in mounts:
-        if dev != device or not (inner == root or root in inner.parents):
+    return [(r[2], _unescape(r[3]), _unescape(r[4])) for r in rows if len(r) > 4]
+
+
+def _under(path: str, top: str) -> str | None:
+    """``path`` relative to ``top`` ("" for ``top`` itself) when ``path`` is ``top`` or
+    inside it, else None (both absolute, normalised)."""
+    if path == top:
+        return ""
+    prefix = top.rstrip("/") + "/"
+    return path[len(prefix):] if path.startswith(prefix) else None
+
+
+def folders_with_aliases(folders: list[Path], mountinfo: str = "/proc/self/mountinfo"
+                         ) -> list[Path]:
+    """The ``folders`` that exist (resolved, in order, once each), then every other path each
+    is reachable by through a bind mount: for every mount of the same file system whose root
+    holds the folder, its path under that mount point, when that is the same folder (device
+    and inode). None are added when the mount table ``mountinfo`` cannot be read."""
+    found = list(dict.fromkeys(Path(p).resolve() for p in folders if Path(p).is_dir()))
+    mounts = _mounts(mountinfo) if found else []
+    out = list(found)
+    for folder in found:
+        path = str(folder)
+        holders = [m for m in mounts if _under(path, m[2]) is not None]
+        if not holders:
             continue
-        alias = point / inner.relative_to(root)
+        device, root, point = max(reversed(holders), key=lambda m: len(Path(m[2]).parts))
+        inner = os.path.join(root, _under(path, point))  # its path inside its file system
         try:
-            same = alias != folder and os.path.samestat(alias.stat(), info)
+            info = folder.stat()
         except OSError:
-            same = False
-        if same:
-            out.append(alias)
+            continue
+        for dev, root, point in mounts:
+            rest = _under(inner.rstrip("/") or "/", root) if dev == device else None
+            if rest is None:
+                continue
+            alias = Path(os.path.join(point, rest))
+            try:
+                if alias != folder and os.path.samestat(alias.stat(), info):
+                    out.append(alias)
+            except OSError:
+                pass
     return list(dict.fromkeys(out))

@@ -56,7 +56,7 @@ from typing import Any
 from dflash_audit.audit.setup_error import CompareSetupError
 from dflash_audit.audit.sides.reference_records import record_dirs
 from dflash_audit.data.builtin_verifier import cache_dir
-from dflash_audit.folder_registry import mount_aliases, record_folder, recorded_folders
+from dflash_audit.folder_registry import folders_with_aliases, record_folder, recorded_folders
 from dflash_audit.report.fingerprint import key_dirs
 
 #: ``DFLASH_AUDIT_SANDBOX=off`` runs the candidate without a sandbox (tests of the detection
@@ -166,10 +166,9 @@ def _prove(bwrap: str, found: dict[str, str]) -> SandboxStatus:
 
 def with_aliases(folders: list[Path]) -> list[Path]:
     """The ``folders`` that exist (resolved) and every other path each is reachable by through
-    a bind mount (:func:`dflash_audit.folder_registry.mount_aliases`): what the sandbox covers
+    a bind mount (:func:`dflash_audit.folder_registry.folders_with_aliases`): what the sandbox covers
     for a folder it hides, and what its proof checks empty."""
-    found = list(dict.fromkeys(Path(p).resolve() for p in folders if Path(p).is_dir()))
-    return list(dict.fromkeys([*found, *(a for p in found for a in mount_aliases(p))]))
+    return folders_with_aliases(folders)
 
 
 def _read_only_probes() -> list[Path]:
