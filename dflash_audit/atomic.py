@@ -56,7 +56,8 @@ def atomic_folder(target: str | Path, *, keep_existing: bool = False) -> Iterato
 
 # ------------------------------------------------------------------------- manifests
 MANIFEST_NAME = "dflash_audit_manifest.json"
-_verified: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256, per process
+#: (path, size, mtime, ctime, inode, device) -> sha256 of the files that matched, this process
+_verified: dict[tuple, str] = {}
 
 
 def file_sha256(path: str | Path) -> str:
@@ -119,14 +120,19 @@ def read_manifest(folder: str | Path) -> dict[str, dict[str, object]] | None:
     return files
 
 
-def manifest_problems(folder: str | Path, full_hash: bool = True) -> list[str] | None:
+def manifest_problems(folder: str | Path, full_hash: bool = True,
+                      verified: str | Path | None = None) -> list[str] | None:
     """Check ``folder`` against its manifest.
 
     Returns:
         None when the folder has no manifest (written before manifests existed); else the
-        list of problems (empty: intact; a malformed manifest is one problem naming it), e.g. ``"model.safetensors: 1000 bytes, manifest
-        says 2000 (truncated?)"``. Sizes are always compared; with ``full_hash`` the sha256
-        too (once per process for a file whose size and mtime have not changed).
+        list of problems (empty: intact; a malformed manifest is one problem naming it), e.g.
+        ``"model.safetensors: 1000 bytes, manifest says 2000 (truncated or replaced)"``. Sizes
+        are always compared; with ``full_hash`` the sha256 too, not again for a file whose
+        size, mtime, ctime, inode and device are those it had when it last matched: in this
+        process, or as recorded in the JSON file ``verified`` (any write changes a file's
+        ctime, which no one can set back; ``verified`` is rewritten, best effort, when a file
+        is hashed).
     """
     folder = Path(folder)
     try:
@@ -135,7 +141,8 @@ def manifest_problems(folder: str | Path, full_hash: bool = True) -> list[str] |
         return [f"malformed manifest: {exc}"]
     if files is None:
         return None
-    problems = []
+    memo = _read_verified(verified) if full_hash and verified else {}
+    problems, matched = [], {}
     for name, want in sorted(files.items()):
         path = folder / name
         try:
@@ -148,13 +155,36 @@ def manifest_problems(folder: str | Path, full_hash: bool = True) -> list[str] |
                             "(truncated or replaced)")
             continue
         if full_hash:
-            key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-            digest = _verified.get(key) or file_sha256(path)
+            signature = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+            key = (str(path.resolve()), *signature)
+            known = memo.get(name) if isinstance(memo.get(name), dict) else {}
+            digest = (known.get("sha256") if known.get("stat") == signature else None) \
+                or _verified.get(key) or file_sha256(path)
             if digest != want.get("sha256"):
                 problems.append(f"{name}: sha256 differs from the manifest (corrupt)")
             else:
                 _verified[key] = digest
+                matched[name] = {"stat": signature, "sha256": digest}
+    if verified and matched and matched != memo:
+        import json
+
+        tmp = Path(verified).with_name(f".{Path(verified).name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(matched))
+            os.replace(tmp, verified)
+        except OSError:
+            tmp.unlink(missing_ok=True)
     return problems
+
+
+def _read_verified(path: str | Path) -> dict[str, Any]:
+    """The record of :func:`manifest_problems`' last matching hashes (``{name: {"stat",
+    "sha256"}}``); {} when it is missing or unreadable."""
+    try:
+        found = loads_json(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def safetensors_problem(path: str | Path) -> str | None:

@@ -113,6 +113,18 @@ def run_reference_cases(reference_zygote, tmp_path_factory):
     return run
 
 
+@pytest.fixture
+def records_kept():
+    """The records a test writes and reads are not removed under it by another worker's
+    unsandboxed audit, which removes every record written while its candidate ran
+    (:func:`cache_support.records_lock`, held exclusively for the test: per test, not per
+    module, so those audits wait for one test at a time)."""
+    from cache_support import records_lock
+
+    with records_lock(exclusive=True):
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """A tiny training run's files (:func:`train_tiny.setup_run`: verifier, conversations,

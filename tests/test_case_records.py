@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_support import records_lock
 
 from dflash_audit.audit.cases import case_records as cr
 from dflash_audit.audit.cases.plan import plan_synthetic_cases
@@ -22,12 +21,8 @@ from dflash_audit.audit.sides.run_sides import write_cases
 from dflash_audit.profile import Profile
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _records_kept():
-    """The module's records are not removed under it by another worker's unsandboxed audit
-    (:func:`cache_support.records_lock`)."""
-    with records_lock(exclusive=True):
-        yield
+#: Each test's records are not removed under it by another worker's unsandboxed audit.
+pytestmark = pytest.mark.usefixtures("records_kept")
 
 
 ENV = {"python": "x", "libraries": {"torch": torch.__version__}, "device": "cpu", "threads": 1}

@@ -69,6 +69,48 @@ def test_manifest_detects_truncation_and_corruption(tmp_path):
     assert "b.json: missing" in manifest_problems(tmp_path)
 
 
+def test_a_verified_file_is_not_hashed_again_until_its_stat_changes(tmp_path, monkeypatch):
+    """With a ``verified`` record, a file that matched is not hashed again by a later process
+    while its size, mtime, ctime and inode are unchanged; a write of the same size whose
+    mtime is set back changes its ctime and is found, as is a file replaced by another; an
+    unreadable record is ignored (the file is hashed)."""
+    import os
+    import time
+
+    from dflash_audit import atomic
+
+    (tmp_path / "w").mkdir()
+    weights = tmp_path / "w" / "model.bin"
+    weights.write_bytes(b"x" * 4096)
+    write_manifest(tmp_path / "w")
+    record = tmp_path / "verified.json"
+    hashed = []
+    real = atomic.file_sha256
+    monkeypatch.setattr(atomic, "file_sha256", lambda p: hashed.append(p) or real(p))
+
+    def check() -> list[str]:
+        atomic._verified.clear()  # another process
+        hashed.clear()
+        return manifest_problems(tmp_path / "w", verified=record)
+
+    assert check() == [] and hashed == [weights] and record.is_file()
+    assert check() == [] and hashed == []
+    record.write_text("{not json")
+    assert check() == [] and hashed == [weights]
+    before = weights.stat()
+    time.sleep(0.05)  # past the clock's tick: the write gets another ctime
+    with weights.open("r+b") as f:
+        f.write(b"y")
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert weights.stat().st_mtime_ns == before.st_mtime_ns
+    assert check() == ["model.bin: sha256 differs from the manifest (corrupt)"] and hashed
+    assert manifest_problems(tmp_path / "w", verified=record) == [
+        "model.bin: sha256 differs from the manifest (corrupt)"]  # the same process too
+    weights.write_bytes(b"x" * 4096)  # the original bytes: it matches again, hashed once
+    assert check() == [] and hashed == [weights]
+    assert check() == [] and hashed == []
+
+
 def test_safetensors_length_check(tmp_path):
     path = tmp_path / "m.safetensors"
     save_file({"w": torch.zeros(64)}, path)

@@ -22,15 +22,8 @@ from dflash_audit.audit.sides import reference_records as rc
 from dflash_audit.audit.sides.reference_cache import ReferenceCache, watch_records
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _records_kept():
-    """The module's records are not removed under it by another worker's unsandboxed audit
-    (:func:`cache_support.records_lock`)."""
-    with records_lock(exclusive=True):
-        yield
-
-
-pytestmark = pytest.mark.reference
+#: Each test's records are not removed under it by another worker's unsandboxed audit.
+pytestmark = [pytest.mark.reference, pytest.mark.usefixtures("records_kept")]
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Synthetic cases only, a seed no other test audits: these records are this module's own.
@@ -62,8 +55,9 @@ def cold_and_warm(tmp_path_factory, reference_identity):
     tmp = tmp_path_factory.mktemp("reference-cache")
     patch = pytest.MonkeyPatch()
     patch.setenv("DFLASH_AUDIT_CACHE", str(copy_of_cache(tmp / "cache")))
-    cold = audit(tmp, "--no-reference-cache")
-    warm = audit(tmp)
+    with records_lock(exclusive=True):  # the cold audit's records, read by the warm one
+        cold = audit(tmp, "--no-reference-cache")
+        warm = audit(tmp)
     yield {"tmp": tmp, "cold": cold, "warm": warm}
     patch.undo()
 

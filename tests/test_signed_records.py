@@ -15,19 +15,14 @@ import threading
 from pathlib import Path
 
 import pytest
-from cache_support import records_lock
 
 from dflash_audit.audit.sides import reference_records as rc
 from dflash_audit.audit.sides import signed_records as sr
 from dflash_audit.audit.sides.reference_cache import ReferenceCache
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _records_kept():
-    """The module's records are not removed under it by another worker's unsandboxed audit
-    (:func:`cache_support.records_lock`)."""
-    with records_lock(exclusive=True):
-        yield
+#: Each test's records are not removed under it by another worker's unsandboxed audit.
+pytestmark = pytest.mark.usefixtures("records_kept")
 
 
 KEY = "a" * 64

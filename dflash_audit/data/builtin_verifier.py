@@ -42,6 +42,14 @@ def builtin_verifier_dir(name: str = SMOLLM2_NAME) -> Path:
     return cache_dir() / "verifiers" / name
 
 
+def verified_record(folder: Path) -> Path:
+    """The record of the hashes of ``folder``'s files that last matched its manifest, beside
+    it (``<cache>/verifiers/.<name>.verified.json``: the folder holds what the manifest
+    lists, nothing else), so each audit does not hash the weights again
+    (:func:`dflash_audit.atomic.manifest_problems`)."""
+    return folder.parent / f".{folder.name}.verified.json"
+
+
 def stderr_progress(message: str) -> None:
     """Default progress sink: ``dflash-audit: <message>`` on stderr (messages carry no
     prefix of their own, so a caller's sink that adds one does not double it)."""
@@ -117,10 +125,11 @@ def convert_smollm2(target: Path | None = None,
 
 def cache_problems(folder: Path) -> list[str]:
     """What is wrong with a converted verifier folder (empty: intact). With a manifest: any
-    file missing, of another size or another sha256 (hashed once per process). Without one
-    (converted before manifests): a structural check of its ``.safetensors`` files; when
-    they pass, the manifest is written now (best effort)."""
-    problems = manifest_problems(folder)
+    file missing, of another size or another sha256 (hashed again only when a file's stat
+    changed since it last matched, :func:`verified_record`). Without one (converted before
+    manifests): a structural check of its ``.safetensors`` files; when they pass, the
+    manifest is written now (best effort)."""
+    problems = manifest_problems(folder, verified=verified_record(folder))
     if problems is not None:
         return problems
     problems = [p for f in sorted(Path(folder).glob("*.safetensors"))
