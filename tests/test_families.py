@@ -438,7 +438,7 @@ def test_a_proxy_that_cannot_run_is_refused_before_it_is_cached(tmp_path, monkey
     config without n_shared_experts) is a one-line VerifierError, and nothing is cached."""
     from transformers import AutoConfig
 
-    from dflash_audit.data.builtin_verifier import cache_dir
+    from dflash_audit.data.builtin_verifier import cache_dir, verified_record
     from dflash_audit.data.errors import VerifierError
     from dflash_audit.data.proxy_folder import proxy_verifier_dir
 
@@ -452,7 +452,9 @@ def test_a_proxy_that_cannot_run_is_refused_before_it_is_cached(tmp_path, monkey
         proxy_verifier_dir(str(tmp_path / "config.json"))
     assert "a proxy of model_type 'dots1' cannot run or derive a drafter config" in str(
         err.value) and "\n" not in str(err.value)
-    assert [p.name for p in (tmp_path / "cache" / "verifiers").iterdir()] == ["smollm2-135m"]
+    builtin = tmp_path / "cache" / "verifiers" / "smollm2-135m"  # and its hashes' record
+    assert sorted(p.name for p in builtin.parent.iterdir()
+                  if p != verified_record(builtin)) == ["smollm2-135m"]
 
 
 def test_a_failing_derived_field_is_named_before_the_warn_only_mask_token():
@@ -533,7 +535,7 @@ def test_equivalent_config_spellings_are_equal(cand, ref):
 def test_a_verifier_that_is_not_causal_is_refused(tmp_path, monkeypatch):
     """BERT has a causal-LM head in transformers (BertLMHeadModel) but attends to later
     tokens unless is_decoder: its proxy was built and audited as a verifier before."""
-    from dflash_audit.data.builtin_verifier import cache_dir
+    from dflash_audit.data.builtin_verifier import cache_dir, verified_record
     from dflash_audit.data.errors import VerifierError
     from dflash_audit.data.proxy_folder import proxy_verifier_dir
 
