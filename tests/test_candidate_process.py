@@ -1,6 +1,7 @@
 """The candidate in its own process: every way it can die, hang or misbehave is a failure of
 that case, with its cause and stderr tail; the other cases still run; nothing hangs."""
 
+import json
 import os
 from pathlib import Path
 
@@ -360,8 +361,26 @@ def sandbox_mode(request, monkeypatch):
 #: what the gated framework module does once opened, and the load error that follows (None: none)
 GATE_OUTCOMES = {"imports": ("go", None),
                  "crashes": ("crash", r"ended \(exit code 7\) before the candidate was loaded"),
-                 "raises": ("raise", r"RuntimeError while importing FRAMEWORK_MODULES: no GPU "
-                                     r"found")}
+                 "raises": ("raise", r"^framework:gatefw \(GateFW 1\.0\): RuntimeError while "
+                                     r"importing FRAMEWORK_MODULES: no GPU found$")}
+
+
+def test_a_frameworks_load_error_names_it_as_the_user_did(tmp_path):
+    """A framework's load error names ``framework:KEY`` (name and version), not the internal
+    spec of its adapter module; a plain candidate's message is the runner's."""
+    from dflash_audit.audit.sides.candidate_process import load_error
+    from dflash_audit.audit.sides.launch import CandidateLaunch
+
+    spec = "dflash_audit.audit.frameworks.zlab_adapter:candidate"
+    (tmp_path / "load_error.json").write_text(json.dumps({"message": (
+        f"could not import candidate {spec.split(':')[0]!r}: ValueError: bad ({spec})")}))
+    framework = CandidateLaunch(spec=spec, framework={"key": "zlab", "name": "z-lab dflash",
+                                                      "version": "0.1"})
+    assert str(load_error(tmp_path, framework)) == (
+        "framework:zlab (z-lab dflash 0.1): could not import candidate 'framework:zlab': "
+        "ValueError: bad (framework:zlab)")
+    assert str(load_error(tmp_path, CandidateLaunch(spec=spec))) == (
+        f"could not import candidate {spec.split(':')[0]!r}: ValueError: bad ({spec})")
 
 
 @pytest.mark.parametrize("outcome", list(GATE_OUTCOMES))

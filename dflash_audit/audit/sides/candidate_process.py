@@ -66,7 +66,15 @@ def load_error(out_dir: Path, launch: CandidateLaunch) -> CandidateLoadError:
         from dflash_audit.audit.frameworks.import_failure import import_failure_message
 
         return CandidateLoadError(import_failure_message(launch, data))
-    return CandidateLoadError(str(data.get("message", "")))
+    message = str(data.get("message", ""))
+    if launch.framework is not None:  # named as the user named it, not by its adapter's spec
+        info = launch.framework
+        key = f"framework:{info.get('key')}"
+        label = f"{info.get('name', '')} {info.get('version', '')}".strip()
+        for name in filter(None, [launch.spec, (launch.spec or "").rpartition(":")[0]]):
+            message = message.replace(name, key)  # the spec, then its module
+        message = (f"{key} ({label}): " if label else f"{key}: ") + message
+    return CandidateLoadError(message)
 
 
 def log_tail(path: Path) -> str:
