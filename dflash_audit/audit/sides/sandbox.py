@@ -166,8 +166,8 @@ def _prove(bwrap: str, found: dict[str, str]) -> SandboxStatus:
 
 def with_aliases(folders: list[Path]) -> list[Path]:
     """The ``folders`` that exist (resolved) and every other path each is reachable by through
-    a bind mount (:func:`dflash_audit.folder_registry.folders_with_aliases`): what the sandbox covers
-    for a folder it hides, and what its proof checks empty."""
+    a bind mount (:func:`dflash_audit.folder_registry.folders_with_aliases`): what the sandbox
+    covers for a folder it hides, and what its proof checks empty."""
     return folders_with_aliases(folders)
 
 
