@@ -12,6 +12,7 @@ probe run before long work (:func:`ensure_writable_dir`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -130,9 +131,11 @@ def manifest_problems(folder: str | Path, full_hash: bool = True,
         ``"model.safetensors: 1000 bytes, manifest says 2000 (truncated or replaced)"``. Sizes
         are always compared; with ``full_hash`` the sha256 too, not again for a file whose
         size, mtime, ctime, inode and device are those it had when it last matched: in this
-        process, or as recorded in the JSON file ``verified`` (any write changes a file's
-        ctime, which no one can set back; ``verified`` is rewritten, best effort, when a file
-        is hashed).
+        process, or as recorded in the JSON file ``verified`` (``verified`` is rewritten, best
+        effort, when a file is hashed). Any write through the file system changes a file's
+        ctime, which a user cannot set back (root can, with the clock or debugfs); damage below
+        the file system (a bit flipped on the disk) changes none of these and is not found
+        again once a record holds the file.
     """
     folder = Path(folder)
     try:
@@ -155,26 +158,35 @@ def manifest_problems(folder: str | Path, full_hash: bool = True,
                             "(truncated or replaced)")
             continue
         if full_hash:
-            signature = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+            signature = _stat_signature(st)
             key = (str(path.resolve()), *signature)
             known = memo.get(name) if isinstance(memo.get(name), dict) else {}
             digest = (known.get("sha256") if known.get("stat") == signature else None) \
                 or _verified.get(key) or file_sha256(path)
             if digest != want.get("sha256"):
                 problems.append(f"{name}: sha256 differs from the manifest (corrupt)")
-            else:
-                _verified[key] = digest
-                matched[name] = {"stat": signature, "sha256": digest}
+                continue
+            with contextlib.suppress(OSError):  # not written while it was hashed
+                if _stat_signature(path.stat()) == signature:
+                    _verified[key] = digest
+                    matched[name] = {"stat": signature, "sha256": digest}
     if verified and matched and matched != memo:
         import json
 
-        tmp = Path(verified).with_name(f".{Path(verified).name}.tmp-{os.getpid()}")
+        tmp = Path(verified).with_name(f".{Path(verified).name.lstrip('.')}.tmp-{os.getpid()}")
         try:
             tmp.write_text(json.dumps(matched))
             os.replace(tmp, verified)
-        except OSError:
-            tmp.unlink(missing_ok=True)
+        except OSError:  # best effort: a read-only or full cache hashes again next time
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
     return problems
+
+
+def _stat_signature(st: os.stat_result) -> list[int]:
+    """What changes when a file is written, replaced or moved: size, mtime, ctime, inode and
+    device."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
 
 def _read_verified(path: str | Path) -> dict[str, Any]:

@@ -109,6 +109,14 @@ def test_a_verified_file_is_not_hashed_again_until_its_stat_changes(tmp_path, mo
     weights.write_bytes(b"x" * 4096)  # the original bytes: it matches again, hashed once
     assert check() == [] and hashed == [weights]
     assert check() == [] and hashed == []
+    record.unlink()  # a read-only cache (EROFS even for the cleanup's unlink): not recorded
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(type(record), "write_text", read_only)
+    monkeypatch.setattr(type(record), "unlink", read_only)
+    assert check() == [] and hashed == [weights] and not record.exists()
 
 
 def test_safetensors_length_check(tmp_path):

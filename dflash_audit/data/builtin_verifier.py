@@ -46,7 +46,8 @@ def verified_record(folder: Path) -> Path:
     """The record of the hashes of ``folder``'s files that last matched its manifest, beside
     it (``<cache>/verifiers/.<name>.verified.json``: the folder holds what the manifest
     lists, nothing else), so each audit does not hash the weights again
-    (:func:`dflash_audit.atomic.manifest_problems`)."""
+    (:func:`dflash_audit.atomic.manifest_problems`: damage below the file system is not found
+    again; the verifier gives both sides the same inputs, so it cannot turn a verdict)."""
     return folder.parent / f".{folder.name}.verified.json"
 
 

@@ -119,7 +119,7 @@ def _ended_identity(returncode: int, cmd: list[str], out_dir: Path, launch: Cand
         rc = unwrapped_code(returncode, cmd)
         how = (f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
         tail = stderr.strip()
-        raise CandidateLoadError(f"the process loading candidate {launch.spec!r} ended ({how}) "
+        raise CandidateLoadError(f"the process loading candidate {launch.shown!r} ended ({how}) "
                                  "before the candidate was loaded (its import or factory "
                                  "exits or crashes)" + (f"\n{tail}" if tail else "")) from None
     return _checked_identity(data, launch.spec)
@@ -218,7 +218,7 @@ class WaitingCandidate:
                 except (OSError, ValueError):
                     pass  # not a whole file: read again, or the process ends
             if time.monotonic() > deadline:
-                raise _load_timeout(self.launch.spec, limit, timeout_s)
+                raise _load_timeout(self.launch.shown, limit, timeout_s)
             time.sleep(POLL_S)
 
     def _await_ready(self) -> None:
@@ -241,7 +241,7 @@ class WaitingCandidate:
                                 log_tail(self.stderr))
             if time.monotonic() > deadline:
                 self.close()
-                raise _load_timeout(self.launch.spec, limit, None)
+                raise _load_timeout(self.launch.shown, limit, None)
             time.sleep(POLL_S)
 
     def hand_over(self, names: list[str]

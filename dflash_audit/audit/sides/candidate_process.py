@@ -68,12 +68,11 @@ def load_error(out_dir: Path, launch: CandidateLaunch) -> CandidateLoadError:
         return CandidateLoadError(import_failure_message(launch, data))
     message = str(data.get("message", ""))
     if launch.framework is not None:  # named as the user named it, not by its adapter's spec
-        info = launch.framework
-        key = f"framework:{info.get('key')}"
-        label = f"{info.get('name', '')} {info.get('version', '')}".strip()
+        key, info = launch.shown, launch.framework
         for name in filter(None, [launch.spec, (launch.spec or "").rpartition(":")[0]]):
-            message = message.replace(name, key)  # the spec, then its module
-        message = (f"{key} ({label}): " if label else f"{key}: ") + message
+            message = message.replace(repr(name), repr(key))  # where the runner quotes it
+        label = f"{info.get('name', '')} {info.get('version', '')}".strip()
+        message = f"{key}{f' ({label})' if label else ''}: {message}"
     return CandidateLoadError(message)
 
 

@@ -33,6 +33,12 @@ class CandidateLaunch:
     framework: dict[str, Any] | None = None
 
     @property
+    def shown(self) -> str | None:
+        """The candidate as the user named it: ``framework:KEY`` for a framework (not its
+        adapter module's spec), else the spec."""
+        return f"framework:{self.framework.get('key')}" if self.framework else self.spec
+
+    @property
     def executable(self) -> str:
         """The interpreter the candidate process runs under."""
         return self.python or sys.executable
