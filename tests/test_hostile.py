@@ -104,6 +104,8 @@ def test_in_the_sandbox_every_route_is_refused_and_nothing_changes(world: World)
     result = world.compare("all_routes", sandbox=True)
     assert result.returncode == 1, result.stdout
     assert "decay gamma 7" in result.stdout and "without a sandbox" not in result.stdout
+    assert ("the reference's outputs of none of the 1 cases are in the cache"  # a cache of its
+            in " ".join(result.stdout.split())), result.stdout  # own: it says why it runs
     (report,) = world.reports("all_routes")
     box = report["candidate"]["sandbox"]
     assert report["verdict"] == "fail" and box["sandboxed"] is True

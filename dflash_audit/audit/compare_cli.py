@@ -53,7 +53,8 @@ def compare_command(
         help="Built-in profile (reference-model, reference-train-cli, zlab), a TOML file, or "
              "a drafter's config.json (speculators DFlash checkpoint or z-lab DFlash config).")
     ] = DEFAULT_PROFILE,
-    cases: Annotated[int, typer.Option(help="Number of synthetic cases (seeded spread).")
+    cases: Annotated[int, typer.Option(help="Number of synthetic cases (seeded spread); the "
+                                            "real cases of --rows come on top.")
                      ] = DEFAULT_CASES,
     verifier: Annotated[str, typer.Option(
         help="'smollm2-135m', a local Hugging Face causal-LM folder, family:NAME (a built-in "

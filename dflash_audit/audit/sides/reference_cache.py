@@ -211,6 +211,10 @@ def open_reference_cache(opts: CompareOptions, identity: Any, cases_dir: Path,
     if cache.hits:
         st.say(f"the reference's outputs of {len(cache.hits)} of {len(names)} cases are in "
                "the cache (verified records; --no-reference-cache recomputes them)")
+    elif opts.reference_cache and names:
+        st.say(f"the reference's outputs of none of the {len(names)} cases are in the cache "
+               "(records are kept per reference, cases, interpreter and library versions: a new "
+               "virtual environment or release audits once more); the reference runs")
     st.timing["reference_cache"] = time.perf_counter() - start
     return cache
 
