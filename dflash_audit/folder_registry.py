@@ -141,7 +141,9 @@ def folders_with_aliases(folders: list[Path], mountinfo: str = "/proc/self/mount
     """The ``folders`` that exist (resolved, in order, once each), then every other path each
     is reachable by through a bind mount: for every mount of the same file system whose root
     holds the folder, its path under that mount point, when that is the same folder (device
-    and inode). None are added when the mount table ``mountinfo`` cannot be read."""
+    and inode), and the mount point of every mount of a folder inside it (a bind of one of its
+    subfolders elsewhere). None are added when the mount table ``mountinfo`` cannot be read.
+    (A bind of a single file of the folder elsewhere is not found.)"""
     found = list(dict.fromkeys(Path(p).resolve() for p in folders if Path(p).is_dir()))
     mounts = _mounts(mountinfo) if found else []
     out = list(found)
@@ -156,9 +158,14 @@ def folders_with_aliases(folders: list[Path], mountinfo: str = "/proc/self/mount
             info = folder.stat()
         except OSError:
             continue
+        inner = inner.rstrip("/") or "/"
         for dev, root, point in mounts:
-            rest = _under(inner.rstrip("/") or "/", root) if dev == device else None
-            if rest is None:
+            if dev != device:
+                continue
+            rest = _under(inner, root)
+            if rest is None:  # not a mount of the folder or above it: one of a folder inside?
+                if _under(root, inner) and os.path.isdir(point):
+                    out.append(Path(point))  # shows part of the folder: covered as a whole
                 continue
             alias = Path(os.path.join(point, rest))
             try:

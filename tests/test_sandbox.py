@@ -246,7 +246,8 @@ def test_a_folder_is_covered_by_every_path_a_mount_of_its_file_system_reaches(tm
     file system whose root holds it (when that is the same folder); other devices, mounts
     that do not hold it and folders that do not exist add nothing. A mount table given as a
     file (a space escaped as the kernel writes it): the other mount points are links into the
-    first, so they reach the same folder."""
+    first, so they reach the same folder; a mount of a subfolder shows part of it (one of
+    another device, or of a sibling whose name starts alike, does not)."""
     from dflash_audit.folder_registry import folders_with_aliases
 
     (tmp_path / "vol" / "keys").mkdir(parents=True)
@@ -255,12 +256,14 @@ def test_a_folder_is_covered_by_every_path_a_mount_of_its_file_system_reaches(tm
     table = tmp_path / "mountinfo"
     rows = enumerate([("8:1", "/", "/"), ("8:2", "/", tmp_path / "vol"),
                       ("8:2", "/", tmp_path / "again"), ("8:2", "/keys", tmp_path / "just keys"),
-                      ("8:3", "/", tmp_path / "other")])
+                      ("8:3", "/", tmp_path / "other"), ("8:2", "/keys/sub", tmp_path / "part"),
+                      ("8:3", "/keys/sub", tmp_path / "other"), ("8:2", "/keysake", "/")])
     table.write_text("".join(f"{i} 1 {dev} {root} {str(point).replace(' ', chr(92) + '040')} rw"
                              " - ext4 x rw\n" for i, (dev, root, point) in rows))
     keys = tmp_path / "vol" / "keys"
     (tmp_path / "just keys").symlink_to(keys)
+    (tmp_path / "part").mkdir()  # a subfolder of keys bound there: it is covered too
     got = folders_with_aliases([keys, tmp_path / "gone", keys], str(table))
-    assert got == [keys, tmp_path / "again" / "keys", tmp_path / "just keys"]
+    assert got == [keys, tmp_path / "again" / "keys", tmp_path / "just keys", tmp_path / "part"]
     assert folders_with_aliases([tmp_path / "other"], str(table)) == [tmp_path / "other"]
     assert folders_with_aliases([keys], str(tmp_path / "no-table")) == [keys]
