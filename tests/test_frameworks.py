@@ -77,6 +77,9 @@ def test_unknown_and_unavailable_frameworks(monkeypatch):
         candidate_launch("framework:future==3.1.4")
     assert "framework:future==3.1.4 (Future Trainer; not available in this build)" in \
         registry.choices_text()
+    assert registry.choices_text().endswith(  # each form as it is typed
+        "framework:speculators@REF | framework:speculators==X.Y.Z | "
+        "framework:speculators:path:DIR (the reference at another ref or release)")
 
 
 def test_cli_unknown_framework_exits_2_without_traceback(tmp_path):

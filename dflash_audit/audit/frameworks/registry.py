@@ -146,8 +146,8 @@ def choices_text() -> str:
              if key != SPECULATORS]
     parts += [f"{key}=={version} ({name}; not available in this build)"
               for key, (name, version) in KNOWN.items() if key not in found]
-    parts.append(" | ".join(SPECULATORS_FORMS) + " (the reference at another ref or release)")
-    return ", ".join(PREFIX + p for p in parts)
+    return ", ".join([*(PREFIX + p for p in parts), " | ".join(
+        PREFIX + f for f in SPECULATORS_FORMS) + " (the reference at another ref or release)"])
 
 
 def _normal(text: str) -> str:
