@@ -44,7 +44,7 @@ from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter, DraftOutputs
 from dflash_audit.model.loss import LossSpec, dflash_loss, uses_data_targets
 from dflash_audit.model.metrics import dflash_metrics
-from dflash_audit.user_input import not_a_file
+from dflash_audit.candidate_spec import is_our_drafter, spec_problem  # noqa: F401 (re-exported)
 
 
 class CandidateError(Exception):
@@ -156,32 +156,6 @@ class DrafterCandidate:
             "hidden_states", "input_ids", "loss_mask", "verifier_last_hidden_states",
             "document_ids", "position_ids", "anchor_positions", "anchor_valid")})
         return side_outputs(model, config, out, loss)
-
-
-#: ``--candidate`` values that name our own drafter (as None does).
-OUR_DRAFTER_SPECS = ("", "default", "dflash-audit")
-
-
-def is_our_drafter(spec: str | None) -> bool:
-    """Whether ``spec`` names our own drafter (None, ``""``, ``default``, ``dflash-audit``):
-    our code, not a user's."""
-    return spec is None or spec in OUR_DRAFTER_SPECS
-
-
-def spec_problem(spec: str | None) -> str | None:
-    """Why ``spec`` (``--candidate``) cannot name a candidate, found without running any code
-    (its form, a ``file.py`` that is not there); None when it may (our drafter included)."""
-    if is_our_drafter(spec):
-        return None
-    target, _, attr = spec.rpartition(":")
-    if not target or not attr:
-        return f"candidate {spec!r} must look like module:attr or file.py:attr"
-    path = Path(target).resolve()
-    if target.endswith(".py") and not path.is_file():
-        return (f"candidate file {path} {not_a_file(path)} (a relative path is read from the "
-                f"working folder {Path.cwd()}); give an existing FILE.py:ATTR or an importable "
-                "module:attr")
-    return None
 
 
 def load_candidate(spec: str | None) -> Candidate:

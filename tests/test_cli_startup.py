@@ -53,6 +53,7 @@ def test_help_imports_no_torch(args, tmp_path):
     (["check-batches", "d", "--rows-to-check", "0"], "--rows-to-check"),
     (["compare", "--candidate", "framework:nosuch"], "unknown framework 'nosuch'; choices:"),
     (["compare", "--candidate", "framework:zlab==9"], "framework:zlab==0.1.0"),
+    (["compare", "--candidate", "gone.py:candidate"], "gone.py does not exist"),
 ])
 def test_a_usage_error_is_one_line_without_torch(args, message, tmp_path):
     (tmp_path / "a-file").write_text("not a folder")

@@ -314,12 +314,12 @@ def candidate_launch(spec: str | None, *, python: str | None = None, offline: bo
 
     Raises:
         FrameworkError: see :func:`framework_launch`; ``python`` cannot run the candidate; a
-            plain spec that cannot name one (:func:`dflash_audit.candidate.spec_problem`).
+            plain spec that cannot name one (:func:`dflash_audit.candidate_spec.spec_problem`).
     """
     if is_framework_spec(spec):
         return framework_launch(spec, python=python, offline=offline, url=url,
                                 cache_dir=cache_dir)
-    from dflash_audit.candidate import spec_problem
+    from dflash_audit.candidate_spec import spec_problem
 
     problem = spec_problem(spec)  # before any process starts: one line at once
     if problem:
