@@ -123,7 +123,11 @@ def main(opts: CompareOptions) -> int:
     code. Setup errors print one message (no traceback) and return 2; an internal error
     prints its traceback and returns 2 too (1 is reserved for conformance failures)."""
     try:
-        check_options(opts)  # before torch is imported: a bad option answers at once
+        from dflash_audit.audit.frameworks.registry import check_candidate_spec
+
+        # before torch is imported: a bad option answers at once
+        check_candidate_spec(opts.candidate)  # an unknown framework, a file not there
+        check_options(opts)
         from dflash_audit.audit.compare import run_compare
 
         outcome = run_compare(opts)

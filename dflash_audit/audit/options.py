@@ -86,10 +86,8 @@ def check_options(opts: CompareOptions) -> None:
 
     Raises:
         CompareSetupError: a count out of range, nothing to audit, an unwritable ``--out``,
-            a ``--candidate`` that names no candidate (:func:`~dflash_audit.candidate_spec.
-            spec_problem`) or a framework or version this build has not, a bad
-            ``--verifier`` spec, ``--device`` or ``--dtype``, a limit's variable that is not a
-            positive number (:mod:`dflash_audit.limits`).
+            a bad ``--verifier`` spec, ``--device`` or ``--dtype``, a limit's variable that
+            is not a positive number (:mod:`dflash_audit.limits`).
     """
     from dflash_audit.limits import LimitError, limit_s
 
@@ -115,18 +113,6 @@ def check_options(opts: CompareOptions) -> None:
         raise CompareSetupError(f"--out {opts.out}: cannot write reports there ({existing} is "
                                 f"{'a file' if not existing.is_dir() else 'not writable'}); "
                                 "choose a writable folder")
-    from dflash_audit.audit.frameworks.registry import (
-        is_framework_spec,
-        lookup,
-        parse_framework_spec,
-    )
-
-    from dflash_audit.candidate_spec import spec_problem
-
-    if is_framework_spec(opts.candidate):  # an unknown framework or version: before torch
-        lookup(parse_framework_spec(opts.candidate))  # FrameworkError, a setup error
-    elif problem := spec_problem(opts.candidate):  # a file that is not there, no ":attr"
-        raise CompareSetupError(problem)
     from dflash_audit.data.errors import VerifierError
     from dflash_audit.data.proxy_folder import check_proxy_spec
 

@@ -307,6 +307,23 @@ def _checked(launch: CandidateLaunch) -> CandidateLaunch:
     return launch
 
 
+def check_candidate_spec(spec: str | None) -> None:
+    """The checks of a ``--candidate`` value that need no install, no process and no torch,
+    so a usage error answers at once: a framework or version this build has not
+    (:func:`lookup`), a plain spec that cannot name a candidate
+    (:func:`dflash_audit.candidate_spec.spec_problem`).
+
+    Raises:
+        FrameworkError: the spec names no candidate here (the message says why).
+    """
+    from dflash_audit.candidate_spec import spec_problem
+
+    if is_framework_spec(spec):
+        lookup(parse_framework_spec(spec))
+    elif problem := spec_problem(spec):
+        raise FrameworkError(problem)
+
+
 def candidate_launch(spec: str | None, *, python: str | None = None, offline: bool = False,
                      url: str | None = None, cache_dir: Path | None = None) -> CandidateLaunch:
     """The launch of any ``--candidate`` value: a framework's (:func:`framework_launch`) or a
@@ -319,11 +336,7 @@ def candidate_launch(spec: str | None, *, python: str | None = None, offline: bo
     if is_framework_spec(spec):
         return framework_launch(spec, python=python, offline=offline, url=url,
                                 cache_dir=cache_dir)
-    from dflash_audit.candidate_spec import spec_problem
-
-    problem = spec_problem(spec)  # before any process starts: one line at once
-    if problem:
-        raise FrameworkError(problem)
+    check_candidate_spec(spec)  # before any process starts: one line at once
     return _checked(CandidateLaunch(spec=spec, python=python))
 
 
