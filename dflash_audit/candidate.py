@@ -39,12 +39,12 @@ import torch
 from torch import nn
 
 from dflash_audit.audit.case import SideOutputs
+from dflash_audit.candidate_spec import is_our_drafter, spec_problem  # noqa: F401 (re-exported)
 from dflash_audit.model.anchors import select_anchors
 from dflash_audit.model.config import DFlashConfig
 from dflash_audit.model.drafter import DFlashDrafter, DraftOutputs
 from dflash_audit.model.loss import LossSpec, dflash_loss, uses_data_targets
 from dflash_audit.model.metrics import dflash_metrics
-from dflash_audit.candidate_spec import is_our_drafter, spec_problem  # noqa: F401 (re-exported)
 
 
 class CandidateError(Exception):
