@@ -1,5 +1,6 @@
 """What a ``--candidate`` value names, checked without importing torch or running any code
-(a usage error answers at once: :func:`dflash_audit.audit.options.check_options`)."""
+(a usage error answers at once:
+:func:`dflash_audit.audit.frameworks.registry.check_candidate_spec`)."""
 
 from __future__ import annotations
 

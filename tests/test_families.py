@@ -535,7 +535,7 @@ def test_equivalent_config_spellings_are_equal(cand, ref):
 def test_a_verifier_that_is_not_causal_is_refused(tmp_path, monkeypatch):
     """BERT has a causal-LM head in transformers (BertLMHeadModel) but attends to later
     tokens unless is_decoder: its proxy was built and audited as a verifier before."""
-    from dflash_audit.data.builtin_verifier import cache_dir, verified_record
+    from dflash_audit.data.builtin_verifier import cache_dir
     from dflash_audit.data.errors import VerifierError
     from dflash_audit.data.proxy_folder import proxy_verifier_dir
 

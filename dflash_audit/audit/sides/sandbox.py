@@ -149,7 +149,7 @@ def _prove(bwrap: str, found: dict[str, str]) -> SandboxStatus:
             tail = " ".join(proc.stderr.split())[-300:]
             return SandboxStatus(ABSENT, reason=f"bwrap cannot create its namespaces here "
                                                 f"({tail})", **found)
-        hidden = with_aliases(key_dirs())
+        hidden = folders_with_aliases(key_dirs())  # and every path a bind mount shows them at
         probe = sp.probe_command(_read_only_probes(), hidden,
                                  ["/proc", "/tmp", *map(str, hidden)])
         try:
@@ -162,13 +162,6 @@ def _prove(bwrap: str, found: dict[str, str]) -> SandboxStatus:
     if failed:
         return SandboxStatus(UNPROVEN, reason="; ".join(failed), proof=proof, **found)
     return SandboxStatus(PROVEN, proof=proof, **found)
-
-
-def with_aliases(folders: list[Path]) -> list[Path]:
-    """The ``folders`` that exist (resolved) and every other path each is reachable by through
-    a bind mount (:func:`dflash_audit.folder_registry.folders_with_aliases`): what the sandbox
-    covers for a folder it hides, and what its proof checks empty."""
-    return folders_with_aliases(folders)
 
 
 def _read_only_probes() -> list[Path]:
@@ -395,5 +388,5 @@ def candidate_sandbox_command(cmd: list[str], spec: str | None, cases_dir: Path,
         if not within(folder, covered):
             readable.append(folder)
     return sandbox_command(cmd, bwrap=bwrap, writable=[Path(out_dir)], readable=readable,
-                           hidden=with_aliases([*key_dirs(), *record_dirs(), *hidden]),
+                           hidden=folders_with_aliases([*key_dirs(), *record_dirs(), *hidden]),
                            private=private, cwd=Path.cwd())
