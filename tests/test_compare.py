@@ -171,6 +171,9 @@ def test_buggy_candidate_fails_with_exit_1(tmp_path, tiny_verifier, conversation
                       cache_dir=shared_cache))
     out = capsys.readouterr().out
     assert rc == 1 and "verdict: FAIL" in out
+    # after the causes, what to do (no train command: train's gate refuses a FAIL)
+    assert "\nnext: fix the cause(s) above in the candidate" in out
+    assert "next: dflash-audit train" not in out
     folder = Path(out.split("report: ")[1].strip())
     data = read_report(folder)
     assert data["verdict"] == "fail" and data["candidate"]["name"] == "fc reads n-1 target layers"

@@ -187,6 +187,8 @@ def main(opts: CompareOptions) -> int:
     if command:
         print(f"next: {command}")
         print(f"  ({TRAIN_COST})")
+    elif report.verdict != "pass":
+        print(f"next: {FAIL_NEXT}")
     print(f"report: {outcome.folder}")
     return guarded_exit_code(outcome.exit_code, outcome.folder)
 
@@ -200,6 +202,11 @@ def _say_computed_ids(fields: dict) -> None:
         print(f"  note: target layer ids {fields.get('target_layers')}: "
               f"{fields['target_layers_origin']}")
 
+
+#: Said after a FAIL's causes: what to do, and where every difference is.
+FAIL_NEXT = ("fix the cause(s) above in the candidate (every difference, case by case, and "
+             "the hypotheses behind each cause: report.md in the folder below), then run this "
+             "compare again; `dflash-audit train` starts only after it passes")
 
 #: The run folder the printed train command names (the person picks their own).
 TRAIN_OUT = "runs/drafter"
