@@ -384,6 +384,34 @@ def test_a_frameworks_load_error_names_it_as_the_user_did(tmp_path):
     assert str(load_error(tmp_path, CandidateLaunch(spec=spec))) == text
 
 
+def test_a_module_the_adapter_lists_that_is_not_there_names_the_list_not_importlib(
+        tmp_path, monkeypatch):
+    """A FRAMEWORK_MODULES entry that is not installed: the importer is the adapter's list
+    (it was importlib/__init__.py, the last frame outside the frozen machinery), and the
+    setup error names the framework as ``framework:KEY (Name version)``."""
+    import sys
+    import types
+
+    from dflash_audit.audit.frameworks.import_failure import import_failure_message
+    from dflash_audit.audit.sides.candidate_runner import import_failure, import_framework_modules
+    from dflash_audit.audit.sides.launch import CandidateLaunch
+
+    adapter = types.ModuleType("listing_fw_adapter")
+    adapter.FRAMEWORK_MODULES = ["listing_fw_not_installed"]
+    monkeypatch.setitem(sys.modules, adapter.__name__, adapter)
+    with pytest.raises(ImportError) as raised:
+        import_framework_modules(f"{adapter.__name__}:candidate")
+    failure = import_failure(raised.value)
+    assert failure == {"missing_module": "listing_fw_not_installed",
+                       "importer": "the adapter's FRAMEWORK_MODULES",
+                       "error": "ModuleNotFoundError: No module named 'listing_fw_not_installed'"}
+    launch = CandidateLaunch(spec=f"{adapter.__name__}:candidate", python=sys.executable,
+                             framework={"key": "listfw", "name": "ListFW", "version": "2.1"})
+    assert import_failure_message(launch, failure).startswith(
+        "framework:listfw (ListFW 2.1) cannot import 'listing_fw_not_installed' (the adapter's "
+        "FRAMEWORK_MODULES imports it) when its candidate loaded, before any case: ")
+
+
 @pytest.mark.parametrize("outcome", list(GATE_OUTCOMES))
 def test_a_framework_imports_its_modules_while_the_cases_are_built(outcome, sandbox_mode,
                                                                      tmp_path):

@@ -235,7 +235,7 @@ def test_a_framework_that_cannot_import_is_a_setup_error(when, reference_identit
         return
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and not (tmp_path / "reports").exists()
-    assert "TestFW 1.0 cannot import 'demo_fw_missing_dep' (" in out
+    assert "framework:testfw (TestFW 1.0) cannot import 'demo_fw_missing_dep' (" in out
     assert f"{folder / 'demo_fw_core.py'}:1 imports it)" in out
     assert ("when its candidate loaded, before any case" if when == "load" else
             " in case ") in out

@@ -18,12 +18,13 @@ def import_failure_message(launch: CandidateLaunch, failure: dict[str, Any]) -> 
 
     info = dict(launch.framework or {})
     label = f"{info.get('name', 'the framework')} {info.get('version', '')}".strip()
+    shown = f"{launch.shown} ({label})" if launch.framework else label  # as the user named it
     module = str(failure.get("missing_module") or "?")
     top = module.split(".")[0]
     where = f" ({failure['importer']} imports it)" if failure.get("importer") else ""
     when = (f" in case {failure['case']}" if failure.get("case") else
             " when its candidate loaded, before any case")
-    text = (f"{label} cannot import {module!r}{where}{when}: {failure.get('error', '')}. "
+    text = (f"{shown} cannot import {module!r}{where}{when}: {failure.get('error', '')}. "
             "This is the audit's setup, not a conformance finding: ")
     python = shlex.quote(launch.executable)
     if launch.python is not None:

@@ -55,16 +55,24 @@ READY = "ready.json"
 def import_failure(exc: BaseException) -> dict[str, str] | None:
     """``{"missing_module", "importer", "error"}`` of an ImportError (ModuleNotFoundError
     included) at or under ``exc`` (its ``__cause__`` / ``__context__`` chain); None when
-    there is none. ``importer`` is the ``file:line`` of the last frame outside importlib."""
+    there is none. ``importer`` is the ``file:line`` of the last frame outside importlib
+    (frozen or not), or ``"the adapter's FRAMEWORK_MODULES"`` when that frame is
+    :func:`import_framework_modules` (the adapter lists a module that is not there)."""
+    import importlib
+
+    machinery = os.path.dirname(importlib.__file__) + os.sep
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, ImportError):
             frames = [f for f in traceback.extract_tb(exc.__traceback__)
-                      if not f.filename.startswith("<frozen")]
+                      if not f.filename.startswith(("<frozen", machinery))]
             name = exc.name or (str(exc).split("'")[1] if str(exc).count("'") >= 2 else "?")
-            return {"missing_module": name,
-                    "importer": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "",
+            importer = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+            if frames and frames[-1].name == import_framework_modules.__name__ and \
+                    os.path.abspath(frames[-1].filename) == os.path.abspath(__file__):
+                importer = "the adapter's FRAMEWORK_MODULES"
+            return {"missing_module": name, "importer": importer,
                     "error": f"{type(exc).__name__}: {exc}"}
         exc = exc.__cause__ or exc.__context__
     return None
