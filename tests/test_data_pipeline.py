@@ -357,3 +357,40 @@ def test_the_local_verifier_folder_is_named_before_anything_is_built(tmp_path):
     for spec in ("smollm2-135m", str(folder / "config.json"), str(tmp_path / "missing"),
                  str(tmp_path / ("a" * 300))):
         assert local_verifier_folder(spec) is None, spec
+
+
+def test_regeneration_progress_has_no_total_that_the_rows_never_reach(monkeypatch):
+    """Regenerating replies stops once the rows are full, after an unknown share of the
+    conversations: its bar counts them without a total (a total of every conversation in the
+    data gave an ETA of hours for a few minutes' work); only the chunks consumed are
+    regenerated."""
+    from dflash_audit.data import pipeline
+
+    class Recorder:
+        def __init__(self):
+            self.tasks, self.done = [], 0
+
+        def add_task(self, description, total=None):
+            self.tasks.append((description, total))
+            return 0
+
+        def advance(self, task, n):
+            self.done += n
+
+    asked = []
+
+    def fake_regenerate(verifier, chunk, progress=None, **kwargs):
+        asked.append(len(chunk))
+        progress(len(chunk))
+        yield from chunk
+
+    monkeypatch.setattr(regen_mod, "regenerate_conversations", fake_regenerate)
+    bar = Recorder()
+    conversations = [f"c{i}" for i in range(3 * pipeline.REGEN_CHUNK + 1)]
+    stream = pipeline._conversations(None, conversations, seq_len=64, regenerate=True,
+                                     max_new_tokens=8, max_turns=None, progress=bar)
+    taken = [next(stream) for _ in range(pipeline.REGEN_CHUNK + 1)]  # the rows filled here
+    assert taken == conversations[:pipeline.REGEN_CHUNK + 1]
+    assert asked == [pipeline.REGEN_CHUNK] * 2 and bar.done == 2 * pipeline.REGEN_CHUNK
+    (description, total), = bar.tasks
+    assert total is None and f"of at most {len(conversations):,}" in description

@@ -107,7 +107,10 @@ def _conversations(verifier: Verifier, conversations: Sequence[Conversation], se
         return
     from dflash_audit.data.regenerate import regenerate_conversations
 
-    task = progress.add_task("regenerating replies (at most)", total=len(conversations)
+    # no total: the rows fill after an unknown share of the conversations (a total of all of
+    # them made the ETA hours long); the rows' own bar below gives the remaining time
+    task = progress.add_task(f"regenerating replies (conversations done; of at most "
+                             f"{len(conversations):,}, until the rows are full)"
                              ) if progress else None
     for begin in range(0, len(conversations), REGEN_CHUNK):
         yield from regenerate_conversations(
