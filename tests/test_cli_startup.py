@@ -54,6 +54,10 @@ def test_help_imports_no_torch(args, tmp_path):
     (["compare", "--candidate", "framework:nosuch"], "unknown framework 'nosuch'; choices:"),
     (["compare", "--candidate", "framework:zlab==9"], "framework:zlab==0.1.0"),
     (["compare", "--candidate", "gone.py:candidate"], "gone.py does not exist"),
+    # a verifier that cannot be: answered before the reference and the cases (65 s at load 12)
+    (["compare", "--verifier", "family:nosuch"], "unknown verifier family; use one of"),
+    (["compare", "--verifier", "no-such-folder"], "'no-such-folder' is neither a built-in"),
+    (["compare", "--verifier", "a-file"], "'a-file' is a file but not a .json one"),
 ])
 def test_a_usage_error_is_one_line_without_torch(args, message, tmp_path):
     (tmp_path / "a-file").write_text("not a folder")

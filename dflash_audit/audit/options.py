@@ -113,11 +113,16 @@ def check_options(opts: CompareOptions) -> None:
         raise CompareSetupError(f"--out {opts.out}: cannot write reports there ({existing} is "
                                 f"{'a file' if not existing.is_dir() else 'not writable'}); "
                                 "choose a writable folder")
+    from dflash_audit.data.builtin_verifier import BUILTIN_VERIFIERS
     from dflash_audit.data.errors import VerifierError
-    from dflash_audit.data.proxy_folder import check_proxy_spec
+    from dflash_audit.data.proxy_folder import check_proxy_spec, is_proxy_spec
+    from dflash_audit.data.verifier import verifier_folder
 
-    try:  # a family name or a config.json: checked before seconds of batch work
-        check_proxy_spec(opts.verifier)
+    try:  # checked before seconds of imports and batch work
+        if is_proxy_spec(opts.verifier) or opts.verifier.startswith("family:"):
+            check_proxy_spec(opts.verifier)  # a family name or a config.json
+        elif opts.verifier not in BUILTIN_VERIFIERS:
+            verifier_folder(opts.verifier)  # a folder: there, with config.json and weights
     except VerifierError as exc:
         raise CompareSetupError(str(exc)) from None
     from dflash_audit.audit.precision import check_device_and_dtype

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from dflash_audit.user_input import loads_json
+
+if TYPE_CHECKING:
+    import torch
 
 #: Width of a proxy: hidden size, attention heads, KV heads, vocabulary.
 PROXY_HIDDEN, PROXY_HEADS, PROXY_KV_HEADS, PROXY_VOCAB = 32, 4, 2, 128
@@ -263,6 +264,7 @@ def build_proxy(config: Any, seed: int = 0) -> torch.nn.Module:
     Norm gains are drawn around their identity (``x*w`` ones, Gemma-style ``x*(1+w)``
     zeros) so a norm applied in the wrong convention changes the numbers.
     """
+    import torch  # here: a family name is checked before any heavy import
     from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng():

@@ -76,6 +76,20 @@ def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = st
         return proxy_verifier_dir(spec, progress=progress)
     if spec in BUILTIN_VERIFIERS:
         return spec, builtin_folder(spec, progress=progress)
+    folder = verifier_folder(spec)
+    return folder.name, folder
+
+
+def verifier_folder(spec: str) -> Path:
+    """The resolved local Hugging Face folder a ``--verifier`` spec names (neither a built-in
+    nor a proxy), checked without reading it: it exists, is a folder, has a ``config.json``
+    and weights. Imports neither torch nor transformers (a command checks the spec with it
+    before any work).
+
+    Raises:
+        VerifierError: a path the OS refuses, no such path, a file that is no ``.json``, no
+            ``config.json``, no ``*.safetensors`` / ``*.bin`` (naming the proxy spec to pass).
+    """
     folder = Path(spec).expanduser()
     try:
         exists = folder.exists()
@@ -98,7 +112,7 @@ def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = st
                             "(*.safetensors / *.bin); to audit with a proxy of that config (its "
                             f"depth and layer types, width shrunk) pass --verifier "
                             f"{folder / 'config.json'}")
-    return folder.resolve().name, folder.resolve()
+    return folder.resolve()
 
 
 @dataclass(frozen=True)
