@@ -105,7 +105,7 @@ def convert_smollm2(target: Path | None = None,
 
     if progress:
         progress(f"converting {SMOLLM2_NAME} from {gguf.name} into {target} "
-                 "(one time, 20-60 s) ...")
+                 "(one time: 20-60 s on 2 quiet cores, 3-5 min on a busy machine) ...")
     start = time.perf_counter()
     # another process that finished first keeps its copy
     with atomic_folder(target, keep_existing=not replace) as tmp:
