@@ -32,6 +32,31 @@ def one_line(exc: BaseException) -> str:
     return "; ".join(lines[:5])[:600]
 
 
+def rope_theta(rot, rope_type, dim, configured):
+    """The base the reference's rotary embedding computed its inverse frequencies from, and
+    where it was read: the ``rope_theta`` of the config the module was built with
+    (transformers' ``Qwen3RotaryEmbedding`` keeps it as ``.config``; its
+    ``compute_default_rope_parameters`` and the scaled types read exactly that), checked for
+    the default type against ``inv_freq[1] ** (-dim / 2)``. That value alone is no reading:
+    float32 frequencies give 999997 for 1e6 at head_dim 128, and a scaled type (yarn, linear,
+    llama3) rescales them. Only where the module holds no base, or one its default
+    frequencies do not come from, is the derived value given (6 significant digits)."""
+    import math
+
+    held = (getattr(getattr(rot, "config", None), "rope_parameters", None) or {})
+    held = held.get("sliding_attention", held) if isinstance(held, dict) else {}
+    theta = held.get("rope_theta", configured) if isinstance(held, dict) else configured
+    derived = float(rot.inv_freq[1].double() ** (-dim / 2.0)) if dim > 2 else None
+    if rope_type != "default" or derived is None:
+        return (float(theta) if theta is not None else None,
+                "rope_parameters.rope_theta of the config it was built with")
+    if theta is not None and math.isclose(derived, float(theta), rel_tol=1e-3):
+        return float(theta), ("rope_parameters.rope_theta of the config it was built with "
+                              "(its inv_freq[1] ** (-rotary_dim / 2) agrees)")
+    return float(f"{derived:.6g}"), ("inv_freq[1] ** (-rotary_dim / 2), 6 significant digits "
+                                     "(the module holds no base its frequencies come from)")
+
+
 def main(folder: Path, out: Path) -> None:
     record = {"side": "reference", "fields": {}, "sources": {}, "not_run": {},
               "refused": None, "notes": [], "masks": {}}
@@ -84,11 +109,11 @@ def main(folder: Path, out: Path) -> None:
     if "sliding_attention" in rope:
         rope = dict(rope["sliding_attention"])
     dim = 2 * int(rot.inv_freq.numel())
-    theta = float(rot.inv_freq[1].double() ** (-dim / 2.0)) if dim > 2 else rope.get("rope_theta")
     rsrc = f"{init} (Qwen3RotaryEmbedding(flatten_rope_parameters(config)))"
-    put("rope.type", getattr(rot, "rope_type", rope.get("rope_type", "default")), rsrc)
-    put("rope.theta", float(f"{theta:.6g}") if theta is not None else None,
-        rsrc + ": inv_freq[1] ** (-rotary_dim / 2), 6 significant digits")
+    rope_type = getattr(rot, "rope_type", rope.get("rope_type", "default"))
+    theta, theta_src = rope_theta(rot, rope_type, dim, rope.get("rope_theta"))
+    put("rope.type", rope_type, rsrc)
+    put("rope.theta", theta, f"{rsrc}: {theta_src}")
     put("rope.scaling", {k: v for k, v in rope.items()
                          if k not in ("rope_type", "rope_theta", "partial_rotary_factor")} or None,
         "transformer_layer_config.rope_parameters")

@@ -65,6 +65,11 @@ VARIANTS = {
     "draft vocab": {"draft_vocab_size": 64},
     "sample from anchor": {"sample_from_anchor": True, "layer_types": None,
                            "sliding_window": None},
+    # a Qwen3-size head: float32 frequencies read back as theta gave 999997 for 1e6 (every
+    # engine "differed"); a scaled type rescales them (yarn read back as 31604.9)
+    "head_dim 128": {"head_dim": 128, "rope_theta": 1e6},
+    "yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                 "original_max_position_embeddings": 256}},
 }
 
 
@@ -107,6 +112,11 @@ def test_the_reference_probe_reads_each_fact_off_the_built_model(reference_readi
     assert f["fc.in_features"] == 3 * 32 and f["target_layer_ids"] == [1, 3, 4]
     assert f["num_speculative_tokens"] == 3 and f["lm_head.source"] == "target"
     assert reference_readings["non-causal window"][0].fields["layers.1.block_causal"] is False
+    wide = reference_readings["head_dim 128"][0].fields
+    assert (wide["rope.theta"], wide["rope.rotary_dim"]) == (1e6, 128)
+    yarn = reference_readings["yarn"][0].fields
+    assert (yarn["rope.type"], yarn["rope.theta"]) == ("yarn", 10000.0)
+    assert yarn["rope.scaling"]["factor"] == 4.0
     vocab = reference_readings["draft vocab"][0].fields
     assert vocab["draft_vocab_size"] == 64 and vocab["lm_head.source"] == "checkpoint"
     assert vocab["draft_vocab.mapping"] == "d2t offsets"
