@@ -114,6 +114,19 @@ def test_zlab_without_rope_theta_block_size_ids_and_is_causal_false(site, tmp_pa
     assert any("drops its window" in n for n in rec.notes)
 
 
+def test_a_yarn_drafter_is_read_by_sglangs_own_scaled_rope(site, tmp_path):
+    """get_rope's yarn path calls the factory's _get_rope_param (factory.py:312): the probe
+    compiles the helpers get_rope calls from the same file (a NameError, exit 2, before)."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256})
+    rec = probe(site, edit_config(ckpt, to_zlab))
+    assert rec.refused is None, rec.refused
+    f = rec.fields
+    assert (f["rope.type"], f["rope.theta"]) == ("yarn", 10000.0)
+    assert f["rope.scaling"]["factor"] == 4.0
+    assert f["rope.scaling"]["original_max_position_embeddings"] == 256
+
+
 def test_sliding_layer_without_window_is_refused(site, tmp_path):
     # Qwen3Config drops sliding_window unless use_sliding_window; SGLang then raises
     # (dflash_utils.py:411-414)

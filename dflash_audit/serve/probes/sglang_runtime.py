@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import enum
 import json
+import logging
 import sys
 import types
 import typing
@@ -192,8 +193,10 @@ def sglang_code(ckpt: Path) -> dict[str, Any]:
 
     rope_classes = _rope_class_names()
     rope_bind = {n: recorder(n) for n in rope_classes}
-    f, p = engine_functions(ROPE, ["get_rope"], {**common_t, **rope_bind,
-                                            "_get_live_rope_cache_entry": lambda key: None})
+    stubs = {"_get_live_rope_cache_entry": lambda key: None}
+    f, p = engine_functions(ROPE, ["get_rope", *_module_helpers(ROPE, "get_rope", stubs)],
+                            {**common_t, **rope_bind, **stubs, "logger": logging.getLogger(
+                                "sglang.srt.layers.rotary_embedding.factory")})
     prov.update(p)
     engine_get_rope = f["get_rope"]
 
@@ -286,6 +289,25 @@ class _SglangRegistry(dict):
     def __getitem__(self, key: str) -> Any:
         raise NotRunHere(f"model_type {key!r} is loaded by SGLang's own config class "
                          "(sglang/srt/configs), which imports its runtime")
+
+
+def _module_helpers(relative: str, function: str, bound: dict[str, Any]) -> list[str]:
+    """The module-level functions of the engine file ``relative`` that ``function`` calls,
+    directly or through one another (e.g. ``get_rope`` -> ``_get_rope_param`` on its yarn,
+    llama3 and dynamic paths: without them every scaled RoPE ended in a NameError, exit 2),
+    less those ``bound`` to stubs; compiled from the same file as the function."""
+    tree = ast.parse((site_folder(relative.split("/")[0]) / relative).read_bytes())
+    defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    found: list[str] = []
+    todo = [defs[function]]
+    while todo:
+        for node in ast.walk(todo.pop()):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and \
+                    node.id in defs and node.id not in bound and node.id != function and \
+                    node.id not in found:
+                found.append(node.id)
+                todo.append(defs[node.id])
+    return found
 
 
 def _rope_class_names() -> list[str]:
