@@ -144,6 +144,8 @@ def main(folder: Path, out: Path) -> None:
         f"{init} (_keys_to_ignore_on_load_missing; load_verifier_weights)")
     put("embed_tokens.source", "target", f"{CORE}:DFlashDraftModel.load_verifier_weights "
         "(overwrite_embed_tokens=True)")
+    put("mask_embedding.source", "embed_tokens[mask_token_id]",
+        f"{CORE}:DFlashDraftModel (noise_embedding = embed_tokens(mask_token_ids))")
     out.write_text(json.dumps(record))
 
 

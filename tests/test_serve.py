@@ -135,8 +135,12 @@ def test_each_changed_field_is_a_named_difference(reference_readings):
     ref, mine = reference_readings["mixed"]
     served = _served_from(ref, **{"rope.theta": 1000000.0, "layers.0.block_causal": True,
                                   "layers.1.window_origin": "query", "rope.max_positions": 1024,
-                                  "num_speculative_tokens": 2})
+                                  "num_speculative_tokens": 2,
+                                  "mask_embedding.source": "mask_embedding.pt"})
     rows = {r.key: r for r in compare(ref, mine, served, "engine X", 4096)}
+    stray = rows["mask_embedding.source"]
+    assert (stray.status, stray.name) == (DIFFERS, "mask slot embedding replaced")
+    assert stray.fix.startswith("remove mask_embedding.pt from the checkpoint folder")
     assert rows["rope.theta"].status == DIFFERS and rows["rope.theta"].name == "RoPE theta"
     assert "1000000.0" in rows["rope.theta"].message and "10000.0" in rows["rope.theta"].message
     assert rows["layers.0.block_causal"].name == "causality inside the block"

@@ -127,6 +127,22 @@ def test_a_yarn_drafter_is_read_by_sglangs_own_scaled_rope(site, tmp_path):
     assert f["rope.scaling"]["original_max_position_embeddings"] == 256
 
 
+def test_a_shipped_mask_embedding_is_merged_into_the_mask_row(site, zlab, tmp_path):
+    """SGLang's worker writes mask_embedding.pt into the target's mask_token_id row
+    (dflash_worker_v2.py:_maybe_merge_trained_mask_embedding)."""
+    import shutil
+
+    import torch
+
+    assert probe(site, zlab).fields["mask_embedding.source"] == "embed_tokens[mask_token_id]"
+    ckpt = shutil.copytree(zlab, tmp_path / "ckpt")
+    torch.save({"embedding": torch.ones(TINY["hidden_size"]), "mask_token_id": 299},
+               ckpt / "mask_embedding.pt")
+    rec = probe(site, ckpt)
+    assert rec.fields["mask_embedding.source"] == "mask_embedding.pt"
+    assert "_maybe_merge_trained_mask_embedding" in rec.sources["mask_embedding.source"]
+
+
 def test_sliding_layer_without_window_is_refused(site, tmp_path):
     # Qwen3Config drops sliding_window unless use_sliding_window; SGLang then raises
     # (dflash_utils.py:411-414)

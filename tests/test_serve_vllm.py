@@ -41,6 +41,15 @@ def _zlab(folder: Path) -> Path:
     return folder
 
 
+def _with_mask_embedding(folder: Path) -> Path:
+    """A checkpoint that ships a mask_embedding.pt (as vLLM's _read_mask_embedding reads it)."""
+    import torch
+
+    torch.save({"embedding": torch.ones(TINY["hidden_size"]), "mask_token_id": 299},
+               folder / "mask_embedding.pt")
+    return folder
+
+
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     return once_per_run(tmp_path_factory, "vllm-probe", _probe_all)
@@ -57,6 +66,7 @@ def _probe_all(base: Path) -> dict:
             max_position_embeddings=777), _no_rope_parameters),
         "no_window": edit_config(make_checkpoint(base / "nowin"), _no_window),
         "zlab": _zlab(base / "zlab"),
+        "mask_embedding": _with_mask_embedding(make_checkpoint(base / "maskemb")),
     }
     with ThreadPoolExecutor(len(ckpts)) as pool:
         futures = {k: pool.submit(run_probe, PROBES / ENGINES["vllm"].probe, c, site, LABEL)
@@ -79,6 +89,16 @@ def test_default_checkpoint_every_layer_causal(records):
     assert f["layers.0.window_origin"] is None
     assert r.sources["layers.0.block_causal"].endswith("qwen3_dflash.py:_dflash_layer_causal")
     assert "get_sliding_window_mask_mod" in r.sources["layers.1.window_origin"]
+
+
+def test_a_shipped_mask_embedding_replaces_the_mask_slots_embedding(records):
+    """vLLM's load_weights takes mask_embedding.pt of the checkpoint folder for every mask
+    slot (qwen3_dflash.py:_read_mask_embedding -> has_separate_mask_embedding): a field, so a
+    stray file is a difference (it was a note and the verdict passed)."""
+    shipped = records["mask_embedding"]
+    assert shipped.fields["mask_embedding.source"] == "mask_embedding.pt"
+    assert "_read_mask_embedding" in shipped.sources["mask_embedding.source"]
+    assert records["default"].fields["mask_embedding.source"] == "embed_tokens[mask_token_id]"
 
 
 def test_default_checkpoint_mixed_layers_need_v2_runner(records):

@@ -41,6 +41,7 @@ NAMES: dict[str, str] = {
     "sample_from_anchor": "anchor-first layout", "draft_vocab_size": "draft vocabulary size",
     "draft_vocab.mapping": "draft vocabulary mapping",
     "lm_head.source": "draft lm_head replaced", "embed_tokens.source": "embeddings source",
+    "mask_embedding.source": "mask slot embedding replaced",
 }
 
 
@@ -59,6 +60,9 @@ FIXES: dict[str, str] = {
     "window back from each slot's own position, so slot s sees s + 1 fewer context keys than "
     "in training once the context is longer than the window; serve with full attention "
     "layers, or train with a window wider than your contexts",
+    "mask slot embedding replaced": "remove mask_embedding.pt from the checkpoint folder: "
+    "training embedded every mask slot with embed_tokens[mask_token_id], and the engine "
+    "replaces that row with the file's vector",
     "draft lm_head replaced": "this engine drafts with the target's full head: train without "
     "a draft vocabulary (draft_vocab_size = the verifier's vocabulary) to serve with it",
     "draft vocabulary size": "this engine drafts over the target's vocabulary: train without a "

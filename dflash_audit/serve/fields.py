@@ -37,6 +37,10 @@ the comparison is field by field. Keys, values and units:
 ``lm_head.source``                 ``"checkpoint"`` (the draft's lm_head.weight) or
                                    ``"target"`` (the verifier's / target model's head)
 ``embed_tokens.source``            ``"checkpoint"`` or ``"target"``
+``mask_embedding.source``          what a mask slot is embedded with: ``"embed_tokens[mask_
+                                   token_id]"`` (as trained) or ``"mask_embedding.pt"`` (a
+                                   vector in that file of the checkpoint folder, which vLLM
+                                   and SGLang substitute)
 =================================  ==========================================================
 
 ``dtype`` (the precision the draft is computed in) and engine-only settings
@@ -63,6 +67,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+
+#: ``mask_embedding.source`` values: a mask slot embedded as the reference trains it
+#: (``speculators/models/dflash/core.py``: ``embed_tokens(mask_token_ids)``), or with the vector
+#: of this file of the checkpoint folder (vLLM ``qwen3_dflash.py:_read_mask_embedding``, SGLang
+#: ``dflash_worker_v2.py:_maybe_merge_trained_mask_embedding``).
+MASK_EMBEDDING_ROW, MASK_EMBEDDING_FILE = "embed_tokens[mask_token_id]", "mask_embedding.pt"
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 
 from dflash_audit.serve.checkpoint import SPECULATORS, CheckpointFolder
 from dflash_audit.serve.engines import PROBE_TIMEOUT_ENV, ServeCheckError, probe_timeout
-from dflash_audit.serve.fields import SideRecord, layer_key
+from dflash_audit.serve.fields import MASK_EMBEDDING_ROW, SideRecord, layer_key
 
 OURS = "dflash-audit drafter"
 CONFIG = "dflash_audit/model/checkpoint.py:config_from_reference"
@@ -91,6 +91,8 @@ def ours(folder: CheckpointFolder) -> SideRecord:
                "target", "model.safetensors (lm_head.weight saved only with a draft vocabulary)")
     record.set("embed_tokens.source", "checkpoint" if "embed_tokens.weight" in folder.weights
                else "target", "dflash_audit/model/verifier_weights.py:load_verifier_weights")
+    record.set("mask_embedding.source", MASK_EMBEDDING_ROW, "dflash_audit/model/drafter.py "
+               "(mask slots: embed_tokens(mask_token_id); no mask_embedding.pt is read)")
     dtype = folder.config.get("dtype") or folder.config.get("torch_dtype")
     if isinstance(dtype, str):
         record.set("dtype", dtype.removeprefix("torch."), "config.json dtype (the weights' "

@@ -36,7 +36,12 @@ from typing import Any
 
 import torch
 
-from dflash_audit.serve.fields import SideRecord, layer_key
+from dflash_audit.serve.fields import (
+    MASK_EMBEDDING_FILE,
+    MASK_EMBEDDING_ROW,
+    SideRecord,
+    layer_key,
+)
 from dflash_audit.serve.probes.engine_source import Provenance
 from dflash_audit.serve.probes.sglang_runtime import (
     DFLASH,
@@ -212,6 +217,11 @@ def probe(ckpt: Path, rec: SideRecord) -> None:
     emb_src = (f"{WORKER}:_resolve_dflash_embedding_module; {DFLASH}:DFlashDraftModel.forward"
                " (input_embeds required)")
     rec.set("embed_tokens.source", "checkpoint" if is_nemotron else "target", emb_src)
+    rec.set("mask_embedding.source",
+            MASK_EMBEDDING_FILE if (ckpt / MASK_EMBEDDING_FILE).is_file() else MASK_EMBEDDING_ROW,
+            f"{WORKER}:_maybe_merge_trained_mask_embedding (writes the vector of the checkpoint "
+            f"folder's {MASK_EMBEDDING_FILE}, when there, into the target's embedding row "
+            "mask_token_id; the worker needs a target, so the file's presence is read here)")
 
 
 def first_rope_call(attn: Any) -> dict[str, Any]:

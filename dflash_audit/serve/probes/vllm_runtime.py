@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace as NS
 from typing import Any
 
+from dflash_audit.serve.fields import MASK_EMBEDDING_FILE, MASK_EMBEDDING_ROW
 from dflash_audit.serve.probes.engine_source import EngineFile, engine_functions
 
 QWEN3_DFLASH = "vllm/model_executor/models/qwen3_dflash.py"
@@ -160,13 +161,17 @@ def run_load_weights(rec, site: Path, ckpt: Path, torch) -> tuple[Any, dict[str,
                            {"process_eagle_weight": mu["process_eagle_weight"],
                             "WeightsMapper": Mapper, "AutoWeightsLoader": Loader,
                             "Iterable": collections.abc.Iterable, "torch": torch})
+    shipped = (ckpt / MASK_EMBEDDING_FILE).is_file()
     model = NS(model=NS(use_aux_hidden_state=True, has_separate_mask_embedding=False,
                         _build_fused_kv_buffers=lambda: None),
-               _read_mask_embedding=lambda: None)
-    if (ckpt / "mask_embedding.pt").is_file():
-        rec.notes.append("mask_embedding.pt present: vLLM substitutes it for "
-                         "embed_tokens[mask_token_id] (not read by this probe)")
+               # its file check (a stand-in tensor: the vector itself changes no field)
+               _read_mask_embedding=lambda: torch.zeros(1) if shipped else None)
     load(model, iter(tensors.items()))
+    rec.set("mask_embedding.source",
+            MASK_EMBEDDING_FILE if model.model.has_separate_mask_embedding else MASK_EMBEDDING_ROW,
+            f"{QWEN3_DFLASH}:DFlashQwen3ForCausalLM.load_weights (_read_mask_embedding: "
+            f"{MASK_EMBEDDING_FILE} {'in' if shipped else 'not in'} the checkpoint folder -> "
+            "has_separate_mask_embedding) -> embed_input_ids")
     rec.notes.append(f"{QWEN3_DFLASH}:DFlashQwen3ForCausalLM.load_weights (line {line}) run on "
                      "the checkpoint's tensors with AutoWeightsLoader / WeightsMapper replaced by "
                      "recorders; supports_any_eagle -> True (DFlashQwen3ForCausalLM is an "

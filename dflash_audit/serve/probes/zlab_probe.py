@@ -359,6 +359,10 @@ def fill(rec, model, zm, from_zlab_ids, layer_key, torch) -> None:
     rec.set("draft_vocab.mapping", "none", src(zm._output_head))
     rec.set("lm_head.source", "target", src(zm._output_head) + " via compute_logits")
     rec.set("embed_tokens.source", "target", src(zm._raw_input_embeddings))
+    from dflash_audit.serve.fields import MASK_EMBEDDING_ROW
+
+    rec.set("mask_embedding.source", MASK_EMBEDDING_ROW, src(zm._raw_input_embeddings) +
+            " of the block's mask_token_id (z-lab dflash reads no mask_embedding.pt)")
     rec.set("embed_tokens.scale", float(zm._draft_value(cfg, "input_embedding_scale", 1.0)),
             src(zm._draft_value, "input_embedding_scale (dflash_generate)"))
     rec.set("logits.multiplier", float(zm._draft_value(cfg, "output_multiplier", 1.0)),
