@@ -63,11 +63,16 @@ def structure_summary(model: nn.Module, config: DFlashConfig) -> dict[str, Any]:
     something other than the profile asks for), else from the profile's ``config``. A
     candidate whose optimizer keeps a master copy of parameters the module holds in bf16 adds
     ``"master_weights": "float32"`` (or ``{name: dtype}``); without it such parameters fail the
-    structure check (:func:`dflash_audit.audit.precision.unmastered_parameters`).
+    structure check (:func:`dflash_audit.audit.precision.unmastered_parameters`). A trainable
+    entry that is the same tensor as an earlier one (``ModuleList([layer] * n)``) carries
+    ``"shares": <that entry's key>`` (frozen aliases, e.g. a tied head, change no training and
+    are not marked); ``reference/adapter.py`` marks the reference's the same way.
     """
     config = getattr(model, "config", None) if isinstance(
         getattr(model, "config", None), DFlashConfig) else config
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    first: dict[int, str] = {}  # a trainable tensor under two names (a module used twice)
+    shares = {k: first.setdefault(id(p), k) for k, p in params.items() if p.requires_grad}
     return {
         "fc_in_features": model.fc.in_features,
         "fc_out_features": model.fc.out_features,
@@ -80,7 +85,8 @@ def structure_summary(model: nn.Module, config: DFlashConfig) -> dict[str, Any]:
         "sliding_window_non_causal": config.sliding_window_non_causal,
         "sample_from_anchor": config.sample_from_anchor,
         "state_dict": {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""),
-                           "trainable": bool(params[k].requires_grad) if k in params else False}
+                           "trainable": bool(params[k].requires_grad) if k in params else False,
+                           **({"shares": shares[k]} if shares.get(k, k) != k else {})}
                        for k, v in model.state_dict().items()},
     }
 

@@ -348,7 +348,9 @@ def structure_summary(model, missing, unexpected) -> dict:
     token, layer types, window, norm class, state-dict keys / shapes / trainable, load
     mismatches): the ``structure`` of outputs.json."""
     state = model.state_dict()
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    first: dict = {}  # a trainable tensor under two names (a module used twice): its first
+    shares = {k: first.setdefault(id(p), k) for k, p in params.items() if p.requires_grad}
     return {
         "fc_in_features": model.fc.in_features,
         "fc_out_features": model.fc.out_features,
@@ -362,7 +364,8 @@ def structure_summary(model, missing, unexpected) -> dict:
         "sample_from_anchor": bool(model.config.sample_from_anchor),
         "verifier_norm": type(model.verifier_norm).__name__,
         "state_dict": {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""),
-                           "trainable": bool(params[k].requires_grad) if k in params else False}
+                           "trainable": bool(params[k].requires_grad) if k in params else False,
+                           **({"shares": shares[k]} if shares.get(k, k) != k else {})}
                        for k, v in state.items()},
         "load_missing_keys": list(missing),
         "load_unexpected_keys": list(unexpected),

@@ -579,6 +579,31 @@ def test_structure_target_layer_ids(ours, ids, cause):
     assert r.status == "fail" and r.diagnosis[0].startswith(cause)
 
 
+def test_layers_that_share_one_module_are_named_not_called_frozen(ours):
+    """``nn.ModuleList([layer] * n)``: the second layer's entries are the first's tensors.
+    ``named_parameters()`` lists a shared tensor once, so they read as frozen ("layers.1.*
+    frozen on the candidate side", 11 causes); now each carries ``shares`` and the one cause
+    names the pair. A frozen alias (a tied head) is not marked: it changes no training."""
+    from dflash_audit.candidate import structure_summary
+
+    case = _case()
+    model = DFlashDrafter(case.config)
+    model.layers[1] = model.layers[0]
+    model.lm_head.weight = model.embed_tokens.weight  # frozen, tied: no finding
+    summary = structure_summary(model, case.config)
+    sd = summary["state_dict"]
+    assert sd["layers.1.self_attn.q_proj.weight"] == {
+        **sd["layers.0.self_attn.q_proj.weight"], "shares": "layers.0.self_attn.q_proj.weight"}
+    assert "shares" not in sd["lm_head.weight"] and "shares" not in sd["layers.0.mlp.up_proj.weight"]
+    cand = edited(ours)
+    cand.structure["state_dict"] = sd
+    r = audit(cand, ours)["structure"]
+    assert r.status == "fail"
+    assert r.diagnosis == ["layers.1 shares its trainable weights with layers.0 on the candidate "
+                           "side (one module used twice, e.g. nn.ModuleList([layer] * n)); the "
+                           "reference trains separate weights"]
+
+
 def test_structure_fc_sized_by_depth(ours):
     """n = 2 target layers, 3 draft layers: fc built as Linear(3*H, H)."""
     deep = dataclasses.replace(_case(), config=CONFIG.replace(

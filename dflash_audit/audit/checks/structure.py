@@ -89,7 +89,14 @@ def _state_dict_finding(key: str, attr: str | None, cand: dict, ref: dict) -> di
         return {"field": f"state_dict.{key}", "candidate": c, "reference": r,
                 "status": status, "reason": reason}
     cv, rv = (c or {}).get(attr), (r or {}).get(attr)
-    if attr == "trainable":
+    if attr == "shares":
+        reason = (f"{key!r} is the same trainable tensor as {cv!r} on the candidate side (one "
+                  "module used for both: its gradient is the sum of both uses and one update "
+                  f"moves both), a parameter of its own in the reference" if cv else
+                  f"{key!r} is a parameter of its own on the candidate side, the same tensor "
+                  f"as {rv!r} in the reference")
+        status = FAIL
+    elif attr == "trainable":
         reason = (f"{key!r} is trained on the candidate side but frozen in the reference"
                   if cv else f"{key!r} is frozen on the candidate side but trained in the "
                              "reference")
@@ -314,6 +321,8 @@ def diagnose_structure_finding(ev: Evidence, f: dict[str, Any]) -> list[str] | s
     if field == "sliding_window" and c is not None and cfg.sliding_window:
         return (f"window bound off by {c - cfg.sliding_window:+d}: W={c}, reference "
                 f"W={cfg.sliding_window}")
+    if field.endswith(".shares"):
+        return _shared_cause(ev, f)
     if field.endswith(".trainable"):
         key = field[len("state_dict."):-len(".trainable")]
         return (f"frozen weights being trained: {key} is trainable on the candidate side"
@@ -324,6 +333,22 @@ def diagnose_structure_finding(ev: Evidence, f: dict[str, Any]) -> list[str] | s
     if f.get("reference") in ("missing", "unexpected"):
         return f["reason"]
     return None
+
+
+def _shared_cause(ev: Evidence, f: dict[str, Any]) -> str:
+    """One cause per pair of modules whose weights are shared: ``layers.1`` shares
+    ``layers.0``'s, from the first entry of the pair (the key's module prefixes)."""
+    key, other = f["field"][len("state_dict."):-len(".shares")], f.get("candidate")
+    if not other:
+        return f["reason"]
+    a, b = key.split("."), str(other).split(".")
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1  # the common parameter path (self_attn.q_proj.weight)
+    mine, theirs = ".".join(a[:len(a) - n]) or key, ".".join(b[:len(b) - n]) or str(other)
+    return (f"{mine} shares its trainable weights with {theirs} on the candidate side (one "
+            f"module used twice, e.g. nn.ModuleList([layer] * n)); the reference trains "
+            f"separate weights")
 
 
 def diagnose_structure(ev: Evidence, result: CheckResult) -> list[str]:
