@@ -41,6 +41,10 @@ def _zlab(folder: Path) -> Path:
     return folder
 
 
+def _reordered_ids(d):
+    d["aux_hidden_state_layer_ids"] = [4, 1, 3]
+
+
 def _with_mask_embedding(folder: Path) -> Path:
     """A checkpoint that ships a mask_embedding.pt (as vLLM's _read_mask_embedding reads it)."""
     import torch
@@ -67,6 +71,7 @@ def _probe_all(base: Path) -> dict:
         "no_window": edit_config(make_checkpoint(base / "nowin"), _no_window),
         "zlab": _zlab(base / "zlab"),
         "mask_embedding": _with_mask_embedding(make_checkpoint(base / "maskemb")),
+        "reordered": edit_config(make_checkpoint(base / "reordered"), _reordered_ids),
     }
     with ThreadPoolExecutor(len(ckpts)) as pool:
         futures = {k: pool.submit(run_probe, PROBES / ENGINES["vllm"].probe, c, site, LABEL)
@@ -99,6 +104,16 @@ def test_a_shipped_mask_embedding_replaces_the_mask_slots_embedding(records):
     assert shipped.fields["mask_embedding.source"] == "mask_embedding.pt"
     assert "_read_mask_embedding" in shipped.sources["mask_embedding.source"]
     assert records["default"].fields["mask_embedding.source"] == "embed_tokens[mask_token_id]"
+
+
+def test_target_layers_are_served_in_the_targets_layer_order(records):
+    """vLLM's target appends a layer's state in its own layer loop when the layer is listed
+    (interfaces.py:EagleModelMixin._maybe_add_hidden_state): ids [4, 1, 3] reach fc as
+    [1, 3, 4], which the reference (its config order) trains differently; it said "same"."""
+    r = records["reordered"]
+    assert r.refused is None, r.refused
+    assert r.fields["target_layer_ids"] == [1, 3, 4]
+    assert "_maybe_add_hidden_state" in r.sources["target_layer_ids"]
 
 
 def test_default_checkpoint_mixed_layers_need_v2_runner(records):

@@ -37,6 +37,7 @@ MODEL_UTILS = "vllm/model_executor/models/utils.py"
 TU_CONFIG = "vllm/transformers_utils/config.py"
 SPECULATORS_BASE = "vllm/transformers_utils/configs/speculators/base.py"
 SPECULATORS_ALGOS = "vllm/transformers_utils/configs/speculators/algos.py"
+INTERFACES = "vllm/model_executor/models/interfaces.py"
 LAYERNORM = "vllm/model_executor/layers/layernorm.py"
 
 
@@ -177,6 +178,20 @@ def run_load_weights(rec, site: Path, ckpt: Path, torch) -> tuple[Any, dict[str,
                      "recorders; supports_any_eagle -> True (DFlashQwen3ForCausalLM is an "
                      "Eagle3 model)")
     return model, loaded
+
+
+def captured_order(site: Path, aux: list[int], torch) -> tuple[list[int], int]:
+    """The order the target hands the aux hidden states to ``fc``: the engine's own
+    ``EagleModelMixin._maybe_add_hidden_state`` run in its layer loop (layer 0, 1, ...) with
+    ``aux_hidden_state_layers = aux``; it appends a layer's state when the layer is in the
+    list, so the order is the layers' (ascending, each once), not the config's. Returns the
+    ids in that order and the method's line."""
+    add, line = EngineFile(INTERFACES, site).method("EagleModelMixin", "_maybe_add_hidden_state",
+                                                    {"torch": torch})
+    model, states = NS(aux_hidden_state_layers=tuple(aux)), []
+    for layer in range(max(aux) + 1):
+        states = add(model, states, layer, torch.tensor(float(layer)), None)
+    return [int(t) for t in states], line
 
 
 def uses_gemma_norm(site: Path) -> bool:
