@@ -602,6 +602,13 @@ def test_layers_that_share_one_module_are_named_not_called_frozen(ours):
     assert r.diagnosis == ["layers.1 shares its trainable weights with layers.0 on the candidate "
                            "side (one module used twice, e.g. nn.ModuleList([layer] * n)); the "
                            "reference trains separate weights"]
+    # its gradient comes under layers.0's name only: no "detached or frozen" cause for layers.1
+    cand = edited(ours)
+    cand.tensors = {k: v for k, v in cand.tensors.items() if not k.startswith("grad.layers.1.")}
+    cand.structure["state_dict"] = sd
+    gradients = audit(cand, ours)["gradients"]
+    assert gradients.status == "fail"
+    assert not any("no gradient reaches" in c for c in gradients.diagnosis), gradients.diagnosis
 
 
 def test_structure_fc_sized_by_depth(ours):

@@ -122,8 +122,12 @@ def diagnose_gradients(ev: Evidence, result: CheckResult) -> list[str]:
         causes.append(f"frozen weights being trained: {comma_list(frozen)} receive gradients on "
                       f"the candidate side (the reference freezes {comma_list(FROZEN_PARAMETERS)})")
     cg = {k[5:]: v for k, v in ev.cand.tensors.items() if k.startswith("grad.")}
+    # a tensor shared with another entry has its gradient under that entry's name: the
+    # structure check names the sharing (no "detached or frozen" cause for it)
+    shared = {k for k, e in ((ev.cand.structure or {}).get("state_dict") or {}).items()
+              if isinstance(e, dict) and e.get("shares")}
     no_grad = [n for n, p in params.items() if n not in frozen and p["status"] == FAIL and (
-        n not in cg or not nonzero_grad(cg[n]))]
+        n not in cg or not nonzero_grad(cg[n])) and n not in shared]
     upstream = follows_from("gradients", ev)
     if no_grad and upstream and masks_hide_context(ev):
         causes.append(f"{upstream}: the candidate's masks hide all context, so no gradient "
