@@ -31,7 +31,7 @@ from types import SimpleNamespace as NS
 
 from dflash_audit.serve.probes.engine_source import EngineFile
 from dflash_audit.serve.probes.vllm_runtime import (
-    DFLASH_SPECULATOR, DFLASH_UTILS, EAGLE3_UTILS, EAGLE_UTILS, FLEX, INTERFACES, LAYERNORM,
+    DFLASH_SPECULATOR, DFLASH_UTILS, EAGLE_UTILS, FLEX, LAYERNORM,
     MODEL_UTILS, QWEN3_DFLASH, ROPE_INIT, SPEC_UTILS, SPECULATIVE, SPECULATORS_ALGOS,
     SPECULATORS_BASE, TU_CONFIG, VLLM_CONFIG, captured_order, dflash_functions,
     enter_bare_packages, flex_sliding_mask_mod, run_get_rope, run_load_weights,
@@ -235,12 +235,7 @@ def probe(rec, ckpt: Path, site: Path) -> None:
     # 4. target layers, fc, mask token, block, vocabulary --------------------------------
     spec = NS(draft_model_config=NS(hf_config=cfg), method="dflash")
     aux = aux_fn(spec)
-    order, line = captured_order(site, list(aux), torch) if aux else (None, 0)
-    rec.set("target_layer_ids", order,
-            f"{EAGLE3_UTILS}:get_eagle3_aux_layers_from_config (the ids the target captures "
-            f"after that many layers: speculators convention), in the order "
-            f"{INTERFACES}:EagleModelMixin._maybe_add_hidden_state (line {line}) appends them "
-            "in the target's layer loop")
+    rec.set("target_layer_ids", *captured_order(site, list(aux or []), torch))
     rec.notes.append(f"vLLM's dflash_config.target_layer_ids = "
                      f"{(getattr(cfg, 'dflash_config', None) or {}).get('target_layer_ids')} "
                      "(aux - 1, z-lab convention); eagle_aux_hidden_state_layer_ids = "

@@ -180,18 +180,25 @@ def run_load_weights(rec, site: Path, ckpt: Path, torch) -> tuple[Any, dict[str,
     return model, loaded
 
 
-def captured_order(site: Path, aux: list[int], torch) -> tuple[list[int], int]:
-    """The order the target hands the aux hidden states to ``fc``: the engine's own
+def captured_order(site: Path, aux: list[int], torch) -> tuple[list[int] | None, str]:
+    """The target layer ids ``aux`` (``get_eagle3_aux_layers_from_config``'s) in the order the
+    target hands their hidden states to ``fc``: the engine's own
     ``EagleModelMixin._maybe_add_hidden_state`` run in its layer loop (layer 0, 1, ...) with
     ``aux_hidden_state_layers = aux``; it appends a layer's state when the layer is in the
     list, so the order is the layers' (ascending, each once), not the config's. Returns the
-    ids in that order and the method's line."""
+    ids (None without any) and their source."""
+    source = (f"{EAGLE3_UTILS}:get_eagle3_aux_layers_from_config (the ids the target captures "
+              "after that many layers: speculators convention)")
+    if not aux:
+        return None, source
     add, line = EngineFile(INTERFACES, site).method("EagleModelMixin", "_maybe_add_hidden_state",
                                                     {"torch": torch})
     model, states = NS(aux_hidden_state_layers=tuple(aux)), []
     for layer in range(max(aux) + 1):
         states = add(model, states, layer, torch.tensor(float(layer)), None)
-    return [int(t) for t in states], line
+    return [int(t) for t in states], (f"{source}, in the order {INTERFACES}:EagleModelMixin."
+                                      f"_maybe_add_hidden_state (line {line}) appends them in "
+                                      "the target's layer loop")
 
 
 def uses_gemma_norm(site: Path) -> bool:
