@@ -105,8 +105,9 @@ def side_outputs(model: nn.Module, config: DFlashConfig, out: DraftOutputs, loss
         tensors["target_ids"] = out.target_ids.detach().long()
     tensors.update({f"mask.{k}": m for k, m in out.masks.items()})
     tensors.update({f"loss_weights.{k}": w.detach().float() for k, w in result.weights.items()})
-    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    tensors.update({f"grad.{n}": p.grad.detach().clone() for n, p in model.named_parameters()
+    named = list(model.named_parameters(remove_duplicate=False))  # every name of a shared one
+    trainable = [n for n, p in named if p.requires_grad]
+    tensors.update({f"grad.{n}": p.grad.detach().clone() for n, p in named
                     if p.requires_grad and p.grad is not None})
     metrics = dflash_metrics(out.logits, out.targets, out.aligned_loss_mask, config.block_size,
                              config.sample_from_anchor)

@@ -611,6 +611,28 @@ def test_layers_that_share_one_module_are_named_not_called_frozen(ours):
     assert not any("no gradient reaches" in c for c in gradients.diagnosis), gradients.diagnosis
 
 
+def test_a_second_name_of_one_trainable_module_is_no_failure(ours):
+    """``self.fc_alias = self.fc``: the same tensor under an extra name changes no training;
+    a warning, not a FAIL (hostile review: it became 'trainable parameter only on the
+    candidate side'), whichever name comes first."""
+    from dflash_audit.candidate import structure_summary
+
+    case = _case()
+    for first in (False, True):
+        model = DFlashDrafter(case.config)
+        fc = model.fc
+        if first:  # the alias registered before fc: fc.weight is the second name
+            del model.fc
+            model.fc_alias = fc
+            model.fc = fc
+        else:
+            model.fc_alias = fc
+        cand = edited(ours)
+        cand.structure["state_dict"] = structure_summary(model, case.config)["state_dict"]
+        r = audit(cand, ours)["structure"]
+        assert r.status == "warn", (first, r.summary)
+
+
 def test_structure_fc_sized_by_depth(ours):
     """n = 2 target layers, 3 draft layers: fc built as Linear(3*H, H)."""
     deep = dataclasses.replace(_case(), config=CONFIG.replace(

@@ -426,3 +426,20 @@ def test_the_references_reading_is_kept_and_never_trusted_when_changed(tmp_path,
     os.utime(older / "record.json", (1, 1))  # used long ago
     rr.store_probe(other_key, data, signing)
     assert [p.name for p in (tmp_path / "records" / rr.KIND).iterdir()] == [other_key]
+
+
+def test_a_converted_folder_keeps_the_checkpoints_mask_embedding(tmp_path):
+    """SGLang's probe reads the adapter's z-lab conversion of a speculators checkpoint (it
+    refuses the original): the conversion keeps mask_embedding.pt, file or not, so the
+    engine's substitution is seen (hostile review: the field read "same")."""
+    from dflash_audit.serve.probes.zlab_probe import write_zlab_folder
+
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    torch.save({"embedding": torch.ones(32), "mask_token_id": 299}, ckpt / "mask_embedding.pt")
+    write_zlab_folder(ckpt, tmp_path / "zlab")
+    assert (tmp_path / "zlab" / "mask_embedding.pt").read_bytes() == (
+        ckpt / "mask_embedding.pt").read_bytes()
+    (ckpt / "mask_embedding.pt").unlink()
+    (ckpt / "mask_embedding.pt").mkdir()  # SGLang checks os.path.exists (then fails loading)
+    write_zlab_folder(ckpt, tmp_path / "zlab2")
+    assert (tmp_path / "zlab2" / "mask_embedding.pt").is_dir()

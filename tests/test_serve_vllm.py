@@ -116,6 +116,20 @@ def test_target_layers_are_served_in_the_targets_layer_order(records):
     assert "_maybe_add_hidden_state" in r.sources["target_layer_ids"]
 
 
+def test_the_layer_order_is_read_without_walking_every_layer():
+    """An id of 2e8 (a broken config) is answered at once: only the listed layers and their
+    neighbours go through the engine's _maybe_add_hidden_state (it walked every layer up to
+    the largest id: the probe hung until its timeout)."""
+    import torch
+
+    from dflash_audit.serve.probes.vllm_runtime import captured_order
+
+    site = install_engine(ENGINES["vllm"])
+    ids, source = captured_order(site, [3, 1, 200_000_000, -1], torch)
+    assert ids == [1, 3, 200_000_000] and "_maybe_add_hidden_state (line " in source
+    assert captured_order(site, [], torch)[0] is None
+
+
 def test_default_checkpoint_mixed_layers_need_v2_runner(records):
     f = records["default"].fields
     assert f["runner.v1_model_runner"].startswith("refused: NotImplementedError")

@@ -81,6 +81,13 @@ def _state_dict_finding(key: str, attr: str | None, cand: dict, ref: dict) -> di
     inference_only = key in INFERENCE_ONLY_BUFFERS
     if attr is None:  # present on one side only
         side, entry = ("candidate", c) if c is not None else ("reference", r)
+        own = cand if c is not None else ref
+        if entry.get("shares") or any(isinstance(e, dict) and e.get("shares") == key
+                                      for e in own.values()):  # a second name of one tensor
+            return {"field": f"state_dict.{key}", "candidate": c, "reference": r, "status": WARN,
+                    "reason": f"{key!r} is another name of a tensor the {side} holds under "
+                              f"{entry.get('shares') or 'other names'} too (cannot change "
+                              "training)"}
         trainable = bool(entry.get("trainable"))
         status = FAIL if trainable else WARN
         reason = (f"trainable parameter {key!r} exists only on the {side} side" if trainable
@@ -89,13 +96,13 @@ def _state_dict_finding(key: str, attr: str | None, cand: dict, ref: dict) -> di
         return {"field": f"state_dict.{key}", "candidate": c, "reference": r,
                 "status": status, "reason": reason}
     cv, rv = (c or {}).get(attr), (r or {}).get(attr)
-    if attr == "shares":
+    if attr == "shares":  # a FAIL where the other side holds both names as separate tensors
         reason = (f"{key!r} is the same trainable tensor as {cv!r} on the candidate side (one "
                   "module used for both: its gradient is the sum of both uses and one update "
                   f"moves both), a parameter of its own in the reference" if cv else
                   f"{key!r} is a parameter of its own on the candidate side, the same tensor "
                   f"as {rv!r} in the reference")
-        status = FAIL
+        status = FAIL if (cv in ref if cv else rv in cand) else WARN
     elif attr == "trainable":
         reason = (f"{key!r} is trained on the candidate side but frozen in the reference"
                   if cv else f"{key!r} is frozen on the candidate side but trained in the "

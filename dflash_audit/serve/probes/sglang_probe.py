@@ -218,9 +218,9 @@ def probe(ckpt: Path, rec: SideRecord) -> None:
                " (input_embeds required)")
     rec.set("embed_tokens.source", "checkpoint" if is_nemotron else "target", emb_src)
     rec.set("mask_embedding.source",
-            MASK_EMBEDDING_FILE if (ckpt / MASK_EMBEDDING_FILE).is_file() else MASK_EMBEDDING_ROW,
+            MASK_EMBEDDING_FILE if (ckpt / MASK_EMBEDDING_FILE).exists() else MASK_EMBEDDING_ROW,
             f"{WORKER}:_maybe_merge_trained_mask_embedding (writes the vector of the checkpoint "
-            f"folder's {MASK_EMBEDDING_FILE}, when there, into the target's embedding row "
+            f"folder's {MASK_EMBEDDING_FILE}, when os.path.exists, into the target's embedding row "
             "mask_token_id; the worker needs a target, so the file's presence is read here)")
 
 

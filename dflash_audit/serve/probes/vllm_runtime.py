@@ -194,7 +194,9 @@ def captured_order(site: Path, aux: list[int], torch) -> tuple[list[int] | None,
     add, line = EngineFile(INTERFACES, site).method("EagleModelMixin", "_maybe_add_hidden_state",
                                                     {"torch": torch})
     model, states = NS(aux_hidden_state_layers=tuple(aux)), []
-    for layer in range(max(aux) + 1):
+    # the loop's layers that decide the order: each listed id and its neighbours, ascending
+    # (a layer between two of them appends nothing; an id of 2e8 is no 2e8 calls)
+    for layer in sorted({0} | {j for i in aux for j in (i - 1, i, i + 1) if j >= 0}):
         states = add(model, states, layer, torch.tensor(float(layer)), None)
     return [int(t) for t in states], (f"{source}, in the order {INTERFACES}:EagleModelMixin."
                                       f"_maybe_add_hidden_state (line {line}) appends them in "

@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import inspect
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from dflash_audit.serve.fields import MASK_EMBEDDING_FILE, MASK_EMBEDDING_ROW
 
 SIDE = "z-lab dflash 0.1.0"
 MODEL_PY = "dflash/model.py"
@@ -110,6 +113,8 @@ def write_zlab_folder(checkpoint: Path, out: Path) -> list[str]:
     if dropped:
         notes.append(f"checkpoint weights z-lab has no place for, not served: {dropped} "
                      "(z-lab drafts with the target's embedding and full-vocab lm_head)")
+    if (mask := checkpoint / MASK_EMBEDDING_FILE).exists():  # served with it (SGLang reads it)
+        (shutil.copytree if mask.is_dir() else shutil.copy2)(mask, out / MASK_EMBEDDING_FILE)
     return notes
 
 
@@ -359,10 +364,8 @@ def fill(rec, model, zm, from_zlab_ids, layer_key, torch) -> None:
     rec.set("draft_vocab.mapping", "none", src(zm._output_head))
     rec.set("lm_head.source", "target", src(zm._output_head) + " via compute_logits")
     rec.set("embed_tokens.source", "target", src(zm._raw_input_embeddings))
-    from dflash_audit.serve.fields import MASK_EMBEDDING_ROW
-
-    rec.set("mask_embedding.source", MASK_EMBEDDING_ROW, src(zm._raw_input_embeddings) +
-            " of the block's mask_token_id (z-lab dflash reads no mask_embedding.pt)")
+    rec.set("mask_embedding.source", MASK_EMBEDDING_ROW,
+            src(zm._raw_input_embeddings) + f" (no {MASK_EMBEDDING_FILE} read)")
     rec.set("embed_tokens.scale", float(zm._draft_value(cfg, "input_embedding_scale", 1.0)),
             src(zm._draft_value, "input_embedding_scale (dflash_generate)"))
     rec.set("logits.multiplier", float(zm._draft_value(cfg, "output_multiplier", 1.0)),
