@@ -113,16 +113,11 @@ def check_options(opts: CompareOptions) -> None:
         raise CompareSetupError(f"--out {opts.out}: cannot write reports there ({existing} is "
                                 f"{'a file' if not existing.is_dir() else 'not writable'}); "
                                 "choose a writable folder")
-    from dflash_audit.data.builtin_verifier import BUILTIN_VERIFIERS
     from dflash_audit.data.errors import VerifierError
-    from dflash_audit.data.proxy_folder import check_proxy_spec, is_proxy_spec
-    from dflash_audit.data.verifier import verifier_folder
+    from dflash_audit.data.verifier import check_verifier_spec
 
     try:  # checked before seconds of imports and batch work
-        if is_proxy_spec(opts.verifier) or opts.verifier.startswith("family:"):
-            check_proxy_spec(opts.verifier)  # a family name or a config.json
-        elif opts.verifier not in BUILTIN_VERIFIERS:
-            verifier_folder(opts.verifier)  # a folder: there, with config.json and weights
+        check_verifier_spec(opts.verifier)
     except VerifierError as exc:
         raise CompareSetupError(str(exc)) from None
     from dflash_audit.audit.precision import check_device_and_dtype

@@ -26,7 +26,7 @@ from dflash_audit.data.builtin_verifier import (
     stderr_progress,
 )
 from dflash_audit.data.errors import VerifierError
-from dflash_audit.data.proxy_folder import is_proxy_spec, proxy_verifier_dir
+from dflash_audit.data.proxy_folder import check_proxy_spec, is_proxy_spec, proxy_verifier_dir
 from dflash_audit.user_input import loads_json
 
 # Config keys that describe where/how a config was written, not the model.
@@ -78,6 +78,21 @@ def resolve_verifier_path(spec: str, progress: Callable[[str], None] | None = st
         return spec, builtin_folder(spec, progress=progress)
     folder = verifier_folder(spec)
     return folder.name, folder
+
+
+def check_verifier_spec(spec: str) -> None:
+    """What :func:`resolve_verifier_path` would refuse of ``spec``, found without building,
+    converting or loading anything and without torch (a command checks it before any work):
+    a proxy spec's family or config.json (:func:`~dflash_audit.data.proxy_folder.
+    check_proxy_spec`), a folder's :func:`verifier_folder`; a built-in passes.
+
+    Raises:
+        VerifierError: as those two do.
+    """
+    if is_proxy_spec(spec):
+        check_proxy_spec(spec)
+    elif spec not in BUILTIN_VERIFIERS:
+        verifier_folder(spec)
 
 
 def verifier_folder(spec: str) -> Path:

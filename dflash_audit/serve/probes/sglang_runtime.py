@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dflash_audit.serve.probes.engine_source import (
+    EngineFile,
     Provenance,
     engine_functions,
     site_folder,
@@ -191,10 +192,12 @@ def sglang_code(ckpt: Path) -> dict[str, Any]:
     prov.update(p)
     code.update(f)
 
-    rope_classes = _rope_class_names()
-    rope_bind = {n: recorder(n) for n in rope_classes}
+    rope = EngineFile(ROPE)  # parsed and checked against the RECORD once
+    get_rope_node = next(n for n in rope.tree.body
+                         if isinstance(n, ast.FunctionDef) and n.name == "get_rope")
+    rope_bind = {n: recorder(n) for n in _rope_class_names(get_rope_node)}
     stubs = {"_get_live_rope_cache_entry": lambda key: None}
-    f, p = engine_functions(ROPE, ["get_rope", *_module_helpers(ROPE, "get_rope", stubs)],
+    f, p = rope.definitions(["get_rope", *_module_helpers(rope.tree, get_rope_node, stubs)],
                             {**common_t, **rope_bind, **stubs, "logger": logging.getLogger(
                                 "sglang.srt.layers.rotary_embedding.factory")})
     prov.update(p)
@@ -291,29 +294,27 @@ class _SglangRegistry(dict):
                          "(sglang/srt/configs), which imports its runtime")
 
 
-def _module_helpers(relative: str, function: str, bound: dict[str, Any]) -> list[str]:
-    """The module-level functions of the engine file ``relative`` that ``function`` calls,
+def _module_helpers(tree: ast.Module, function: ast.FunctionDef, bound: dict[str, Any]
+                    ) -> list[str]:
+    """The module-level functions of the engine file ``tree`` that ``function`` calls,
     directly or through one another (e.g. ``get_rope`` -> ``_get_rope_param`` on its yarn,
     llama3 and dynamic paths: without them every scaled RoPE ended in a NameError, exit 2),
     less those ``bound`` to stubs; compiled from the same file as the function."""
-    tree = ast.parse((site_folder(relative.split("/")[0]) / relative).read_bytes())
     defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     found: list[str] = []
-    todo = [defs[function]]
+    todo = [function]
     while todo:
         for node in ast.walk(todo.pop()):
             if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and \
-                    node.id in defs and node.id not in bound and node.id != function and \
+                    node.id in defs and node.id not in bound and node.id != function.name and \
                     node.id not in found:
                 found.append(node.id)
                 todo.append(defs[node.id])
     return found
 
 
-def _rope_class_names() -> list[str]:
-    site = site_folder("sglang")
-    tree = ast.parse((site / ROPE).read_bytes())
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "get_rope")
+def _rope_class_names(fn: ast.FunctionDef) -> list[str]:
+    """The rotary-embedding classes ``get_rope`` (``fn``) may build: recorded, not run."""
     return sorted({n.id for n in ast.walk(fn) if isinstance(n, ast.Name)
                    and isinstance(n.ctx, ast.Load) and n.id[:1].isupper()
                    and n.id.endswith("Embedding")})
